@@ -1,0 +1,84 @@
+"""Compression statistics: what was sent, against what dense fp32 would have sent.
+
+Counts only this rank's contribution (the bytes it puts on the wire per
+collective), which is what the paper's compression ratio measures.
+"""
+
+from collections import Counter
+
+__all__ = ["CompressionStats"]
+
+
+class CompressionStats:
+    """Running totals over steps, plus the last step alone.
+
+    ``record`` is called once per tensor per step; ``end_step`` closes a step.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.steps = 0
+        self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.elements_sent = 0
+        self.elements_total = 0
+        self.paths = Counter()
+        self.last = {}
+        self._current = {}
+
+    def record(self, name, path, numel, elements_sent, bytes_sent, density):
+        self.bytes_sent += bytes_sent
+        self.dense_bytes += 4 * numel
+        self.elements_sent += elements_sent
+        self.elements_total += numel
+        self.paths[path] += 1
+        self._current[name] = {"path": path, "numel": numel, "sent": elements_sent,
+                               "bytes": bytes_sent, "density": density}
+
+    def end_step(self):
+        if self._current:
+            self.steps += 1
+            self.last = self._current
+            self._current = {}
+
+    @staticmethod
+    def _summary(bytes_sent, dense_bytes, sent, total):
+        return {
+            "bytes_sent": bytes_sent,
+            "dense_fp32_bytes": dense_bytes,
+            "compression_ratio": (dense_bytes / bytes_sent) if bytes_sent else float("inf"),
+            "density": (sent / total) if total else 0.0,
+        }
+
+    def summary(self):
+        """Totals since the last reset and for the last step, as plain numbers."""
+        out = self._summary(self.bytes_sent, self.dense_bytes, self.elements_sent,
+                            self.elements_total)
+        out["steps"] = self.steps
+        out["paths"] = dict(self.paths)
+        last = self.last.values()
+        out["last_step"] = self._summary(sum(t["bytes"] for t in last),
+                                         sum(4 * t["numel"] for t in last),
+                                         sum(t["sent"] for t in last),
+                                         sum(t["numel"] for t in last))
+        out["last_step"]["tensors"] = {k: dict(v) for k, v in self.last.items()}
+        return out
+
+    def format(self):
+        s = self.summary()
+        return ("steps=%d sent=%.3f MB dense=%.3f MB ratio=%.1fx density=%.4g paths=%s" % (
+            s["steps"], s["bytes_sent"] / 1e6, s["dense_fp32_bytes"] / 1e6,
+            s["compression_ratio"], s["density"], s["paths"]))
+
+    def state_dict(self):
+        return {"steps": self.steps, "bytes_sent": self.bytes_sent,
+                "dense_bytes": self.dense_bytes, "elements_sent": self.elements_sent,
+                "elements_total": self.elements_total, "paths": dict(self.paths)}
+
+    def load_state_dict(self, state):
+        self.reset()
+        for key in ("steps", "bytes_sent", "dense_bytes", "elements_sent", "elements_total"):
+            setattr(self, key, state[key])
+        self.paths = Counter(state["paths"])

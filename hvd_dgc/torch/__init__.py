@@ -1,0 +1,17 @@
+"""Drop-in for ``horovod.torch``: ``import hvd_dgc.torch as hvd``.
+
+Everything ``horovod.torch`` offers is re-exported unchanged (init, rank,
+allreduce, broadcast_parameters, broadcast_optimizer_state, ...), except
+``DistributedOptimizer`` and ``Compression``, which are hvd_dgc's: the
+optimizer compresses with DGC by default, and ``Compression`` holds
+Horovod's ``none``/``fp16`` next to ``dgc``, ``topk`` and ``randomk``.
+"""
+
+from horovod.torch import *  # noqa: F401,F403  (the drop-in contract)
+from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for readers)
+
+from hvd_dgc.costmodel import CostModel  # noqa: F401
+from hvd_dgc.schedule import DensitySchedule  # noqa: F401
+from hvd_dgc.torch.compression import (  # noqa: F401
+    Compression, DGCCompressor, RandomKCompressor, SparseCompressor, TopKCompressor)
+from hvd_dgc.torch.optimizer import DistributedOptimizer  # noqa: F401

@@ -1,0 +1,263 @@
+"""Compressors for PyTorch: what to send. (What stays behind is in memory.py.)
+
+Sparse compressors choose ``k`` coordinates of a flat tensor and pack them as
+one uint8 buffer of fixed-size records ``[int32 index | value]``, so each
+tensor costs a single allgather and the receiver needs no per-rank sizes:
+concatenated records are still records.
+
+They subclass Horovod's ``Compressor`` and keep its ``compress``/``decompress``
+contract for standalone use, but Horovod's stock DistributedOptimizer cannot
+use them (it would sum the payloads); that is detected and refused with the fix.
+
+``Compression.dgc``, ``Compression.topk`` and ``Compression.randomk`` are
+ready instances; call one to change its options, e.g.
+``Compression.dgc(sample_ratio=0.001, fp16_values=True)``.
+"""
+
+import math
+
+import torch
+from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
+
+from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
+from hvd_dgc.schedule import check_density, num_selected
+
+__all__ = ["Compression", "SparseCompressor", "DGCCompressor", "TopKCompressor",
+           "RandomKCompressor"]
+
+INDEX_BYTES = 4
+
+
+class SparseCompressor(Compressor):
+    """Base of the top-k style compressors: ``select`` differs, packing is shared.
+
+    Args:
+        density: fraction kept by the standalone ``compress``; hvd_dgc's
+            optimizer passes ``k`` itself, from its density schedule.
+        fp16_values: send values as float16 (6-byte records instead of 8).
+        seed: seed of this compressor's own generator (the global RNG is never
+            touched); ranks offset it by their rank.
+    """
+
+    sparse = True
+    name = "sparse"
+
+    def __init__(self, density=0.001, fp16_values=False, seed=0):
+        self.density = check_density(density)
+        self.fp16_values = bool(fp16_values)
+        self.seed = int(seed)
+        self._generators = {}
+
+    # -- configuration ---------------------------------------------------
+    def _options(self):
+        return {"density": self.density, "fp16_values": self.fp16_values, "seed": self.seed}
+
+    def __call__(self, **options):
+        """A copy with some options changed: ``Compression.dgc(fp16_values=True)``."""
+        merged = self._options()
+        unknown = set(options) - set(merged)
+        if unknown:
+            raise TypeError(f"Compression.{self.name} has no option(s) {sorted(unknown)}; "
+                            f"options are {sorted(merged)}")
+        merged.update(options)
+        return type(self)(**merged)
+
+    def config(self):
+        return (type(self).__name__, tuple(sorted(self._options().items())))
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self._options().items()))
+        return f"Compression.{self.name}({opts})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.config() == other.config()
+
+    def __hash__(self):
+        return hash(self.config())
+
+    @property
+    def value_dtype(self):
+        return torch.float16 if self.fp16_values else torch.float32
+
+    @property
+    def value_bytes(self):
+        return 2 if self.fp16_values else 4
+
+    @property
+    def record_bytes(self):
+        return INDEX_BYTES + self.value_bytes
+
+    # -- randomness (never the global RNG) --------------------------------
+    def generator(self, device, rank=0):
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + 1000003 * rank)
+            self._generators[key] = gen
+        return gen
+
+    def state_dict(self):
+        return {"generators": {k: g.get_state() for k, g in self._generators.items()}}
+
+    def load_state_dict(self, state, rank=0):
+        for key, gstate in state.get("generators", {}).items():
+            self.generator(key, rank).set_state(gstate)
+
+    # -- the three steps of the sparse path -------------------------------
+    def select(self, flat, k, rank=0):
+        """Indices (int64) of the ``k`` coordinates to send from a flat tensor."""
+        raise NotImplementedError
+
+    def pack(self, values, indices):
+        """One uint8 buffer of records ``[int32 index | value]``, shape ``(k, record_bytes)``."""
+        idx = indices.to(torch.int32).view(torch.uint8).view(-1, INDEX_BYTES)
+        val = values.to(self.value_dtype).view(torch.uint8).view(-1, self.value_bytes)
+        return torch.cat([idx, val], dim=1)
+
+    def unpack(self, records):
+        """Inverse of ``pack`` for any number of concatenated records."""
+        records = records.view(-1, self.record_bytes)
+        indices = records[:, :INDEX_BYTES].contiguous().view(torch.int32).view(-1)
+        values = records[:, INDEX_BYTES:].contiguous().view(self.value_dtype).view(-1)
+        return values, indices
+
+    def scatter_sum(self, records, numel, dtype=torch.float32):
+        """Sum of every rank's records as a dense flat tensor (duplicates add up)."""
+        values, indices = self.unpack(records)
+        out = torch.zeros(numel, dtype=dtype, device=records.device)
+        out.index_add_(0, indices.long(), values.to(dtype))
+        return out
+
+    # -- Horovod's Compressor API ------------------------------------------
+    def compress(self, tensor):
+        """Standalone use: select ``density`` of ``tensor`` and pack it; allgather the
+        result (never allreduce it) and pass it to ``decompress``."""
+        if called_from_horovod_allreduce():
+            raise sparse_under_allreduce_error(repr(self), "torch")
+        flat = tensor.detach().reshape(-1)
+        indices = self.select(flat, num_selected(flat.numel(), self.density))
+        return self.pack(flat[indices], indices), (tensor.shape, tensor.dtype)
+
+    def decompress(self, tensor, ctx):
+        """Dense sum of the gathered records, in the original shape and dtype."""
+        if called_from_horovod_allreduce():
+            raise sparse_under_allreduce_error(repr(self), "torch")
+        shape, dtype = ctx
+        return self.scatter_sum(tensor, math.prod(shape)).view(shape).to(dtype)
+
+
+class TopKCompressor(SparseCompressor):
+    """Exact top-k by magnitude (``torch.topk``): the accuracy reference, slower than DGC's."""
+
+    name = "topk"
+
+    def select(self, flat, k, rank=0):
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        return torch.topk(flat.abs(), k, sorted=False).indices
+
+
+class RandomKCompressor(SparseCompressor):
+    """k coordinates chosen uniformly at random (a baseline: unbiased only with scaling,
+    which error feedback makes unnecessary)."""
+
+    name = "randomk"
+
+    def select(self, flat, k, rank=0):
+        n = flat.numel()
+        if k >= n:
+            return torch.arange(n, device=flat.device)
+        gen = self.generator("cpu", rank)
+        return torch.randperm(n, generator=gen)[:k].to(flat.device)
+
+
+class DGCCompressor(SparseCompressor):
+    """DGC's sampled-threshold top-k (Lin et al., ICLR 2018, Sec. 3.1 and its reference code).
+
+    An exact top-k over millions of elements is slow; DGC estimates the k-th
+    largest magnitude from a random sample of ``sample_ratio`` of the tensor,
+    then adapts: if more than ``window[1]*k`` pass the threshold it takes an
+    exact top-k of those candidates only; if fewer than ``window[0]*k`` pass it
+    lowers the threshold by ``threshold_decay``, at most ``max_adapt_rounds``
+    times, then falls back to an exact top-k. The result always holds between
+    ``window[0]*k`` and ``window[1]*k`` coordinates (or exactly k).
+
+    Args:
+        sample_ratio: fraction of the tensor sampled (paper: 0.1%-1%).
+        window: accepted band around k, as fractions of k.
+        threshold_decay: factor applied to a threshold that selects too few.
+        max_adapt_rounds: rounds of lowering before the exact fallback.
+        min_sample: at least this many samples (small tensors sample all).
+    """
+
+    name = "dgc"
+
+    def __init__(self, density=0.001, fp16_values=False, seed=0, sample_ratio=0.01,
+                 window=(0.8, 1.3), threshold_decay=0.8, max_adapt_rounds=10, min_sample=2048):
+        super().__init__(density=density, fp16_values=fp16_values, seed=seed)
+        if not 0.0 < sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio!r}")
+        lo, hi = window
+        if not 0.0 < lo <= 1.0 <= hi:
+            raise ValueError(f"window must be (low, high) with 0 < low <= 1 <= high, got {window!r}")
+        if not 0.0 < threshold_decay < 1.0:
+            raise ValueError(f"threshold_decay must be in (0, 1), got {threshold_decay!r}")
+        self.sample_ratio = float(sample_ratio)
+        self.window = (float(lo), float(hi))
+        self.threshold_decay = float(threshold_decay)
+        self.max_adapt_rounds = int(max_adapt_rounds)
+        self.min_sample = int(min_sample)
+
+    def _options(self):
+        opts = super()._options()
+        opts.update(sample_ratio=self.sample_ratio, window=self.window,
+                    threshold_decay=self.threshold_decay,
+                    max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
+        return opts
+
+    def select(self, flat, k, rank=0):
+        n = flat.numel()
+        if k >= n:
+            return torch.arange(n, device=flat.device)
+        magnitude = flat.abs()
+        num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
+        if num_samples >= n:
+            sample = magnitude
+        else:
+            gen = self.generator(flat.device, rank)
+            positions = torch.randint(0, n, (num_samples,), generator=gen, device=flat.device)
+            sample = magnitude[positions]
+        k_sample = max(1, int(math.ceil(num_samples * k / n)))
+        threshold = torch.topk(sample, k_sample, sorted=False).values.min()
+
+        low, high = self.window[0] * k, self.window[1] * k
+        for _ in range(self.max_adapt_rounds + 1):
+            candidates = torch.nonzero(magnitude >= threshold).view(-1)
+            count = candidates.numel()
+            if count > high:
+                # Too many: exact top-k among the candidates only (a small set).
+                top = torch.topk(magnitude[candidates], k, sorted=False).indices
+                return candidates[top]
+            if count >= low:
+                return candidates
+            threshold = threshold * self.threshold_decay
+        return torch.topk(magnitude, k, sorted=False).indices
+
+
+class Compression:
+    """Horovod's compressors next to hvd_dgc's (use with hvd_dgc's DistributedOptimizer).
+
+    ``none`` and ``fp16`` are Horovod's own classes: dense, summable, and they
+    keep working with Horovod's stock optimizer too.
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    dgc = DGCCompressor()
+    topk = TopKCompressor()
+    randomk = RandomKCompressor()
+
+
+def is_sparse(compression):
+    return getattr(compression, "sparse", False)

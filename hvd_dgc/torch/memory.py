@@ -1,0 +1,107 @@
+"""Gradient memory for PyTorch: what stays behind on this worker between steps.
+
+DGC (Lin et al., ICLR 2018, Sec. 3.2) accumulates the *velocity*, not the raw
+gradient, so that momentum survives sparsification ("momentum correction"):
+
+    u <- m * u + g          v <- v + u                     (plain momentum)
+    u <- m * (u + g)        v <- v + u + g                 (Nesterov, reference form)
+
+and after ``v[sent]`` leaves, zeroes ``v[sent]`` and ``u[sent]`` ("momentum
+factor masking": the momentum of a coordinate just applied is stale). With
+``m = 0`` this is plain error feedback (residual accumulation).
+
+On the dense path every coordinate is sent every step, so nothing is stale:
+``v`` is cleared and ``u`` kept. DGC at density 1 is then exactly momentum
+SGD, ``avg(u)`` being the dense momentum buffer. (Masking there would zero
+the momentum every step and silently turn momentum SGD into plain SGD.)
+
+Buffers are flat and float32 (float64 for float64 parameters) whatever the
+parameter's dtype: a float16 residual would lose the small values DGC exists
+to keep.
+"""
+
+import torch
+
+__all__ = ["DGCMemory", "local_gradient"]
+
+
+def buffer_dtype(param_dtype):
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def local_gradient(grad, param, weight_decay=0.0, clip_norm=None, world_size=1):
+    """The gradient a worker feeds into its memory: clipped, then weight-decayed.
+
+    Local clipping (DGC Sec. 3.3) clips each worker's gradient *before*
+    accumulation, with the global threshold scaled by N^-1/2 (each worker holds
+    1/N of the summed gradient's variance). It is per tensor because the
+    gradient is handled as soon as backward produces it. Weight decay follows
+    clipping, as in ``clip_grad_norm_`` followed by ``SGD(weight_decay=...)``.
+    """
+    g = grad.reshape(-1).to(buffer_dtype(param.dtype))
+    if clip_norm is not None:
+        limit = clip_norm / (world_size ** 0.5)
+        scale = (limit / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0)
+        g = g * scale
+    if weight_decay:
+        g = g.add(param.detach().reshape(-1).to(g.dtype), alpha=weight_decay)
+    return g
+
+
+class DGCMemory:
+    """Momentum correction, momentum factor masking and error feedback, per parameter.
+
+    Args:
+        momentum_masking: zero the momentum of sent coordinates (the paper's
+            default). Off, the momentum keeps pushing coordinates already sent.
+    """
+
+    def __init__(self, momentum_masking=True):
+        self.momentum_masking = bool(momentum_masking)
+        self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
+
+    def accumulate(self, key, grad, momentum=0.0, nesterov=False):
+        """Fold one step's local gradient into the memory; returns ``v`` (what may be sent)."""
+        state = self.buffers.get(key)
+        if state is None:
+            state = {"u": None, "v": torch.zeros_like(grad)}
+            self.buffers[key] = state
+        v = state["v"]
+        if momentum:
+            u = state["u"]
+            if u is None:
+                u = state["u"] = torch.zeros_like(grad)
+            if nesterov:
+                u.add_(grad).mul_(momentum)
+                v.add_(u).add_(grad)
+            else:
+                u.mul_(momentum).add_(grad)
+                v.add_(u)
+        else:
+            v.add_(grad)
+        return v
+
+    def sent(self, key, indices):
+        """The coordinates at ``indices`` left this worker (sparse path)."""
+        state = self.buffers[key]
+        state["v"].index_fill_(0, indices, 0)
+        if self.momentum_masking and state["u"] is not None:
+            state["u"].index_fill_(0, indices, 0)
+
+    def sent_all(self, key):
+        """Every coordinate left this worker (dense path): clear ``v``, keep ``u``."""
+        self.buffers[key]["v"].zero_()
+
+    def residual(self, key):
+        state = self.buffers.get(key)
+        return None if state is None else state["v"]
+
+    def state_dict(self):
+        return {key: {"u": s["u"], "v": s["v"]} for key, s in self.buffers.items()}
+
+    def load_state_dict(self, state, device_of=None):
+        self.buffers = {}
+        for key, s in state.items():
+            move = (lambda t: t) if device_of is None else (lambda t, d=device_of(key): t.to(d))
+            self.buffers[key] = {"u": None if s["u"] is None else move(s["u"].clone()),
+                                 "v": move(s["v"].clone())}

@@ -1,0 +1,637 @@
+"""hvd_dgc's DistributedOptimizer for PyTorch: Horovod's, with Deep Gradient Compression.
+
+Same signature and behaviour as ``horovod.torch.DistributedOptimizer``
+(synchronize, skip_synchronize, backward_passes_per_step, groups, process
+sets, broadcast_optimizer_state), plus DGC (Lin et al., ICLR 2018): momentum
+correction, momentum factor masking, local gradient clipping, warm-up, and a
+per-tensor choice between dense allreduce and sparse allgather.
+
+The path of one gradient, all in this file:
+
+    backward hook (last of backward_passes_per_step)      _launch -> _prepare
+      g = local_gradient(p.grad)     clip (N^-1/2), weight decay
+      v = memory.accumulate(g)       u = m u + g; v += u
+      path = cost_model.choose(...)  dense allreduce or sparse allgather
+      sparse: idx = select(v, k); payload = pack(v[idx], idx); memory.sent(idx)
+      dense:  payload = v;                                     memory.sent_all()
+      handle = allgather_async / allreduce_async_ (non-blocking)
+    optimizer.step()                                      synchronize -> _finish
+      p.grad = scatter_sum(gathered records) / N  (or the allreduced dense v)
+      base optimizer step, with SGD's momentum and weight decay switched off
+      (the memory applied them already)
+"""
+
+import json
+import warnings
+from contextlib import contextmanager
+
+import torch
+import horovod.torch as _hvd
+from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
+
+from hvd_dgc.costmodel import DENSE, SPARSE, CostModel
+from hvd_dgc.schedule import as_schedule, num_selected
+from hvd_dgc.stats import CompressionStats
+from hvd_dgc.torch.compression import Compression, is_sparse
+from hvd_dgc.torch.memory import DGCMemory, local_gradient
+
+__all__ = ["DistributedOptimizer"]
+
+STATE_KEY = "hvd_dgc"
+STATE_VERSION = 1
+_TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
+
+
+class _Pending:
+    """One launched collective: the parameters it carries and how to unpack them."""
+
+    __slots__ = ("params", "ctxs", "handle")
+
+    def __init__(self, params, ctxs, handle):
+        self.params, self.ctxs, self.handle = params, ctxs, handle
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    # Horovod's broadcast_optimizer_state calls the *base* step (no collectives)
+    # to initialise state only for classes from horovod.torch.optimizer's module.
+    __module__ = "horovod.torch.optimizer"
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
+                 op, gradient_predivide_factor, groups, sparse_as_dense, process_set, dgc):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self._dgc = dgc
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._groups = groups
+
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._param_index = {p: i for i, p in enumerate(all_params)}
+        self._parameter_names = _name_parameters(named_parameters, self.param_groups)
+        _check_dtypes(self.param_groups, self._parameter_names)
+        self._takes_over_sgd = isinstance(self, torch.optim.SGD)
+        if self._takes_over_sgd:
+            for group in self.param_groups:
+                _check_dampening(group)
+
+        self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
+        self._handles = {}          # p or tuple(group) -> _Pending, or None while counting
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._p_to_group = {}
+        self._group_counts = {}
+        self._hook_handles = []
+
+        if self.process_set.included():
+            _check_consistent_config(self._config(), self.process_set)
+            # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
+            self._register_hooks()
+
+    # -- set-up ------------------------------------------------------------
+    def _config(self):
+        """What must agree on every rank, or collectives would mismatch and hang."""
+        d = self._dgc
+        names = [self._parameter_names[p] for group in self.param_groups
+                 for p in group["params"] if p.requires_grad]
+        shapes = {self._parameter_names[p]: list(p.shape) for group in self.param_groups
+                  for p in group["params"] if p.requires_grad}
+        return {
+            "compression": _describe(self._compression),
+            "dense_compression": _describe(d.dense_compression),
+            "density": repr(d.schedule.config()),
+            "min_compress_size": d.min_compress_size,
+            "momentum_masking": d.memory.momentum_masking,
+            "clip_norm": d.clip_norm,
+            "cost_model": repr(d.cost_model.config()),
+            "op": repr(self.op),
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "parameters": names,
+            "shapes": shapes,
+        }
+
+    def _register_hooks(self):
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self._groups is not None:
+            order = sorted(trainable, key=lambda p: self._parameter_names[p])
+            if isinstance(self._groups, list):
+                ids = {id(p) for p in trainable}
+                p_groups = [tuple(p for p in g if id(p) in ids) for g in self._groups]
+                grouped = {id(p) for g in p_groups for p in g}
+                p_groups += [(p,) for p in order if id(p) not in grouped]
+            else:
+                n = self._groups
+                p_groups = [tuple(order[i::n]) for i in range(n)]
+            for g in p_groups:
+                if g:
+                    self._group_counts[g] = 0
+                    for p in g:
+                        self._p_to_group[p] = g
+        for p in trainable:
+            self._requires_update.add(p)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_hook(self, p):
+        def hook(*ignore):
+            if self._handles.get(p) is not None and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times "
+                    "before call to step(). Increase backward_passes_per_step to "
+                    "accumulate gradients locally.")
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] > 0:
+                self._handles[p] = None
+                return
+            group = self._p_to_group.get(p)
+            if group is None:
+                self._handles[p] = self._launch((p,))
+                return
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                self._group_counts[group] = 0
+                for gp in group:
+                    self._handles.pop(gp, None)
+                self._handles[group] = self._launch(group)
+            else:
+                self._handles[p] = None
+        return hook
+
+    # -- the gradient's path -------------------------------------------------
+    def _world(self):
+        return self.process_set.size()
+
+    def _hyper(self, p):
+        """(momentum, nesterov, weight_decay) the memory applies for ``p``."""
+        if not self._takes_over_sgd:
+            return 0.0, False, 0.0
+        group = self._group_of[p]
+        _check_dampening(group)
+        return group["momentum"], group["nesterov"], group["weight_decay"]
+
+    def _grad_of(self, p):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    f"hvd_dgc: parameter '{self._parameter_names[p]}' has a sparse gradient "
+                    f"(e.g. nn.Embedding(sparse=True)). DGC keeps a dense residual per "
+                    f"parameter; pass sparse_as_dense=True to "
+                    f"hvd_dgc.torch.DistributedOptimizer (or use a dense embedding).")
+            grad = grad.to_dense()
+        return grad
+
+    def _prepare(self, p):
+        """Clip, accumulate, choose the path, select and pack one parameter's gradient."""
+        d = self._dgc
+        key, name = self._param_index[p], self._parameter_names[p]
+        grad = self._grad_of(p)
+        scale = None
+        if d.grad_scaler is not None and d.grad_scaler.is_enabled():
+            scale = d.grad_scaler.get_scale()
+            grad = grad / scale
+
+        momentum, nesterov, weight_decay = self._hyper(p)
+        world = self._world()
+        g = local_gradient(grad, p, weight_decay, d.clip_norm, world)
+        if scale is not None and not bool(torch.isfinite(g).all()):
+            return self._prepare_overflow(p, g)
+        v = d.memory.accumulate(key, g, momentum, nesterov)
+
+        numel, density = v.numel(), d.density()
+        k = num_selected(numel, density)
+        path = self._choose_path(numel, k)
+        prescale = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
+        if path == SPARSE:
+            indices = self._compression.select(v, k, _hvd.rank())
+            payload = self._compression.pack(v[indices] * prescale, indices)
+            d.memory.sent(key, indices)
+            sent = indices.numel()
+        else:
+            payload = v.to(torch.float16) if d.dense_fp16 else v.clone()
+            if d.dense_fp16:
+                v.sub_(payload.to(v.dtype))  # keep fp16's rounding error as residual
+            else:
+                d.memory.sent_all(key)
+            sent = numel
+        d.stats.record(name, path, numel, sent, payload.numel() * payload.element_size(),
+                       density)
+        return path, payload, (path, numel, scale)
+
+    def _prepare_overflow(self, p, g):
+        """A scaled gradient overflowed: keep it out of the memory, and make every rank
+        see a non-finite update so the GradScaler skips this step everywhere."""
+        numel = g.numel()
+        path = self._choose_path(numel, num_selected(numel, self._dgc.density()))
+        if path == SPARSE:
+            idx = torch.zeros(1, dtype=torch.long, device=g.device)
+            payload = self._compression.pack(torch.full((1,), float("inf"), device=g.device), idx)
+        else:
+            payload = torch.full_like(g, float("inf"))
+            if self._dgc.dense_fp16:
+                payload = payload.half()
+        return path, payload, (path, numel, None)
+
+    def _choose_path(self, numel, k):
+        """Same inputs on every rank, so every rank joins the same collective."""
+        d = self._dgc
+        if not is_sparse(self._compression) or numel < d.min_compress_size:
+            return DENSE
+        return d.cost_model.choose(numel, k, self._world(), 2 if d.dense_fp16 else 4,
+                                   self._compression.value_bytes)
+
+    def _launch(self, params):
+        """Start the collectives for ``params`` (one tensor, or one Horovod group)."""
+        prepared = [self._prepare(p) for p in params]
+        name = "hvd_dgc." + self._parameter_names[params[0]]
+        sparse = [payload for path, payload, _ in prepared if path == SPARSE]
+        dense = [payload for path, payload, _ in prepared if path == DENSE]
+        handles = {}
+        if sparse:
+            handles[SPARSE] = _hvd.grouped_allgather_async(
+                sparse, name=name + ".sparse", process_set=self.process_set)
+        if dense:
+            if self.op == Average:
+                pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+            else:
+                pre, post = 1.0, 1.0
+            handles[DENSE] = _hvd.grouped_allreduce_async_(
+                dense, name=name + ".dense", op=self.op, prescale_factor=pre,
+                postscale_factor=post, process_set=self.process_set)
+        return _Pending(params, [ctx for _, _, ctx in prepared], handles)
+
+    def _finish(self, pending):
+        """Wait for one launch and write each parameter's averaged update into ``p.grad``."""
+        outputs = {path: iter(_hvd.synchronize(h)) for path, h in pending.handles.items()}
+        post = (self.gradient_predivide_factor / self._world()) if self.op == Average else 1.0
+        for p, (path, numel, scale) in zip(pending.params, pending.ctxs):
+            out = next(outputs[path])
+            if path == SPARSE:
+                update = self._compression.scatter_sum(out, numel)
+                if post != 1.0:
+                    update.mul_(post)
+            else:
+                update = out
+            if scale is not None:
+                update = update * scale  # back to the scaled space GradScaler.unscale_ expects
+            update = update.view(p.shape).to(p.dtype)
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = update.to_sparse()
+            elif p.grad is None:
+                p.grad = update
+            else:
+                p.grad.copy_(update)
+
+    # -- Horovod's optimizer API ---------------------------------------------
+    def synchronize(self):
+        """Launch what has not been launched, wait for everything, fill ``p.grad``."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        launched = set()
+        for key, pending in self._handles.items():
+            if pending is not None:
+                launched.update(key if isinstance(key, tuple) else (key,))
+        # Parameters whose hook has not fired (unused this step, or fewer backward
+        # passes than backward_passes_per_step) still join every collective.
+        for p in sorted(self._requires_update - launched, key=self._param_index.get):
+            self._handles.pop(p, None)
+            self._handles[(p,)] = self._launch((p,))
+        for key in [k for k, v in self._handles.items() if v is None]:
+            del self._handles[key]
+        for pending in self._handles.values():
+            self._finish(pending)
+        self._handles.clear()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        for g in self._group_counts:
+            self._group_counts[g] = 0
+        self._dgc.stats.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """For ``synchronize(); unscale/clip; with skip_synchronize(): step()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        with self._sgd_hyperparameters_off():
+            loss = super(self.__class__, self).step(closure)
+        self._dgc.step += 1
+        self._dgc.maybe_log()
+        return loss
+
+    @contextmanager
+    def _sgd_hyperparameters_off(self):
+        """The memory applied momentum and weight decay already; the base SGD must not."""
+        if not self._takes_over_sgd:
+            yield
+            return
+        saved = [{k: g[k] for k in _TAKEN_OVER} for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["momentum"], g["weight_decay"], g["nesterov"] = 0.0, 0.0, False
+            yield
+        finally:
+            for g, s in zip(self.param_groups, saved):
+                g.update(s)
+
+    def zero_grad(self, set_to_none=True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    # -- hvd_dgc's additions ---------------------------------------------------
+    def set_epoch(self, epoch):
+        """Drive an epoch-based warm-up (call at the start of each epoch, on every rank)."""
+        self._dgc.epoch = float(epoch)
+
+    @property
+    def density(self):
+        """Density the next step will use."""
+        return self._dgc.density()
+
+    def compression_stats(self):
+        """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
+        out = self._dgc.stats.summary()
+        out.update(step=self._dgc.step, epoch=self._dgc.epoch, current_density=self.density,
+                   world_size=self._world())
+        return out
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state[STATE_KEY] = self._dgc.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        dgc_state = state_dict.pop(STATE_KEY, None)
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        if dgc_state is None:
+            warnings.warn("hvd_dgc: the loaded optimizer state has no hvd_dgc entry (a plain "
+                          "Horovod/torch checkpoint?); residuals and velocities start at zero.")
+            return
+        index_to_param = {i: p for p, i in self._param_index.items()}
+        self._dgc.load_state_dict(dgc_state, lambda key: index_to_param[key].device,
+                                  _hvd.rank())
+
+    @property
+    def _group_of(self):
+        lookup = getattr(self, "_group_of_cache", None)
+        if lookup is None:
+            lookup = {p: g for g in self.param_groups for p in g["params"]}
+            self._group_of_cache = lookup
+        return lookup
+
+
+class DGCState:
+    """Every hvd_dgc knob and buffer of one optimizer, kept apart from the base
+    optimizer's state so ``hvd.broadcast_optimizer_state`` (which broadcasts
+    rank 0's ``state``) never overwrites a rank's own residual."""
+
+    def __init__(self, schedule, compression, dense_compression, memory, cost_model,
+                 min_compress_size, clip_norm, grad_scaler, log_every):
+        self.schedule = schedule
+        self.compression = compression
+        self.dense_compression = dense_compression
+        self.dense_fp16 = dense_compression is Compression.fp16 or compression is Compression.fp16
+        self.memory = memory
+        self.cost_model = cost_model
+        self.min_compress_size = min_compress_size
+        self.clip_norm = clip_norm
+        self.grad_scaler = grad_scaler
+        self.log_every = log_every
+        self.stats = CompressionStats()
+        self.step = 0
+        self.epoch = 0.0
+
+    def density(self):
+        return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0
+
+    def maybe_log(self):
+        if self.log_every and self.step % self.log_every == 0 and _hvd.rank() == 0:
+            print(f"[hvd_dgc] step {self.step} density={self.density():.4g} "
+                  f"{self.stats.format()}", flush=True)
+
+    def state_dict(self):
+        comp = self.compression.state_dict() if is_sparse(self.compression) else {}
+        return {"version": STATE_VERSION, "step": self.step, "epoch": self.epoch,
+                "rank": _hvd.rank(), "memory": self.memory.state_dict(),
+                "compressor": comp, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state, device_of, rank):
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"hvd_dgc state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}; this checkpoint was written by another "
+                             f"hvd_dgc release")
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.memory.load_state_dict(state["memory"], device_of)
+        if is_sparse(self.compression):
+            self.compression.load_state_dict(state["compressor"], rank)
+        self.stats.load_state_dict(state["stats"])
+
+
+# -- helpers -------------------------------------------------------------------
+def _describe(compression):
+    if hasattr(compression, "config"):
+        return repr(compression.config())
+    return getattr(compression, "__name__", type(compression).__name__)
+
+
+def _name_parameters(named_parameters, param_groups):
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                            for i, group in enumerate(param_groups)
+                            for j, v in enumerate(group["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named_parameters:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         "Found duplicates: %s" % ", ".join(sorted(dups)))
+    named_ids = {id(v) for _, v in named_parameters}
+    unnamed = [p for g in param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         "were not named (shapes: %s). Pass model.named_parameters() for the "
+                         "whole model the optimizer holds."
+                         % ", ".join(str(tuple(p.shape)) for p in unnamed))
+    return {v: k for k, v in named_parameters}
+
+
+def _check_dtypes(param_groups, names):
+    for group in param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not (p.is_floating_point() and not p.is_complex()):
+                raise TypeError(f"hvd_dgc: parameter '{names[p]}' has dtype {p.dtype}; DGC "
+                                f"compresses real floating-point gradients only (float16, "
+                                f"bfloat16, float32, float64). Leave it out of the optimizer "
+                                f"or set requires_grad=False.")
+
+
+def _check_dampening(group):
+    if group.get("momentum", 0) and group.get("dampening", 0):
+        raise ValueError(f"hvd_dgc: SGD dampening={group['dampening']} is not supported: DGC's "
+                         f"momentum correction accumulates u = m*u + g. Use dampening=0.")
+
+
+def _check_consistent_config(config, process_set):
+    """One allgather at wrap time: every rank must wrap with the same settings and
+    parameters, else name the difference now instead of hanging in a collective."""
+    blob = json.dumps(config, sort_keys=True, default=repr).encode()
+    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    sizes = _hvd.allgather(torch.tensor([mine.numel()], dtype=torch.int64),
+                           name="hvd_dgc.config.size", process_set=process_set)
+    everything = _hvd.allgather(mine, name="hvd_dgc.config", process_set=process_set)
+    configs, offset = [], 0
+    for size in sizes.tolist():
+        configs.append(json.loads(bytes(everything[offset:offset + size].tolist()).decode()))
+        offset += size
+    ranks = process_set.ranks if process_set.ranks else list(range(len(configs)))
+    diffs = []
+    for key in sorted(set().union(*configs)):
+        values = [c.get(key) for c in configs]
+        if any(v != values[0] for v in values[1:]):
+            if key == "shapes":
+                names = sorted({n for c in configs for n in c.get("shapes", {})
+                                if len({json.dumps(c2.get("shapes", {}).get(n))
+                                        for c2 in configs}) > 1})
+                diffs.append("parameter shapes differ for %s" % ", ".join(names[:5]))
+            elif key == "parameters":
+                diffs.append("parameter names differ (e.g. %s)" % ", ".join(
+                    sorted(set().union(*map(set, values)) - set.intersection(*map(set, values)))[:5]))
+            else:
+                diffs.append("%s: %s" % (key, ", ".join(
+                    f"rank {r}={v}" for r, v in zip(ranks, values))))
+    if diffs:
+        raise ValueError("hvd_dgc: DistributedOptimizer was configured differently on different "
+                         "ranks, which would hang Horovod's collectives: " + "; ".join(diffs)
+                         + ". Pass the same arguments on every rank.")
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.dgc,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set, *, density=None, warmup=0,
+                         warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
+                         momentum_masking=True, clip_norm=None,
+                         dense_compression=Compression.none, cost_model=None, grad_scaler=None,
+                         log_every=0):
+    """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
+
+    Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
+    ``compression`` defaults to ``Compression.dgc``; Horovod's ``Compression.none`` /
+    ``Compression.fp16`` give dense averaging (still through the memory, so the
+    maths is unchanged at any world size). hvd_dgc's options:
+
+    Args:
+        density: fraction of each large tensor sent per step (default 0.001), a
+            ``hvd_dgc.DensitySchedule``, or a callable ``f(step, epoch)``.
+        warmup: warm-up length in ``warmup_unit`` ("epoch", driven by
+            ``optimizer.set_epoch(e)``, or "step"); densities fall through
+            ``warmup_densities`` (default the paper's 25%, 6.25%, 1.5625%, 0.4%).
+        min_compress_size: tensors with fewer elements always go dense (biases,
+            norm layers: the paper sends them dense).
+        momentum_masking: zero the momentum of sent coordinates (paper default).
+        clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)``.
+        dense_compression: ``Compression.none`` or ``Compression.fp16`` for the
+            dense path (fp16's rounding error stays in the residual).
+        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` deciding dense
+            allreduce vs sparse allgather per tensor per step.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, so the memory holds
+            unscaled gradients and overflowed steps never enter it.
+        log_every: print compression statistics on rank 0 every N steps.
+
+    With ``torch.optim.SGD`` the memory applies SGD's momentum (momentum
+    correction) and weight decay, and the base step runs with both switched off.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be an int > 0, got "
+                         f"{backward_passes_per_step!r}")
+    if op == Adasum:
+        raise ValueError("hvd_dgc: op=Adasum is not supported (Adasum combines dense "
+                         "gradients pairwise; DGC sends sparse ones). Use op=Average.")
+    if op not in (Average, Sum):
+        raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
+    if groups is not None:
+        if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or a list of list of "
+                             "torch.Tensor.")
+        if isinstance(groups, list):
+            seen = set()
+            for group in groups:
+                for p in group:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+    if isinstance(compression, type) and issubclass(compression, torch.nn.Module):
+        raise TypeError("compression must be a compressor such as hvd.Compression.dgc")
+    if dense_compression not in (Compression.none, Compression.fp16):
+        raise ValueError("dense_compression must be Compression.none or Compression.fp16, got "
+                         f"{dense_compression!r}")
+    if not isinstance(min_compress_size, int) or min_compress_size < 0:
+        raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
+    if is_sparse(compression):
+        schedule = as_schedule(0.001 if density is None else density, warmup, warmup_unit,
+                               warmup_densities)
+    else:
+        if density is not None or warmup:
+            raise ValueError(f"density/warmup apply to sparse compressors, but compression="
+                             f"{_describe(compression)} is dense. Use compression="
+                             f"hvd_dgc.torch.Compression.dgc to sparsify.")
+        schedule = as_schedule(1.0)
+    dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
+                   cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
+                   int(log_every))
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, dgc)

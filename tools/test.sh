@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run hvd_dgc's tests (the README's test command). Uses the virtual environment
+# made by tools/install.sh; extra arguments go to pytest (e.g. -k torch).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "no virtual environment at $VENV: run 'bash tools/install.sh' first" >&2
+  exit 1
+fi
+export PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 OMPI_ALLOW_RUN_AS_ROOT=1 \
+       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONDONTWRITEBYTECODE=1
+cd "$REPO"
+set +e
+"$VENV/bin/python" -m pytest -ra --timeout=900 "$@" tests
+rc=$?
+set -e
+# pytest's 5 means no test ran: that is a failure here.
+if [ "$rc" -eq 5 ]; then echo "no tests were collected: failing" >&2; exit 1; fi
+exit "$rc"
