@@ -106,7 +106,7 @@ step "install hvd_dgc (editable)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$REPO"
 
 step "horovodrun --check-build"
-TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null | tee /tmp/hvd_dgc_check_build.txt
+TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build | tee /tmp/hvd_dgc_check_build.txt
 for fw in TensorFlow PyTorch; do
   grep -q "\[X\] $fw" /tmp/hvd_dgc_check_build.txt || { echo "Horovod lacks $fw" >&2; exit 1; }
 done
@@ -115,7 +115,7 @@ for c in MPI Gloo; do
 done
 
 step "python -m hvd_dgc.info"
-TF_CPP_MIN_LOG_LEVEL=3 "$PY" -m hvd_dgc.info 2>/dev/null
+TF_CPP_MIN_LOG_LEVEL=3 "$PY" -m hvd_dgc.info
 
 if [ "${HVD_DGC_SKIP_DEMO:-0}" != "1" ] && [ -f "$REPO/examples/quick_demo.sh" ]; then
   step "quick demo: 2 ranks under horovodrun"

@@ -59,6 +59,7 @@ class DGCMemory:
     def __init__(self, momentum_masking=True):
         self.momentum_masking = bool(momentum_masking)
         self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
+        self._snapshots = {}
 
     def accumulate(self, key, grad, momentum=0.0, nesterov=False):
         """Fold one step's local gradient into the memory; returns ``v`` (what may be sent)."""
@@ -91,6 +92,24 @@ class DGCMemory:
     def sent_all(self, key):
         """Every coordinate left this worker (dense path): clear ``v``, keep ``u``."""
         self.buffers[key]["v"].zero_()
+
+    def snapshot(self, key):
+        """Remember ``key``'s buffers so a step that ends up skipped can be undone."""
+        state = self.buffers.get(key)
+        self._snapshots[key] = None if state is None else {
+            name: None if t is None else t.clone() for name, t in state.items()}
+
+    def rollback(self):
+        """Undo every change since the snapshots (a GradScaler skipped the step)."""
+        for key, saved in self._snapshots.items():
+            if saved is None:
+                self.buffers.pop(key, None)
+            else:
+                self.buffers[key] = saved
+        self._snapshots = {}
+
+    def commit(self):
+        self._snapshots = {}
 
     def residual(self, key):
         state = self.buffers.get(key)

@@ -45,10 +45,10 @@ _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
 class _Pending:
     """One launched collective: the parameters it carries and how to unpack them."""
 
-    __slots__ = ("params", "ctxs", "handle")
+    __slots__ = ("params", "ctxs", "handles")
 
-    def __init__(self, params, ctxs, handle):
-        self.params, self.ctxs, self.handle = params, ctxs, handle
+    def __init__(self, params, ctxs, handles):
+        self.params, self.ctxs, self.handles = params, ctxs, handles
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -72,7 +72,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._param_index = {p: i for i, p in enumerate(all_params)}
         self._parameter_names = _name_parameters(named_parameters, self.param_groups)
         _check_dtypes(self.param_groups, self._parameter_names)
-        self._takes_over_sgd = isinstance(self, torch.optim.SGD)
+        self._takes_over_sgd = isinstance(self, torch.optim.SGD) and process_set.included()
         if self._takes_over_sgd:
             for group in self.param_groups:
                 _check_dampening(group)
@@ -198,10 +198,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = grad / scale
 
         momentum, nesterov, weight_decay = self._hyper(p)
-        world = self._world()
-        g = local_gradient(grad, p, weight_decay, d.clip_norm, world)
-        if scale is not None and not bool(torch.isfinite(g).all()):
-            return self._prepare_overflow(p, g)
+        g = local_gradient(grad, p, weight_decay, d.clip_norm, self._world())
+        if scale is not None:
+            if not bool(torch.isfinite(g).all()):
+                return self._prepare_overflow(p, g)
+            d.memory.snapshot(key)
         v = d.memory.accumulate(key, g, momentum, nesterov)
 
         numel, density = v.numel(), d.density()
@@ -308,12 +309,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for pending in self._handles.values():
             self._finish(pending)
         self._handles.clear()
+        if self._dgc.grad_scaler is not None:
+            self._undo_if_overflowed()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         for g in self._group_counts:
             self._group_counts[g] = 0
         self._dgc.stats.end_step()
         self._synchronized = True
+
+    def _undo_if_overflowed(self):
+        """Any rank's overflow reached every rank's update (it was sent as inf), so every
+        rank agrees here that GradScaler will skip this step: then the step must leave no
+        trace in the memory either, or the values sent this step would be lost."""
+        overflow = any(not bool(torch.isfinite(p.grad).all())
+                       for p in self._requires_update if p.grad is not None)
+        if overflow:
+            self._dgc.memory.rollback()
+            self._dgc.overflow_steps += 1
+        else:
+            self._dgc.memory.commit()
 
     @contextmanager
     def skip_synchronize(self):
@@ -381,7 +396,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         out = self._dgc.stats.summary()
         out.update(step=self._dgc.step, epoch=self._dgc.epoch, current_density=self.density,
-                   world_size=self._world())
+                   world_size=self._world(), overflow_steps=self._dgc.overflow_steps)
         return out
 
     def state_dict(self):
@@ -435,6 +450,7 @@ class DGCState:
         self.stats = CompressionStats()
         self.step = 0
         self.epoch = 0.0
+        self.overflow_steps = 0
 
     def density(self):
         return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0

@@ -1,0 +1,202 @@
+"""Single-process tests: ALGORITHMS.md test vectors, schedule, cost model, packing, stats."""
+
+import math
+
+import pytest
+import torch
+
+from hvd_dgc import CompressionStats, CostModel, DensitySchedule
+from hvd_dgc.costmodel import DENSE, SPARSE
+from hvd_dgc.schedule import as_schedule, num_selected
+from hvd_dgc.torch.compression import Compression, DGCCompressor
+from hvd_dgc.torch.memory import DGCMemory, local_gradient
+
+G = [0.5, -2.0, 0.1, 1.0]
+
+
+def trace(masking, nesterov, steps=3):
+    mem, sent = DGCMemory(masking), []
+    for _ in range(steps):
+        v = mem.accumulate("w", torch.tensor(G), momentum=0.9, nesterov=nesterov)
+        idx = Compression.topk.select(v, 1)
+        sent.append((int(idx), round(float(v[idx]), 5)))
+        mem.sent("w", idx)
+    return sent, mem.buffers["w"]
+
+
+def test_memory_trace_with_masking():
+    sent, buf = trace(masking=True, nesterov=False)
+    assert sent == [(1, -2.0), (3, 2.9), (1, -5.8)]
+    assert torch.allclose(buf["u"], torch.tensor([1.355, 0, 0.271, 1.0]))
+    assert torch.allclose(buf["v"], torch.tensor([2.805, 0, 0.561, 1.0]))
+
+
+def test_memory_trace_without_masking():
+    sent, _ = trace(masking=False, nesterov=False)
+    assert sent == [(1, -2.0), (1, -3.8), (3, 5.61)]
+
+
+def test_memory_trace_nesterov_with_masking():
+    sent, _ = trace(masking=True, nesterov=True)
+    assert sent == [(1, -3.8), (3, 4.61), (1, -9.22)]
+
+
+def test_error_feedback_without_momentum_keeps_every_unsent_value():
+    mem = DGCMemory()
+    total_sent = torch.zeros(4)
+    for _ in range(5):
+        v = mem.accumulate("w", torch.tensor(G))
+        idx = Compression.topk.select(v, 1)
+        total_sent[idx] += v[idx]
+        mem.sent("w", idx)
+    # sent + residual == everything ever fed in: nothing lost
+    assert torch.allclose(total_sent + mem.residual("w"), 5 * torch.tensor(G))
+
+
+def test_dense_path_keeps_momentum_so_density_one_is_momentum_sgd():
+    mem, buf = DGCMemory(), torch.zeros(4)
+    for step in range(4):
+        g = torch.tensor(G) * (step + 1)
+        v = mem.accumulate("w", g, momentum=0.9)
+        sent = v.clone()
+        mem.sent_all("w")
+        buf = 0.9 * buf + g  # torch.optim.SGD's momentum buffer
+        assert torch.allclose(sent, buf)
+
+
+def test_decompress_average_of_two_workers():
+    for comp in (Compression.dgc, Compression.dgc(fp16_values=True)):
+        w0 = comp.pack(torch.tensor([-2.0]), torch.tensor([1]))
+        w1 = comp.pack(torch.tensor([-1.0, 0.5]), torch.tensor([1, 3]))
+        avg = comp.scatter_sum(torch.cat([w0, w1]), 4) / 2
+        assert avg.tolist() == [0.0, -1.5, 0.0, 0.25]
+        assert w1.shape == (2, comp.record_bytes) and w1.dtype == torch.uint8
+
+
+def test_pack_unpack_roundtrip_and_record_size():
+    values, indices = torch.randn(100), torch.randperm(10 ** 6)[:100]
+    for fp16, size in ((False, 8), (True, 6)):
+        comp = Compression.dgc(fp16_values=fp16)
+        packed = comp.pack(values, indices)
+        assert packed.numel() == 100 * size
+        v, i = comp.unpack(packed)
+        assert torch.equal(i.long(), indices)
+        assert torch.allclose(v.float(), values, atol=1e-3 if fp16 else 0)
+
+
+@pytest.mark.parametrize("n,density", [(10 ** 5, 0.001), (10 ** 6, 0.001), (50_000, 0.01),
+                                       (4096, 0.25)])
+def test_sampled_threshold_within_window(n, density):
+    comp = DGCCompressor()
+    k = num_selected(n, density)
+    for seed in range(3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        idx = comp.select(x, k)
+        assert 0.8 * k <= idx.numel() <= 1.3 * k
+        assert idx.unique().numel() == idx.numel()
+        # the chosen coordinates are (nearly) the largest: at least as large as the
+        # exact top-(0.8k) threshold's weakest element
+        exact = torch.topk(x.abs(), int(0.8 * k)).values.min()
+        assert x.abs()[idx].sort(descending=True).values[int(0.8 * k) - 1] >= exact * 0.999
+
+
+def test_sampled_threshold_falls_back_when_sample_misleads():
+    # all mass in a few spikes the sample almost surely misses
+    x = torch.zeros(200_000)
+    x[torch.arange(0, 200_000, 1000)] = torch.arange(1, 201, dtype=torch.float32)
+    idx = DGCCompressor(sample_ratio=0.001, min_sample=10).select(x, 200)
+    assert 160 <= idx.numel() <= 260
+    assert set(idx.tolist()) >= set(range(0, 200_000, 1000)[40:])
+
+
+def test_compressor_options_and_errors():
+    c = Compression.dgc(sample_ratio=0.05, fp16_values=True)
+    assert c.sample_ratio == 0.05 and c.fp16_values and c.record_bytes == 6
+    assert Compression.dgc.sample_ratio == 0.01  # the shared default is untouched
+    assert c == Compression.dgc(sample_ratio=0.05, fp16_values=True) and hash(c) == hash(
+        Compression.dgc(sample_ratio=0.05, fp16_values=True))
+    with pytest.raises(TypeError, match="no option"):
+        Compression.dgc(sample=0.1)
+    with pytest.raises(ValueError, match="sample_ratio"):
+        Compression.dgc(sample_ratio=0)
+    with pytest.raises(ValueError, match="density must be in"):
+        Compression.topk(density=2)
+
+
+def test_standalone_compress_decompress():
+    x = torch.randn(3, 1000)
+    packed, ctx = Compression.topk(density=0.01).compress(x)
+    dense = Compression.topk.decompress(packed, ctx)
+    assert dense.shape == x.shape
+    top = torch.topk(x.abs().view(-1), 30).indices
+    assert torch.equal(dense.view(-1)[top], x.view(-1)[top])
+    assert int((dense != 0).sum()) == 30
+
+
+def test_local_gradient_clipping_scales_with_world_size():
+    g, p = torch.full((4,), 10.0), torch.zeros(4)
+    for world in (1, 4, 16):
+        out = local_gradient(g, p, clip_norm=2.0, world_size=world)
+        assert math.isclose(float(out.norm()), 2.0 / math.sqrt(world), rel_tol=1e-5)
+    small = local_gradient(torch.full((4,), 1e-3), p, clip_norm=2.0, world_size=4)
+    assert torch.equal(small, torch.full((4,), 1e-3))
+    decayed = local_gradient(torch.zeros(2), torch.tensor([1.0, -2.0]), weight_decay=0.1)
+    assert torch.allclose(decayed, torch.tensor([0.1, -0.2]))
+
+
+def test_paper_warmup_schedule():
+    s = DensitySchedule(0.001, warmup=4, unit="epoch")
+    assert [s(0, e) for e in (0, 1, 2, 3, 4, 40)] == [0.25, 0.0625, 0.015625, 0.004, 0.001, 0.001]
+    assert s(0, 0.99) == 0.25
+    steps = DensitySchedule(0.001, warmup=400, unit="step")
+    assert [steps(t, 0) for t in (0, 99, 100, 250, 399, 400)] == [
+        0.25, 0.25, 0.0625, 0.015625, 0.004, 0.001]
+    # a warm-up never goes below the final density
+    assert DensitySchedule(0.01, warmup=4)(0, 3) == 0.01
+    assert DensitySchedule(0.001)(0, 0) == 0.001
+
+
+def test_schedule_inputs():
+    fn = as_schedule(lambda step, epoch: 0.5 if step < 10 else 0.01)
+    assert fn(0, 0) == 0.5 and fn(10, 0) == 0.01
+    with pytest.raises(ValueError, match="returned by the schedule"):
+        as_schedule(lambda step, epoch: 2.0)(0, 0)
+    with pytest.raises(ValueError, match="warmup unit"):
+        DensitySchedule(0.1, warmup=2, unit="hour")
+    with pytest.raises(ValueError, match="warmup must be"):
+        DensitySchedule(0.1, warmup=-1)
+
+
+def test_cost_model_break_even_density():
+    cm = CostModel(alpha=0.0)
+    n = 10 ** 6
+    # fp32 values + int32 indices: sparse wins below density 1/N
+    for world in (2, 4, 8, 32):
+        assert cm.choose(n, int(n / world * 0.95), world) == SPARSE
+        assert cm.choose(n, int(n / world * 1.05), world) == DENSE
+    # first warm-up stage (25%) on 32 workers: the allgather moves 8x the dense volume
+    assert cm.sparse_seconds(n // 4, 32, 4, 4) / cm.dense_seconds(n, 32, 4) == pytest.approx(
+        8 * 31 / 32 * 32 / 31, rel=1e-9)
+    assert cm.choose(n, n // 4, 32) == DENSE
+    assert cm.choose(n, n // 1000, 32) == SPARSE
+    assert cm.choose(n, n, 1) == DENSE            # selecting everything is dense
+    assert cm.choose(n, n // 1000, 1) == SPARSE   # np=1: same algorithm as np=2
+    # fp16 dense halves dense cost; fp16 values shrink sparse records to 6 bytes
+    assert cm.choose(n, int(0.6 * n / 2), 2, dense_value_bytes=2) == DENSE
+    with pytest.raises(ValueError, match="bandwidth"):
+        CostModel(bandwidth=0)
+
+
+def test_stats():
+    s = CompressionStats()
+    s.record("a", SPARSE, 1000, 1, 8, 0.001)
+    s.record("b", DENSE, 10, 10, 40, 0.001)
+    s.end_step()
+    out = s.summary()
+    assert out["bytes_sent"] == 48 and out["dense_fp32_bytes"] == 4040
+    assert out["compression_ratio"] == pytest.approx(4040 / 48)
+    assert out["paths"] == {SPARSE: 1, DENSE: 1} and out["steps"] == 1
+    assert out["last_step"]["tensors"]["a"]["sent"] == 1
+    t = CompressionStats()
+    t.load_state_dict(s.state_dict())
+    assert t.summary()["bytes_sent"] == 48

@@ -1,0 +1,163 @@
+"""hvd_dgc.torch.DistributedOptimizer on 2 real Horovod ranks (horovodrun --gloo, and --mpi).
+
+Scenarios run in a few launches (module fixtures); each test asserts on one result.
+"""
+
+import pytest
+
+from tests.hvdrun import run
+
+GLOO_SCENARIOS = ["dense_equivalence", "sparse_consistency", "backward_passes", "grouping",
+                  "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config"]
+
+
+def _checked(results, name):
+    for rank, out in enumerate(results):
+        res = out[name]
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"rank {rank} raised in scenario {name}:\n{res['error']}")
+    return [out[name] for out in results]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    return run("tests.workers.torch_dgc:suite", np=2, controller="gloo",
+               kwargs={"names": GLOO_SCENARIOS})
+
+
+@pytest.fixture(scope="module")
+def mpi():
+    return run("tests.workers.torch_dgc:suite", np=2, controller="mpi",
+               kwargs={"names": ["dense_equivalence", "sparse_consistency"]})
+
+
+def _assert_dense_equivalence(per_rank):
+    for out in per_rank:
+        for variant in ("momentum", "nesterov"):
+            res = out[variant]
+            assert res["moved"] > 1e-2, "the reference did not train: comparison is empty"
+            assert res["max_diff"] < 1e-6, (variant, res["max_diff"])
+            assert res["identical"]
+            assert res["stats"]["paths"] == {"dense": 6 * 20}
+            assert res["stats"]["compression_ratio"] == 1.0
+        assert out["compression_none_max_diff"] < 1e-6
+
+
+def _assert_sparse_consistency(per_rank):
+    for out in per_rank:
+        assert all(out["identical"]) and len(out["identical"]) == 12
+        assert out["moved"] > 1e-3
+        sparse = [c for c in out["counts"] if c["path"] == "sparse"]
+        dense = [c for c in out["counts"] if c["path"] == "dense"]
+        # 3 weights >= 1024 elements are sparse, the 3 biases dense, every step
+        assert len(sparse) == 3 * 12 and len(dense) == 3 * 12
+        for c in sparse:
+            k = -(-c["numel"] // 1000)  # ceil(numel * 0.001)
+            assert 0.8 * k <= c["sent"] <= 1.3 * k, c
+            assert c["bytes"] == 8 * c["sent"]  # int32 index + fp32 value per record
+        for c in dense:
+            assert c["numel"] < 1024 and c["sent"] == c["numel"]
+        assert out["stats"]["compression_ratio"] > 50
+
+
+def test_density_one_reproduces_horovod_momentum_sgd(gloo):
+    _assert_dense_equivalence(_checked(gloo, "dense_equivalence"))
+
+
+def test_sparse_ranks_bit_identical_and_threshold_in_window(gloo):
+    _assert_sparse_consistency(_checked(gloo, "sparse_consistency"))
+
+
+def test_mpi_controller(mpi):
+    _assert_dense_equivalence(_checked(mpi, "dense_equivalence"))
+    _assert_sparse_consistency(_checked(mpi, "sparse_consistency"))
+
+
+def test_np1_still_compresses():
+    (out,) = run("tests.workers.torch_dgc:suite", np=1, kwargs={"names": ["np1_compresses"]})
+    res = out["np1_compresses"]
+    assert "error" not in res, res.get("error")
+    assert res["size"] == 1
+    assert res["stats"]["paths"] == {"sparse": 9, "dense": 9}
+    for c in res["counts"]:
+        if c["path"] == "sparse":
+            k = -(-c["numel"] // 1000)
+            assert 0.8 * k <= c["sent"] <= 1.3 * k
+
+
+def test_backward_passes_per_step(gloo):
+    for out in _checked(gloo, "backward_passes"):
+        assert out["max_diff"] < 1e-6
+        assert "backward_passes_per_step" in out["too_many"]
+
+
+def test_groups(gloo):
+    for out in _checked(gloo, "grouping"):
+        assert out["identical"] == [True, True, True]
+        assert out["topk_diffs"] == [0.0, 0.0]
+        assert out["bad_groups"] == "A parameter can only appear once in groups."
+
+
+def test_adam(gloo):
+    for out in _checked(gloo, "adam"):
+        assert out["max_diff"] < 1e-6
+        assert out["sparse_identical"]
+        assert out["sparse_paths"]["sparse"] == 3 * 15
+
+
+def test_amp_synchronize_skip_synchronize_pattern(gloo):
+    for out in _checked(gloo, "amp_pattern"):
+        assert out["warnings"] == []
+        # power-of-two loss scale: exactly the unscaled run, including after the overflow
+        assert out["diffs"] == [0.0] * 8
+        assert out["skipped_step_change"] == 0.0
+        assert out["overflow_steps"] == 1
+        assert out["residual_finite"] and out["identical"]
+        assert out["scale"] == 2.0 ** 11  # GradScaler backed off once
+
+
+def test_state_dict_roundtrip_resumes_bit_identically(gloo):
+    for out in _checked(gloo, "state_roundtrip"):
+        assert out["has_residual"], "nothing to lose: the test would prove nothing"
+        assert out["step"] == 5
+        assert out["equal"]
+        assert out["broadcast_ok"]
+
+
+def test_bad_inputs_give_clear_errors(gloo):
+    for out in _checked(gloo, "bad_inputs"):
+        for bad in ("0", "1.5", "-0.1", "nan"):
+            assert out[f"density={bad}"].startswith("density must be in (0, 1]"), out
+        assert "density must be a float" in out["density=str"]
+        assert "not named" in out["missing_name"]
+        assert "Found duplicates: same" in out["duplicate_name"]
+        assert "sequence of tuples" in out["not_tuples"]
+        assert "backward_passes_per_step must be an int > 0" in out["bpps=0"]
+        assert "Adasum is not supported" in out["adasum"]
+        assert "dampening=0.1 is not supported" in out["dampening"]
+        assert "apply to sparse compressors" in out["density_with_dense_compressor"]
+        assert "'c' has dtype torch.complex64" in out["complex"]
+        assert "'emb' has a sparse gradient" in out["sparse_grad"]
+        assert "sparse_as_dense=True" in out["sparse_grad"]
+        # the rows both ranks looked up (1, 2 on rank 0; 1, 3 on rank 1) moved, and only they
+        assert out["sparse_as_dense_rows_changed"] == [1, 2, 3]
+        assert out["sparse_as_dense_identical"]
+        assert "Horovod's allreduce cannot sum" in out["stock_optimizer"]
+        assert "hvd_dgc.torch.DistributedOptimizer" in out["stock_optimizer"]
+
+
+def test_inconsistent_config_fails_on_every_rank_naming_it(gloo):
+    for out in _checked(gloo, "inconsistent_config"):
+        assert "configured differently on different ranks" in out
+        assert "density: rank 0=('DensitySchedule', 0.001" in out
+        assert "rank 1=('DensitySchedule', 0.01" in out
+
+
+def test_process_sets():
+    res = run("tests.workers.torch_dgc:with_process_sets", np=2,
+              kwargs={"names": ["process_sets"]})
+    for out in _checked(res, "process_sets"):
+        assert out["global_identical"]
+        assert not out["set_identical"]  # each rank averaged over its own set only
+        assert out["set_world_size"] == 1 and out["set_steps"] == 4
+        assert out["set_paths"] == {"dense": 12, "sparse": 12}
