@@ -47,6 +47,7 @@ class SparseCompressor(Compressor):
         self.fp16_values = bool(fp16_values)
         self.seed = int(seed)
         self._generators = {}
+        self._scratch_buffers = {}
 
     # -- configuration ---------------------------------------------------
     def _options(self):
@@ -220,7 +221,7 @@ class DGCCompressor(SparseCompressor):
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
-        magnitude = flat.abs()
+        magnitude = torch.abs(flat, out=self._scratch(flat))
         num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
         if num_samples >= n:
             sample = magnitude
@@ -231,9 +232,10 @@ class DGCCompressor(SparseCompressor):
         k_sample = max(1, int(math.ceil(num_samples * k / n)))
         threshold = torch.topk(sample, k_sample, sorted=False).values.min()
 
+        scan = _BlockScan(magnitude)
         low, high = self.window[0] * k, self.window[1] * k
         for _ in range(self.max_adapt_rounds + 1):
-            candidates = torch.nonzero(magnitude >= threshold).view(-1)
+            candidates = scan.at_least(threshold)
             count = candidates.numel()
             if count > high:
                 # Too many: exact top-k among the candidates only (a small set).
@@ -243,6 +245,42 @@ class DGCCompressor(SparseCompressor):
                 return candidates
             threshold = threshold * self.threshold_decay
         return torch.topk(magnitude, k, sorted=False).indices
+
+    def _scratch(self, like):
+        """One reusable |v| buffer per device and dtype: selection runs one tensor at a
+        time, and a fresh allocation per tensor costs more than the abs itself."""
+        key = (str(like.device), like.dtype)
+        buf = self._scratch_buffers.get(key)
+        if buf is None or buf.numel() < like.numel():
+            buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+            self._scratch_buffers[key] = buf
+        return buf[:like.numel()]
+
+
+class _BlockScan:
+    """Indices where ``magnitude >= threshold``, for thresholds that pass ~0.1% of it.
+
+    A full ``nonzero`` over a boolean mask is the slowest step of selection. Block
+    maxima are computed once; each threshold tried then scans only them and the few
+    blocks that pass, so the adaptation rounds cost almost nothing.
+    """
+
+    BLOCK = 32
+
+    def __init__(self, magnitude):
+        self.magnitude = magnitude
+        self.full = magnitude.numel() // self.BLOCK * self.BLOCK
+        self.blocks = magnitude[:self.full].view(-1, self.BLOCK)
+        self.block_max = self.blocks.amax(dim=1)
+
+    def at_least(self, threshold):
+        hit = torch.nonzero(self.block_max >= threshold).view(-1)
+        inside = torch.nonzero(self.blocks[hit] >= threshold)
+        found = hit[inside[:, 0]] * self.BLOCK + inside[:, 1]
+        if self.full < self.magnitude.numel():
+            tail = self.magnitude[self.full:]
+            found = torch.cat([found, torch.nonzero(tail >= threshold).view(-1) + self.full])
+        return found
 
 
 class Compression:

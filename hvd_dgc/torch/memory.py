@@ -76,7 +76,7 @@ class DGCMemory:
                 u.add_(grad).mul_(momentum)
                 v.add_(u).add_(grad)
             else:
-                u.mul_(momentum).add_(grad)
+                torch.add(grad, u, alpha=momentum, out=u)  # u = m u + g, in one pass
                 v.add_(u)
         else:
             v.add_(grad)

@@ -1,0 +1,132 @@
+"""Bytes per step and local DGC work per step for ResNet-50's parameters (issue 3).
+
+    python bench/dgc_compression.py [--density 0.001] [--repeats 5] [--device cpu]
+
+1. Bytes one worker sends per step vs dense fp32, with hvd_dgc's real selection
+   (sampled threshold), for fp32 and fp16 values. Tensors under
+   min_compress_size go dense, as in the optimizer. (Paper: 277x for ResNet-50.)
+2. Local work per step over all tensors, measured side by side in this run:
+   hvd_dgc (memory + sampled select + pack + mask) vs the same with an exact
+   torch.topk select, and vs a plain copy of the gradients. Ratios, not
+   absolute times: these machines are noisy.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.resnet50_shapes import numel, resnet50_shapes  # noqa: E402
+from hvd_dgc.schedule import num_selected  # noqa: E402
+from hvd_dgc.torch.compression import Compression  # noqa: E402
+from hvd_dgc.torch.memory import DGCMemory  # noqa: E402
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bytes_per_step(grads, density, min_size, fp16):
+    comp = Compression.dgc(fp16_values=fp16)
+    dense_width = 2 if fp16 else 4
+    sent = sparse_tensors = 0
+    for g in grads:
+        if g.numel() < min_size:
+            sent += g.numel() * dense_width
+        else:
+            idx = comp.select(g, num_selected(g.numel(), density))
+            sent += comp.pack(g[idx], idx).numel()
+            sparse_tensors += 1
+    return sent, sparse_tensors
+
+
+def dgc_step(mem, comp, grads, density, min_size):
+    for i, g in enumerate(grads):
+        v = mem.accumulate(i, g, momentum=0.9)
+        if g.numel() < min_size:
+            out = v.clone()
+            mem.sent_all(i)
+        else:
+            idx = comp.select(v, num_selected(g.numel(), density))
+            out = comp.pack(v[idx], idx)
+            mem.sent(i, idx)
+    return out
+
+
+def copy_step(grads, buffers):
+    """The cheapest honest pass over the gradient: read it once, write it once
+    (preallocated, so no allocator effects flatter or penalise it)."""
+    for g, b in zip(grads, buffers):
+        b.copy_(g)
+
+
+def clone_step(grads):
+    """What ``[g.clone() for g in grads]`` costs in a training step: fresh memory."""
+    return [g.clone() for g in grads]
+
+
+def timed(fn, device, repeats):
+    fn()  # warm-up: allocations, first-call overheads
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--density", type=float, default=0.001)
+    ap.add_argument("--min-compress-size", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    shapes = resnet50_shapes()
+    grads = [torch.randn(numel(s), generator=gen).to(args.device) for _, s in shapes]
+    total = sum(g.numel() for g in grads)
+    dense = 4 * total
+    print(f"ResNet-50: {len(grads)} tensors, {total:,} parameters, dense fp32 "
+          f"{dense / 1e6:.2f} MB per step; density {args.density}, "
+          f"min_compress_size {args.min_compress_size}, device {args.device}")
+
+    print("\n1. Bytes one worker sends per step")
+    print(f"   {'values':<26}{'sent':>12}{'ratio vs fp32':>16}")
+    for fp16 in (False, True):
+        sent, n_sparse = bytes_per_step(grads, args.density, args.min_compress_size, fp16)
+        label = ("fp16 values, fp16 dense" if fp16 else "fp32 values, fp32 dense")
+        print(f"   {label:<26}{sent / 1e3:>9.1f} kB{dense / sent:>15.0f}x")
+    print(f"   ({n_sparse} tensors sparse, {len(grads) - n_sparse} dense; paper: 277x)")
+
+    print(f"\n2. Local work per step (median of {args.repeats}, measured side by side)")
+    mem_s, mem_t = DGCMemory(), DGCMemory()
+    buffers = [torch.empty_like(g) for g in grads]
+    t_copy = timed(lambda: copy_step(grads, buffers), args.device, args.repeats)
+    t_dgc = timed(lambda: dgc_step(mem_s, Compression.dgc, grads, args.density,
+                                   args.min_compress_size), args.device, args.repeats)
+    t_topk = timed(lambda: dgc_step(mem_t, Compression.topk, grads, args.density,
+                                    args.min_compress_size), args.device, args.repeats)
+    t_clone = timed(lambda: clone_step(grads), args.device, args.repeats)
+    print(f"   plain copy of the gradients         1.00 copies  ({t_copy * 1e3:7.1f} ms)")
+    print(f"   clone of the gradients (new memory){t_clone / t_copy:6.2f} copies  "
+          f"({t_clone * 1e3:7.1f} ms)")
+    print(f"   hvd_dgc (sampled threshold)       {t_dgc / t_copy:6.2f} copies  "
+          f"({t_dgc * 1e3:7.1f} ms)   goal <= 4")
+    print(f"   same with exact torch.topk        {t_topk / t_copy:6.2f} copies  "
+          f"({t_topk * 1e3:7.1f} ms)")
+    print(f"   hvd_dgc vs clone                  {t_dgc / t_clone:6.2f} clones")
+    print(f"   sampled vs exact top-k speed-up   {t_topk / t_dgc:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
