@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Quick demo run by tools/install.sh: 2 ranks, DGC at 99.9% sparsity, a few epochs.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+export PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 OMP_NUM_THREADS=1 \
+       OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+horovodrun -np 2 -H localhost:2 --gloo python "$REPO/examples/pytorch_digits.py" \
+  --epochs "${EPOCHS:-10}" --warmup-epochs 2 "$@" 2>&1 | grep -v "cudart_stub\|absl::InitializeLog"
