@@ -200,3 +200,10 @@ def test_stats():
     t = CompressionStats()
     t.load_state_dict(s.state_dict())
     assert t.summary()["bytes_sent"] == 48
+
+
+def test_each_optimizer_owns_its_compressor_copy():
+    a, b = Compression.dgc(), Compression.dgc()
+    assert a == b and a is not b and a is not Compression.dgc
+    a.generator("cpu").manual_seed(123)
+    assert not torch.equal(a.generator("cpu").get_state(), b.generator("cpu").get_state())

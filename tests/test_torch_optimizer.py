@@ -7,7 +7,7 @@ import pytest
 
 from tests.hvdrun import run
 
-GLOO_SCENARIOS = ["dense_equivalence", "sparse_consistency", "backward_passes", "grouping",
+GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config"]
 
 
@@ -58,6 +58,7 @@ def _assert_sparse_consistency(per_rank):
         for c in dense:
             assert c["numel"] < 1024 and c["sent"] == c["numel"]
         assert out["stats"]["compression_ratio"] > 50
+        assert out["own_compressor"]  # RNG state is per optimizer, not per shared default
 
 
 def test_density_one_reproduces_horovod_momentum_sgd(gloo):
@@ -71,6 +72,14 @@ def test_sparse_ranks_bit_identical_and_threshold_in_window(gloo):
 def test_mpi_controller(mpi):
     _assert_dense_equivalence(_checked(mpi, "dense_equivalence"))
     _assert_sparse_consistency(_checked(mpi, "sparse_consistency"))
+
+
+def test_dense_fp16_path(gloo):
+    for out in _checked(gloo, "dense_fp16"):
+        assert out["ratio"] == 2.0
+        assert out["identical"]
+        assert out["ours_vs_fp32"] < 1e-3
+        assert out["ours_vs_fp32"] <= out["stock_fp16_vs_fp32"]
 
 
 def test_np1_still_compresses():
