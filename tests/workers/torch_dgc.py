@@ -200,49 +200,38 @@ def _three_passes(model, opt, rank):
         nn.functional.cross_entropy(model(x), y).backward()
 
 
-def grouping():
-    """groups=2 and explicit groups give the same weights as no grouping."""
+def _train_grouped(tag, seed, compression, explicit_groups):
+    """Three copies of one model, trained with groups=None, groups=2 and explicit groups."""
     rank = hvd.rank()
-    models = [wide_mlp(5) for _ in range(3)]
-    settings = [None, 2, "explicit"]
+    models = [wide_mlp(seed) for _ in range(3)]
     opts = []
-    for i, (m, g) in enumerate(zip(models, settings)):
-        if g == "explicit":
-            g = [[m[0].weight, m[2].weight], [m[0].bias, m[4].weight]]
+    for i, m in enumerate(models):
+        groups = [None, 2, explicit_groups(m)][i]
         opts.append(hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=[(f"g{i}.{n}", p) for n, p in m.named_parameters()],
-            compression=hvd.Compression.dgc, density=0.01, groups=g))
+            named_parameters=[(f"{tag}{i}.{n}", p) for n, p in m.named_parameters()],
+            compression=compression, density=0.01, groups=groups))
     for step in range(6):
         for m, o in zip(models, opts):
             o.zero_grad()
             loss_of(m, step, rank, features=64, classes=10).backward()
             o.step()
+    return models
+
+
+def grouping():
+    """groups=2 and explicit groups give the same weights as no grouping."""
+    models = _train_grouped("g", 5, hvd.Compression.dgc,
+                            lambda m: [[m[0].weight, m[2].weight], [m[0].bias, m[4].weight]])
     # The DGC sampler draws per tensor in launch order, which grouping changes, so
-    # compare with exact top-k below; here every rank must still agree.
+    # compare with exact top-k; with DGC every rank must still agree.
+    exact = _train_grouped("gt", 6, hvd.Compression.topk, lambda m: [[m[0].weight, m[2].weight]])
     return {"identical": [ranks_identical(m, f"grp{i}") for i, m in enumerate(models)],
             "bad_groups": expect_error(lambda: hvd.DistributedOptimizer(
                 torch.optim.SGD(models[0].parameters(), lr=0.1),
                 named_parameters=[("x." + n, p) for n, p in models[0].named_parameters()],
                 groups=[[models[0][0].weight, models[0][0].weight]]), ValueError),
-            "topk_diffs": _grouping_topk(rank)}
-
-
-def _grouping_topk(rank):
-    models = [wide_mlp(6) for _ in range(3)]
-    opts = []
-    for i, m in enumerate(models):
-        g = [None, 2, [[m[0].weight, m[2].weight]]][i]
-        opts.append(hvd.DistributedOptimizer(
-            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=[(f"gt{i}.{n}", p) for n, p in m.named_parameters()],
-            compression=hvd.Compression.topk, density=0.01, groups=g))
-    for step in range(6):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            loss_of(m, step, rank, features=64, classes=10).backward()
-            o.step()
-    return [max_diff(models[0], models[1]), max_diff(models[0], models[2])]
+            "topk_diffs": [max_diff(exact[0], exact[1]), max_diff(exact[0], exact[2])]}
 
 
 def adam():
