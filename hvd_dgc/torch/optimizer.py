@@ -15,14 +15,25 @@ The path of one gradient, all in this file:
       sparse: idx = select(v, k); payload = pack(v[idx], idx); memory.sent(idx)
       dense:  payload = v;                                     memory.sent_all()
       handle = allgather_async / allreduce_async_ (non-blocking)
-    optimizer.step()                                      synchronize -> _finish
-      p.grad = scatter_sum(gathered records) / N  (or the allreduced dense v)
+    optimizer.step()                                      synchronize -> _collect
+      avg = scatter_sum(gathered records) / N  (or the allreduced dense v)
+      delay 0: p.grad = avg_i
+      delay D: p.grad = own_i - own_{i-D} + avg_{i-D}    (DGA; own = what this rank sent)
       base optimizer step, with SGD's momentum and weight decay switched off
       (the memory applied them already)
+
+Delayed gradient averaging (Zhu et al., NeurIPS 2021) keeps the collectives of
+the last D steps in flight: step i waits only for step i-D's, and replaces that
+step's local contribution by the average. The correction is applied to the
+velocity the memory sends (what DGC already communicates); with SGD, whose
+update is linear in the gradient, that equals feeding the corrected gradient to
+SGD's own momentum (sum_j m^(i-j) (g_j - g_(j-D) + avg_(j-D)) is the same sum),
+so one form serves dense and sparse paths alike.
 """
 
 import json
 import warnings
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -33,7 +44,7 @@ from hvd_dgc.costmodel import DENSE, SPARSE, CostModel
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.torch.compression import Compression, is_sparse
-from hvd_dgc.torch.memory import DGCMemory, local_gradient
+from hvd_dgc.torch.memory import DGCMemory, buffer_dtype, local_gradient
 
 __all__ = ["DistributedOptimizer"]
 
@@ -77,6 +88,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group in self.param_groups:
                 _check_dampening(group)
 
+        self._inflight = deque()    # DGA: launches of the last `delay` steps, oldest first
+        self._average_after_step = False
         self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self._handles = {}          # p or tuple(group) -> _Pending, or None while counting
         self._requires_update = set()
@@ -110,6 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "op": repr(self.op),
             "backward_passes_per_step": self.backward_passes_per_step,
             "gradient_predivide_factor": self.gradient_predivide_factor,
+            "delay": d.delay,
             "parameters": names,
             "shapes": shapes,
         }
@@ -209,11 +223,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         k = num_selected(numel, density)
         path = self._choose_path(numel, k)
         prescale = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
+        own = None
         if path == SPARSE:
             indices = self._compression.select(v, k, _hvd.rank())
-            payload = self._compression.pack(v[indices] * prescale, indices)
+            values = v[indices]
+            payload = self._compression.pack(values * prescale, indices)
             d.memory.sent(key, indices)
             sent = indices.numel()
+            if d.delay:
+                own = (indices, values)  # added at step i, taken back at i+D: rounding cancels
         else:
             payload = v.to(torch.float16) if d.dense_fp16 else v.clone()
             if d.dense_fp16:
@@ -221,9 +239,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 d.memory.sent_all(key)
             sent = numel
+            if d.delay:  # the allreduce overwrites payload in place: keep a copy
+                own = payload.to(v.dtype, copy=True)
         d.stats.record(name, path, numel, sent, payload.numel() * payload.element_size(),
                        density)
-        return path, payload, (path, numel, scale)
+        return path, payload, (path, numel, scale, own)
 
     def _prepare_overflow(self, p, g):
         """A scaled gradient overflowed: keep it out of the memory, and make every rank
@@ -237,7 +257,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             payload = torch.full_like(g, float("inf"))
             if self._dgc.dense_fp16:
                 payload = payload.half()
-        return path, payload, (path, numel, None)
+        return path, payload, (path, numel, None, None)
 
     def _choose_path(self, numel, k):
         """Same inputs on every rank, so every rank joins the same collective."""
@@ -251,6 +271,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start the collectives for ``params`` (one tensor, or one Horovod group)."""
         prepared = [self._prepare(p) for p in params]
         name = "hvd_dgc." + self._parameter_names[params[0]]
+        if self._dgc.delay:  # up to delay+1 steps in flight; Horovod names must be unique
+            name += ".d%d" % (self._dgc.step % (self._dgc.delay + 1))
         sparse = [payload for path, payload, _ in prepared if path == SPARSE]
         dense = [payload for path, payload, _ in prepared if path == DENSE]
         handles = {}
@@ -267,31 +289,70 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 postscale_factor=post, process_set=self.process_set)
         return _Pending(params, [ctx for _, _, ctx in prepared], handles)
 
-    def _finish(self, pending):
-        """Wait for one launch and write each parameter's averaged update into ``p.grad``."""
+    def _collect(self, pending):
+        """Wait for one launch; yield ``(p, ctx, averaged update as a flat tensor)``."""
         outputs = {path: iter(_hvd.synchronize(h)) for path, h in pending.handles.items()}
         post = (self.gradient_predivide_factor / self._world()) if self.op == Average else 1.0
-        for p, (path, numel, scale) in zip(pending.params, pending.ctxs):
+        for p, ctx in zip(pending.params, pending.ctxs):
+            path, numel = ctx[0], ctx[1]
             out = next(outputs[path])
             if path == SPARSE:
                 update = self._compression.scatter_sum(out, numel)
                 if post != 1.0:
                     update.mul_(post)
             else:
-                update = out
-            if scale is not None:
-                update = update * scale  # back to the scaled space GradScaler.unscale_ expects
-            update = update.view(p.shape).to(p.dtype)
-            if p.grad is not None and p.grad.is_sparse:
-                p.grad = update.to_sparse()
-            elif p.grad is None:
-                p.grad = update
-            else:
-                p.grad.copy_(update)
+                update = out.reshape(-1)
+            yield p, ctx, update
+
+    @staticmethod
+    def _own(ctx, numel, dtype):
+        """This rank's contribution to a launch, as a dense flat tensor."""
+        path, own = ctx[0], ctx[3]
+        if path == DENSE:
+            return own.clone()  # p.grad may be changed by the user (clipping); own may not
+        indices, values = own
+        dense = torch.zeros(numel, dtype=dtype, device=values.device)
+        return dense.index_put_((indices,), values.to(dtype), accumulate=True)
+
+    @staticmethod
+    def _subtract_own(update, ctx):
+        """``update - own`` in place: the local term a delayed average replaces."""
+        path, own = ctx[0], ctx[3]
+        if path == DENSE:
+            return update.sub_(own.to(update.dtype))
+        indices, values = own
+        return update.index_put_((indices,), -values.to(update.dtype), accumulate=True)
+
+    def _set_grad(self, p, update, scale=None):
+        if scale is not None:
+            update = update * scale  # back to the scaled space GradScaler.unscale_ expects
+        update = update.view(p.shape).to(p.dtype)
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = update.to_sparse()
+        elif p.grad is None:
+            p.grad = update
+        else:
+            p.grad.copy_(update)
+
+    def _drain(self, steps, corrections):
+        """Wait for ``steps`` launches; add ``avg - own`` of each into ``corrections``."""
+        for launches in steps:
+            for pending in launches:
+                for p, ctx, update in self._collect(pending):
+                    correction = self._subtract_own(update, ctx)
+                    if p in corrections:
+                        corrections[p].add_(correction)
+                    else:
+                        corrections[p] = correction
+        return corrections
 
     # -- Horovod's optimizer API ---------------------------------------------
-    def synchronize(self):
-        """Launch what has not been launched, wait for everything, fill ``p.grad``."""
+    def synchronize(self, flush=False):
+        """Launch what has not been launched, wait for what is due, fill ``p.grad``.
+
+        With ``delay=D`` only the launches of D steps ago are due; ``flush=True``
+        waits for all of them, so the step that follows leaves every rank with the
+        same weights (end of training, before evaluation or a checkpoint)."""
         if not self.process_set.included():
             self._synchronized = True
             return
@@ -306,9 +367,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[(p,)] = self._launch((p,))
         for key in [k for k, v in self._handles.items() if v is None]:
             del self._handles[key]
-        for pending in self._handles.values():
-            self._finish(pending)
+        launches = list(self._handles.values())
         self._handles.clear()
+        delay = self._dgc.delay
+        if delay == 0:
+            for pending in launches:
+                for p, ctx, update in self._collect(pending):
+                    self._set_grad(p, update, ctx[2])
+        else:
+            # DGA: apply this rank's own contribution now, and the average of the step
+            # launched `delay` steps ago in place of what this rank applied for it then.
+            grads = {}
+            for pending in launches:
+                for p, ctx in zip(pending.params, pending.ctxs):
+                    grads[p] = self._own(ctx, ctx[1], _buffer_dtype(p))
+            self._inflight.append(launches)
+            due = len(self._inflight) if flush else len(self._inflight) - delay
+            self._drain([self._inflight.popleft() for _ in range(max(due, 0))], grads)
+            for p, g in grads.items():
+                self._set_grad(p, g)
+            self._average_after_step = flush
         if self._dgc.grad_scaler is not None:
             self._undo_if_overflowed()
         for p in self._allreduce_delay:
@@ -351,6 +429,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         with self._sgd_hyperparameters_off():
             loss = super(self.__class__, self).step(closure)
+        if self._average_after_step:
+            self._average_parameters()
         self._dgc.step += 1
         self._dgc.maybe_log()
         return loss
@@ -387,6 +467,44 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Drive an epoch-based warm-up (call at the start of each epoch, on every rank)."""
         self._dgc.epoch = float(epoch)
 
+    def flush(self):
+        """Drain delayed averaging: wait for every step still in flight, apply its
+        average in place of this rank's own contribution, and leave every rank with
+        identical weights. Call after ``step()``; a no-op when nothing is in flight."""
+        if self._handles:
+            raise RuntimeError("hvd_dgc: flush() was called between backward() and step(); "
+                               "call it after optimizer.step() (or use "
+                               "optimizer.synchronize(flush=True) before step()).")
+        if not self._inflight:
+            return
+        corrections = self._drain(list(self._inflight), {})
+        self._inflight.clear()
+        saved = {p: p.grad for p in corrections}
+        try:
+            for p, c in corrections.items():
+                p.grad = c.view(p.shape).to(p.dtype)
+            with self._sgd_hyperparameters_off():  # lr * correction, linear: see module doc
+                super(self.__class__, self).step()
+        finally:
+            for p, g in saved.items():
+                p.grad = g
+        self._average_parameters()
+
+    def _average_parameters(self):
+        """Mathematically equal after a flush, the ranks' weights still differ in float
+        rounding (each summed its corrections in its own order): average them once."""
+        self._average_after_step = False
+        params = [p for p in self._requires_update]
+        params.sort(key=self._param_index.get)
+        if params and self._world() > 1:
+            _hvd.grouped_allreduce_([p.data for p in params], name="hvd_dgc.flush",
+                                    op=Average, process_set=self.process_set)
+
+    @property
+    def in_flight(self):
+        """Number of steps whose averages have not been applied yet (delay > 0)."""
+        return len(self._inflight)
+
     @property
     def density(self):
         """Density the next step will use."""
@@ -400,6 +518,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self):
+        if self._inflight:
+            raise RuntimeError(
+                f"hvd_dgc: {len(self._inflight)} step(s) of delayed averaging are still in "
+                f"flight (delay={self._dgc.delay}); their averages cannot be saved. Call "
+                f"optimizer.flush() after step() before optimizer.state_dict().")
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = self._dgc.state_dict()
         return state
@@ -407,6 +530,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         dgc_state = state_dict.pop(STATE_KEY, None)
+        for launches in self._inflight:  # Horovod must finish them; their results are moot
+            for pending in launches:
+                for h in pending.handles.values():
+                    _hvd.synchronize(h)
+        self._inflight.clear()
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -436,8 +564,9 @@ class DGCState:
     rank 0's ``state``) never overwrites a rank's own residual."""
 
     def __init__(self, schedule, compression, dense_compression, memory, cost_model,
-                 min_compress_size, clip_norm, grad_scaler, log_every):
+                 min_compress_size, clip_norm, grad_scaler, log_every, delay=0):
         self.schedule = schedule
+        self.delay = delay
         self.compression = compression
         self.dense_compression = dense_compression
         self.dense_fp16 = dense_compression is Compression.fp16 or compression is Compression.fp16
@@ -479,6 +608,10 @@ class DGCState:
 
 
 # -- helpers -------------------------------------------------------------------
+def _buffer_dtype(p):
+    return buffer_dtype(p.dtype)
+
+
 def _describe(compression):
     if hasattr(compression, "config"):
         return repr(compression.config())
@@ -568,7 +701,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
                          momentum_masking=True, clip_norm=None,
                          dense_compression=Compression.none, cost_model=None, grad_scaler=None,
-                         log_every=0):
+                         log_every=0, delay=0):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -593,6 +726,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         grad_scaler: the ``torch.amp.GradScaler`` in use, so the memory holds
             unscaled gradients and overflowed steps never enter it.
         log_every: print compression statistics on rank 0 every N steps.
+        delay: delayed gradient averaging (DGA): step i waits only for the
+            collectives of step i-D and applies ``own_i - own_(i-D) + avg_(i-D)``,
+            so D steps of compute hide each round trip. 0 is synchronous. Needs
+            ``torch.optim.SGD``; call ``optimizer.flush()`` (or
+            ``synchronize(flush=True)``) before evaluating or checkpointing.
 
     With ``torch.optim.SGD`` the memory applies SGD's momentum (momentum
     correction) and weight decay, and the base step runs with both switched off.
@@ -633,6 +771,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          f"{dense_compression!r}")
     if not isinstance(min_compress_size, int) or min_compress_size < 0:
         raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"delay must be an int >= 0 (the number of steps an average may lag; "
+                         f"0 = synchronous), got {delay!r}")
+    if delay and not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(f"delay={delay} needs torch.optim.SGD (with or without momentum): "
+                         f"the DGA correction g_i - g_(i-D) + avg_(i-D) is exact only for an "
+                         f"update linear in the gradient, and "
+                         f"{type(optimizer).__name__} is not. Use delay=0.")
+    if delay and grad_scaler is not None:
+        raise ValueError("delay > 0 with grad_scaler is not supported: an overflow seen D "
+                         "steps later cannot be undone. Use delay=0 with mixed precision.")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
     if is_sparse(compression):
@@ -649,7 +798,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         schedule = as_schedule(1.0)
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
-                   int(log_every))
+                   int(log_every), delay)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,

@@ -454,16 +454,18 @@ def with_process_sets(names):
     return _run(names)
 
 
-def suite(names):
+def suite(names, module=None):
+    """Run scenarios by name (from ``module``, default this one) after ``hvd.init()``."""
     hvd.init()
-    return _run(names)
+    return _run(names, module)
 
 
-def _run(names):
+def _run(names, module=None):
+    scope = globals() if module is None else vars(module)
     results = {}
     for name in names:
         try:
-            results[name] = globals()[name]()
+            results[name] = scope[name]()
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     return results

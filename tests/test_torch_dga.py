@@ -1,0 +1,58 @@
+"""Delayed gradient averaging in hvd_dgc.torch.DistributedOptimizer, 2 ranks under horovodrun."""
+
+import pytest
+
+from tests.hvdrun import run
+from tests.test_torch_optimizer import _checked
+
+SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",
+             "checkpoint_after_flush_resumes_exactly", "bad_delay"]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    return run("tests.workers.torch_dga:suite", np=2, controller="gloo",
+               kwargs={"names": SCENARIOS})
+
+
+def test_delay_zero_is_synchronous_training_bit_for_bit(gloo):
+    for out in _checked(gloo, "delay_zero_is_synchronous"):
+        assert out["equal_each_step"] == [True] * 20
+        assert out["moved"] > 1e-2 and out["in_flight"] == 0
+
+
+@pytest.mark.parametrize("variant", ["dense_sgd", "dense_momentum", "dense_momentum_bpps2",
+                                     "topk_momentum_warmup"])
+def test_delay_two_equals_simulated_dga_and_flush_makes_ranks_identical(gloo, variant):
+    for out in _checked(gloo, "delay_two_matches_simulation"):
+        res = out[variant]
+        assert res["moved"] > 1e-2
+        assert res["sim_workers_agree"] < 1e-6  # the simulation's own flush identity
+        assert res["max_diff_vs_simulation"] < 1e-6, res
+        assert res["identical_after_flush"]
+        # while averages are in flight each rank holds its own last D local updates
+        assert not any(res["identical_before_flush"][2:])
+        assert res["in_flight_before_flush"] == 2 and res["in_flight_after_flush"] == 0
+    if variant.startswith("topk"):
+        assert res["paths"]["sparse"] > 0
+
+
+def test_synchronize_flush_equals_step_then_flush(gloo):
+    for out in _checked(gloo, "flush_in_synchronize"):
+        assert out["max_diff"] < 1e-6
+        assert out["in_flight"] == [0, 0] and out["identical"] == [True, True]
+
+
+def test_checkpoint_after_flush_resumes_bit_identically(gloo):
+    for out in _checked(gloo, "checkpoint_after_flush_resumes_exactly"):
+        assert "flush()" in out["refused_in_flight"]
+        assert out["resumed_equal"]
+
+
+def test_bad_delay_arguments_give_clear_errors(gloo):
+    for out in _checked(gloo, "bad_delay"):
+        for case in ("negative", "float", "bool"):
+            assert "delay must be an int >= 0" in out[case], out[case]
+        assert "needs torch.optim.SGD" in out["adam"] and "Adam" in out["adam"]
+        assert "grad_scaler" in out["grad_scaler"]
+        assert "after optimizer.step()" in out["flush_before_step"]

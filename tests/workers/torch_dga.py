@@ -1,0 +1,234 @@
+"""Delayed gradient averaging (``delay=D``) on every rank, checked against a
+single-process simulation of the DGA update rule written out here."""
+
+import copy
+import math
+
+import torch
+
+import horovod.torch as hvd_stock
+import hvd_dgc.torch as hvd
+from hvd_dgc.schedule import as_schedule
+from tests.workers.torch_dgc import expect_error, flat_params, loss_of, mlp, ranks_identical
+
+
+def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
+                 density=None, passes=1):
+    """Every worker of a DGA run, in one process. ``density(step)`` None = dense.
+
+    Per worker r and step i (DGC momentum correction, then DGA):
+        g = sum of the step's backward passes + wd * w_r
+        u = m u + g;  v += u;  own = v[top-k] (all of v when dense);  v[sent] = 0
+        (and u[sent] = 0 when sparse: momentum factor masking)
+        w_r -= lr * (own_i - own_(i-D) + avg_(i-D))      (terms before step 0 are 0)
+    flush: w_r -= lr * (avg_j - own_j) for the D steps still in flight.
+    """
+    workers = [copy.deepcopy(model0) for _ in range(size)]
+    shapes = [p.numel() for p in model0.parameters()]
+    u = [[torch.zeros(n) for n in shapes] for _ in range(size)]
+    v = [[torch.zeros(n) for n in shapes] for _ in range(size)]
+    history = []  # per step: (own[r][j], avg[j])
+    for i in range(steps):
+        owns = []
+        for r, model in enumerate(workers):
+            model.zero_grad()
+            for pass_ in range(passes):
+                loss_of(model, i * passes + pass_, r).backward()
+            own_r = []
+            for j, p in enumerate(model.parameters()):
+                g = p.grad.reshape(-1) + weight_decay * p.detach().reshape(-1)
+                u[r][j] = momentum * u[r][j] + g
+                v[r][j] += u[r][j]
+                if density is None:
+                    own = v[r][j].clone()
+                    v[r][j].zero_()
+                else:
+                    k = max(1, math.ceil(v[r][j].numel() * density(i)))
+                    idx = torch.topk(v[r][j].abs(), k).indices
+                    own = torch.zeros_like(v[r][j])
+                    own[idx] = v[r][j][idx]
+                    v[r][j][idx] = 0
+                    u[r][j][idx] = 0
+                own_r.append(own)
+            owns.append(own_r)
+        avg = [sum(owns[r][j] for r in range(size)) / size for j in range(len(shapes))]
+        history.append((owns, avg))
+        for r, model in enumerate(workers):
+            with torch.no_grad():
+                for j, p in enumerate(model.parameters()):
+                    update = owns[r][j].clone()
+                    if i >= delay:
+                        old_owns, old_avg = history[i - delay]
+                        update += old_avg[j] - old_owns[r][j]
+                    p -= lr * update.view(p.shape)
+    for r, model in enumerate(workers):
+        with torch.no_grad():
+            for i in range(max(0, steps - delay), steps):
+                old_owns, old_avg = history[i]
+                for j, p in enumerate(model.parameters()):
+                    p -= lr * (old_avg[j] - old_owns[r][j]).view(p.shape)
+    return workers
+
+
+def _train(model, opt, steps, rank, passes=1, start=0):
+    identical_before_flush = []
+    for i in range(start, start + steps):
+        opt.zero_grad()
+        for pass_ in range(passes):
+            loss_of(model, i * passes + pass_, rank).backward()
+        opt.step()
+        identical_before_flush.append(ranks_identical(model, "dga.check.%d" % i))
+    return identical_before_flush
+
+
+def delay_zero_is_synchronous():
+    """delay=0 == Horovod's synchronous DistributedOptimizer, bit for bit (plain SGD)."""
+    rank = hvd.rank()
+    ref, ours = mlp(seed=3), mlp(seed=3)
+    opt_ref = hvd_stock.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                             named_parameters=ref.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
+                                   named_parameters=[("d0." + n, p) for n, p in
+                                                     ours.named_parameters()],
+                                   compression=hvd.Compression.none, delay=0)
+    equal = []
+    for i in range(20):
+        for model, o in ((ref, opt_ref), (ours, opt)):
+            o.zero_grad()
+            loss_of(model, i, rank).backward()
+            o.step()
+        equal.append(torch.equal(flat_params(ref), flat_params(ours)))
+    moved = float((flat_params(ours) - flat_params(mlp(seed=3))).abs().max())
+    return {"equal_each_step": equal, "moved": moved, "in_flight": opt.in_flight}
+
+
+VARIANTS = {
+    # name: (compression, density or None, momentum, weight decay, passes, warm-up steps)
+    "dense_sgd": ("none", None, 0.0, 0.0, 1, 0),
+    "dense_momentum": ("none", None, 0.9, 1e-3, 1, 0),
+    "dense_momentum_bpps2": ("none", None, 0.9, 0.0, 2, 0),
+    "topk_momentum_warmup": ("topk", 0.02, 0.9, 1e-3, 1, 4),
+}
+
+
+def delay_two_matches_simulation(steps=10, delay=2, lr=0.05):
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for name, (comp, density, momentum, wd, passes, warmup) in VARIANTS.items():
+        model = mlp(seed=5)
+        start = copy.deepcopy(model)
+        kwargs = dict(compression=getattr(hvd.Compression, comp), delay=delay,
+                      backward_passes_per_step=passes)
+        schedule = None
+        if density is not None:
+            kwargs.update(density=density, warmup=warmup, warmup_unit="step",
+                          min_compress_size=0)
+            schedule = as_schedule(density, warmup, "step")
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd),
+            named_parameters=[(name + "." + n, p) for n, p in model.named_parameters()],
+            **kwargs)
+        before = _train(model, opt, steps, rank, passes)
+        in_flight = opt.in_flight
+        opt.flush()
+        sim = simulate_dga(start, steps, size, delay, lr, momentum, wd,
+                           None if schedule is None else (lambda i, s=schedule: s(i, 0.0)),
+                           passes)
+        out[name] = {
+            "max_diff_vs_simulation": max(float((flat_params(model) - flat_params(w))
+                                                .abs().max()) for w in sim),
+            "sim_workers_agree": float((flat_params(sim[0]) - flat_params(sim[-1]))
+                                       .abs().max()),
+            "identical_after_flush": ranks_identical(model, "dga.flush." + name),
+            "identical_before_flush": before,
+            "in_flight_before_flush": in_flight,
+            "in_flight_after_flush": opt.in_flight,
+            "moved": float((flat_params(model) - flat_params(start)).abs().max()),
+            "paths": opt.compression_stats()["paths"],
+        }
+    return out
+
+
+def flush_in_synchronize():
+    """``synchronize(flush=True)`` then ``step()`` == ``step()`` then ``flush()``."""
+    rank = hvd.rank()
+    results = []
+    for use_sync in (False, True):
+        model = mlp(seed=8)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=[("fs%d.%s" % (use_sync, n), p) for n, p in model.named_parameters()],
+            compression=hvd.Compression.none, delay=3)
+        _train(model, opt, 5, rank)
+        opt.zero_grad()
+        loss_of(model, 5, rank).backward()
+        if use_sync:
+            opt.synchronize(flush=True)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+            opt.flush()
+        results.append((flat_params(model), opt.in_flight,
+                        ranks_identical(model, "fs.check.%d" % use_sync)))
+    (a, fa, ia), (b, fb, ib) = results
+    return {"max_diff": float((a - b).abs().max()), "in_flight": [fa, fb], "identical": [ia, ib]}
+
+
+def checkpoint_after_flush_resumes_exactly():
+    rank = hvd.rank()
+
+    def fresh(tag):
+        model = mlp(seed=9)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=[(tag + "." + n, p) for n, p in model.named_parameters()],
+            compression=hvd.Compression.dgc, density=0.01, min_compress_size=0, delay=2)
+        return model, opt
+
+    model, opt = fresh("ck")
+    _train(model, opt, 6, rank)
+    refused = expect_error(opt.state_dict, RuntimeError)
+    opt.flush()
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    _train(model, opt, 5, rank, start=6)
+    opt.flush()
+    uninterrupted = flat_params(model)
+
+    model2, opt2 = fresh("ck")
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    _train(model2, opt2, 5, rank, start=6)
+    opt2.flush()
+    return {"refused_in_flight": refused,
+            "resumed_equal": torch.equal(uninterrupted, flat_params(model2))}
+
+
+def bad_delay():
+    model = mlp()
+    named = list(model.named_parameters())
+
+    def wrap(opt, **kw):
+        return lambda: hvd.DistributedOptimizer(opt, named_parameters=named, **kw)
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {
+        "negative": expect_error(wrap(sgd, delay=-1), ValueError),
+        "float": expect_error(wrap(sgd, delay=1.5), ValueError),
+        "bool": expect_error(wrap(sgd, delay=True), ValueError),
+        "adam": expect_error(wrap(torch.optim.Adam(model.parameters()), delay=2), ValueError),
+        "grad_scaler": expect_error(wrap(sgd, delay=2, grad_scaler=torch.amp.GradScaler(
+            "cpu")), ValueError),
+    }
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=[("bd." + n, p) for n, p in named],
+                                   delay=1)
+    loss_of(model, 0, hvd.rank()).backward()
+    out["flush_before_step"] = expect_error(opt.flush, RuntimeError)
+    opt.step()
+    opt.flush()
+    return out
+
+
+def suite(names):
+    from tests.workers.torch_dgc import suite as run_suite
+    return run_suite(names, module=__import__(__name__, fromlist=["_"]))
