@@ -56,5 +56,19 @@ class CostModel:
         sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes)
         return SPARSE if sparse <= dense else DENSE
 
+    def max_sparse_k(self, numel, world_size, dense_value_bytes=4, sparse_value_bytes=4,
+                     index_bytes=4):
+        """Largest k for which ``choose`` picks SPARSE (0: never). Sparse cost grows with
+        k, so a graph (TensorFlow) can decide with one comparison ``k <= max_sparse_k``."""
+        lo, hi = 0, numel - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.choose(numel, mid, world_size, dense_value_bytes, sparse_value_bytes,
+                           index_bytes) == SPARSE:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth)

@@ -1,9 +1,110 @@
-"""Drop-in for ``horovod.tensorflow``: ``import hvd_dgc.tensorflow as hvd``.
+"""``import hvd_dgc.tensorflow as hvd``: everything ``horovod.tensorflow`` has, plus DGC.
 
-Re-exports everything ``horovod.tensorflow`` offers. hvd_dgc's TensorFlow
-compressors and DistributedGradientTape are not written yet (issue 5): until
-then this module is exactly Horovod's.
+``hvd.DistributedGradientTape(tape, ...)`` keeps Horovod's signature and sends
+each gradient through hvd_dgc/tensorflow/exchange.py (DGC by default).
+
+A tape lives one step, but DGC's memory must outlive it: the memory belongs to
+the set of variables differentiated (and the options), kept in a registry here,
+so ``hvd.DistributedGradientTape(tape)`` stays a one-line switch inside or
+outside ``tf.function``. ``hvd.set_epoch(e)`` drives epoch-based warm-up and
+``hvd.compression_stats()`` reports, for every exchange in this process.
 """
 
-from horovod.tensorflow import *  # noqa: F401,F403  (the drop-in contract)
-from horovod.tensorflow import Average, Sum  # noqa: F401
+from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
+from horovod.tensorflow import Average, global_process_set
+import tensorflow as tf
+
+from hvd_dgc.costmodel import CostModel  # noqa: F401
+from hvd_dgc.schedule import DensitySchedule  # noqa: F401
+from hvd_dgc.tensorflow.compression import Compression
+from hvd_dgc.tensorflow.exchange import GradientExchange
+
+_EXCHANGES = {}  # (variable refs, options) -> GradientExchange
+
+
+def _exchange_for(sources, options):
+    key = (tuple(s.ref() for s in sources), tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    try:
+        hash(key)
+    except TypeError:
+        key = (key[0], repr(key[1]))
+    exchange = _EXCHANGES.get(key)
+    if exchange is None:
+        exchange = GradientExchange(**options)
+        _EXCHANGES[key] = exchange
+    return exchange
+
+
+def set_epoch(epoch):
+    """Epoch-based warm-up: call at the start of each epoch on every rank."""
+    for exchange in _EXCHANGES.values():
+        exchange.set_epoch(epoch)
+
+
+def compression_stats():
+    """Statistics of this process's exchange (a list when there are several)."""
+    stats = [e.stats() for e in _EXCHANGES.values() if e.memory is not None]
+    return stats[0] if len(stats) == 1 else stats
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    def __init__(self, tape, options, persistent=False, watch_accessed_variables=True):
+        super(self.__class__, self).__init__(persistent, watch_accessed_variables)
+        self._tape = tape
+        self._dgc_options = options
+        self._local_sources = set()
+
+    def register_local_source(self, source):
+        """As in Horovod: this variable's gradient stays local (no exchange)."""
+        self._local_sources.add(source.ref())
+
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
+        flat = tf.nest.flatten(sources)
+        gradients = super(self.__class__, self).gradient(target, flat, output_gradients)
+        shared = [i for i, s in enumerate(flat) if s.ref() not in self._local_sources]
+        exchange = _exchange_for([flat[i] for i in shared], self._dgc_options)
+        exchange.build([flat[i] for i in shared], [_name(flat[i], i) for i in shared])
+        averaged = exchange([gradients[i] for i in shared])
+        out = list(gradients)
+        for i, g in zip(shared, averaged):
+            out[i] = g
+        return tf.nest.pack_sequence_as(sources, out)
+
+
+def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
+                            compression=Compression.dgc, sparse_as_dense=False, op=Average,
+                            gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                            process_set=global_process_set, scale_local_gradients=True, *,
+                            density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
+                            min_compress_size=1024, momentum_masking=True, clip_norm=None,
+                            cost_model=None):
+    """Horovod's DistributedGradientTape with Deep Gradient Compression.
+
+    Horovod's arguments keep their meaning; ``compression`` defaults to
+    ``Compression.dgc`` (``Compression.none``/``fp16`` give dense averaging).
+    The DGC options are those of ``hvd_dgc.torch.DistributedOptimizer``. A tape
+    does not know the optimizer, so its momentum is not taken over: the memory
+    does error feedback and the optimizer applies its own momentum (use
+    ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).
+    ``groups`` is accepted for compatibility; each tensor is its own collective.
+    """
+    if num_groups:
+        groups = groups or num_groups
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "tf.Variable.")
+    options = dict(compression=compression, density=density, warmup=warmup,
+                   warmup_unit=warmup_unit, warmup_densities=warmup_densities,
+                   min_compress_size=min_compress_size, momentum_masking=momentum_masking,
+                   clip_norm=clip_norm, cost_model=cost_model, op=op,
+                   gradient_predivide_factor=gradient_predivide_factor,
+                   sparse_as_dense=sparse_as_dense, process_set=process_set)
+    GradientExchange(**options)  # argument errors now, not at the first gradient
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
+               dict(_DistributedGradientTape.__dict__))
+    return cls(gradtape._tape, options, gradtape._persistent,
+               gradtape._watch_accessed_variables)
+
+
+def _name(var, i):
+    return getattr(var, "path", None) or getattr(var, "name", None) or f"var{i}"

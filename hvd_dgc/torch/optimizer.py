@@ -31,7 +31,6 @@ SGD's own momentum (sum_j m^(i-j) (g_j - g_(j-D) + avg_(j-D)) is the same sum),
 so one form serves dense and sparse paths alike.
 """
 
-import json
 import warnings
 from collections import deque
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
+from hvd_dgc import consistency
 from hvd_dgc.costmodel import DENSE, SPARSE, CostModel
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
@@ -661,37 +661,14 @@ def _check_dampening(group):
 
 
 def _check_consistent_config(config, process_set):
-    """One allgather at wrap time: every rank must wrap with the same settings and
-    parameters, else name the difference now instead of hanging in a collective."""
-    blob = json.dumps(config, sort_keys=True, default=repr).encode()
-    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    """One allgather at wrap time (see hvd_dgc/consistency.py)."""
+    mine = torch.frombuffer(bytearray(consistency.encode(config)), dtype=torch.uint8)
     sizes = _hvd.allgather(torch.tensor([mine.numel()], dtype=torch.int64),
                            name="hvd_dgc.config.size", process_set=process_set)
     everything = _hvd.allgather(mine, name="hvd_dgc.config", process_set=process_set)
-    configs, offset = [], 0
-    for size in sizes.tolist():
-        configs.append(json.loads(bytes(everything[offset:offset + size].tolist()).decode()))
-        offset += size
+    configs = consistency.decode_all(sizes.tolist(), everything.numpy().tobytes())
     ranks = process_set.ranks if process_set.ranks else list(range(len(configs)))
-    diffs = []
-    for key in sorted(set().union(*configs)):
-        values = [c.get(key) for c in configs]
-        if any(v != values[0] for v in values[1:]):
-            if key == "shapes":
-                names = sorted({n for c in configs for n in c.get("shapes", {})
-                                if len({json.dumps(c2.get("shapes", {}).get(n))
-                                        for c2 in configs}) > 1})
-                diffs.append("parameter shapes differ for %s" % ", ".join(names[:5]))
-            elif key == "parameters":
-                diffs.append("parameter names differ (e.g. %s)" % ", ".join(
-                    sorted(set().union(*map(set, values)) - set.intersection(*map(set, values)))[:5]))
-            else:
-                diffs.append("%s: %s" % (key, ", ".join(
-                    f"rank {r}={v}" for r, v in zip(ranks, values))))
-    if diffs:
-        raise ValueError("hvd_dgc: DistributedOptimizer was configured differently on different "
-                         "ranks, which would hang Horovod's collectives: " + "; ".join(diffs)
-                         + ". Pass the same arguments on every rank.")
+    consistency.check_same(configs, ranks, "DistributedOptimizer")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.dgc,

@@ -1,0 +1,234 @@
+"""The path of one gradient in TensorFlow, shared by DistributedGradientTape and the
+Keras DistributedOptimizer:
+
+    g = local_gradient(grad)              flat float32, clipped at clip_norm / sqrt(N)
+    v = memory.accumulate(i, g)           u = m u + g; v += u   (momentum correction)
+    k = ceil(numel * density)             density: a variable driven by step/epoch
+    sparse if k <= max_sparse_k[i]        the shared alpha-beta cost model, decided
+                                          once per tensor in Python as a threshold on k
+    sparse: idx = select(v, k); records = pack(v[idx], idx); memory.sent(i, idx)
+            avg = scatter_sum(allgather(records)) / N
+    dense:  avg = allreduce(v, Average);  memory.sent_all(i)
+
+Every rank computes the same k and the same path, so every rank joins the same
+collective inside the same ``tf.cond`` branch.
+"""
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import Average, Sum, global_process_set
+
+from hvd_dgc import consistency
+from hvd_dgc.costmodel import CostModel
+from hvd_dgc.schedule import as_schedule, DensitySchedule
+from hvd_dgc.stats import CompressionStats
+from hvd_dgc.tensorflow.compression import Compression, is_sparse
+from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
+
+__all__ = ["GradientExchange"]
+
+
+class GradientExchange(tf.Module):
+    """DGC state and the per-step exchange for one set of variables."""
+
+    def __init__(self, compression=Compression.dgc, density=None, warmup=0,
+                 warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
+                 momentum=0.0, nesterov=False, momentum_masking=True, clip_norm=None,
+                 cost_model=None, op=Average, gradient_predivide_factor=1.0,
+                 sparse_as_dense=False, process_set=global_process_set, name="hvd_dgc"):
+        super().__init__(name=name)
+        if op not in (Average, Sum):
+            raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not isinstance(min_compress_size, int) or min_compress_size < 0:
+            raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
+        if is_sparse(compression):
+            schedule = as_schedule(0.001 if density is None else density, warmup, warmup_unit,
+                                   warmup_densities)
+            if not isinstance(schedule, DensitySchedule):
+                raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
+                                "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
+                                "Python callable")
+        elif compression in (Compression.none, Compression.fp16):
+            if density is not None or warmup:
+                raise ValueError(f"density/warmup apply to sparse compressors, but compression="
+                                 f"{compression.__name__} is dense. Use compression="
+                                 f"hvd_dgc.tensorflow.Compression.dgc to sparsify.")
+            schedule = as_schedule(1.0)
+        else:
+            raise ValueError(f"compression must be one of hvd_dgc.tensorflow.Compression.dgc, "
+                             f".topk, .none, .fp16; got {compression!r}")
+        self.compression = compression
+        self.schedule = schedule
+        self.min_compress_size = min_compress_size
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+        self.momentum_masking = bool(momentum_masking)
+        self.clip_norm = clip_norm
+        self.cost_model = cost_model or CostModel()
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.memory = None
+        self._epoch = 0.0
+
+    def set_epoch(self, epoch):
+        """Epoch-based warm-up: call at the start of each epoch on every rank."""
+        self._epoch = float(epoch)
+        if self.memory is not None:
+            self.epoch.assign(self._epoch)
+
+    # -- set-up (eager, once) ---------------------------------------------------
+    def build(self, variables, names):
+        """Create the memory and check every rank agrees; runs outside any trace."""
+        if self.memory is not None:
+            return
+        with tf.init_scope():
+            for var, name in zip(variables, names):
+                if not tf.as_dtype(var.dtype).is_floating:
+                    raise TypeError(f"hvd_dgc: variable '{name}' has dtype {tf.as_dtype(var.dtype).name}; "
+                                    f"DGC compresses floating-point gradients only. Mark it "
+                                    f"non-trainable or leave it out of the variables.")
+            self.numels = [int(np.prod(v.shape)) for v in variables]
+            self.names = list(names)
+            world = self.world_size()
+            sparse = is_sparse(self.compression)
+            self.max_sparse_k = [
+                self.cost_model.max_sparse_k(n, world) if sparse and n >= self.min_compress_size
+                else 0 for n in self.numels]
+            _check_consistent_config(self._config(), self.process_set)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
+                                     name="epoch")
+            # statistics: bytes sent, dense fp32 bytes, elements sent, elements, sparse, dense
+            self.counters = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
+                                        name="counters")
+            self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
+                                    self.momentum_masking)
+
+    def world_size(self):
+        return self.process_set.size()
+
+    def _config(self):
+        return {"compression": repr(getattr(self.compression, "config", lambda: self.compression)()),
+                "density": repr(self.schedule.config()), "min_compress_size":
+                self.min_compress_size, "momentum": self.momentum, "nesterov": self.nesterov,
+                "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
+                "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
+                "variables": list(zip(self.names, self.numels))}
+
+    # -- per step ---------------------------------------------------------------
+    def density(self):
+        """The schedule (hvd_dgc.schedule.DensitySchedule.__call__) in TF ops."""
+        s = self.schedule  # float64, as in Python: k = ceil(numel * density) must agree
+        if s.warmup <= 0:
+            return tf.constant(s.density, tf.float64)
+        t = tf.cast(self.epoch if s.unit == "epoch" else self.step, tf.float64)
+        stages = tf.constant(s.warmup_densities, tf.float64)
+        stage = tf.cast(tf.floor(t * len(s.warmup_densities) / s.warmup), tf.int32)
+        stage = tf.clip_by_value(stage, 0, len(s.warmup_densities) - 1)
+        return tf.where(t >= s.warmup, tf.constant(s.density, tf.float64),
+                        tf.gather(stages, stage))
+
+    def __call__(self, grads):
+        """Averaged gradients for this step's local ``grads`` (one per built variable)."""
+        density = self.density()
+        seed = tf.stack([tf.cast(self.step, tf.int32) + self.compression.seed
+                         if is_sparse(self.compression) else tf.cast(self.step, tf.int32),
+                         tf.constant(_hvd.rank(), tf.int32)])
+        out = []
+        for i, grad in enumerate(grads):
+            out.append(self._exchange_one(i, self._dense_grad(i, grad), density, seed))
+        self.step.assign_add(1)
+        return out
+
+    def _dense_grad(self, i, grad):
+        if grad is None:
+            return tf.zeros([self.numels[i]])
+        if isinstance(grad, tf.IndexedSlices):
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    f"hvd_dgc: variable '{self.names[i]}' has a sparse (IndexedSlices) gradient "
+                    f"(an embedding lookup?). DGC keeps a dense residual per variable; pass "
+                    f"sparse_as_dense=True to hvd_dgc's DistributedGradientTape / "
+                    f"DistributedOptimizer.")
+            grad = tf.convert_to_tensor(grad)
+        return grad
+
+    def _exchange_one(self, i, grad, density, seed):
+        numel = self.numels[i]
+        g = local_gradient(grad, self.clip_norm, self.world_size())
+        v = self.memory.accumulate(i, g)
+        k = tf.maximum(1, tf.cast(tf.math.ceil(numel * density), tf.int32))  # num_selected
+        name = f"hvd_dgc.{i}"
+        pre = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
+        post = self.gradient_predivide_factor if self.op == Average else 1.0
+
+        def dense():
+            self.memory.sent_all(i)
+            if self.compression is Compression.fp16:
+                payload = tf.cast(v, tf.float16)
+                avg = tf.cast(_hvd.allreduce(payload, op=self.op, name=name + ".dense",
+                                             prescale_factor=pre, postscale_factor=post,
+                                             process_set=self.process_set), tf.float32)
+                nbytes = 2 * numel
+            else:
+                avg = _hvd.allreduce(v, op=self.op, name=name + ".dense", prescale_factor=pre,
+                                     postscale_factor=post, process_set=self.process_set)
+                nbytes = 4 * numel
+            self.counters.assign_add(tf.constant([nbytes, 4 * numel, numel, numel, 0, 1],
+                                                 tf.int64))
+            return avg
+
+        def sparse():
+            indices = self.compression.select(v, k, seed)
+            records = self.compression.pack(tf.gather(v, indices) * pre, indices)
+            self.memory.sent(i, indices)
+            gathered = _hvd.allgather(records, name=name + ".sparse",
+                                      process_set=self.process_set)
+            total = self.compression.scatter_sum(gathered, numel)
+            if self.op == Average:
+                total = total * (post / self.world_size())
+            sent = tf.cast(tf.shape(indices)[0], tf.int64)
+            self.counters.assign_add(tf.stack([8 * sent, tf.constant(4 * numel, tf.int64), sent,
+                                               tf.constant(numel, tf.int64), tf.constant(1, tf.int64),
+                                               tf.constant(0, tf.int64)]))
+            return total
+
+        if self.max_sparse_k[i] == 0:
+            avg = dense()
+        else:
+            avg = tf.cond(k <= self.max_sparse_k[i], sparse, dense)
+        return tf.reshape(avg, tf.shape(grad))
+
+    def stats(self):
+        """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
+        c = [int(x) for x in self.counters.numpy()]
+        stats = CompressionStats()
+        stats.load_state_dict({"steps": int(self.step.numpy()), "bytes_sent": c[0],
+                               "dense_bytes": c[1], "elements_sent": c[2],
+                               "elements_total": c[3],
+                               "paths": {k: n for k, n in (("sparse", c[4]), ("dense", c[5]))
+                                         if n}})
+        out = stats.summary()
+        out.pop("last_step")
+        out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
+                   current_density=float(self.density().numpy()),
+                   world_size=self.world_size())
+        return out
+
+
+def _check_consistent_config(config, process_set):
+    """One allgather before the first step (see hvd_dgc/consistency.py)."""
+    blob = np.frombuffer(consistency.encode(config), np.uint8)
+    sizes = _hvd.allgather(tf.constant([blob.size], tf.int64), name="hvd_dgc.config.size",
+                           process_set=process_set).numpy()
+    everything = _hvd.allgather(tf.constant(blob), name="hvd_dgc.config",
+                                process_set=process_set).numpy()
+    configs = consistency.decode_all(sizes.tolist(), everything.tobytes())
+    ranks = process_set.ranks if process_set.ranks else list(range(len(configs)))
+    consistency.check_same(configs, ranks, "hvd_dgc.tensorflow")

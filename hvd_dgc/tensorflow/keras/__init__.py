@@ -1,0 +1,104 @@
+"""``import hvd_dgc.tensorflow.keras as hvd``: Horovod's Keras API plus a DGC optimizer.
+
+``hvd.DistributedOptimizer(opt, ...)`` keeps Horovod's signature and works with
+legacy Keras 2 (tf_keras, ``TF_USE_LEGACY_KERAS=1``) and with Keras 3, which
+Horovod 0.28.1 itself does not support (horovod issue #4290: Keras 3 calls
+``apply_gradients``/``apply`` directly and its variables have no ``.ref()``).
+hvd_dgc hooks the step where the gradients meet the optimizer (``apply`` in
+Keras 3, ``apply_gradients`` in Keras 2) and exchanges them with Horovod's TF
+collectives, so ``model.fit`` is distributed under both.
+
+With SGD the optimizer's momentum is taken over by DGC's momentum correction
+(the rebuilt optimizer runs with momentum 0), as on the PyTorch side.
+"""
+
+import importlib
+
+from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
+from horovod.tensorflow import Average, global_process_set
+
+from hvd_dgc.tensorflow.compression import Compression
+from hvd_dgc.tensorflow.exchange import GradientExchange
+# Horovod's star import bound `callbacks` to its own module; ours extends it.
+callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
+
+
+
+def is_keras3(optimizer):
+    return not type(optimizer).__module__.startswith("tf_keras")
+
+
+def _exchange_grads(self, grads, variables):
+    exchange = self._hvd_dgc
+    exchange.build(variables, [getattr(v, "path", None) or v.name for v in variables])
+    return exchange(grads)
+
+
+def _apply(self, grads, trainable_variables=None):  # Keras 3
+    variables = self._trainable_variables if trainable_variables is None else trainable_variables
+    grads = _exchange_grads(self, list(grads), list(variables))
+    return super(self.__class__, self).apply(grads, trainable_variables)
+
+
+def _apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
+    grads_and_vars = list(grads_and_vars)
+    variables = [v for _, v in grads_and_vars]
+    grads = _exchange_grads(self, [g for g, _ in grads_and_vars], variables)
+    return super(self.__class__, self).apply_gradients(zip(grads, variables), *args, **kwargs)
+
+
+def _compression_stats(self):
+    """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
+    return self._hvd_dgc.stats()
+
+
+def _set_epoch(self, epoch):
+    """Epoch-based warm-up (``callbacks.DGCCallback`` calls it for ``model.fit``)."""
+    self._hvd_dgc.set_epoch(epoch)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
+                         compression=Compression.dgc, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True, *,
+                         density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
+                         min_compress_size=1024, momentum_masking=True, clip_norm=None,
+                         cost_model=None):
+    """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
+
+    Returns a new optimizer of the same class built from ``optimizer.get_config()``
+    (as Horovod does). DGC options as in ``hvd_dgc.torch.DistributedOptimizer``.
+    Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
+    collectives have no XLA kernels here.
+    """
+    if backward_passes_per_step != 1:
+        raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
+                         f"backward_passes_per_step=1 only (got {backward_passes_per_step}); "
+                         f"use a larger batch, or hvd_dgc.torch for gradient accumulation.")
+    config = optimizer.get_config()
+    momentum, nesterov = 0.0, False
+    if type(optimizer).__name__ == "SGD" and config.get("momentum"):
+        momentum, nesterov = float(config["momentum"]), bool(config.get("nesterov", False))
+        config.update(momentum=0.0, nesterov=False)
+    exchange = GradientExchange(
+        compression=compression, density=density, warmup=warmup, warmup_unit=warmup_unit,
+        warmup_densities=warmup_densities, min_compress_size=min_compress_size,
+        momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
+        clip_norm=clip_norm, cost_model=cost_model, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
+        process_set=process_set)
+    methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch}
+    if is_keras3(optimizer):
+        methods["apply"] = _apply
+    else:
+        methods["apply_gradients"] = _apply_gradients
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    if name is not None:
+        config["name"] = name
+    new = cls.from_config(config)
+    if is_keras3(optimizer):
+        object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
+    else:
+        new._hvd_dgc = exchange  # tracked: tf.train.Checkpoint saves the memory
+    return new

@@ -1,0 +1,64 @@
+"""Gradient memory for TensorFlow: what stays behind on this worker between steps.
+
+The maths of hvd_dgc/torch/memory.py (DGC momentum correction, momentum factor
+masking, error feedback, local clipping) on tf.Variables. The variables are
+created under ``tf.init_scope`` (outside any trace) the first time shapes are
+known, so the memory works inside ``tf.function`` and is saved by
+``tf.train.Checkpoint`` with whatever tracks it.
+"""
+
+import tensorflow as tf
+
+__all__ = ["DGCMemory", "local_gradient"]
+
+
+def local_gradient(grad, clip_norm=None, world_size=1):
+    """Flat float32 gradient, clipped per tensor at ``clip_norm / sqrt(N)`` (DGC Sec. 3.3)."""
+    g = tf.reshape(tf.cast(grad, tf.float32), [-1])
+    if clip_norm is not None:
+        limit = clip_norm / (world_size ** 0.5)
+        g = g * tf.minimum(1.0, limit / (tf.norm(g) + 1e-6))
+    return g
+
+
+class DGCMemory(tf.Module):
+    """Per-tensor velocity ``u`` and accumulation ``v`` as flat float32 variables."""
+
+    def __init__(self, numels, momentum=0.0, nesterov=False, momentum_masking=True,
+                 name="hvd_dgc_memory"):
+        super().__init__(name=name)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.momentum_masking = bool(momentum_masking)
+        with tf.init_scope():
+            self.v = [tf.Variable(tf.zeros([n]), trainable=False, name=f"v{i}")
+                      for i, n in enumerate(numels)]
+            self.u = [tf.Variable(tf.zeros([n]), trainable=False, name=f"u{i}")
+                      for i, n in enumerate(numels)] if self.momentum else []
+
+    def accumulate(self, i, g):
+        """u = m u + g; v += u (Nesterov: u = m (u + g); v += u + g). Returns v's value."""
+        v = self.v[i]
+        if self.momentum:
+            u = self.u[i]
+            if self.nesterov:
+                u.assign(self.momentum * (u + g))
+                v.assign_add(u + g)
+            else:
+                u.assign(self.momentum * u + g)
+                v.assign_add(u)
+        else:
+            v.assign_add(g)
+        return v.read_value()
+
+    def sent(self, i, indices):
+        """Coordinates ``indices`` left this worker: clear them (and their momentum)."""
+        idx = tf.expand_dims(indices, 1)
+        zeros = tf.zeros(tf.shape(indices), tf.float32)
+        self.v[i].scatter_nd_update(idx, zeros)
+        if self.momentum and self.momentum_masking:
+            self.u[i].scatter_nd_update(idx, zeros)
+
+    def sent_all(self, i):
+        """Dense path: everything left, ``v`` clears, ``u`` stays (density 1 == momentum SGD)."""
+        self.v[i].assign(tf.zeros_like(self.v[i]))

@@ -1,0 +1,246 @@
+"""Bodies of the TensorFlow/Keras tests, run on every rank under horovodrun."""
+
+import os
+import traceback
+
+import numpy as np
+
+
+def _tf():
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    return tf
+
+
+def _vars(tf, seed=0, width=64):
+    rng = np.random.RandomState(seed)
+    shapes = [(20, width), (width,), (width, width), (width,), (width, 5), (5,)]
+    return [tf.Variable(rng.randn(*s).astype(np.float32) * 0.1, name=f"w{i}")
+            for i, s in enumerate(shapes)]
+
+
+def _batch(step, rank, n=16):
+    rng = np.random.RandomState(1000 * step + rank)
+    return rng.randn(n, 20).astype(np.float32), rng.randint(0, 5, n)
+
+
+def _loss(tf, variables, x, y):
+    h = x
+    for i in range(0, len(variables) - 2, 2):
+        h = tf.nn.relu(h @ variables[i] + variables[i + 1])
+    logits = h @ variables[-2] + variables[-1]
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+
+def _flat(tf, variables):
+    return tf.concat([tf.reshape(v, [-1]) for v in variables], 0)
+
+
+def _identical(tf, hvd, variables, name):
+    everyone = hvd.allgather(tf.expand_dims(_flat(tf, variables), 0), name=name).numpy()
+    return all(np.array_equal(everyone[0], everyone[r]) for r in range(everyone.shape[0]))
+
+
+def _sgd_momentum_step(tf, variables, grads, buffers, lr=0.1, momentum=0.9):
+    for v, g, b in zip(variables, grads, buffers):
+        b.assign(momentum * b + g)
+        v.assign_sub(lr * b)
+
+
+def tape_dense_equivalence(steps=10):
+    """Compression.none through hvd_dgc's tape == Horovod's DistributedGradientTape."""
+    tf = _tf()
+    import horovod.tensorflow as hvd_stock
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    ref, ours = _vars(tf), _vars(tf)
+    bufs = [[tf.Variable(tf.zeros_like(v)) for v in vs] for vs in (ref, ours)]
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        for k, (variables, wrap) in enumerate(((ref, lambda t: hvd_stock.DistributedGradientTape(t)),
+                                               (ours, lambda t: hvd.DistributedGradientTape(
+                                                   t, compression=hvd.Compression.none)))):
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, variables, x, y)
+            grads = wrap(tape).gradient(loss, variables)
+            _sgd_momentum_step(tf, variables, grads, bufs[k])
+    diff = float(tf.reduce_max(tf.abs(_flat(tf, ref) - _flat(tf, ours))))
+    moved = float(tf.reduce_max(tf.abs(_flat(tf, ours) - _flat(tf, _vars(tf)))))
+    return {"max_diff": diff, "moved": moved, "identical": _identical(tf, hvd, ours, "t.id")}
+
+
+def tape_sparse_in_tf_function(steps=8):
+    """DGC 1% inside tf.function: ranks identical after every step, counts in the window."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    variables = _vars(tf, seed=1, width=128)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, variables, x, y)
+        tape = hvd.DistributedGradientTape(tape, density=0.01)
+        grads = tape.gradient(loss, variables)
+        for v, g in zip(variables, grads):
+            v.assign_sub(0.1 * g)
+        return loss
+
+    identical, counters = [], []
+    for step in range(steps):
+        train_step(*_batch(step, rank))
+        identical.append(_identical(tf, hvd, variables, "s.id.%d" % step))
+    stats = hvd.compression_stats()
+    return {"identical": identical, "stats": stats,
+            "traces": train_step.experimental_get_tracing_count()}
+
+
+def keras_dense_equivalence(steps=10):
+    """Keras 2 (tf_keras): hvd_dgc's optimizer at density 1 == Horovod's, SGD momentum."""
+    tf = _tf()
+    import horovod.tensorflow.keras as hvd_stock
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    rank = hvd.rank()
+    out = {}
+    for nesterov in (False, True):
+        params = []
+        for k, wrap in enumerate((lambda o: hvd_stock.DistributedOptimizer(o),
+                                  lambda o: hvd.DistributedOptimizer(
+                                      o, compression=hvd.Compression.none))):
+            variables = _vars(tf, seed=2)
+            opt = wrap(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov))
+            for step in range(steps):
+                x, y = _batch(step, rank)
+                with tf.GradientTape() as tape:
+                    loss = _loss(tf, variables, x, y)
+                grads = tape.gradient(loss, variables)
+                if k == 0:  # Horovod's Keras optimizer averages in _compute_gradients
+                    grads = [hvd_stock.allreduce(g, name=f"ref.{i}") for i, g in enumerate(grads)]
+                opt.apply_gradients(zip(grads, variables))
+            params.append(_flat(tf, variables))
+        out["nesterov" if nesterov else "momentum"] = float(
+            tf.reduce_max(tf.abs(params[0] - params[1])))
+    return out
+
+
+def digits(rank, size):
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+    perm = np.random.RandomState(0).permutation(len(y))
+    test, train = perm[:360], perm[360:]
+    shard = train[rank::size]
+    return (x[shard], y[shard]), (x[test], y[test])
+
+
+def keras_fit_digits(epochs=30, lr=0.02, batch=32):
+    """model.fit on digits: dense baseline vs DGC 0.1% with warm-up (Keras 2 or 3 by env)."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    (x, y), (xt, yt) = digits(rank, size)
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    out = {"keras": keras.__version__ if hasattr(keras, "__version__") else "2", "legacy": legacy}
+    runs = {"dgc": dict(compression=hvd.Compression.dgc, density=0.001, warmup=4)}
+    if legacy:
+        import horovod.tensorflow.keras as hvd_stock
+        runs = {"dense": "horovod", **runs}
+    else:  # Horovod's own optimizer fails under Keras 3 (horovod #4290): dense via hvd_dgc
+        runs = {"dense": dict(compression=hvd.Compression.none), **runs}
+    for tag, options in runs.items():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.layers.Input((8, 8, 1)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+        sgd = keras.optimizers.SGD(lr, momentum=0.9)
+        opt = hvd_stock.DistributedOptimizer(sgd) if options == "horovod" else \
+            hvd.DistributedOptimizer(sgd, **options)
+        compile_kw = {} if legacy else {"jit_compile": False}
+        model.compile(optimizer=opt, metrics=["accuracy"], loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_kw)
+        cbs = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+        if options != "horovod":
+            cbs.append(hvd.callbacks.DGCCallback(verbose=0))
+        model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=cbs, verbose=0,
+                  shuffle=True)
+        acc = float(np.mean(np.argmax(model.predict(xt, verbose=0), 1) == yt))
+        flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
+        everyone = hvd.allgather(tf.expand_dims(flat, 0), name=f"fit.{tag}").numpy()
+        out[tag] = {"accuracy": acc,
+                    "identical": all(np.array_equal(everyone[0], e) for e in everyone),
+                    "stats": opt.compression_stats() if options != "horovod" else None}
+    return out
+
+
+def suite(names):
+    import hvd_dgc.tensorflow as hvd
+    hvd.init()
+    results = {}
+    for name in names:
+        try:
+            results[name] = globals()[name]()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def tape_bad_inputs():
+    """Clear errors: non-float variables, IndexedSlices gradients, bad options."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+
+    def error_of(fn, exc_type):
+        try:
+            fn()
+        except exc_type as exc:
+            return str(exc)
+        except Exception as exc:
+            return f"WRONG EXCEPTION {type(exc).__name__}: {exc}"
+        return "NO EXCEPTION"
+
+    out = {}
+    counter = tf.Variable(3, name="counter")
+    w = tf.Variable(tf.ones([4]), name="w_int_case")
+
+    def int_var():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w) + tf.cast(counter, tf.float32)
+        hvd.DistributedGradientTape(tape).gradient(loss, [w, counter])
+    out["int_variable"] = error_of(int_var, TypeError)
+
+    table = tf.Variable(tf.ones([50, 4]), name="embedding")
+
+    def embedding(**kw):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.embedding_lookup(table, [1, 7, 7]))
+        grads = hvd.DistributedGradientTape(tape, compression=hvd.Compression.none,
+                                            **kw).gradient(loss, [table])
+        return grads[0].numpy()
+    out["indexed_slices"] = error_of(embedding, ValueError)
+    grad = embedding(sparse_as_dense=True)
+    out["sparse_as_dense_rows"] = [float(grad[1, 0]), float(grad[7, 0]), float(grad[0, 0])]
+    out["density"] = error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(),
+                                                                  density=1.5), ValueError)
+    out["dense_with_density"] = error_of(lambda: hvd.DistributedGradientTape(
+        tf.GradientTape(), compression=hvd.Compression.none, density=0.01), ValueError)
+    return out
+
+
+def tape_inconsistent_config():
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    variables = _vars(tf, seed=4)
+    with tf.GradientTape() as tape:
+        loss = _loss(tf, variables, *_batch(0, hvd.rank()))
+    try:
+        hvd.DistributedGradientTape(tape, density=0.01 if hvd.rank() == 0 else 0.02).gradient(
+            loss, variables)
+    except ValueError as exc:
+        return str(exc)
+    return "NO EXCEPTION"
