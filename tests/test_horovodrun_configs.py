@@ -41,3 +41,16 @@ def test_cheap_1gbe_values(monkeypatch):
     assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "300"
     assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "120"
     assert env["HOROVOD_LOG_LEVEL"] == "warning"  # Horovod lower-cases it when parsing
+
+
+def test_datacenter_and_wan_values(monkeypatch):
+    dc = horovod_env_for(os.path.join(REPO, "horovodrun_configs", "datacenter_25gbe.yaml"),
+                         monkeypatch)
+    assert dc["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1" and dc["HOROVOD_AUTOTUNE"] == "1"
+    assert float(dc["HOROVOD_CYCLE_TIME"]) == 1.0
+    wan = horovod_env_for(os.path.join(REPO, "horovodrun_configs", "wan_cross_region.yaml"),
+                          monkeypatch)
+    assert wan["HOROVOD_FUSION_THRESHOLD"] == str(128 * 1024 * 1024)
+    assert float(wan["HOROVOD_CYCLE_TIME"]) == 20.0
+    assert wan["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "900"
+    assert "HOROVOD_AUTOTUNE" not in wan and wan["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "0"

@@ -8,7 +8,7 @@ import pytest
 from tests.hvdrun import run
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
-                  "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config"]
+                  "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every"]
 
 
 def _checked(results, name):
@@ -170,3 +170,11 @@ def test_process_sets():
         assert not out["set_identical"]  # each rank averaged over its own set only
         assert out["set_world_size"] == 1 and out["set_steps"] == 4
         assert out["set_paths"] == {"dense": 12, "sparse": 12}
+
+
+def test_log_every_prints_statistics_on_rank_zero_only(gloo):
+    rank0, rank1 = _checked(gloo, "log_every")
+    assert [line.split()[:3] for line in rank0] == [["[hvd_dgc]", "step", "2"],
+                                                    ["[hvd_dgc]", "step", "4"]]
+    assert all("density=0.01" in line and "ratio=" in line for line in rank0), rank0
+    assert rank1 == []

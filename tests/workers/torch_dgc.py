@@ -171,6 +171,21 @@ def np1_compresses():
     return out
 
 
+def log_every():
+    """log_every=2 prints compression statistics on rank 0 only, every 2nd step."""
+    import contextlib
+    import io
+    model = wide_mlp(seed=6)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=[("log." + n, p) for n, p in
+                                                     model.named_parameters()],
+                                   density=0.01, log_every=2)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        train(model, opt, 5, hvd.rank(), features=64, classes=10)
+    return buf.getvalue().splitlines()
+
+
 def backward_passes():
     """backward_passes_per_step=2 on half batches == 1 pass on the whole batch."""
     rank = hvd.rank()
