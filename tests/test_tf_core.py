@@ -80,3 +80,13 @@ def test_max_sparse_k_is_the_cost_models_break_even():
         k = cm.max_sparse_k(numel, world)
         assert cm.choose(numel, k, world) == SPARSE
         assert cm.choose(numel, k + 1, world) != SPARSE
+
+
+def test_tape_memory_is_not_shared_between_different_compressor_options():
+    import hvd_dgc.tensorflow as hvd
+    a = hvd._options_key({"compression": Compression.dgc, "warmup_densities": [0.25]})
+    b = hvd._options_key({"compression": Compression.dgc(sample_ratio=0.001),
+                          "warmup_densities": [0.25]})
+    assert a != b
+    assert a == hvd._options_key({"compression": Compression.dgc(),
+                                  "warmup_densities": [0.25]})

@@ -19,15 +19,23 @@ from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange
 
-_EXCHANGES = {}  # (variable refs, options) -> GradientExchange
+_EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
+_VALIDATED = set()  # options keys whose arguments were checked
+
+
+def _options_key(options):
+    """Hashable and faithful: compressors, schedules and cost models by their config
+    (two DGC compressors with different options differ), lists as tuples."""
+    def key(value):
+        config = getattr(value, "config", None)
+        if callable(config):
+            return config()
+        return tuple(value) if isinstance(value, list) else value
+    return tuple(sorted((name, key(value)) for name, value in options.items()))
 
 
 def _exchange_for(sources, options):
-    key = (tuple(s.ref() for s in sources), tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    try:
-        hash(key)
-    except TypeError:
-        key = (key[0], repr(key[1]))
+    key = (tuple(s.ref() for s in sources), _options_key(options))
     exchange = _EXCHANGES.get(key)
     if exchange is None:
         exchange = GradientExchange(**options)
@@ -99,7 +107,10 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                    clip_norm=clip_norm, cost_model=cost_model, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
                    sparse_as_dense=sparse_as_dense, process_set=process_set)
-    GradientExchange(**options)  # argument errors now, not at the first gradient
+    key = _options_key(options)
+    if key not in _VALIDATED:  # argument errors now, not at the first gradient
+        GradientExchange(**options)
+        _VALIDATED.add(key)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, options, gradtape._persistent,

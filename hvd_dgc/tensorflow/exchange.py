@@ -98,8 +98,8 @@ class GradientExchange(tf.Module):
             world = self.world_size()
             sparse = is_sparse(self.compression)
             self.max_sparse_k = [
-                self.cost_model.max_sparse_k(n, world) if sparse and n >= self.min_compress_size
-                else 0 for n in self.numels]
+                self.cost_model.max_sparse_k(n, world, 4, self.compression.value_bytes)
+                if sparse and n >= self.min_compress_size else 0 for n in self.numels]
             _check_consistent_config(self._config(), self.process_set)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
@@ -137,9 +137,8 @@ class GradientExchange(tf.Module):
     def __call__(self, grads):
         """Averaged gradients for this step's local ``grads`` (one per built variable)."""
         density = self.density()
-        seed = tf.stack([tf.cast(self.step, tf.int32) + self.compression.seed
-                         if is_sparse(self.compression) else tf.cast(self.step, tf.int32),
-                         tf.constant(_hvd.rank(), tf.int32)])
+        base = self.compression.seed if is_sparse(self.compression) else 0
+        seed = tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()])
         out = []
         for i, grad in enumerate(grads):
             out.append(self._exchange_one(i, self._dense_grad(i, grad), density, seed))
@@ -194,9 +193,8 @@ class GradientExchange(tf.Module):
             if self.op == Average:
                 total = total * (post / self.world_size())
             sent = tf.cast(tf.shape(indices)[0], tf.int64)
-            self.counters.assign_add(tf.stack([8 * sent, tf.constant(4 * numel, tf.int64), sent,
-                                               tf.constant(numel, tf.int64), tf.constant(1, tf.int64),
-                                               tf.constant(0, tf.int64)]))
+            self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
+                                               4 * numel, sent, numel, 1, 0]))
             return total
 
         if self.max_sparse_k[i] == 0:

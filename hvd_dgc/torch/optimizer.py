@@ -305,9 +305,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             yield p, ctx, update
 
     @staticmethod
-    def _own(ctx, numel, dtype):
+    def _own(ctx, dtype):
         """This rank's contribution to a launch, as a dense flat tensor."""
-        path, own = ctx[0], ctx[3]
+        path, numel, _, own = ctx
         if path == DENSE:
             return own.clone()  # p.grad may be changed by the user (clipping); own may not
         indices, values = own
@@ -380,7 +380,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads = {}
             for pending in launches:
                 for p, ctx in zip(pending.params, pending.ctxs):
-                    grads[p] = self._own(ctx, ctx[1], _buffer_dtype(p))
+                    grads[p] = self._own(ctx, buffer_dtype(p.dtype))
             self._inflight.append(launches)
             due = len(self._inflight) if flush else len(self._inflight) - delay
             self._drain([self._inflight.popleft() for _ in range(max(due, 0))], grads)
@@ -494,8 +494,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Mathematically equal after a flush, the ranks' weights still differ in float
         rounding (each summed its corrections in its own order): average them once."""
         self._average_after_step = False
-        params = [p for p in self._requires_update]
-        params.sort(key=self._param_index.get)
+        params = sorted(self._requires_update, key=self._param_index.get)
         if params and self._world() > 1:
             _hvd.grouped_allreduce_([p.data for p in params], name="hvd_dgc.flush",
                                     op=Average, process_set=self.process_set)
@@ -608,10 +607,6 @@ class DGCState:
 
 
 # -- helpers -------------------------------------------------------------------
-def _buffer_dtype(p):
-    return buffer_dtype(p.dtype)
-
-
 def _describe(compression):
     if hasattr(compression, "config"):
         return repr(compression.config())

@@ -9,7 +9,8 @@ import torch
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.schedule import as_schedule
-from tests.workers.torch_dgc import expect_error, flat_params, loss_of, mlp, ranks_identical
+from tests.workers.torch_dgc import (expect_error, flat_params, loss_of, mlp,
+                                     ranks_identical, step_all)
 
 
 def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
@@ -93,10 +94,7 @@ def delay_zero_is_synchronous():
                                    compression=hvd.Compression.none, delay=0)
     equal = []
     for i in range(20):
-        for model, o in ((ref, opt_ref), (ours, opt)):
-            o.zero_grad()
-            loss_of(model, i, rank).backward()
-            o.step()
+        step_all(((ref, opt_ref), (ours, opt)), i, rank)
         equal.append(torch.equal(flat_params(ref), flat_params(ours)))
     moved = float((flat_params(ours) - flat_params(mlp(seed=3))).abs().max())
     return {"equal_each_step": equal, "moved": moved, "in_flight": opt.in_flight}

@@ -55,6 +55,14 @@ def ranks_identical(model, name):
     return all(torch.equal(everyone[0], everyone[r]) for r in range(everyone.shape[0]))
 
 
+def step_all(pairs, step, rank, **kw):
+    """One step of every (model, optimizer) pair on the same batch: runs side by side."""
+    for model, opt in pairs:
+        opt.zero_grad()
+        loss_of(model, step, rank, **kw).backward()
+        opt.step()
+
+
 def train(model, opt, steps, rank, start=0, **kw):
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -88,10 +96,7 @@ def dense_equivalence():
                                        density=1.0)
         diffs = []
         for step in range(20):
-            for model, o in ((ref, opt_ref), (ours, opt)):
-                o.zero_grad()
-                loss_of(model, step, rank).backward()
-                o.step()
+            step_all(((ref, opt_ref), (ours, opt)), step, rank)
             diffs.append(max_diff(ref, ours))
         moved = float((flat_params(ref) - flat_params(mlp(1))).abs().max())
         out["nesterov" if nesterov else "momentum"] = {
@@ -108,10 +113,7 @@ def dense_equivalence():
                                                      ours.named_parameters()],
                                    compression=hvd.Compression.none)
     for step in range(10):
-        for model, o in ((ref, opt_ref), (ours, opt)):
-            o.zero_grad()
-            loss_of(model, step, rank).backward()
-            o.step()
+        step_all(((ref, opt_ref), (ours, opt)), step, rank)
     out["compression_none_max_diff"] = max_diff(ref, ours)
     return out
 
@@ -130,10 +132,7 @@ def dense_fp16():
                                    named_parameters=[("f16." + n, p) for n, p in
                                                      ours.named_parameters()])
     for step in range(20):
-        for model, o in ((ref, opt_ref), (stock16, opt_16), (ours, opt)):
-            o.zero_grad()
-            loss_of(model, step, rank).backward()
-            o.step()
+        step_all(((ref, opt_ref), (stock16, opt_16), (ours, opt)), step, rank)
     stats = opt.compression_stats()
     return {"ours_vs_fp32": max_diff(ref, ours), "stock_fp16_vs_fp32": max_diff(ref, stock16),
             "ratio": stats["compression_ratio"], "identical": ranks_identical(ours, "f16")}
@@ -227,10 +226,7 @@ def _train_grouped(tag, seed, compression, explicit_groups):
             named_parameters=[(f"{tag}{i}.{n}", p) for n, p in m.named_parameters()],
             compression=compression, density=0.01, groups=groups))
     for step in range(6):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            loss_of(m, step, rank, features=64, classes=10).backward()
-            o.step()
+        step_all(zip(models, opts), step, rank, features=64, classes=10)
     return models
 
 
@@ -262,10 +258,7 @@ def adam():
                                      named_parameters=[("adams." + n, p) for n, p in
                                                        sparse.named_parameters()], density=0.01)
     for step in range(15):
-        for model, o in ((ref, opt_ref), (ours, opt)):
-            o.zero_grad()
-            loss_of(model, step, rank).backward()
-            o.step()
+        step_all(((ref, opt_ref), (ours, opt)), step, rank)
         opt_s.zero_grad()
         loss_of(sparse, step, rank, features=64, classes=10).backward()
         opt_s.step()
