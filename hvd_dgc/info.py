@@ -40,6 +40,13 @@ def collect():
     except Exception as exc:
         built["frameworks.tensorflow"] = f"no ({type(exc).__name__}: {exc})"
     info["horovod_built_with"] = built
+    try:
+        from hvd_dgc.torch.memory import fused_kernel_available
+        info["hvd_dgc fused kernel"] = ("built" if fused_kernel_available() else
+                                        "not built (eager PyTorch; build it with "
+                                        "`python setup.py build_ext --inplace`)")
+    except Exception as exc:
+        info["hvd_dgc fused kernel"] = f"not available ({type(exc).__name__}: {exc})"
     return info
 
 

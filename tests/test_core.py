@@ -92,12 +92,12 @@ def test_sampled_threshold_within_window(n, density):
     for seed in range(3):
         x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
         idx = comp.select(x, k)
-        assert 0.8 * k <= idx.numel() <= 1.3 * k
+        assert 0.8 * k <= idx.numel() <= k  # never more bytes than an exact top-k
         assert idx.unique().numel() == idx.numel()
-        # the chosen coordinates are (nearly) the largest: at least as large as the
-        # exact top-(0.8k) threshold's weakest element
-        exact = torch.topk(x.abs(), int(0.8 * k)).values.min()
-        assert x.abs()[idx].sort(descending=True).values[int(0.8 * k) - 1] >= exact * 0.999
+        # what is chosen is a true top set: nothing left behind is larger
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[idx] = True
+        assert x.abs()[chosen].min() >= x.abs()[~chosen].max()
 
 
 def test_sampled_threshold_falls_back_when_sample_misleads():
@@ -105,7 +105,7 @@ def test_sampled_threshold_falls_back_when_sample_misleads():
     x = torch.zeros(200_000)
     x[torch.arange(0, 200_000, 1000)] = torch.arange(1, 201, dtype=torch.float32)
     idx = DGCCompressor(sample_ratio=0.001, min_sample=10).select(x, 200)
-    assert 160 <= idx.numel() <= 260
+    assert 160 <= idx.numel() <= 200
     assert set(idx.tolist()) >= set(range(0, 200_000, 1000)[40:])
 
 
@@ -207,3 +207,47 @@ def test_each_optimizer_owns_its_compressor_copy():
     assert a == b and a is not b and a is not Compression.dgc
     a.generator("cpu").manual_seed(123)
     assert not torch.equal(a.generator("cpu").get_state(), b.generator("cpu").get_state())
+
+
+# -- the fused C++ kernel (hvd_dgc/torch/csrc) against the eager maths ---------
+
+def test_fused_kernel_is_built():
+    # tools/install.sh builds it; a silent fallback would leave the benchmark's
+    # "fused" row measuring eager code.
+    from hvd_dgc.torch.memory import fused_kernel_available
+    assert fused_kernel_available(), (
+        "hvd_dgc/torch/_fused_memory is not built: run `python setup.py build_ext --inplace`")
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, False), (0.9, True), (0.0, False)])
+@pytest.mark.parametrize("n", [4096, 1000 * 32 + 7])
+def test_fused_memory_update_matches_eager(momentum, nesterov, n):
+    from hvd_dgc.torch.memory import block_abs_max
+    gen = torch.Generator().manual_seed(n)
+    fused, eager = DGCMemory(), DGCMemory()
+    for step in range(4):
+        g = torch.randn(n, generator=gen) * (step + 1)
+        v_f, bmax = fused.accumulate("w", g, momentum, nesterov, with_block_max=True)
+        v_e = eager.accumulate("w", g, momentum, nesterov)
+        # a few ulps of the values (|v| ~ 10): torch's vector kernels may use FMA
+        torch.testing.assert_close(v_f, v_e, rtol=1e-5, atol=1e-5)
+        if momentum:
+            torch.testing.assert_close(fused.buffers["w"]["u"], eager.buffers["w"]["u"],
+                                       rtol=1e-5, atol=1e-5)
+        assert bmax.shape == (n // 32,) and torch.equal(bmax, block_abs_max(v_f))
+        idx = Compression.topk.select(v_f, 10)
+        fused.sent("w", idx)
+        eager.sent("w", idx)
+
+
+@pytest.mark.parametrize("n", [32 * 500, 32 * 500 + 19])
+def test_fused_scan_finds_exactly_the_coordinates_at_or_above_threshold(n):
+    from hvd_dgc.torch.compression import _BlockScan
+    from hvd_dgc.torch.memory import _fused_memory, block_abs_max
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    for threshold in (2.5, 3.0, 10.0):
+        expected = torch.nonzero(x.abs() >= threshold).view(-1)
+        got = _fused_memory.indices_at_least(x, block_abs_max(x), threshold)
+        assert torch.equal(got, expected)
+        scan = _BlockScan(x.double())  # float64: the eager scan
+        assert torch.equal(torch.sort(scan.at_least(threshold)).values, expected)

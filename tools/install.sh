@@ -104,6 +104,9 @@ step "install Horovod wheel"
 
 step "install hvd_dgc (editable)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$REPO"
+# The optional fused C++ kernel (hvd_dgc/torch/csrc) is built in place against the
+# installed torch; setuptools' editable install builds in isolation, without torch.
+(cd "$REPO" && "$PY" setup.py -q build_ext --inplace)
 
 step "horovodrun --check-build"
 TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build | tee /tmp/hvd_dgc_check_build.txt

@@ -21,6 +21,7 @@ from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.schedule import check_density, num_selected
+from hvd_dgc.torch.memory import BLOCK, _fused, _fused_memory, block_abs_max
 
 __all__ = ["Compression", "SparseCompressor", "DGCCompressor", "TopKCompressor",
            "RandomKCompressor"]
@@ -47,7 +48,6 @@ class SparseCompressor(Compressor):
         self.fp16_values = bool(fp16_values)
         self.seed = int(seed)
         self._generators = {}
-        self._scratch_buffers = {}
 
     # -- configuration ---------------------------------------------------
     def _options(self):
@@ -106,8 +106,12 @@ class SparseCompressor(Compressor):
             self.generator(key, rank).set_state(gstate)
 
     # -- the three steps of the sparse path -------------------------------
-    def select(self, flat, k, rank=0):
-        """Indices (int64) of the ``k`` coordinates to send from a flat tensor."""
+    def select(self, flat, k, rank=0, block_max=None):
+        """Indices (int64) of the ``k`` coordinates to send from a flat tensor.
+
+        ``block_max``: ``memory.block_abs_max(flat)`` if the caller already has it
+        (the fused memory update computes it on the way); only DGC's selection uses it.
+        """
         raise NotImplementedError
 
     def pack(self, values, indices):
@@ -138,7 +142,7 @@ class SparseCompressor(Compressor):
             raise sparse_under_allreduce_error(repr(self), "torch")
         flat = tensor.detach().reshape(-1)
         indices = self.select(flat, num_selected(flat.numel(), self.density))
-        return self.pack(flat[indices], indices), (tensor.shape, tensor.dtype)
+        return self.pack(flat.index_select(0, indices), indices), (tensor.shape, tensor.dtype)
 
     def decompress(self, tensor, ctx):
         """Dense sum of the gathered records, in the original shape and dtype."""
@@ -153,7 +157,7 @@ class TopKCompressor(SparseCompressor):
 
     name = "topk"
 
-    def select(self, flat, k, rank=0):
+    def select(self, flat, k, rank=0, block_max=None):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         return torch.topk(flat.abs(), k, sorted=False).indices
@@ -165,7 +169,7 @@ class RandomKCompressor(SparseCompressor):
 
     name = "randomk"
 
-    def select(self, flat, k, rank=0):
+    def select(self, flat, k, rank=0, block_max=None):
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
@@ -178,15 +182,20 @@ class DGCCompressor(SparseCompressor):
 
     An exact top-k over millions of elements is slow; DGC estimates the k-th
     largest magnitude from a random sample of ``sample_ratio`` of the tensor,
-    then adapts: if more than ``window[1]*k`` pass the threshold it takes an
-    exact top-k of those candidates only; if fewer than ``window[0]*k`` pass it
-    lowers the threshold by ``threshold_decay``, at most ``max_adapt_rounds``
-    times, then falls back to an exact top-k. The result always holds between
-    ``window[0]*k`` and ``window[1]*k`` coordinates (or exactly k).
+    then adapts: if more than ``k`` pass the threshold it takes an exact top-k
+    of those candidates only (a small set); if fewer than ``window[0]*k`` pass
+    it lowers the threshold by ``threshold_decay``, at most
+    ``max_adapt_rounds`` times, then falls back to an exact top-k. The result
+    holds between ``window[0]*k`` and ``k`` coordinates: never more bytes than
+    an exact top-k.
+
+    The estimate aims at ``window[1]*k`` rather than ``k``: overshooting costs a
+    top-k of a few candidates, undershooting another scan of the tensor.
 
     Args:
         sample_ratio: fraction of the tensor sampled (paper: 0.1%-1%).
-        window: accepted band around k, as fractions of k.
+        window: (lowest count accepted, count the estimate aims at), as
+            fractions of k.
         threshold_decay: factor applied to a threshold that selects too few.
         max_adapt_rounds: rounds of lowering before the exact fallback.
         min_sample: at least this many samples (small tensors sample all).
@@ -217,68 +226,78 @@ class DGCCompressor(SparseCompressor):
                     max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
         return opts
 
-    def select(self, flat, k, rank=0):
+    def select(self, flat, k, rank=0, block_max=None):
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
-        magnitude = torch.abs(flat, out=self._scratch(flat))
         num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
         if num_samples >= n:
-            sample = magnitude
+            sample = flat.abs()
         else:
+            # Runs of RUN consecutive elements (one cache line) at a strided
+            # distance from a random start: a random gather costs as much as a pass
+            # over the whole tensor, and even one element per line reads 1/RUN of
+            # it. The stride is prime so the runs walk through every residue of the
+            # tensor's inner dimensions (3x3 kernels, power-of-two channels)
+            # instead of aliasing onto one of them.
+            runs = flat[:n // _RUN * _RUN].view(-1, _RUN)
+            stride = _prime_at_least(runs.shape[0] * _RUN // num_samples)
             gen = self.generator(flat.device, rank)
-            positions = torch.randint(0, n, (num_samples,), generator=gen, device=flat.device)
-            sample = magnitude[positions]
-        k_sample = max(1, int(math.ceil(num_samples * k / n)))
+            start = int(torch.randint(0, stride, (1,), generator=gen, device=flat.device))
+            sample = runs[start::stride].abs().view(-1)
+        low, high = self.window[0] * k, self.window[1] * k
+        k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * high / n))))
         threshold = torch.topk(sample, k_sample, sorted=False).values.min()
 
-        scan = _BlockScan(magnitude)
-        low, high = self.window[0] * k, self.window[1] * k
+        scan = _BlockScan(flat, block_max)
         for _ in range(self.max_adapt_rounds + 1):
             candidates = scan.at_least(threshold)
             count = candidates.numel()
-            if count > high:
+            if count > k:
                 # Too many: exact top-k among the candidates only (a small set).
-                top = torch.topk(magnitude[candidates], k, sorted=False).indices
+                top = torch.topk(flat.index_select(0, candidates).abs(), k, sorted=False).indices
                 return candidates[top]
             if count >= low:
                 return candidates
             threshold = threshold * self.threshold_decay
-        return torch.topk(magnitude, k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices
 
-    def _scratch(self, like):
-        """One reusable |v| buffer per device and dtype: selection runs one tensor at a
-        time, and a fresh allocation per tensor costs more than the abs itself."""
-        key = (str(like.device), like.dtype)
-        buf = self._scratch_buffers.get(key)
-        if buf is None or buf.numel() < like.numel():
-            buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-            self._scratch_buffers[key] = buf
-        return buf[:like.numel()]
+
+_RUN = 16  # sampled elements read together: 64 bytes of float32
+
+
+def _prime_at_least(n):
+    n = max(2, int(n))
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
 
 
 class _BlockScan:
-    """Indices where ``magnitude >= threshold``, for thresholds that pass ~0.1% of it.
+    """Indices where ``|flat| >= threshold``, for thresholds that pass ~0.1% of it.
 
     A full ``nonzero`` over a boolean mask is the slowest step of selection. Block
-    maxima are computed once; each threshold tried then scans only them and the few
-    blocks that pass, so the adaptation rounds cost almost nothing.
+    maxima of ``|flat|`` are computed once (or come from the fused memory update);
+    each threshold tried then scans only them and the few blocks that pass, so the
+    adaptation rounds cost almost nothing.
     """
 
-    BLOCK = 32
+    BLOCK = BLOCK
 
-    def __init__(self, magnitude):
-        self.magnitude = magnitude
-        self.full = magnitude.numel() // self.BLOCK * self.BLOCK
-        self.blocks = magnitude[:self.full].view(-1, self.BLOCK)
-        self.block_max = self.blocks.amax(dim=1)
+    def __init__(self, flat, block_max=None):
+        self.flat = flat
+        self.full = flat.numel() // self.BLOCK * self.BLOCK
+        self.blocks = flat[:self.full].view(-1, self.BLOCK)
+        self.block_max = block_abs_max(flat) if block_max is None else block_max
 
     def at_least(self, threshold):
+        if _fused_memory is not None and _fused(self.flat, self.block_max):
+            return _fused_memory.indices_at_least(self.flat, self.block_max, float(threshold))
         hit = torch.nonzero(self.block_max >= threshold).view(-1)
-        inside = torch.nonzero(self.blocks[hit] >= threshold)
+        inside = torch.nonzero(self.blocks.index_select(0, hit).abs() >= threshold)
         found = hit[inside[:, 0]] * self.BLOCK + inside[:, 1]
-        if self.full < self.magnitude.numel():
-            tail = self.magnitude[self.full:]
+        if self.full < self.flat.numel():
+            tail = self.flat[self.full:].abs()
             found = torch.cat([found, torch.nonzero(tail >= threshold).view(-1) + self.full])
         return found
 

@@ -18,11 +18,33 @@ the momentum every step and silently turn momentum SGD into plain SGD.)
 Buffers are flat and float32 (float64 for float64 parameters) whatever the
 parameter's dtype: a float16 residual would lose the small values DGC exists
 to keep.
+
+On the sparse path the update also yields the block maxima of ``|v|`` that the
+selection scans (compression.py). On CPU float32 the optional C++ kernel
+(csrc/fused_memory.cpp) does both in one pass over the buffers instead of
+four; elsewhere eager PyTorch does the same maths.
 """
 
 import torch
 
-__all__ = ["DGCMemory", "local_gradient"]
+try:
+    from hvd_dgc.torch import _fused_memory
+except ImportError:  # not built (no compiler at install time): eager PyTorch
+    _fused_memory = None
+
+__all__ = ["DGCMemory", "local_gradient", "block_abs_max", "BLOCK", "fused_kernel_available"]
+
+BLOCK = 32  # elements per block of the selection's block maxima (== the kernel's)
+
+
+def fused_kernel_available():
+    return _fused_memory is not None
+
+
+def block_abs_max(flat):
+    """max |flat| over each full block of ``BLOCK`` elements (max and -min: no |flat| copy)."""
+    blocks = flat[:flat.numel() // BLOCK * BLOCK].view(-1, BLOCK)
+    return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
 
 
 def buffer_dtype(param_dtype):
@@ -61,17 +83,23 @@ class DGCMemory:
         self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
         self._snapshots = {}
 
-    def accumulate(self, key, grad, momentum=0.0, nesterov=False):
-        """Fold one step's local gradient into the memory; returns ``v`` (what may be sent)."""
+    def accumulate(self, key, grad, momentum=0.0, nesterov=False, with_block_max=False):
+        """Fold one step's local gradient into the memory; returns ``v`` (what may be
+        sent), or ``(v, block_abs_max(v))`` when ``with_block_max``."""
         state = self.buffers.get(key)
         if state is None:
             state = {"u": None, "v": torch.zeros_like(grad)}
             self.buffers[key] = state
         v = state["v"]
+        if momentum and state["u"] is None:
+            state["u"] = torch.zeros_like(grad)
+        u = state["u"]
+        if with_block_max and _fused(grad, v, u if momentum else v):
+            block_max = v.new_empty(v.numel() // BLOCK)
+            _fused_memory.accumulate_block_max(grad, u if momentum else v, v, float(momentum),
+                                               bool(nesterov), block_max)
+            return v, block_max
         if momentum:
-            u = state["u"]
-            if u is None:
-                u = state["u"] = torch.zeros_like(grad)
             if nesterov:
                 u.add_(grad).mul_(momentum)
                 v.add_(u).add_(grad)
@@ -80,7 +108,7 @@ class DGCMemory:
                 v.add_(u)
         else:
             v.add_(grad)
-        return v
+        return (v, block_abs_max(v)) if with_block_max else v
 
     def sent(self, key, indices):
         """The coordinates at ``indices`` left this worker (sparse path)."""
@@ -124,3 +152,9 @@ class DGCMemory:
             move = (lambda t: t) if device_of is None else (lambda t, d=device_of(key): t.to(d))
             self.buffers[key] = {"u": None if s["u"] is None else move(s["u"].clone()),
                                  "v": move(s["v"].clone())}
+
+
+def _fused(*tensors):
+    return _fused_memory is not None and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        for t in tensors)

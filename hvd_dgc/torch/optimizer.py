@@ -10,8 +10,8 @@ The path of one gradient, all in this file:
 
     backward hook (last of backward_passes_per_step)      _launch -> _prepare
       g = local_gradient(p.grad)     clip (N^-1/2), weight decay
-      v = memory.accumulate(g)       u = m u + g; v += u
       path = cost_model.choose(...)  dense allreduce or sparse allgather
+      v = memory.accumulate(g)       u = m u + g; v += u  (+ |v| block maxima if sparse)
       sparse: idx = select(v, k); payload = pack(v[idx], idx); memory.sent(idx)
       dense:  payload = v;                                     memory.sent_all()
       handle = allgather_async / allreduce_async_ (non-blocking)
@@ -217,22 +217,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not bool(torch.isfinite(g).all()):
                 return self._prepare_overflow(p, g)
             d.memory.snapshot(key)
-        v = d.memory.accumulate(key, g, momentum, nesterov)
-
-        numel, density = v.numel(), d.density()
+        numel, density = g.numel(), d.density()
         k = num_selected(numel, density)
         path = self._choose_path(numel, k)
         prescale = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
         own = None
         if path == SPARSE:
-            indices = self._compression.select(v, k, _hvd.rank())
-            values = v[indices]
+            v, block_max = d.memory.accumulate(key, g, momentum, nesterov, with_block_max=True)
+            indices = self._compression.select(v, k, _hvd.rank(), block_max)
+            values = v.index_select(0, indices)
             payload = self._compression.pack(values * prescale, indices)
             d.memory.sent(key, indices)
             sent = indices.numel()
             if d.delay:
                 own = (indices, values)  # added at step i, taken back at i+D: rounding cancels
         else:
+            v = d.memory.accumulate(key, g, momentum, nesterov)
             payload = v.to(torch.float16) if d.dense_fp16 else v.clone()
             if d.dense_fp16:
                 v.sub_(payload.to(v.dtype))  # keep fp16's rounding error as residual
