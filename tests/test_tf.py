@@ -10,21 +10,72 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tape_inconsistent_config"]
 
 
-@pytest.fixture(scope="module")
-def tape():
-    return run("tests.workers.tf_dgc:suite", np=2, kwargs={"names": TAPE}, timeout=600)
+KERAS2 = {"TF_USE_LEGACY_KERAS": "1"}
+KERAS3 = {"TF_USE_LEGACY_KERAS": "0"}
 
 
 @pytest.fixture(scope="module")
-def keras2():
-    return run("tests.workers.tf_dgc:suite", np=2, env={"TF_USE_LEGACY_KERAS": "1"},
-               kwargs={"names": ["keras_dense_equivalence", "keras_fit_digits"]}, timeout=900)
+def ckdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tf_checkpoints"))
+
+
+def _ckpt(ckdir, phase, *names):
+    return {name: {"ckdir": ckdir, "phase": phase} for name in names}
+
+
+@pytest.fixture(scope="module")
+def tape(ckdir):
+    return run("tests.workers.tf_dgc:suite", np=2, timeout=600, env=KERAS3, kwargs={
+        "names": TAPE + ["checkpoint_tape", "checkpoint_keras"],
+        "kwargs": _ckpt(ckdir, "save", "checkpoint_tape", "checkpoint_keras")})
+
+
+@pytest.fixture(scope="module")
+def keras2(ckdir):
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS2, timeout=900, kwargs={
+        "names": ["keras_dense_equivalence", "checkpoint_keras", "keras_fit_digits"],
+        "kwargs": _ckpt(ckdir, "save", "checkpoint_keras")})
 
 
 @pytest.fixture(scope="module")
 def keras3():
-    return run("tests.workers.tf_dgc:suite", np=2, env={"TF_USE_LEGACY_KERAS": "0"},
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS3,
                kwargs={"names": ["keras_fit_digits"]}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def resumed3(tape, ckdir):
+    """A new launch (new processes) resuming the Keras 3 / tape checkpoints."""
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS3, timeout=600, kwargs={
+        "names": ["checkpoint_tape", "checkpoint_keras"],
+        "kwargs": _ckpt(ckdir, "resume", "checkpoint_tape", "checkpoint_keras")})
+
+
+@pytest.fixture(scope="module")
+def resumed2(keras2, ckdir):
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS2, timeout=600, kwargs={
+        "names": ["checkpoint_keras"], "kwargs": _ckpt(ckdir, "resume", "checkpoint_keras")})
+
+
+def _assert_resumed(outs):
+    for out in outs:
+        assert out["restored"] == 0.0, out  # bit-identical to the uninterrupted run
+        assert out["without_dgc_state"] > 1e-4, out  # the memory is what made it so
+
+
+def test_tape_memory_checkpoint_resumes_bit_identically(tape, resumed3):
+    assert all(o == {"saved": True} for o in _checked(tape, "checkpoint_tape"))
+    _assert_resumed(_checked(resumed3, "checkpoint_tape"))
+
+
+def test_keras3_optimizer_memory_checkpoint_resumes_bit_identically(tape, resumed3):
+    assert all(o == {"saved": True} for o in _checked(tape, "checkpoint_keras"))
+    _assert_resumed(_checked(resumed3, "checkpoint_keras"))
+
+
+def test_keras2_optimizer_memory_checkpoint_resumes_bit_identically(keras2, resumed2):
+    assert all(o == {"saved": True} for o in _checked(keras2, "checkpoint_keras"))
+    _assert_resumed(_checked(resumed2, "checkpoint_keras"))
 
 
 def test_tape_at_density_one_equals_horovods_tape_exactly(tape):

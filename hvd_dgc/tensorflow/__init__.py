@@ -8,7 +8,15 @@ the set of variables differentiated (and the options), kept in a registry here,
 so ``hvd.DistributedGradientTape(tape)`` stays a one-line switch inside or
 outside ``tf.function``. ``hvd.set_epoch(e)`` drives epoch-based warm-up and
 ``hvd.compression_stats()`` reports, for every exchange in this process.
+
+``hvd.dgc_state`` is that registry as a ``tf.Module``: put it in your
+checkpoint, ``tf.train.Checkpoint(model=..., optimizer=..., dgc=hvd.dgc_state)``,
+and the residuals, velocities, step and epoch come back on restore (restore
+before the first step: the memory is created then and filled from the
+checkpoint). The memory differs per rank, so each rank saves its own file.
 """
+
+import hashlib
 
 from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
@@ -21,6 +29,26 @@ from hvd_dgc.tensorflow.exchange import GradientExchange
 
 _EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
 _VALIDATED = set()  # options keys whose arguments were checked
+
+
+class DGCState(tf.Module):
+    """Every tape exchange of this process, as checkpoint children named by their
+    variables' names and shapes, so a new process finds its own again."""
+
+    def __init__(self):
+        super().__init__(name="hvd_dgc_state")
+
+    def _attach(self, exchange, variables):
+        signature = repr([(_name(v, i), tuple(v.shape)) for i, v in enumerate(variables)])
+        base = "exchange_" + hashlib.sha1(signature.encode()).hexdigest()[:12]
+        name, n = base, 1
+        while getattr(self, name, None) is not None:  # same variables, other options
+            n += 1
+            name = f"{base}_{n}"
+        setattr(self, name, exchange)
+
+
+dgc_state = DGCState()
 
 
 def _options_key(options):
@@ -40,6 +68,7 @@ def _exchange_for(sources, options):
     if exchange is None:
         exchange = GradientExchange(**options)
         _EXCHANGES[key] = exchange
+        dgc_state._attach(exchange, sources)
     return exchange
 
 

@@ -52,6 +52,13 @@ def _compression_stats(self):
     return self._hvd_dgc.stats()
 
 
+def _dgc_state(self):
+    """The DGC memory, step and epoch as a tf.Module for tf.train.Checkpoint
+    (``tf.train.Checkpoint(model=model, dgc=opt.dgc_state)``; one file per rank).
+    Keras 2 also saves it with the optimizer; Keras 3's ``model.save`` does not."""
+    return self._hvd_dgc
+
+
 def _set_epoch(self, epoch):
     """Epoch-based warm-up (``callbacks.DGCCallback`` calls it for ``model.fit``)."""
     self._hvd_dgc.set_epoch(epoch)
@@ -88,7 +95,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         clip_norm=clip_norm, cost_model=cost_model, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         process_set=process_set)
-    methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch}
+    methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
+               "dgc_state": property(_dgc_state)}
     if is_keras3(optimizer):
         methods["apply"] = _apply
     else:
