@@ -127,11 +127,15 @@ class SparseCompressor(Compressor):
         values = records[:, INDEX_BYTES:].contiguous().view(self.value_dtype).view(-1)
         return values, indices
 
-    def scatter_sum(self, records, numel, dtype=torch.float32):
-        """Sum of every rank's records as a dense flat tensor (duplicates add up)."""
+    def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
+        """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates
+        add up). Scaling the k values, not the n-element result, saves a pass."""
         values, indices = self.unpack(records)
+        values = values.to(dtype)
+        if scale != 1.0:
+            values = values * scale
         out = torch.zeros(numel, dtype=dtype, device=records.device)
-        out.index_add_(0, indices.long(), values.to(dtype))
+        out.index_add_(0, indices.long(), values)
         return out
 
     # -- Horovod's Compressor API ------------------------------------------

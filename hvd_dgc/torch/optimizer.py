@@ -297,9 +297,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             path, numel = ctx[0], ctx[1]
             out = next(outputs[path])
             if path == SPARSE:
-                update = self._compression.scatter_sum(out, numel)
-                if post != 1.0:
-                    update.mul_(post)
+                update = self._compression.scatter_sum(out, numel, scale=post)
             else:
                 update = out.reshape(-1)
             yield p, ctx, update

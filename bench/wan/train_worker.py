@@ -1,0 +1,85 @@
+"""One rank of the WAN throughput benchmark (bench/wan_throughput.py).
+
+The same training for every method: an MLP whose gradient is large for its
+compute (on one CPU thread), momentum SGD, synthetic data. Prints one JSON line
+on rank 0: steps/s and samples/s over the timed steps, after warm-up steps.
+
+    --method local   no Horovod at all: the no-communication rate of one worker
+             dense   Horovod's DistributedOptimizer (fp32 allreduce)
+             fp16    Horovod's DistributedOptimizer, Compression.fp16
+             dgc     hvd_dgc, DGC at --density (no warm-up: steady-state speed)
+             dga     hvd_dgc, DGC + delayed averaging (--delay)
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--method", required=True, choices=["local", "dense", "fp16", "dgc", "dga"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--density", type=float, default=0.001)
+    ap.add_argument("--delay", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, args.width), nn.ReLU(),
+                          nn.Linear(args.width, args.width), nn.ReLU(),
+                          nn.Linear(args.width, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rank, size = 0, 1
+    if args.method != "local":
+        if args.method in ("dense", "fp16"):
+            import horovod.torch as hvd
+            compression = hvd.Compression.fp16 if args.method == "fp16" else hvd.Compression.none
+            options = {}
+        else:
+            import hvd_dgc.torch as hvd
+            compression = hvd.Compression.dgc
+            options = dict(density=args.density, delay=args.delay if args.method == "dga" else 0)
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression, **options)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 1024, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+
+    def step():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(args.warmup_steps):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    elapsed = time.perf_counter() - start
+    flush = 0.0
+    if args.method == "dga":  # once per epoch/evaluation, not per step: timed apart
+        start = time.perf_counter()
+        opt.flush()
+        flush = time.perf_counter() - start
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(json.dumps({"method": args.method, "steps": args.steps, "seconds": elapsed,
+                          "steps_per_s": args.steps / elapsed,
+                          "samples_per_s": args.steps * args.batch * size / elapsed,
+                          "workers": size, "params": params, "loss": float(loss.detach()),
+                          "flush_seconds": flush}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
