@@ -100,6 +100,15 @@ def test_sampled_threshold_within_window(n, density):
         assert x.abs()[chosen].min() >= x.abs()[~chosen].max()
 
 
+def test_sampled_threshold_on_tiny_tensors_with_a_tiny_sample():
+    for n in (5, 40, 130, 1000):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        k = max(1, n // 10)
+        idx = DGCCompressor(min_sample=1, sample_ratio=0.001).select(x, k)
+        assert 0.8 * k <= idx.numel() <= k
+        assert set(idx.tolist()) <= set(torch.topk(x.abs(), int(1.3 * k) + 1).indices.tolist())
+
+
 def test_sampled_threshold_falls_back_when_sample_misleads():
     # all mass in a few spikes the sample almost surely misses
     x = torch.zeros(200_000)

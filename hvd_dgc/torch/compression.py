@@ -42,6 +42,7 @@ class SparseCompressor(Compressor):
 
     sparse = True
     name = "sparse"
+    uses_block_max = False  # does select() want memory.block_abs_max(flat)?
 
     def __init__(self, density=0.001, fp16_values=False, seed=0):
         self.density = check_density(density)
@@ -206,6 +207,7 @@ class DGCCompressor(SparseCompressor):
     """
 
     name = "dgc"
+    uses_block_max = True
 
     def __init__(self, density=0.001, fp16_values=False, seed=0, sample_ratio=0.01,
                  window=(0.8, 1.3), threshold_decay=0.8, max_adapt_rounds=10, min_sample=2048):
@@ -235,7 +237,7 @@ class DGCCompressor(SparseCompressor):
         if k >= n:
             return torch.arange(n, device=flat.device)
         num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
-        if num_samples >= n:
+        if num_samples >= n or n < 8 * _RUN:
             sample = flat.abs()
         else:
             # Runs of RUN consecutive elements (one cache line) at a strided
@@ -247,7 +249,8 @@ class DGCCompressor(SparseCompressor):
             runs = flat[:n // _RUN * _RUN].view(-1, _RUN)
             stride = _prime_at_least(runs.shape[0] * _RUN // num_samples)
             gen = self.generator(flat.device, rank)
-            start = int(torch.randint(0, stride, (1,), generator=gen, device=flat.device))
+            start = int(torch.randint(0, min(stride, runs.shape[0]), (1,), generator=gen,
+                                      device=flat.device))
             sample = runs[start::stride].abs().view(-1)
         low, high = self.window[0] * k, self.window[1] * k
         k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * high / n))))

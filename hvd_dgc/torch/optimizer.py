@@ -223,7 +223,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
         own = None
         if path == SPARSE:
-            v, block_max = d.memory.accumulate(key, g, momentum, nesterov, with_block_max=True)
+            if self._compression.uses_block_max:
+                v, block_max = d.memory.accumulate(key, g, momentum, nesterov,
+                                                   with_block_max=True)
+            else:
+                v, block_max = d.memory.accumulate(key, g, momentum, nesterov), None
             indices = self._compression.select(v, k, _hvd.rank(), block_max)
             values = v.index_select(0, indices)
             payload = self._compression.pack(values * prescale, indices)
