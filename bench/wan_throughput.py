@@ -32,16 +32,17 @@ METHODS = ["dense", "fp16", "dgc", "dga"]
 LABELS = {"dense": "Horovod fp32", "fp16": "Horovod fp16", "dgc": "hvd_dgc DGC 0.1%",
           "dga": "hvd_dgc DGC + DGA (D=4)", "local": "no communication (bound)"}
 WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
+MODEL = ["--width", "2048", "--batch", "128"]  # the same training for every method
+GRAD_BYTES = 4 * 6.3e6  # that MLP's fp32 gradient
 
 
 def steps_for(method, rate_mbit, rtt_ms, args):
     """Enough timed steps for ~args.seconds of measurement (at least 2), from a rough
     estimate of the step time, so slow dense runs at 10 Mbit/s stay bounded."""
-    grad_bytes = 4 * 6.3e6
     compute = 0.35
     if method in ("dense", "fp16"):
         width = 2 if method == "fp16" else 4
-        estimate = compute + grad_bytes / 4 * width * 8 / (rate_mbit * 1e6) + 2 * rtt_ms / 1e3
+        estimate = compute + GRAD_BYTES / 4 * width * 8 / (rate_mbit * 1e6) + 2 * rtt_ms / 1e3
     else:
         estimate = compute + 8 * rtt_ms / 1e3
     return max(2, min(args.max_steps, int(args.seconds / estimate)))
@@ -49,7 +50,7 @@ def steps_for(method, rate_mbit, rtt_ms, args):
 
 def measure(link, method, steps, args):
     argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
-                     str(args.warmup_steps), "--width", "2048", "--batch", "128"]
+                     str(args.warmup_steps), *MODEL]
     results = run_job(link, argv, timeout=args.timeout)
     code, out, err = results[0]
     if code != 0 or results[1][0] != 0:
@@ -63,7 +64,7 @@ def local_rate(args):
     the two ranks could do with a free network (they share its cores, as the ranks
     of the measured runs do)."""
     import subprocess
-    argv = WORKER + ["--method", "local", "--steps", "10", "--width", "2048", "--batch", "128"]
+    argv = WORKER + ["--method", "local", "--steps", "10", *MODEL]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]

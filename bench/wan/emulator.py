@@ -83,14 +83,14 @@ def _tun_in(namespace):
 class _Direction:
     """One way of the link: a bottleneck of ``rate`` bytes/s, then ``delay`` seconds."""
 
-    def __init__(self, src, dst, rate, delay, jitter, loss, queue_bytes, rng):
-        self.src, self.dst = src, dst
+    def __init__(self, dst, rate, delay, jitter, loss, queue_bytes, rng):
+        self.dst = dst
         self.rate, self.delay, self.jitter, self.loss = rate, delay, jitter, loss
         self.queue_bytes = queue_bytes
         self.rng = rng
         self.free_at = 0.0  # when the bottleneck finishes what it already holds
         self.last_arrival = 0.0
-        self.in_flight = deque()  # (arrival time, departure time, packet)
+        self.in_flight = deque()  # (arrival time, packet), in arrival order
         self.dropped = 0
 
     def accept(self, packet, now):
@@ -124,8 +124,8 @@ class _Direction:
 
 def _forward(fd_a, fd_b, stop_fd, rate, delay, jitter, loss, queue_bytes, seed):
     rng = random.Random(seed)
-    ways = {fd_a: _Direction(fd_a, fd_b, rate, delay, jitter, loss, queue_bytes, rng),
-            fd_b: _Direction(fd_b, fd_a, rate, delay, jitter, loss, queue_bytes, rng)}
+    ways = {fd_a: _Direction(fd_b, rate, delay, jitter, loss, queue_bytes, rng),
+            fd_b: _Direction(fd_a, rate, delay, jitter, loss, queue_bytes, rng)}
     while True:
         pending = [t for t in (w.next_time() for w in ways.values()) if t is not None]
         timeout = max(0.0, min(pending) - time.monotonic()) if pending else 0.5

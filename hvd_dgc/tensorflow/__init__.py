@@ -25,7 +25,7 @@ import tensorflow as tf
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
-from hvd_dgc.tensorflow.exchange import GradientExchange
+from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 
 _EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
 _VALIDATED = set()  # options keys whose arguments were checked
@@ -39,7 +39,8 @@ class DGCState(tf.Module):
         super().__init__(name="hvd_dgc_state")
 
     def _attach(self, exchange, variables):
-        signature = repr([(_name(v, i), tuple(v.shape)) for i, v in enumerate(variables)])
+        signature = repr([(variable_name(v, i), tuple(v.shape))
+                          for i, v in enumerate(variables)])
         base = "exchange_" + hashlib.sha1(signature.encode()).hexdigest()[:12]
         name, n = base, 1
         while getattr(self, name, None) is not None:  # same variables, other options
@@ -99,8 +100,9 @@ class _DistributedGradientTape(tf.GradientTape):
         flat = tf.nest.flatten(sources)
         gradients = super(self.__class__, self).gradient(target, flat, output_gradients)
         shared = [i for i, s in enumerate(flat) if s.ref() not in self._local_sources]
-        exchange = _exchange_for([flat[i] for i in shared], self._dgc_options)
-        exchange.build([flat[i] for i in shared], [_name(flat[i], i) for i in shared])
+        variables = [flat[i] for i in shared]
+        exchange = _exchange_for(variables, self._dgc_options)
+        exchange.build(variables)
         averaged = exchange([gradients[i] for i in shared])
         out = list(gradients)
         for i, g in zip(shared, averaged):
@@ -144,7 +146,3 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, options, gradtape._persistent,
                gradtape._watch_accessed_variables)
-
-
-def _name(var, i):
-    return getattr(var, "path", None) or getattr(var, "name", None) or f"var{i}"

@@ -26,7 +26,12 @@ from hvd_dgc.stats import CompressionStats
 from hvd_dgc.tensorflow.compression import Compression, is_sparse
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
 
-__all__ = ["GradientExchange"]
+__all__ = ["GradientExchange", "variable_name"]
+
+
+def variable_name(var, i):
+    """What error messages and the config check call a variable (Keras 3: its path)."""
+    return getattr(var, "path", None) or getattr(var, "name", None) or f"var{i}"
 
 
 class GradientExchange(tf.Module):
@@ -83,10 +88,11 @@ class GradientExchange(tf.Module):
             self.epoch.assign(self._epoch)
 
     # -- set-up (eager, once) ---------------------------------------------------
-    def build(self, variables, names):
+    def build(self, variables):
         """Create the memory and check every rank agrees; runs outside any trace."""
         if self.memory is not None:
             return
+        names = [variable_name(v, i) for i, v in enumerate(variables)]
         with tf.init_scope():
             for var, name in zip(variables, names):
                 if not tf.as_dtype(var.dtype).is_floating:

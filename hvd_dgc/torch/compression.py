@@ -298,7 +298,7 @@ class _BlockScan:
         self.block_max = block_abs_max(flat) if block_max is None else block_max
 
     def at_least(self, threshold):
-        if _fused_memory is not None and _fused(self.flat, self.block_max):
+        if _fused(self.flat, self.block_max):
             return _fused_memory.indices_at_least(self.flat, self.block_max, float(threshold))
         hit = torch.nonzero(self.block_max >= threshold).view(-1)
         inside = torch.nonzero(self.blocks.index_select(0, hit).abs() >= threshold)

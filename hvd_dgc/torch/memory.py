@@ -94,9 +94,10 @@ class DGCMemory:
         if momentum and state["u"] is None:
             state["u"] = torch.zeros_like(grad)
         u = state["u"]
-        if with_block_max and _fused(grad, v, u if momentum else v):
+        kernel_u = u if momentum else v  # the kernel ignores u without momentum
+        if with_block_max and _fused(grad, v, kernel_u):
             block_max = v.new_empty(v.numel() // BLOCK)
-            _fused_memory.accumulate_block_max(grad, u if momentum else v, v, float(momentum),
+            _fused_memory.accumulate_block_max(grad, kernel_u, v, float(momentum),
                                                bool(nesterov), block_max)
             return v, block_max
         if momentum:

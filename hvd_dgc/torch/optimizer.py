@@ -759,8 +759,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
     if is_sparse(compression):
-        # A copy per optimizer: the sampler's RNG state and scratch buffer belong to one
-        # optimizer's checkpoint, not to the shared Compression.dgc default.
+        # A copy per optimizer: the sampler's RNG state belongs to one optimizer's
+        # checkpoint, not to the shared Compression.dgc default.
         compression = compression()
         schedule = as_schedule(0.001 if density is None else density, warmup, warmup_unit,
                                warmup_densities)

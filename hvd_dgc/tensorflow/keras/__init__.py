@@ -30,7 +30,7 @@ def is_keras3(optimizer):
 
 def _exchange_grads(self, grads, variables):
     exchange = self._hvd_dgc
-    exchange.build(variables, [getattr(v, "path", None) or v.name for v in variables])
+    exchange.build(variables)
     return exchange(grads)
 
 
