@@ -14,6 +14,11 @@ checkpoint, ``tf.train.Checkpoint(model=..., optimizer=..., dgc=hvd.dgc_state)``
 and the residuals, velocities, step and epoch come back on restore (restore
 before the first step: the memory is created then and filled from the
 checkpoint). The memory differs per rank, so each rank saves its own file.
+
+``delay=D`` (delayed gradient averaging) keeps each step's collectives in
+flight for D steps; ``hvd.flush(optimizer)`` applies what is still in flight
+and leaves every rank with the same weights: call it before evaluating or
+checkpointing, and at the end of training.
 """
 
 import hashlib
@@ -79,6 +84,26 @@ def set_epoch(epoch):
         exchange.set_epoch(epoch)
 
 
+def flush(optimizer):
+    """Delayed averaging (``delay=D``): wait for the steps still in flight, apply
+    their corrections ``avg - own`` with ``optimizer`` as one extra step (its
+    ``iterations`` left unchanged), and average the variables across ranks.
+    Call it on every rank. Returns whether anything was in flight."""
+    def apply(corrections, variables):
+        iterations = getattr(optimizer, "iterations", None)
+        before = int(iterations.numpy()) if iterations is not None else None
+        optimizer.apply_gradients(zip(corrections, variables))
+        if before is not None:
+            iterations.assign(before)
+    flushed = [e.flush(apply) for e in _EXCHANGES.values() if e.delay]
+    return any(flushed)
+
+
+def in_flight():
+    """Steps of delayed averaging not applied yet, over this process's exchanges."""
+    return max([e.in_flight for e in _EXCHANGES.values()] or [0])
+
+
 def compression_stats():
     """Statistics of this process's exchange (a list when there are several)."""
     stats = [e.stats() for e in _EXCHANGES.values() if e.memory is not None]
@@ -116,7 +141,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             process_set=global_process_set, scale_local_gradients=True, *,
                             density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
                             min_compress_size=1024, momentum_masking=True, clip_norm=None,
-                            cost_model=None):
+                            cost_model=None, delay=0):
     """Horovod's DistributedGradientTape with Deep Gradient Compression.
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
@@ -126,6 +151,11 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).
     ``groups`` is accepted for compatibility; each tensor is its own collective.
+
+    ``delay=D``: delayed gradient averaging, as in the PyTorch optimizer: the
+    tape returns ``own_i - own_(i-D) + avg_(i-D)``, exact with an optimizer whose
+    update is linear in the gradient (SGD; with momentum, each rank's momentum
+    also holds its own last D contributions until ``hvd.flush(optimizer)``).
     """
     if num_groups:
         groups = groups or num_groups
@@ -137,7 +167,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                    min_compress_size=min_compress_size, momentum_masking=momentum_masking,
                    clip_norm=clip_norm, cost_model=cost_model, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
-                   sparse_as_dense=sparse_as_dense, process_set=process_set)
+                   sparse_as_dense=sparse_as_dense, process_set=process_set, delay=delay)
     key = _options_key(options)
     if key not in _VALIDATED:  # argument errors now, not at the first gradient
         GradientExchange(**options)

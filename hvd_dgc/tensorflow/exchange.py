@@ -12,6 +12,10 @@ Keras DistributedOptimizer:
 
 Every rank computes the same k and the same path, so every rank joins the same
 collective inside the same ``tf.cond`` branch.
+
+With ``delay=D`` (delayed gradient averaging) the collectives leave the graph
+for a worker thread and step i applies ``own_i + avg_(i-D) - own_(i-D)``: see
+hvd_dgc/tensorflow/delayed.py.
 """
 
 import numpy as np
@@ -24,6 +28,7 @@ from hvd_dgc.costmodel import CostModel
 from hvd_dgc.schedule import as_schedule, DensitySchedule
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.tensorflow.compression import Compression, is_sparse
+from hvd_dgc.tensorflow.delayed import DENSE, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
 
 __all__ = ["GradientExchange", "variable_name"]
@@ -41,8 +46,12 @@ class GradientExchange(tf.Module):
                  warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
                  momentum=0.0, nesterov=False, momentum_masking=True, clip_norm=None,
                  cost_model=None, op=Average, gradient_predivide_factor=1.0,
-                 sparse_as_dense=False, process_set=global_process_set, name="hvd_dgc"):
+                 sparse_as_dense=False, process_set=global_process_set, delay=0,
+                 name="hvd_dgc"):
         super().__init__(name=name)
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ValueError(f"delay must be an int >= 0 (the number of steps an average may "
+                             f"lag; 0 = synchronous), got {delay!r}")
         if op not in (Average, Sum):
             raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -78,7 +87,9 @@ class GradientExchange(tf.Module):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        self.delay = delay
         self.memory = None
+        self._dga = None
         self._epoch = 0.0
 
     def set_epoch(self, epoch):
@@ -115,6 +126,8 @@ class GradientExchange(tf.Module):
                                         name="counters")
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking)
+            if self.delay:
+                self._dga = DelayedAveraging(self, variables)
 
     def world_size(self):
         return self.process_set.size()
@@ -125,6 +138,7 @@ class GradientExchange(tf.Module):
                 self.min_compress_size, "momentum": self.momentum, "nesterov": self.nesterov,
                 "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
                 "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
+                "delay": self.delay,
                 "variables": list(zip(self.names, self.numels))}
 
     # -- per step ---------------------------------------------------------------
@@ -141,13 +155,16 @@ class GradientExchange(tf.Module):
                         tf.gather(stages, stage))
 
     def __call__(self, grads):
-        """Averaged gradients for this step's local ``grads`` (one per built variable)."""
+        """Averaged gradients for this step's local ``grads`` (one per built variable);
+        with ``delay=D``, this rank's own update corrected by the average of step i-D."""
         density = self.density()
         base = self.compression.seed if is_sparse(self.compression) else 0
         seed = tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()])
-        out = []
-        for i, grad in enumerate(grads):
-            out.append(self._exchange_one(i, self._dense_grad(i, grad), density, seed))
+        grads = [self._dense_grad(i, g) for i, g in enumerate(grads)]
+        if self.delay:
+            out = self._delayed_step(grads, density, seed)
+        else:
+            out = [self._exchange_one(i, grad, density, seed) for i, grad in enumerate(grads)]
         self.step.assign_add(1)
         return out
 
@@ -164,50 +181,131 @@ class GradientExchange(tf.Module):
             grad = tf.convert_to_tensor(grad)
         return grad
 
-    def _exchange_one(self, i, grad, density, seed):
-        numel = self.numels[i]
+    # -- the gradient's path, shared by the synchronous and the delayed step --------
+    def _accumulate(self, i, grad, density):
+        """Clip, accumulate; ``k`` and whether the sparse path can be taken at all."""
         g = local_gradient(grad, self.clip_norm, self.world_size())
         v = self.memory.accumulate(i, g)
-        k = tf.maximum(1, tf.cast(tf.math.ceil(numel * density), tf.int32))  # num_selected
+        k = tf.maximum(1, tf.cast(tf.math.ceil(self.numels[i] * density), tf.int32))
+        return v, k
+
+    def _choose(self, i, k, sparse, dense):
+        """Every rank computes the same k, so every rank takes the same branch."""
+        if self.max_sparse_k[i] == 0:
+            return dense()
+        return tf.cond(k <= self.max_sparse_k[i], sparse, dense)
+
+    def _select(self, i, v, k, seed):
+        """Sparse path: indices and values to send; the memory forgets them."""
+        indices = self.compression.select(v, k, seed)
+        values = tf.gather(v, indices)
+        self.memory.sent(i, indices)
+        sent = tf.cast(tf.shape(indices)[0], tf.int64)
+        numel = self.numels[i]
+        self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
+                                           4 * numel, sent, numel, 1, 0]))
+        return indices, values
+
+    def _dense_payload(self, i, v):
+        """Dense path: all of ``v`` leaves (as float16 with Compression.fp16)."""
+        self.memory.sent_all(i)
+        numel = self.numels[i]
+        fp16 = self.compression is Compression.fp16
+        self.counters.assign_add(tf.constant([(2 if fp16 else 4) * numel, 4 * numel, numel,
+                                              numel, 0, 1], tf.int64))
+        return tf.cast(v, tf.float16) if fp16 else v
+
+    def _scales(self):
+        """(prescale, postscale) of Horovod's Average with gradient_predivide_factor."""
+        if self.op == Average:
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _exchange_one(self, i, grad, density, seed):
+        numel = self.numels[i]
+        v, k = self._accumulate(i, grad, density)
         name = f"hvd_dgc.{i}"
-        pre = 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
-        post = self.gradient_predivide_factor if self.op == Average else 1.0
+        pre, post = self._scales()
 
         def dense():
-            self.memory.sent_all(i)
-            if self.compression is Compression.fp16:
-                payload = tf.cast(v, tf.float16)
-                avg = tf.cast(_hvd.allreduce(payload, op=self.op, name=name + ".dense",
-                                             prescale_factor=pre, postscale_factor=post,
-                                             process_set=self.process_set), tf.float32)
-                nbytes = 2 * numel
-            else:
-                avg = _hvd.allreduce(v, op=self.op, name=name + ".dense", prescale_factor=pre,
-                                     postscale_factor=post, process_set=self.process_set)
-                nbytes = 4 * numel
-            self.counters.assign_add(tf.constant([nbytes, 4 * numel, numel, numel, 0, 1],
-                                                 tf.int64))
-            return avg
+            payload = self._dense_payload(i, v)
+            avg = _hvd.allreduce(payload, op=self.op, name=name + ".dense", prescale_factor=pre,
+                                 postscale_factor=post, process_set=self.process_set)
+            return tf.cast(avg, tf.float32)
 
         def sparse():
-            indices = self.compression.select(v, k, seed)
-            records = self.compression.pack(tf.gather(v, indices) * pre, indices)
-            self.memory.sent(i, indices)
+            indices, values = self._select(i, v, k, seed)
+            records = self.compression.pack(values * pre, indices)
             gathered = _hvd.allgather(records, name=name + ".sparse",
                                       process_set=self.process_set)
             total = self.compression.scatter_sum(gathered, numel)
             if self.op == Average:
                 total = total * (post / self.world_size())
-            sent = tf.cast(tf.shape(indices)[0], tf.int64)
-            self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
-                                               4 * numel, sent, numel, 1, 0]))
             return total
 
-        if self.max_sparse_k[i] == 0:
-            avg = dense()
-        else:
-            avg = tf.cond(k <= self.max_sparse_k[i], sparse, dense)
-        return tf.reshape(avg, tf.shape(grad))
+        return tf.reshape(self._choose(i, k, sparse, dense), tf.shape(grad))
+
+    def _delayed_step(self, grads, density, seed):
+        """DGA (hvd_dgc/tensorflow/delayed.py): launch this step, apply own + the
+        correction of the step launched ``delay`` steps ago."""
+        paths, payloads, owns = [], [], []
+        pre, _ = self._scales()
+        for i, grad in enumerate(grads):
+            numel = self.numels[i]
+            v, k = self._accumulate(i, grad, density)
+
+            def dense(i=i, v=v):
+                own = tf.cast(self._dense_payload(i, v), tf.float32)
+                return tf.constant(DENSE), tf.bitcast(own, tf.int32), own
+
+            def sparse(i=i, v=v, k=k, numel=numel):
+                indices, values = self._select(i, v, k, seed)
+                records = self.compression.pack(values * pre, indices)
+                own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
+                return tf.constant(SPARSE), tf.reshape(records, [-1]), own
+
+            path, payload, own = self._choose(i, k, sparse, dense)
+            paths.append(path)
+            payloads.append(payload)
+            owns.append(own)
+        launched = tf.py_function(self._dga.launch, [self.step, tf.stack(paths)] + payloads,
+                                  Tout=tf.int32)
+        with tf.control_dependencies([launched]):
+            parts = tf.py_function(self._dga.correction, [self.step - self.delay],
+                                   Tout=[tf.int32, tf.float32] * len(grads))
+        out = []
+        for i, (grad, own) in enumerate(zip(grads, owns)):
+            records, dense = parts[2 * i], parts[2 * i + 1]
+            records.set_shape([None, 2])
+            # the dense part, or zeros, plus the records scattered (as the sync path does)
+            base = tf.cond(tf.size(dense) > 0, lambda d=dense: d,
+                           lambda n=self.numels[i]: tf.zeros([n]))
+            correction = tf.tensor_scatter_nd_add(base, records[:, :1],
+                                                  tf.bitcast(records[:, 1], tf.float32))
+            out.append(tf.reshape(own + tf.reshape(correction, [-1]), tf.shape(grad)))
+        return out
+
+    @property
+    def in_flight(self):
+        """Steps whose averages have not been applied yet (delay > 0)."""
+        return self._dga.in_flight if self._dga is not None else 0
+
+    def flush(self, apply):
+        """Wait for every step in flight, ``apply(corrections, variables)`` them (one
+        optimizer step of ``avg - own``), then average the variables across ranks:
+        equal in exact arithmetic after the corrections, they differ in rounding."""
+        corrections = self._dga.drain() if self._dga is not None else None
+        if corrections is None:
+            return False
+        variables = self._dga.variables
+        apply([tf.reshape(c, v.shape) for c, v in zip(corrections, variables)], variables)
+        if self.world_size() > 1:
+            averaged = _hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in variables],
+                                              op=Average, name="hvd_dgc.flush",
+                                              process_set=self.process_set)
+            for var, value in zip(variables, averaged):
+                var.assign(value)
+        return True
 
     def stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""

@@ -1,5 +1,6 @@
 """Bodies of the TensorFlow/Keras tests, run on every rank under horovodrun."""
 
+import importlib
 import os
 import traceback
 
@@ -8,7 +9,7 @@ import numpy as np
 
 def _tf():
     import tensorflow as tf
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)  # delay=D needs 2 (delayed.py)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     return tf
 
@@ -135,8 +136,9 @@ def digits(rank, size):
     return (x[shard], y[shard]), (x[test], y[test])
 
 
-def keras_fit_digits(epochs=30, lr=0.02, batch=32):
-    """model.fit on digits: dense baseline vs DGC 0.1% with warm-up (Keras 2 or 3 by env)."""
+def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0):
+    """model.fit on digits: dense baseline vs DGC 0.1% with warm-up (Keras 2 or 3 by env),
+    and with ``delay`` also DGC + delayed averaging."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     keras = tf.keras
@@ -146,6 +148,8 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32):
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     out = {"keras": keras.__version__ if hasattr(keras, "__version__") else "2", "legacy": legacy}
     runs = {"dgc": dict(compression=hvd.Compression.dgc, density=0.001, warmup=4)}
+    if delay:  # delayed averaging on top; DGCCallback flushes when fit ends
+        runs["dga"] = dict(runs["dgc"], delay=delay)
     if legacy:
         import horovod.tensorflow.keras as hvd_stock
         runs = {"dense": "horovod", **runs}
@@ -174,18 +178,23 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32):
         everyone = hvd.allgather(tf.expand_dims(flat, 0), name=f"fit.{tag}").numpy()
         out[tag] = {"accuracy": acc,
                     "identical": all(np.array_equal(everyone[0], e) for e in everyone),
-                    "stats": opt.compression_stats() if options != "horovod" else None}
+                    "stats": opt.compression_stats() if options != "horovod" else None,
+                    "in_flight": opt.in_flight if options != "horovod" else 0}
     return out
 
 
 def suite(names, kwargs=None):
-    """Run the named test bodies; ``kwargs`` maps a name to its keyword arguments."""
+    """Run the named test bodies (here, or "module.name" in tests/workers/); ``kwargs``
+    maps a name to its keyword arguments."""
     import hvd_dgc.tensorflow as hvd
     hvd.init()
     results = {}
     for name in names:
         try:
-            results[name] = globals()[name](**(kwargs or {}).get(name, {}))
+            module, _, func = name.rpartition(".")  # "tf_dga.x": tests/workers/tf_dga.py
+            body = getattr(importlib.import_module("tests.workers." + module), func) \
+                if module else globals()[name]
+            results[name] = body(**(kwargs or {}).get(name, {}))
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     return results

@@ -59,6 +59,28 @@ def _dgc_state(self):
     return self._hvd_dgc
 
 
+def _flush(self):
+    """Delayed averaging (``delay=D``): apply the steps still in flight and leave
+    every rank with the same weights. ``callbacks.DGCCallback`` calls it before
+    evaluation and at the end of ``model.fit``; call it yourself before
+    checkpointing. Returns whether anything was in flight."""
+    base = super(self.__class__, self)
+
+    def apply(corrections, variables):  # SGD, its momentum taken over: w -= lr * c
+        before = int(self.iterations.numpy())
+        if self._hvd_dgc_keras3:
+            base.apply(corrections, variables)
+        else:
+            base.apply_gradients(zip(corrections, variables))
+        self.iterations.assign(before)
+    return self._hvd_dgc.flush(apply)
+
+
+def _in_flight(self):
+    """Steps whose averages have not been applied yet (delay > 0)."""
+    return self._hvd_dgc.in_flight
+
+
 def _set_epoch(self, epoch):
     """Epoch-based warm-up (``callbacks.DGCCallback`` calls it for ``model.fit``)."""
     self._hvd_dgc.set_epoch(epoch)
@@ -71,18 +93,29 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          process_set=global_process_set, scale_local_gradients=True, *,
                          density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
                          min_compress_size=1024, momentum_masking=True, clip_norm=None,
-                         cost_model=None):
+                         cost_model=None, delay=0):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
     (as Horovod does). DGC options as in ``hvd_dgc.torch.DistributedOptimizer``.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
     collectives have no XLA kernels here.
+
+    ``delay=D``: delayed gradient averaging (needs SGD, whose momentum DGC takes
+    over): each step applies ``own_i - own_(i-D) + avg_(i-D)`` while the average
+    of step i travels; ``opt.flush()`` (``callbacks.DGCCallback`` calls it before
+    evaluation and when ``fit`` ends) applies the rest and leaves every rank with
+    the same weights.
     """
     if backward_passes_per_step != 1:
         raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
                          f"backward_passes_per_step=1 only (got {backward_passes_per_step}); "
                          f"use a larger batch, or hvd_dgc.torch for gradient accumulation.")
+    if delay and type(optimizer).__name__ != "SGD":
+        raise ValueError(f"delay={delay} needs a Keras SGD optimizer (with or without "
+                         f"momentum): the DGA correction g_i - g_(i-D) + avg_(i-D) is exact "
+                         f"only for an update linear in the gradient, and "
+                         f"{type(optimizer).__name__} is not. Use delay=0.")
     config = optimizer.get_config()
     momentum, nesterov = 0.0, False
     if type(optimizer).__name__ == "SGD" and config.get("momentum"):
@@ -94,9 +127,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
         clip_norm=clip_norm, cost_model=cost_model, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set)
+        process_set=process_set, delay=delay)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
-               "dgc_state": property(_dgc_state)}
+               "dgc_state": property(_dgc_state), "flush": _flush,
+               "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer)}
     if is_keras3(optimizer):
         methods["apply"] = _apply
     else:

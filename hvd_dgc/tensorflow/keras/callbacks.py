@@ -39,7 +39,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
 
 
 class DGCCallback(tf.keras.callbacks.Callback):
-    """Drives an epoch-based sparsity warm-up and logs compression statistics.
+    """Drives an epoch-based sparsity warm-up, logs compression statistics and, with
+    delayed averaging (``delay=D``), flushes the steps in flight before each
+    evaluation (so every rank evaluates the same weights) and when ``fit`` ends.
 
     Args:
         verbose: print the statistics at the end of each epoch on rank 0.
@@ -49,6 +51,12 @@ class DGCCallback(tf.keras.callbacks.Callback):
         super().__init__()
         self.verbose = verbose
         self.history = []
+
+    def on_test_begin(self, logs=None):
+        self.model.optimizer.flush()
+
+    def on_train_end(self, logs=None):
+        self.model.optimizer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.optimizer.set_epoch(epoch)

@@ -1,0 +1,66 @@
+"""One rank of bench/tf_dga_wan.py: Keras SGD with momentum through
+hvd_dgc.tensorflow.keras.DistributedOptimizer, DGC at --density, delayed averaging
+with --delay (0 = synchronous). Prints one JSON line on rank 0."""
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--delay", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--density", type=float, default=0.001)
+    args = ap.parse_args()
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(2)  # delay=D needs 2 (delayed.py)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import hvd_dgc.tensorflow.keras as hvd
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(0)
+    shapes = [(1024, args.width), (args.width,), (args.width, args.width), (args.width,),
+              (args.width, 10), (10,)]
+    variables = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.02) for s in shapes]
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9),
+                                   density=args.density, delay=args.delay)
+    data = np.random.RandomState(rank)
+    x = tf.constant(data.randn(args.batch, 1024).astype(np.float32))
+    y = tf.constant(data.randint(0, 10, args.batch))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = x
+            for i in range(0, len(variables) - 2, 2):
+                h = tf.nn.relu(h @ variables[i] + variables[i + 1])
+            logits = h @ variables[-2] + variables[-1]
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    for _ in range(args.warmup_steps):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    float(loss)
+    elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    opt.flush()
+    flush = time.perf_counter() - start
+    if rank == 0:
+        print(json.dumps({"delay": args.delay, "steps": args.steps, "seconds": elapsed,
+                          "samples_per_s": args.steps * args.batch * size / elapsed,
+                          "params": int(sum(np.prod(s) for s in shapes)),
+                          "flush_seconds": flush}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Delayed gradient averaging (``delay=D``) in hvd_dgc.tensorflow, on every rank.
+
+The gradients here do not depend on the weights (``loss = sum(w * c)``), so
+the DGA update can be written out exactly and compared step by step, and a
+delayed run sends exactly what a synchronous run sends."""
+
+import numpy as np
+
+from tests.workers.tf_dgc import _flat, _identical, _tf
+
+SHAPES = [(40, 32), (32,), (32, 8)]
+
+
+def _fixed_grads(step, rank, size=None, scale=1.0):
+    """This rank's gradient at ``step`` (all ranks' when ``size`` is given)."""
+    if size is not None:
+        return [_fixed_grads(step, r, scale=scale) for r in range(size)]
+    rng = np.random.RandomState(7919 * step + rank)
+    return [(rng.randn(*s) * scale).astype(np.float32) for s in SHAPES]
+
+
+def _init(tf, offset=0):
+    rng = np.random.RandomState(3 + offset)
+    return [tf.Variable(rng.randn(*s).astype(np.float32), name=f"dga{offset}_{i}")
+            for i, s in enumerate(SHAPES)]
+
+
+def _expected(w0, size, rank, steps, delay, lr, momentum, flushed):
+    """Weights of one rank after ``steps`` steps of dense DGA with DGC's momentum
+    correction (dense: own = u = m u + g), and after a flush if ``flushed``."""
+    u = [[np.zeros(s, np.float64) for s in SHAPES] for _ in range(size)]
+    owns, w = [], [x.astype(np.float64) for x in w0]
+    for i in range(steps):
+        grads = _fixed_grads(i, None, size)
+        for r in range(size):
+            u[r] = [momentum * a + g for a, g in zip(u[r], grads[r])]
+        owns.append([list(x) for x in u])
+        due = [i - delay] if i >= delay else []
+        w = _apply(w, owns, due, rank, size, lr, own_step=i)
+    if flushed:
+        w = _apply(w, owns, range(max(0, steps - delay), steps), rank, size, lr, own_step=None)
+    return w
+
+
+def _apply(w, owns, due, rank, size, lr, own_step):
+    update = [np.zeros_like(x) for x in w]
+    if own_step is not None:
+        update = [a + b for a, b in zip(update, owns[own_step][rank])]
+    for j in due:
+        avg = [sum(owns[j][r][t] for r in range(size)) / size for t in range(len(w))]
+        update = [a + m - o for a, m, o in zip(update, avg, owns[j][rank])]
+    return [x - lr * d for x, d in zip(w, update)]
+
+
+def _max_diff(tf, variables, expected):
+    return max(float(np.max(np.abs(v.numpy() - e))) for v, e in zip(variables, expected))
+
+
+def _run_dense(tf, hvd, train_step, variables, w0, steps, delay, lr, momentum, flush,
+               in_flight):
+    rank, size = hvd.rank(), hvd.size()
+    per_step, identical = [], []
+    for i in range(steps):
+        train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+        per_step.append(_max_diff(tf, variables, _expected(w0, size, rank, i + 1, delay, lr,
+                                                           momentum, False)))
+        identical.append(_identical(tf, hvd, variables, f"dga.id.{momentum}.{i}"))
+    before = in_flight()
+    flushed = flush()
+    return {"max_diff_each_step": max(per_step), "identical_before_flush": identical,
+            "in_flight_before_flush": before, "flushed": flushed,
+            "in_flight_after_flush": in_flight(),
+            "max_diff_after_flush": _max_diff(tf, variables, _expected(
+                w0, size, rank, steps, delay, lr, momentum, True)),
+            "identical_after_flush": _identical(tf, hvd, variables, f"dga.flushed.{momentum}"),
+            "moved": max(float(np.max(np.abs(v.numpy() - x))) for v, x in zip(variables, w0))}
+
+
+def tape_delay_dense_matches_formula(steps=7, delay=2, lr=0.05):
+    """Tape, Compression.none, delay=2, Keras SGD: w_i == the DGA formula at every step;
+    hvd.flush(opt) leaves w == w0 - lr * sum of the averages, identical on all ranks."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    variables = _init(tf, 0)
+    w0 = [v.numpy() for v in variables]
+    opt = tf.keras.optimizers.SGD(lr)
+
+    def train_step(grads):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.none, delay=delay)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    out = _run_dense(tf, hvd, train_step, variables, w0, steps, delay, lr, 0.0,
+                     lambda: hvd.flush(opt), hvd.in_flight)
+    out["iterations"] = int(opt.iterations.numpy())  # the flush is not counted as a step
+    return out
+
+
+def keras_delay_dense_matches_formula(steps=7, delay=2, lr=0.05, momentum=0.9):
+    """Keras optimizer (2 or 3 by env), SGD momentum taken over by DGC, dense, delay=2,
+    inside tf.function: the DGA formula with own = u at every step, then opt.flush()."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    variables = _init(tf, 1)
+    w0 = [v.numpy() for v in variables]
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum),
+                                   compression=hvd.Compression.none, delay=delay)
+
+    @tf.function
+    def train_step(grads):
+        opt.apply_gradients(zip(grads, variables))
+
+    out = _run_dense(tf, hvd, train_step, variables, w0, steps, delay, lr, momentum,
+                     opt.flush, lambda: opt.in_flight)
+    out["iterations"] = int(opt.iterations.numpy())
+    return out
+
+
+def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
+    """DGC 5% inside tf.function: delay=2 then flush == delay=0 (same gradients, so the
+    same values are sent), ranks differ while averages are in flight, identical after."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    runs = {}
+    for d in (0, delay):
+        variables = _init(tf, 2)  # same values, other variables: another exchange
+        opt = tf.keras.optimizers.SGD(lr)
+
+        @tf.function
+        def train_step(grads, variables=variables, opt=opt, d=d):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+            tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64,
+                                               delay=d)
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+        identical = []
+        for i in range(steps):
+            train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+            identical.append(_identical(tf, hvd, variables, f"dgas.{d}.{i}"))
+        runs[d] = {"variables": variables, "identical": identical, "in_flight": hvd.in_flight(),
+                   "flushed": hvd.flush(opt) if d else None}
+    stats = hvd.compression_stats()
+    sync, delayed = runs[0]["variables"], runs[delay]["variables"]
+    return {"max_diff_vs_synchronous": float(np.max(np.abs(
+                (_flat(tf, sync) - _flat(tf, delayed)).numpy()))),
+            "identical_sync": runs[0]["identical"],
+            "identical_delayed_before_flush": runs[delay]["identical"],
+            "in_flight_before_flush": runs[delay]["in_flight"],
+            "flushed": runs[delay]["flushed"],
+            "identical_after_flush": _identical(tf, hvd, delayed, "dgas.flushed"),
+            "paths": [s["paths"] for s in (stats if isinstance(stats, list) else [stats])]}
+
+
+def delay_bad_inputs():
+    """delay must be an int >= 0; the Keras optimizer needs SGD for delay > 0."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    out = {}
+    for label, fn in (
+            ("negative", lambda: hvd.DistributedGradientTape(tf.GradientTape(), delay=-1)),
+            ("float", lambda: hvd.DistributedGradientTape(tf.GradientTape(), delay=1.5)),
+            ("adam", lambda: hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(),
+                                                            delay=2))):
+        try:
+            fn()
+            out[label] = "NO EXCEPTION"
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
