@@ -35,3 +35,12 @@ def sparse_under_allreduce_error(compressor_name, framework):
         f"DistributedOptimizer/allreduce was given it. Use {opt} with "
         f"compression={compressor_name} (or `import {mod} as hvd`), which sends it "
         f"with allgather.")
+
+
+def not_summable_error(compressor_name, why):
+    """The same refusal for compressors whose payload Horovod's compress -> allreduce ->
+    decompress contract cannot carry (``why`` says what it would need)."""
+    return TypeError(
+        f"{compressor_name} cannot run inside Horovod's own DistributedOptimizer/allreduce: "
+        f"{why}. Use hvd_dgc.torch.DistributedOptimizer with compression={compressor_name} "
+        f"(or `import hvd_dgc.torch as hvd`), which runs its collectives.")

@@ -11,9 +11,11 @@ that raises fails the run, and the error carries both ranks' output.
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,26 +44,64 @@ def worker_env(extra=None):
 
 def run(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, extra_args=()):
     """Run ``module:function(**kwargs)`` on ``np`` ranks; return the list of results by rank."""
+    job = launch(target, np, controller, kwargs, timeout, env, extra_args)
+    for rank in range(np):
+        if job.returncode != 0 or rank not in job.results:
+            raise RuntimeError(
+                f"horovodrun {target} (np={np}, {controller}) failed with exit code "
+                f"{job.returncode}; rank {rank} wrote no result.\n{job.output()}")
+    return [job.results[rank] for rank in range(np)]
+
+
+class Job:
+    """What one horovodrun launch left: exit status, wall time, output, results by rank."""
+
+    def __init__(self, returncode, elapsed, stdout, stderr, results):
+        self.returncode, self.elapsed = returncode, elapsed
+        self.stdout, self.stderr, self.results = stdout, stderr, results
+
+    def output(self):
+        return (f"--- stdout ---\n{self.stdout[-6000:]}\n"
+                f"--- stderr ---\n{self.stderr[-6000:]}")
+
+
+def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, extra_args=(),
+           launcher_args=None):
+    """Like ``run`` but never raises on a failed job: returns a ``Job`` whose ``results``
+    holds the ranks that finished (for jobs that are meant to die: kill/resume, faults).
+
+    ``launcher_args`` replaces ``-np N -H localhost:N --controller`` (elastic runs)."""
     if controller not in ("gloo", "mpi"):
         raise ValueError(controller)
     outdir = tempfile.mkdtemp(prefix="hvd_dgc_test_")
     try:
         with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
             pickle.dump(kwargs or {}, f)
-        cmd = [horovodrun_path(), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
-               *extra_args, sys.executable, "-m", "tests.hvdrun_worker", target, outdir]
-        proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True,
-                              text=True, timeout=timeout)
-        results = []
-        for rank in range(np):
-            path = os.path.join(outdir, f"rank{rank}.pkl")
-            if proc.returncode != 0 or not os.path.exists(path):
-                raise RuntimeError(
-                    f"horovodrun {target} (np={np}, {controller}) failed with exit code "
-                    f"{proc.returncode}; rank {rank} wrote no result.\n--- stdout ---\n"
-                    f"{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        if launcher_args is None:
+            launcher_args = ["-np", str(np), "-H", f"localhost:{np}", f"--{controller}"]
+        cmd = [horovodrun_path(), *launcher_args, *extra_args, sys.executable, "-m",
+               "tests.hvdrun_worker", target, outdir]
+        start = time.monotonic()
+        # A session of its own: a job past its timeout is stopped with all it started.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # horovodrun stops its ranks (they run in sessions of their own)
+            try:
+                out, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            code = None
+        elapsed = time.monotonic() - start
+        results = {}
+        for name in os.listdir(outdir):
+            if name.startswith("rank") and name.endswith(".pkl"):
+                with open(os.path.join(outdir, name), "rb") as f:
+                    results[int(name[4:-4])] = pickle.load(f)
+        return Job(code, elapsed, out, err, results)
     finally:
         shutil.rmtree(outdir, ignore_errors=True)

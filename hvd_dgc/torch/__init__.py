@@ -4,7 +4,8 @@ Everything ``horovod.torch`` offers is re-exported unchanged (init, rank,
 allreduce, broadcast_parameters, broadcast_optimizer_state, ...), except
 ``DistributedOptimizer`` and ``Compression``, which are hvd_dgc's: the
 optimizer compresses with DGC by default, and ``Compression`` holds
-Horovod's ``none``/``fp16`` next to ``dgc``, ``topk`` and ``randomk``.
+Horovod's ``none``/``fp16`` next to ``dgc``, ``topk``, ``randomk``,
+``powersgd``, ``sign``, ``terngrad``, ``qsgd`` and ``bf16``.
 """
 
 from horovod.torch import *  # noqa: F401,F403  (the drop-in contract)
@@ -13,5 +14,6 @@ from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for read
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.torch.compression import (  # noqa: F401
-    Compression, DGCCompressor, RandomKCompressor, SparseCompressor, TopKCompressor)
+    BF16Compressor, Compression, DGCCompressor, PowerSGDCompressor, QSGDCompressor,
+    RandomKCompressor, SignCompressor, SparseCompressor, TernGradCompressor, TopKCompressor)
 from hvd_dgc.torch.optimizer import DistributedOptimizer  # noqa: F401

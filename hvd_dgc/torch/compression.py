@@ -22,14 +22,19 @@ from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.schedule import check_density, num_selected
 from hvd_dgc.torch.memory import BLOCK, _fused, _fused_memory, block_abs_max
+from hvd_dgc.torch.options import Options
+from hvd_dgc.torch.powersgd import PowerSGDCompressor
+from hvd_dgc.torch.quantize import BF16Compressor, QSGDCompressor, SignCompressor, \
+    TernGradCompressor
 
 __all__ = ["Compression", "SparseCompressor", "DGCCompressor", "TopKCompressor",
-           "RandomKCompressor"]
+           "RandomKCompressor", "PowerSGDCompressor", "SignCompressor", "TernGradCompressor",
+           "QSGDCompressor", "BF16Compressor"]
 
 INDEX_BYTES = 4
 
 
-class SparseCompressor(Compressor):
+class SparseCompressor(Options, Compressor):
     """Base of the top-k style compressors: ``select`` differs, packing is shared.
 
     Args:
@@ -48,34 +53,9 @@ class SparseCompressor(Compressor):
         self.density = check_density(density)
         self.fp16_values = bool(fp16_values)
         self.seed = int(seed)
-        self._generators = {}
 
-    # -- configuration ---------------------------------------------------
     def _options(self):
         return {"density": self.density, "fp16_values": self.fp16_values, "seed": self.seed}
-
-    def __call__(self, **options):
-        """A copy with some options changed: ``Compression.dgc(fp16_values=True)``."""
-        merged = self._options()
-        unknown = set(options) - set(merged)
-        if unknown:
-            raise TypeError(f"Compression.{self.name} has no option(s) {sorted(unknown)}; "
-                            f"options are {sorted(merged)}")
-        merged.update(options)
-        return type(self)(**merged)
-
-    def config(self):
-        return (type(self).__name__, tuple(sorted(self._options().items())))
-
-    def __repr__(self):
-        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self._options().items()))
-        return f"Compression.{self.name}({opts})"
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self.config() == other.config()
-
-    def __hash__(self):
-        return hash(self.config())
 
     @property
     def value_dtype(self):
@@ -88,23 +68,6 @@ class SparseCompressor(Compressor):
     @property
     def record_bytes(self):
         return INDEX_BYTES + self.value_bytes
-
-    # -- randomness (never the global RNG) --------------------------------
-    def generator(self, device, rank=0):
-        key = str(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed + 1000003 * rank)
-            self._generators[key] = gen
-        return gen
-
-    def state_dict(self):
-        return {"generators": {k: g.get_state() for k, g in self._generators.items()}}
-
-    def load_state_dict(self, state, rank=0):
-        for key, gstate in state.get("generators", {}).items():
-            self.generator(key, rank).set_state(gstate)
 
     # -- the three steps of the sparse path -------------------------------
     def select(self, flat, k, rank=0, block_max=None):
@@ -313,7 +276,10 @@ class Compression:
     """Horovod's compressors next to hvd_dgc's (use with hvd_dgc's DistributedOptimizer).
 
     ``none`` and ``fp16`` are Horovod's own classes: dense, summable, and they
-    keep working with Horovod's stock optimizer too.
+    keep working with Horovod's stock optimizer too. ``dgc``, ``topk`` and
+    ``randomk`` sparsify (allgather of records); ``powersgd``, ``sign``,
+    ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives
+    (collective.py), all with error feedback through hvd_dgc's memory.
     """
 
     none = NoneCompressor
@@ -321,6 +287,11 @@ class Compression:
     dgc = DGCCompressor()
     topk = TopKCompressor()
     randomk = RandomKCompressor()
+    powersgd = PowerSGDCompressor()
+    sign = SignCompressor()
+    terngrad = TernGradCompressor()
+    qsgd = QSGDCompressor()
+    bf16 = BF16Compressor()
 
 
 def is_sparse(compression):

@@ -81,7 +81,8 @@ class DGCMemory:
     def __init__(self, momentum_masking=True):
         self.momentum_masking = bool(momentum_masking)
         self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
-        self._snapshots = {}
+        self._snapshots = {}  # key -> the buffers before this step (None: had none)
+        self._spare = {}      # key -> buffers to copy the next snapshot into
 
     def accumulate(self, key, grad, momentum=0.0, nesterov=False, with_block_max=False):
         """Fold one step's local gradient into the memory; returns ``v`` (what may be
@@ -123,21 +124,41 @@ class DGCMemory:
         self.buffers[key]["v"].zero_()
 
     def snapshot(self, key):
-        """Remember ``key``'s buffers so a step that ends up skipped can be undone."""
+        """Keep ``key``'s buffers as they are, so a step that ends up skipped can be undone:
+        the step works on copies made into spare buffers (two copies, no allocation after
+        the first step); ``commit`` keeps the copies, ``rollback`` the originals."""
         state = self.buffers.get(key)
-        self._snapshots[key] = None if state is None else {
-            name: None if t is None else t.clone() for name, t in state.items()}
+        if state is None or key in self._snapshots:
+            self._snapshots.setdefault(key, state)
+            return
+        spare = self._spare.pop(key, None)
+        work = {}
+        for name, t in state.items():
+            s = None if spare is None else spare.get(name)
+            if t is None:
+                work[name] = None
+            elif s is not None and s.shape == t.shape and s.dtype == t.dtype \
+                    and s.device == t.device:
+                work[name] = s.copy_(t)
+            else:
+                work[name] = t.clone()
+        self._snapshots[key] = state
+        self.buffers[key] = work
 
     def rollback(self):
-        """Undo every change since the snapshots (a GradScaler skipped the step)."""
+        """Undo every change since the snapshots (the step was skipped)."""
         for key, saved in self._snapshots.items():
-            if saved is None:
-                self.buffers.pop(key, None)
-            else:
+            changed = self.buffers.pop(key, None)
+            if saved is not None:
                 self.buffers[key] = saved
+                if changed is not None:
+                    self._spare[key] = changed
         self._snapshots = {}
 
     def commit(self):
+        for key, saved in self._snapshots.items():
+            if saved is not None:
+                self._spare[key] = saved
         self._snapshots = {}
 
     def residual(self, key):
@@ -148,7 +169,7 @@ class DGCMemory:
         return {key: {"u": s["u"], "v": s["v"]} for key, s in self.buffers.items()}
 
     def load_state_dict(self, state, device_of=None):
-        self.buffers = {}
+        self.buffers, self._snapshots, self._spare = {}, {}, {}
         for key, s in state.items():
             move = (lambda t: t) if device_of is None else (lambda t, d=device_of(key): t.to(d))
             self.buffers[key] = {"u": None if s["u"] is None else move(s["u"].clone()),

@@ -1,0 +1,197 @@
+"""Reliability of hvd_dgc.torch.DistributedOptimizer on 2 real ranks (horovodrun --gloo):
+kill and resume from per-rank checkpoints, non-finite gradients, a rank killed mid-step,
+and Horovod's own optimizer behaviours (its test_torch.py) at density 1.0 and 0.001."""
+
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from tests.hvdrun import launch, run
+from tests.test_torch_optimizer import _checked
+
+SCENARIOS = ["nonfinite_skip", "nonfinite_delayed", "force_allreduce", "clip_via_synchronize",
+             "dynamic_requires_grad", "broadcast_state", "model_parallel", "no_named_parameters"]
+DENSITIES = (1.0, 0.001)
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    return run("tests.workers.torch_reliability:suite", np=2, kwargs={"names": SCENARIOS})
+
+
+# -- 1. kill and resume -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def killed_and_resumed():
+    ckdir = tempfile.mkdtemp(prefix="hvd_dgc_ckpt_")
+    try:
+        killed = launch("tests.workers.torch_reliability:kill_after_checkpoint", np=2,
+                        kwargs={"ckdir": ckdir}, timeout=240)
+        files = sorted(os.listdir(ckdir))
+        resumed = run("tests.workers.torch_reliability:resume", np=2, kwargs={"ckdir": ckdir})
+        yield killed, files, resumed
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
+
+
+def test_first_launch_was_killed_after_writing_per_rank_checkpoints(killed_and_resumed):
+    killed, files, _ = killed_and_resumed
+    assert killed.returncode not in (0, None), killed.output()
+    assert "Exit code: 137" in killed.stderr  # SIGKILL, not a clean return
+    assert killed.results == {}
+    for variant in ("dgc", "dga"):
+        for rank in (0, 1):
+            assert f"{variant}.checkpoint.rank{rank}.pt" in files
+            assert f"{variant}.reference.rank{rank}.pt" in files
+
+
+@pytest.mark.parametrize("variant", ["dgc", "dga"])
+def test_new_launch_resumes_bit_identically(killed_and_resumed, variant):
+    _, _, resumed = killed_and_resumed
+    for rank, out in enumerate(resumed):
+        res = out[variant]
+        assert res["saved_step"] == 5 and res["step"] == 10
+        assert res["saved_rank"] == rank
+        assert res["saved_generators"] == 1  # the DGC sampler's RNG is in the checkpoint
+        assert res["saved_residual"] > 1.0, "no residual to lose: the test would prove nothing"
+        assert res["moved"] > 1e-2
+        assert res["resumed_max_diff"] == 0.0, res
+        assert res["resumed_warnings"] == []
+        assert res["identical"]
+        # control: without hvd_dgc's state the same resume ends elsewhere, with a warning
+        assert res["without_dgc_state_max_diff"] > 1e-3
+        assert "no hvd_dgc entry" in res["without_dgc_state_warnings"][0]
+
+
+def test_loading_another_ranks_memory_warns(killed_and_resumed):
+    _, _, resumed = killed_and_resumed
+    for rank, out in enumerate(resumed):
+        msg = out["other_rank_warnings"]
+        assert len(msg) == 1 and f"rank {rank} is loading the DGC memory that rank " \
+            f"{1 - rank} saved" in msg[0] and "one file per rank" in msg[0]
+
+
+# -- 2. non-finite gradients ----------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["dgc_sparse_nan", "dgc_dense_inf", "density1_nan"])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(gloo, variant):
+    for out in _checked(gloo, "nonfinite_skip"):
+        res = out[variant]
+        assert res["weights_unchanged"] and res["memory_unchanged"]
+        assert res["step_after_skip"] == 3  # the step count did not advance either
+        assert len(res["warnings"]) == 1 and "skipped on every rank" in res["warnings"][0]
+        assert "step 3" in res["warnings"][0]
+        assert res["nonfinite_steps"] == 1 and res["step"] == 7
+        # the rest of training is exactly a run that never saw step 3's gradients
+        assert res["max_diff_vs_without_step"] == 0.0
+        assert res["moved"] > 1e-2
+        assert res["memory_finite"] and res["identical"]
+
+
+def test_without_skip_nonfinite_the_nan_stays_in_the_memory(gloo):
+    rank0, rank1 = _checked(gloo, "nonfinite_skip")
+    assert rank0["off"]["memory_finite"] and not rank1["off"]["memory_finite"]
+    assert rank1["off"]["step"] == 8
+
+
+def test_nonfinite_gradient_with_delayed_averaging_is_dropped_on_its_rank(gloo):
+    rank0, rank1 = _checked(gloo, "nonfinite_delayed")
+    assert rank0["nonfinite_steps"] == 0 and rank0["warnings"] == []
+    assert rank1["nonfinite_steps"] == 1 and "contributes zero" in rank1["warnings"][0]
+    for res in (rank0, rank1):
+        assert res["step"] == 8  # nobody skipped: the other rank's part of step 3 counts
+        assert res["weights_finite"] and res["memory_finite"] and res["identical"]
+
+
+# -- 3. Horovod's optimizer behaviours -------------------------------------------------------
+def _common(res, density, moved=1e-3):
+    assert res["identical"] and res["finite"]
+    assert res["moved"] > moved
+    if density == 1.0:
+        assert res["max_diff_vs_horovod"] < 1e-6
+        assert set(res["paths"]) == {"dense"}
+    else:
+        assert res["paths"]["sparse"] > 0
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_ranks_computing_different_parameter_subsets(gloo, density):
+    for out in _checked(gloo, "force_allreduce"):
+        res = out[density]
+        _common(res, density)
+        assert min(res["branch_moved"]) > 1e-3  # each branch trained though one rank used it
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_gradient_clipping_between_synchronize_and_step(gloo, density):
+    for out in _checked(gloo, "clip_via_synchronize"):
+        res = out[density]
+        _common(res, density, moved=2e-4)  # 5 steps of 0.1 x a norm clipped to 0.05
+        assert res["warnings"] == []
+        assert all(abs(n - 0.05) < 1e-5 for n in res["update_norms"]), res["update_norms"]
+
+
+def test_step_after_synchronize_warns_like_horovod(gloo):
+    for out in _checked(gloo, "clip_via_synchronize"):
+        (msg,) = out["step_after_synchronize_warnings"]
+        assert "without optimizer.skip_synchronize()" in msg
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_dynamic_requires_grad(gloo, density):
+    for out in _checked(gloo, "dynamic_requires_grad"):
+        res = out[density]
+        assert res["grads_as_expected"] == [True] * 6
+        _common(res, density)
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_broadcast_optimizer_state(gloo, density):
+    for out in _checked(gloo, "broadcast_state"):
+        sgd, adam = out[density]["SGD"], out[density]["Adam"]
+        assert sgd["options"] == [0.1, 0.5]        # rank 0's lr and momentum everywhere
+        assert adam["options"] == [0.001, [0.8, 0.99]]
+        assert adam["base_state_tensors"] == 12 and adam["base_state_identical"]
+        for res in (sgd, adam):
+            assert res["residual_buffers"] > 0 and res["residual_kept"]
+            assert res["identical_after"]
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_model_parallel_parts_and_rank_local_parameters(gloo, density):
+    for out in _checked(gloo, "model_parallel"):
+        res = out[density]
+        assert res["shared_identical"] and not res["local_identical"]
+        assert res["buffer_dtypes"] == ["torch.float32", "torch.float64"]
+        assert res["moved"] > 1e-3
+        if density == 1.0:
+            assert res["max_diff_vs_horovod"] < 1e-6
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+def test_no_named_parameters(gloo, density):
+    for out in _checked(gloo, "no_named_parameters"):
+        res = out[density]
+        assert res["identical"] and res["moved"] > 1e-3
+        assert res["names"] == ["allreduce.noname.0.0", "allreduce.noname.0.1"]
+
+
+# -- 4. a rank killed mid-step -----------------------------------------------------------------
+def test_killed_rank_fails_the_job_within_bounded_time():
+    job = launch("tests.workers.torch_reliability:killed_rank", np=2, timeout=120,
+                 env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5",
+                      "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
+                      "HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
+    ended = time.time()
+    assert job.returncode not in (0, None), job.output()  # None: still running at 120 s
+    assert job.results == {}, "rank 0 went on as if its peer were alive"
+    killed_at = float(re.search(r"SIGKILL mid-step at ([0-9.]+)", job.stdout).group(1))
+    detection = ended - killed_at
+    print(f"job ended {detection:.1f} s after rank 1's SIGKILL (whole launch {job.elapsed:.1f} s)")
+    assert detection < 60, job.output()
+    assert "Process name: 1" in job.stderr and "Exit code: 137" in job.stderr
+    # rank 0 saw it too, unless horovodrun terminated it first
+    assert ("HorovodInternalError" in job.stderr or "Terminating remaining workers" in
+            job.stdout), job.output()
