@@ -2,6 +2,7 @@
 kill and resume from per-rank checkpoints, non-finite gradients, a rank killed mid-step,
 and Horovod's own optimizer behaviours (its test_torch.py) at density 1.0 and 0.001."""
 
+import math
 import os
 import re
 import shutil
@@ -195,3 +196,64 @@ def test_killed_rank_fails_the_job_within_bounded_time():
     # rank 0 saw it too, unless horovodrun terminated it first
     assert ("HorovodInternalError" in job.stderr or "Terminating remaining workers" in
             job.stdout), job.output()
+
+
+def test_elastic_run_loses_a_worker_and_finishes_consistently(tmp_path):
+    """horovodrun --min-np 1 --max-np 2 with a discovery script that drops to one slot
+    at step 10: the survivor resets, restores the last commit (weights, optimizer and
+    hvd_dgc state) and trains to the end in a world of one. ``--network-interface lo``:
+    with one host Horovod cannot probe interfaces between hosts (its own message)."""
+    flag = tmp_path / "one_slot"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:1; "
+                      f"else echo localhost:2; fi\n")
+    script.chmod(0o755)
+    job = launch("tests.workers.torch_elastic:drop_a_worker", kwargs={"flag": str(flag)},
+                 timeout=240, launcher_args=[
+                     "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                     str(script), "--gloo", "--network-interface", "lo"])
+    assert job.returncode == 0, job.output()
+    out = job.results[0]
+    log = out["log"]
+    assert out["size"] == 1 and log[-1]["step"] == 40, log[-3:]
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert len(two) >= 10 and one, [(e["step"], e["size"]) for e in log]
+    # while both ranks trained, they held bit-identical weights after every step
+    assert all(e["identical"] for e in two)
+    # the survivor went on from a committed step: no step lost or done twice after it
+    resumed = one[0]["step"]
+    assert resumed <= two[-1]["step"] + 1
+    assert [e["step"] for e in one] == list(range(resumed, 41))
+    # hvd_dgc's own step counter came back with the optimizer state and kept counting
+    assert all(e["dgc_step"] == e["step"] for e in log), [(e["step"], e["dgc_step"]) for e in log]
+    # the world size it clips and chooses paths with followed the reset
+    assert all(e["world_size"] == e["size"] for e in log)
+    assert all(math.isfinite(x) for x in out["final"])
+
+
+def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
+    """Start with one slot; at step 8 the discovery script offers two. The newcomer
+    wraps its optimizer alone (no wrap-time config collective under elastic, or it
+    would hang), receives the last commit and hvd_dgc's step (elastic_state.py), and
+    trains in lock-step with rank 0 through a warm-up by step."""
+    flag = tmp_path / "two_slots"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:2; "
+                      f"else echo localhost:1; fi\n")
+    script.chmod(0o755)
+    job = launch("tests.workers.torch_elastic:add_a_worker", kwargs={"flag": str(flag)},
+                 timeout=240, launcher_args=[
+                     "-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                     str(script), "--gloo", "--network-interface", "lo"])
+    assert job.returncode == 0, job.output()
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0]["log"], job.results[1]["log"]
+    assert first[-1]["step"] == 30 and newcomer[-1]["step"] == 30
+    joined = newcomer[0]["step"]
+    assert joined > 8 and [e["step"] for e in newcomer] == list(range(joined, 31))
+    assert all(e["size"] == 1 for e in first if e["step"] < joined)
+    assert all(e["size"] == 2 and e["identical"] for e in first + newcomer
+               if e["step"] >= joined)
+    # hvd_dgc's step came from rank 0 (its warm-up by step decides every rank's density)
+    assert all(e["dgc_step"] == e["step"] for e in first + newcomer)

@@ -17,3 +17,6 @@ from hvd_dgc.torch.compression import (  # noqa: F401
     BF16Compressor, Compression, DGCCompressor, PowerSGDCompressor, QSGDCompressor,
     RandomKCompressor, SignCompressor, SparseCompressor, TernGradCompressor, TopKCompressor)
 from hvd_dgc.torch.optimizer import DistributedOptimizer  # noqa: F401
+from hvd_dgc.torch import elastic_state as _elastic_state
+
+_elastic_state.register()  # hvd.elastic.TorchState keeps hvd_dgc's step/epoch in sync

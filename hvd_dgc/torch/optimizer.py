@@ -35,6 +35,7 @@ SGD's own momentum (sum_j m^(i-j) (g_j - g_(j-D) + avg_(j-D)) is the same sum),
 so one form serves dense and sparse paths alike.
 """
 
+import os
 import warnings
 from collections import deque
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # Horovod's broadcast_optimizer_state calls the *base* step (no collectives)
     # to initialise state only for classes from horovod.torch.optimizer's module.
     __module__ = "horovod.torch.optimizer"
+    _hvd_dgc_optimizer = True  # hvd_dgc/torch/elastic_state.py recognises it by this
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
                  op, gradient_predivide_factor, groups, sparse_as_dense, process_set, dgc):
@@ -108,7 +110,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dropped = []             # delay > 0: tensors this rank sent as zeros this step
 
         if self.process_set.included():
-            _check_consistent_config(self._config(), self.process_set)
+            # Elastic: a worker added later wraps its optimizer alone, while the others
+            # wait in a reset; a collective here would hang it. All run the same script.
+            if os.environ.get("HOROVOD_ELASTIC") != "1":
+                _check_consistent_config(self._config(), self.process_set)
             # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
             self._register_hooks()
 

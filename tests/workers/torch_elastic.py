@@ -1,0 +1,76 @@
+"""hvd_dgc's optimizer inside Horovod elastic (``hvd.elastic.run`` + ``TorchState``).
+
+Rank 0 writes ``flag`` at step ``drop_at``; the host-discovery script then
+offers one slot instead of two, Horovod stops rank 1 and resets the survivor
+to a world of one, which goes on from the last commit to ``steps``."""
+
+import time
+
+import torch
+
+import hvd_dgc.torch as hvd
+from tests.workers.torch_dgc import flat_params, loss_of, mlp, ranks_identical
+
+
+def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
+    hvd.init()
+    model = mlp(seed=3)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), density=density,
+                                   clip_norm=1.0)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    log = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            opt.zero_grad()
+            loss = loss_of(model, state.step, hvd.rank())
+            loss.backward()
+            opt.step()
+            state.step += 1
+            log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
+                        "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}"),
+                        "dgc_step": opt.compression_stats()["step"],
+                        "world_size": opt.compression_stats()["world_size"]})
+            if state.step == drop_at and hvd.rank() == 0:
+                open(flag, "w").close()
+            if state.step >= drop_at:
+                time.sleep(0.2)  # let the driver see the change before training ends
+            state.commit()
+
+    train(state)
+    return {"log": log, "rank": hvd.rank(), "size": hvd.size(),
+            "final": flat_params(model).tolist(), "stats": opt.compression_stats()}
+
+
+def add_a_worker(flag, steps=30, grow_at=8, density=0.01):
+    """The other way: start alone, rank 0 writes ``flag`` at ``grow_at`` and the
+    discovery script offers a second slot; the newcomer joins from the last commit.
+    A warm-up by step runs across the join: the newcomer must take rank 0's step."""
+    hvd.init()
+    model = mlp(seed=4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), density=density,
+                                   warmup=20, warmup_unit="step")
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    log = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            opt.zero_grad()
+            loss_of(model, state.step, hvd.rank()).backward()
+            opt.step()
+            state.step += 1
+            log.append({"step": state.step, "size": hvd.size(),
+                        "identical": ranks_identical(model, f"ea.{state.step}.{hvd.size()}"),
+                        "dgc_step": opt.compression_stats()["step"]})
+            if state.step == grow_at and hvd.rank() == 0:
+                open(flag, "w").close()
+            if state.step >= grow_at and hvd.size() == 1:
+                time.sleep(0.3)  # let the driver start the second worker
+            state.commit()
+
+    train(state)
+    return {"log": log, "rank": hvd.rank(), "size": hvd.size()}
