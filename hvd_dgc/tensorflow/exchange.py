@@ -183,7 +183,7 @@ class GradientExchange(tf.Module):
 
     # -- the gradient's path, shared by the synchronous and the delayed step --------
     def _accumulate(self, i, grad, density):
-        """Clip, accumulate; ``k`` and whether the sparse path can be taken at all."""
+        """Clip and accumulate; ``v`` and the number of values ``k`` to select."""
         g = local_gradient(grad, self.clip_norm, self.world_size())
         v = self.memory.accumulate(i, g)
         k = tf.maximum(1, tf.cast(tf.math.ceil(self.numels[i] * density), tf.int32))
