@@ -141,7 +141,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             process_set=global_process_set, scale_local_gradients=True, *,
                             density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
                             min_compress_size=1024, momentum_masking=True, clip_norm=None,
-                            cost_model=None, delay=0):
+                            cost_model=None, delay=0, skip_nonfinite=True):
     """Horovod's DistributedGradientTape with Deep Gradient Compression.
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
@@ -156,6 +156,14 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     tape returns ``own_i - own_(i-D) + avg_(i-D)``, exact with an optimizer whose
     update is linear in the gradient (SGD; with momentum, each rank's momentum
     also holds its own last D contributions until ``hvd.flush(optimizer)``).
+
+    ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
+    the DGC memory. Every rank learns of it by one scalar allreduce and skips the
+    exchange: the memory and step stay as they were, and the tape returns NaN
+    gradients on every rank (as Horovod's average would be), so check
+    ``tf.math.is_finite`` before applying them or use a LossScaleOptimizer; counted
+    in ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that
+    has the NaN sends zeros instead (the others applied their part already).
     """
     if num_groups:
         groups = groups or num_groups
@@ -167,7 +175,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                    min_compress_size=min_compress_size, momentum_masking=momentum_masking,
                    clip_norm=clip_norm, cost_model=cost_model, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
-                   sparse_as_dense=sparse_as_dense, process_set=process_set, delay=delay)
+                   sparse_as_dense=sparse_as_dense, process_set=process_set, delay=delay,
+                   skip_nonfinite=skip_nonfinite)
     key = _options_key(options)
     if key not in _VALIDATED:  # argument errors now, not at the first gradient
         GradientExchange(**options)

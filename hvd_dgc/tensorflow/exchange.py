@@ -47,7 +47,7 @@ class GradientExchange(tf.Module):
                  momentum=0.0, nesterov=False, momentum_masking=True, clip_norm=None,
                  cost_model=None, op=Average, gradient_predivide_factor=1.0,
                  sparse_as_dense=False, process_set=global_process_set, delay=0,
-                 name="hvd_dgc"):
+                 skip_nonfinite=True, name="hvd_dgc"):
         super().__init__(name=name)
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise ValueError(f"delay must be an int >= 0 (the number of steps an average may "
@@ -88,6 +88,7 @@ class GradientExchange(tf.Module):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.delay = delay
+        self.skip_nonfinite = bool(skip_nonfinite)
         self.memory = None
         self._dga = None
         self._epoch = 0.0
@@ -124,6 +125,7 @@ class GradientExchange(tf.Module):
             # statistics: bytes sent, dense fp32 bytes, elements sent, elements, sparse, dense
             self.counters = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
                                         name="counters")
+            self.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite")
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking)
             if self.delay:
@@ -138,7 +140,7 @@ class GradientExchange(tf.Module):
                 self.min_compress_size, "momentum": self.momentum, "nesterov": self.nesterov,
                 "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
                 "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
-                "delay": self.delay,
+                "delay": self.delay, "skip_nonfinite": self.skip_nonfinite,
                 "variables": list(zip(self.names, self.numels))}
 
     # -- per step ---------------------------------------------------------------
@@ -157,10 +159,38 @@ class GradientExchange(tf.Module):
     def __call__(self, grads):
         """Averaged gradients for this step's local ``grads`` (one per built variable);
         with ``delay=D``, this rank's own update corrected by the average of step i-D."""
+        return self.exchange(grads)[0]
+
+    def exchange(self, grads):
+        """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
+        a non-finite gradient on some rank made every rank skip this step."""
         density = self.density()
         base = self.compression.seed if is_sparse(self.compression) else 0
         seed = tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()])
         grads = [self._dense_grad(i, g) for i, g in enumerate(grads)]
+        if not self.skip_nonfinite:
+            return self._step(grads, density, seed), tf.constant(False)
+        local_bad = tf.logical_not(tf.reduce_all(
+            [tf.math.is_finite(tf.reduce_sum(tf.cast(g, tf.float32))) for g in grads]))
+        if self.delay:
+            # DGA: the other ranks apply their own part of this step before anyone knows;
+            # the rank that has the NaN contributes zeros and keeps it out of its memory.
+            self.nonfinite.assign_add(tf.cast(local_bad, tf.int64))
+            grads = [tf.where(local_bad, tf.zeros_like(g), g) for g in grads]
+            return self._step(grads, density, seed), tf.constant(False)
+        # One scalar allreduce: every rank learns whether any rank must skip, before the
+        # memory is touched (the memory updates in the graph before the average is known).
+        bad = _hvd.allreduce(tf.cast(local_bad, tf.int32), op=Sum, name="hvd_dgc.nonfinite",
+                             process_set=self.process_set) > 0
+
+        def skip():
+            self.nonfinite.assign_add(1)
+            return [tf.fill(tf.shape(g), float("nan")) for g in grads]
+
+        out = tf.cond(bad, skip, lambda: self._step(grads, density, seed))
+        return out, bad
+
+    def _step(self, grads, density, seed):
         if self.delay:
             out = self._delayed_step(grads, density, seed)
         else:
@@ -320,7 +350,7 @@ class GradientExchange(tf.Module):
         out.pop("last_step")
         out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
                    current_density=float(self.density().numpy()),
-                   world_size=self.world_size())
+                   world_size=self.world_size(), nonfinite_steps=int(self.nonfinite.numpy()))
         return out
 
 

@@ -171,3 +171,117 @@ def delay_bad_inputs():
         except ValueError as exc:
             out[label] = str(exc)
     return out
+
+
+def _nonfinite_run(tf, kind, bad_step, nan_rank, steps=6, lr=0.05, skip=True):
+    """Fixed gradients through DGC 5% (tape in tf.function, or the Keras optimizer with
+    SGD momentum); ``nan_rank`` puts a NaN into its gradient at ``bad_step`` (None:
+    that step's batch is left out on every rank instead, the reference)."""
+    import hvd_dgc.tensorflow as hvd
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    rank = hvd.rank()
+    variables = _init(tf, 5 if kind == "tape" else 6)
+    options = dict(density=0.05, min_compress_size=64, skip_nonfinite=skip)
+    if kind == "tape":
+        opt = tf.keras.optimizers.SGD(lr)
+
+        @tf.function
+        def train_step(grads):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+            out = hvd.DistributedGradientTape(tape, **options).gradient(loss, variables)
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in out])
+            tf.cond(finite, lambda: opt.apply_gradients(zip(out, variables)) is not None,
+                    lambda: False)
+            return finite
+        state = lambda: hvd.compression_stats()  # noqa: E731
+    else:
+        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=0.9),
+                                             **options)
+
+        @tf.function
+        def train_step(grads):
+            opt.apply_gradients(zip(grads, variables))
+            return tf.constant(True)
+        state = opt.compression_stats
+    finite = []
+    for i in range(steps):
+        grads = _fixed_grads(i, rank)
+        if i == bad_step:
+            if nan_rank is None:
+                continue
+            if rank == nan_rank:
+                grads[0][3, 4] = np.nan
+        finite.append(bool(train_step([tf.constant(g) for g in grads])))
+    stats = state()
+    stats = stats[-1] if isinstance(stats, list) else stats
+    return variables, finite, stats, opt
+
+
+def nonfinite_skips_the_step(kind="tape"):
+    """Rank 1 has a NaN at step 3: every rank skips it, memory and step untouched, and
+    the run ends where a run without step 3 ends, bit for bit."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    ref, _, ref_stats, ref_opt = _nonfinite_run(tf, kind, 3, None)
+    got, finite, stats, opt = _nonfinite_run(tf, kind, 3, 1)
+    return {"max_diff_vs_run_without_the_step": float(np.max(np.abs(
+                (_flat(tf, ref) - _flat(tf, got)).numpy()))),
+            "finite_returned": finite, "nonfinite_steps": stats["nonfinite_steps"],
+            "ref_nonfinite_steps": ref_stats["nonfinite_steps"],
+            "steps": stats["step"], "ref_steps": ref_stats["step"],
+            "iterations": int(opt.iterations.numpy()),
+            "ref_iterations": int(ref_opt.iterations.numpy()),
+            "weights_finite": bool(np.all(np.isfinite(_flat(tf, got).numpy()))),
+            "identical": _identical(tf, hvd, got, f"nf.{kind}"),
+            **(_memory_control(tf, hvd) if kind == "tape" else {})}
+
+
+def _memory_control(tf, hvd):
+    """The tape's memories are finite after the skipped step; with skip_nonfinite=False
+    the NaN enters rank 1's memory, where DGC's threshold never selects it (NaN >= t
+    is false): it would stay there unseen."""
+    def memory_finite():
+        return all(bool(np.all(np.isfinite(v.numpy()))) for v in hvd.dgc_state.variables)
+    with_skip = memory_finite()
+    _, finite, _, _ = _nonfinite_run(tf, "tape", 3, 1, skip=False)
+    return {"memory_finite_with_skip": with_skip, "memory_finite_without_skip": memory_finite(),
+            "finite_returned_without_skip": finite}
+
+
+def keras_nonfinite_skips_the_step():
+    return nonfinite_skips_the_step("keras")
+
+
+def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05):
+    """delay=2: rank 1's NaN at step 3 is replaced by zeros there (the others applied
+    their part of step 3 already); its memory stays finite, and after the flush every
+    rank holds the same finite weights."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    variables = _init(tf, 7)
+    opt = tf.keras.optimizers.SGD(lr)
+
+    @tf.function
+    def train_step(grads):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+        tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64,
+                                           delay=delay)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for i in range(steps):
+        grads = _fixed_grads(i, rank)
+        if i == 3 and rank == 1:
+            grads[0][3, 4] = np.nan
+        train_step([tf.constant(g) for g in grads])
+    hvd.flush(opt)
+    stats = hvd.compression_stats()
+    stats = stats[-1] if isinstance(stats, list) else stats  # this process's newest exchange
+    from hvd_dgc.tensorflow import _EXCHANGES
+    newest = list(_EXCHANGES.values())[-1].memory  # not the other scenarios' memories
+    return {"nonfinite_steps": stats["nonfinite_steps"],
+            "memory_finite": all(bool(np.all(np.isfinite(v.numpy()))) for v in newest.variables),
+            "weights_finite": bool(np.all(np.isfinite(_flat(tf, variables).numpy()))),
+            "identical_after_flush": _identical(tf, hvd, variables, "nfd.flushed")}

@@ -14,6 +14,8 @@ With SGD the optimizer's momentum is taken over by DGC's momentum correction
 
 import importlib
 
+import tensorflow as tf
+
 from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
 
@@ -28,23 +30,38 @@ def is_keras3(optimizer):
     return not type(optimizer).__module__.startswith("tf_keras")
 
 
-def _exchange_grads(self, grads, variables):
+def _exchange_grads(self, grads, variables, apply):
+    """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
+    every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
+    optimizer's step, built first so no variable is created inside the cond)."""
     exchange = self._hvd_dgc
     exchange.build(variables)
-    return exchange(grads)
+    grads, skipped = exchange.exchange(grads)
+    if not exchange.skip_nonfinite or exchange.delay:
+        return apply(grads)
+    if not (getattr(self, "built", False) or getattr(self, "_built", False)):
+        with tf.init_scope():  # Keras 3: .built, tf_keras: ._built
+            self.build(variables)
+
+    def step():
+        apply(grads)
+        return tf.constant(True)
+    return tf.cond(skipped, lambda: tf.constant(False), step)
 
 
 def _apply(self, grads, trainable_variables=None):  # Keras 3
     variables = self._trainable_variables if trainable_variables is None else trainable_variables
-    grads = _exchange_grads(self, list(grads), list(variables))
-    return super(self.__class__, self).apply(grads, trainable_variables)
+    base = super(self.__class__, self)
+    return _exchange_grads(self, list(grads), list(variables),
+                           lambda g: base.apply(g, trainable_variables))
 
 
 def _apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
     grads_and_vars = list(grads_and_vars)
     variables = [v for _, v in grads_and_vars]
-    grads = _exchange_grads(self, [g for g, _ in grads_and_vars], variables)
-    return super(self.__class__, self).apply_gradients(zip(grads, variables), *args, **kwargs)
+    base = super(self.__class__, self)
+    return _exchange_grads(self, [g for g, _ in grads_and_vars], variables,
+                           lambda g: base.apply_gradients(zip(g, variables), *args, **kwargs))
 
 
 def _compression_stats(self):
@@ -93,7 +110,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          process_set=global_process_set, scale_local_gradients=True, *,
                          density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
                          min_compress_size=1024, momentum_masking=True, clip_norm=None,
-                         cost_model=None, delay=0):
+                         cost_model=None, delay=0, skip_nonfinite=True):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
@@ -106,6 +123,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     of step i travels; ``opt.flush()`` (``callbacks.DGCCallback`` calls it before
     evaluation and when ``fit`` ends) applies the rest and leaves every rank with
     the same weights.
+
+    ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
+    the DGC memory and every rank skips the step (weights, optimizer state, memory
+    and step unchanged; one scalar allreduce per step tells every rank); counted in
+    ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that has
+    it sends zeros instead (the others applied their part of the step already).
     """
     if backward_passes_per_step != 1:
         raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
@@ -127,7 +150,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
         clip_norm=clip_norm, cost_model=cost_model, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, delay=delay)
+        process_set=process_set, delay=delay, skip_nonfinite=skip_nonfinite)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer)}
