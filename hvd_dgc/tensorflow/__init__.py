@@ -158,9 +158,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     also holds its own last D contributions until ``hvd.flush(optimizer)``).
 
     ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
-    the DGC memory. Every rank learns of it by one scalar allreduce and skips the
-    exchange: the memory and step stay as they were, and the tape returns NaN
-    gradients on every rank (as Horovod's average would be), so check
+    the DGC memory. That rank sends inf, every rank sees it in the averages and
+    puts back the memory it saved before the step (memory and step unchanged), and
+    the tape returns NaN gradients on every rank, so check
     ``tf.math.is_finite`` before applying them or use a LossScaleOptimizer; counted
     in ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that
     has the NaN sends zeros instead (the others applied their part already).

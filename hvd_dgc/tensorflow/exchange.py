@@ -127,7 +127,8 @@ class GradientExchange(tf.Module):
                                         name="counters")
             self.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite")
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
-                                    self.momentum_masking)
+                                    self.momentum_masking,
+                                    snapshots=self.skip_nonfinite and not self.delay)
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
 
@@ -178,17 +179,26 @@ class GradientExchange(tf.Module):
             self.nonfinite.assign_add(tf.cast(local_bad, tf.int64))
             grads = [tf.where(local_bad, tf.zeros_like(g), g) for g in grads]
             return self._step(grads, density, seed), tf.constant(False)
-        # One scalar allreduce: every rank learns whether any rank must skip, before the
-        # memory is touched (the memory updates in the graph before the average is known).
-        bad = _hvd.allreduce(tf.cast(local_bad, tf.int32), op=Sum, name="hvd_dgc.nonfinite",
-                             process_set=self.process_set) > 0
+        # No extra collective: the memory is saved, a rank with a non-finite gradient
+        # sends inf, so every rank's averages show it; then every rank puts its memory back.
+        self.memory.snapshot()
+        counters = self.counters.read_value()
+        out = [self._exchange_one(i, grad, density, seed, poison=local_bad)
+               for i, grad in enumerate(grads)]
+        bad = tf.logical_not(tf.reduce_all(
+            [tf.math.is_finite(tf.reduce_sum(a)) for a in out]))
 
         def skip():
+            self.memory.restore()
+            self.counters.assign(counters)
             self.nonfinite.assign_add(1)
             return [tf.fill(tf.shape(g), float("nan")) for g in grads]
 
-        out = tf.cond(bad, skip, lambda: self._step(grads, density, seed))
-        return out, bad
+        def keep():
+            self.step.assign_add(1)
+            return out
+
+        return tf.cond(bad, skip, keep), bad
 
     def _step(self, grads, density, seed):
         if self.delay:
@@ -251,7 +261,8 @@ class GradientExchange(tf.Module):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _exchange_one(self, i, grad, density, seed):
+    def _exchange_one(self, i, grad, density, seed, poison=None):
+        """``poison``: this rank had a non-finite gradient; it sends inf (skip_nonfinite)."""
         numel = self.numels[i]
         v, k = self._accumulate(i, grad, density)
         name = f"hvd_dgc.{i}"
@@ -259,12 +270,16 @@ class GradientExchange(tf.Module):
 
         def dense():
             payload = self._dense_payload(i, v)
+            if poison is not None:
+                payload = tf.where(poison, tf.cast(float("inf"), payload.dtype), payload)
             avg = _hvd.allreduce(payload, op=self.op, name=name + ".dense", prescale_factor=pre,
                                  postscale_factor=post, process_set=self.process_set)
             return tf.cast(avg, tf.float32)
 
         def sparse():
             indices, values = self._select(i, v, k, seed)
+            if poison is not None:
+                values = tf.where(poison, float("inf"), values)
             records = self.compression.pack(values * pre, indices)
             gathered = _hvd.allgather(records, name=name + ".sparse",
                                       process_set=self.process_set)

@@ -25,7 +25,7 @@ class DGCMemory(tf.Module):
     """Per-tensor velocity ``u`` and accumulation ``v`` as flat float32 variables."""
 
     def __init__(self, numels, momentum=0.0, nesterov=False, momentum_masking=True,
-                 name="hvd_dgc_memory"):
+                 snapshots=False, name="hvd_dgc_memory"):
         super().__init__(name=name)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
@@ -35,6 +35,19 @@ class DGCMemory(tf.Module):
                       for i, n in enumerate(numels)]
             self.u = [tf.Variable(tf.zeros([n]), trainable=False, name=f"u{i}")
                       for i, n in enumerate(numels)] if self.momentum else []
+            # Copies of v and u taken before a step that may be undone (skip_nonfinite).
+            # Scratch, kept out of checkpoints (set past tf.Module's attribute tracking).
+            object.__setattr__(self, "_saved", tuple(
+                tf.Variable(tf.zeros_like(x), trainable=False) for x in self.v + self.u)
+                if snapshots else ())
+
+    def snapshot(self):
+        for saved, x in zip(self._saved, self.v + self.u):
+            saved.assign(x)
+
+    def restore(self):
+        for saved, x in zip(self._saved, self.v + self.u):
+            x.assign(saved)
 
     def accumulate(self, i, g):
         """u = m u + g; v += u (Nesterov: u = m (u + g); v += u + g). Returns v's value."""

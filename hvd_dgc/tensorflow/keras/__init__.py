@@ -126,7 +126,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
     the DGC memory and every rank skips the step (weights, optimizer state, memory
-    and step unchanged; one scalar allreduce per step tells every rank); counted in
+    and step unchanged; that rank sends inf, so every rank sees it); counted in
     ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that has
     it sends zeros instead (the others applied their part of the step already).
     """
