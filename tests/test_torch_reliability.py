@@ -198,22 +198,30 @@ def test_killed_rank_fails_the_job_within_bounded_time():
             job.stdout), job.output()
 
 
+def _elastic_job(tmp_path, worker, np, slots_before, slots_after):
+    """``tests.workers.torch_elastic:<worker>`` under horovodrun's elastic mode with a
+    discovery script offering ``slots_before`` slots until the worker writes its flag
+    file, then ``slots_after``. ``--network-interface lo``: with one host Horovod
+    cannot probe interfaces between hosts and would wait (its own message)."""
+    flag = tmp_path / "flag"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:{slots_after}; "
+                      f"else echo localhost:{slots_before}; fi\n")
+    script.chmod(0o755)
+    job = launch(f"tests.workers.torch_elastic:{worker}", kwargs={"flag": str(flag)},
+                 timeout=240, launcher_args=[
+                     "-np", str(np), "--min-np", "1", "--max-np", "2",
+                     "--host-discovery-script", str(script), "--gloo",
+                     "--network-interface", "lo"])
+    assert job.returncode == 0, job.output()
+    return job
+
+
 def test_elastic_run_loses_a_worker_and_finishes_consistently(tmp_path):
     """horovodrun --min-np 1 --max-np 2 with a discovery script that drops to one slot
     at step 10: the survivor resets, restores the last commit (weights, optimizer and
-    hvd_dgc state) and trains to the end in a world of one. ``--network-interface lo``:
-    with one host Horovod cannot probe interfaces between hosts (its own message)."""
-    flag = tmp_path / "one_slot"
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:1; "
-                      f"else echo localhost:2; fi\n")
-    script.chmod(0o755)
-    job = launch("tests.workers.torch_elastic:drop_a_worker", kwargs={"flag": str(flag)},
-                 timeout=240, launcher_args=[
-                     "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-                     str(script), "--gloo", "--network-interface", "lo"])
-    assert job.returncode == 0, job.output()
-    out = job.results[0]
+    hvd_dgc state) and trains to the end in a world of one."""
+    out = _elastic_job(tmp_path, "drop_a_worker", 2, 2, 1).results[0]
     log = out["log"]
     assert out["size"] == 1 and log[-1]["step"] == 40, log[-3:]
     two = [e for e in log if e["size"] == 2]
@@ -237,16 +245,7 @@ def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     wraps its optimizer alone (no wrap-time config collective under elastic, or it
     would hang), receives the last commit and hvd_dgc's step (elastic_state.py), and
     trains in lock-step with rank 0 through a warm-up by step."""
-    flag = tmp_path / "two_slots"
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:2; "
-                      f"else echo localhost:1; fi\n")
-    script.chmod(0o755)
-    job = launch("tests.workers.torch_elastic:add_a_worker", kwargs={"flag": str(flag)},
-                 timeout=240, launcher_args=[
-                     "-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-                     str(script), "--gloo", "--network-interface", "lo"])
-    assert job.returncode == 0, job.output()
+    job = _elastic_job(tmp_path, "add_a_worker", 1, 1, 2)
     assert sorted(job.results) == [0, 1], job.output()
     first, newcomer = job.results[0]["log"], job.results[1]["log"]
     assert first[-1]["step"] == 30 and newcomer[-1]["step"] == 30

@@ -90,12 +90,9 @@ def flush(optimizer):
     ``iterations`` left unchanged), and average the variables across ranks.
     Call it on every rank. Returns whether anything was in flight."""
     def apply(corrections, variables):
-        iterations = getattr(optimizer, "iterations", None)
-        before = int(iterations.numpy()) if iterations is not None else None
         optimizer.apply_gradients(zip(corrections, variables))
-        if before is not None:
-            iterations.assign(before)
-    flushed = [e.flush(apply) for e in _EXCHANGES.values() if e.delay]
+    iterations = getattr(optimizer, "iterations", None)
+    flushed = [e.flush(apply, iterations) for e in _EXCHANGES.values() if e.delay]
     return any(flushed)
 
 

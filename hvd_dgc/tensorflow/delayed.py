@@ -94,13 +94,12 @@ class DelayedAveraging:
     # -- the threads: collectives, and only cheap work besides ------------------------
     def _gather(self, name, chosen, arrays):
         ex = self.exchange
-        pre, post = ex._scales()
+        pre, scale = ex._scales()[0], ex._gathered_scale()
         mine = [arrays[i].reshape(-1, 2) for i in chosen]
         gather = self._function(name + ".sparse", len(mine), tf.TensorSpec([None, 2], tf.int32),
                                 lambda t, n: _hvd.grouped_allgather(
                                     t, name=n, process_set=ex.process_set))
         gathered = gather(*mine)
-        scale = post / ex.world_size() if ex.op == Average else 1.0
         # avg - own as records: everyone's scaled, then this rank's negated
         return {i: (np.concatenate([_scaled(everyone.numpy(), scale), _scaled(own, -1 / pre)]),
                     _NO_DENSE) for i, own, everyone in zip(chosen, mine, gathered)}

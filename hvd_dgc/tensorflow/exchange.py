@@ -261,6 +261,10 @@ class GradientExchange(tf.Module):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
+    def _gathered_scale(self):
+        """Factor turning the sum of every rank's (prescaled) records into the result."""
+        return self._scales()[1] / self.world_size() if self.op == Average else 1.0
+
     def _exchange_one(self, i, grad, density, seed, poison=None):
         """``poison``: this rank had a non-finite gradient; it sends inf (skip_nonfinite)."""
         numel = self.numels[i]
@@ -283,10 +287,7 @@ class GradientExchange(tf.Module):
             records = self.compression.pack(values * pre, indices)
             gathered = _hvd.allgather(records, name=name + ".sparse",
                                       process_set=self.process_set)
-            total = self.compression.scatter_sum(gathered, numel)
-            if self.op == Average:
-                total = total * (post / self.world_size())
-            return total
+            return self.compression.scatter_sum(gathered, numel) * self._gathered_scale()
 
         return tf.reshape(self._choose(i, k, sparse, dense), tf.shape(grad))
 
@@ -335,15 +336,20 @@ class GradientExchange(tf.Module):
         """Steps whose averages have not been applied yet (delay > 0)."""
         return self._dga.in_flight if self._dga is not None else 0
 
-    def flush(self, apply):
+    def flush(self, apply, iterations=None):
         """Wait for every step in flight, ``apply(corrections, variables)`` them (one
-        optimizer step of ``avg - own``), then average the variables across ranks:
-        equal in exact arithmetic after the corrections, they differ in rounding."""
+        optimizer step of ``avg - own``; the optimizer's ``iterations`` variable, if
+        given, is left as it was: the flush is not a training step), then average
+        the variables across ranks: equal in exact arithmetic after the corrections,
+        they differ in rounding."""
         corrections = self._dga.drain() if self._dga is not None else None
         if corrections is None:
             return False
         variables = self._dga.variables
+        before = int(iterations.numpy()) if iterations is not None else None
         apply([tf.reshape(c, v.shape) for c, v in zip(corrections, variables)], variables)
+        if iterations is not None:
+            iterations.assign(before)
         if self.world_size() > 1:
             averaged = _hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in variables],
                                               op=Average, name="hvd_dgc.flush",

@@ -20,6 +20,8 @@ which delayed averaging (``delay=``) needs; PowerSGD and TernGrad only after
 their first round.
 """
 
+import math
+
 import torch
 import horovod.torch as _hvd
 from horovod.torch.compression import Compressor
@@ -143,7 +145,7 @@ class GatherCompressor(ExchangeCompressor):
     """
 
     def wire_bytes(self, shape):
-        return self.payload_bytes(_numel(shape))
+        return self.payload_bytes(math.prod(shape))
 
     def launch(self, residuals, keys, name, comm):
         ex = Exchange(comm, name, residuals, keys)
@@ -179,13 +181,6 @@ class GatherCompressor(ExchangeCompressor):
         shape, dtype, numel = ctx
         rows = tensor.reshape(-1, self.payload_bytes(numel))
         return self.average(rows, numel, torch.float32).view(shape).to(dtype)
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def is_exchange(compression):

@@ -18,6 +18,7 @@ training is sensitive to compression). Same numbers as torch's hook for the
 same gradients, rank and initial Q (tests/test_compressors.py).
 """
 
+import math
 import zlib
 
 import torch
@@ -83,10 +84,7 @@ class PowerSGDCompressor(ExchangeCompressor):
     # -- which tensors, and what they cost -------------------------------------
     @staticmethod
     def matrix_shape(shape):
-        m = 1
-        for s in shape[1:]:
-            m *= int(s)
-        return int(shape[0]), m
+        return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
     def effective_rank(self, shape):
         n, m = self.matrix_shape(shape)

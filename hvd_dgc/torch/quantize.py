@@ -14,12 +14,13 @@ only (no int8, no bfloat16), which decides how each one travels:
   type Horovod has: int32 would cost twice as much).
 """
 
+import math
+
 import torch
 
 from hvd_dgc.packing import SCALE_BYTES, level_bits, num_buckets, plane_bytes, \
     qsgd_payload_bytes, sign_payload_bytes
-from hvd_dgc.torch.collective import Exchange, ExchangeCompressor, GatherCompressor, Max, Sum, \
-    _numel
+from hvd_dgc.torch.collective import Exchange, ExchangeCompressor, GatherCompressor, Max, Sum
 
 __all__ = ["SignCompressor", "TernGradCompressor", "QSGDCompressor", "BF16Compressor",
            "pack_planes", "unpack_planes"]
@@ -204,7 +205,7 @@ class TernGradCompressor(ExchangeCompressor):
         return {"clip_sigma": self.clip_sigma, "seed": self.seed}
 
     def wire_bytes(self, shape):
-        return 2 * _numel(shape) + SCALE_BYTES
+        return 2 * math.prod(shape) + SCALE_BYTES
 
     def clip(self, flat):
         if self.clip_sigma is None:

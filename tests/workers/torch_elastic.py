@@ -12,13 +12,17 @@ import hvd_dgc.torch as hvd
 from tests.workers.torch_dgc import flat_params, loss_of, mlp, ranks_identical
 
 
-def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
+def _elastic(seed, **dgc_options):
+    """Model, hvd_dgc optimizer (SGD momentum) and the TorchState that commits both."""
     hvd.init()
-    model = mlp(seed=3)
+    model = mlp(seed=seed)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), density=density,
-                                   clip_norm=1.0)
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+                                   named_parameters=model.named_parameters(), **dgc_options)
+    return model, opt, hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+
+def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
+    model, opt, state = _elastic(3, density=density, clip_norm=1.0)
     log = []
 
     @hvd.elastic.run
@@ -48,12 +52,7 @@ def add_a_worker(flag, steps=30, grow_at=8, density=0.01):
     """The other way: start alone, rank 0 writes ``flag`` at ``grow_at`` and the
     discovery script offers a second slot; the newcomer joins from the last commit.
     A warm-up by step runs across the join: the newcomer must take rank 0's step."""
-    hvd.init()
-    model = mlp(seed=4)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), density=density,
-                                   warmup=20, warmup_unit="step")
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    model, opt, state = _elastic(4, density=density, warmup=20, warmup_unit="step")
     log = []
 
     @hvd.elastic.run

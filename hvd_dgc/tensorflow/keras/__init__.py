@@ -84,13 +84,11 @@ def _flush(self):
     base = super(self.__class__, self)
 
     def apply(corrections, variables):  # SGD, its momentum taken over: w -= lr * c
-        before = int(self.iterations.numpy())
         if self._hvd_dgc_keras3:
             base.apply(corrections, variables)
         else:
             base.apply_gradients(zip(corrections, variables))
-        self.iterations.assign(before)
-    return self._hvd_dgc.flush(apply)
+    return self._hvd_dgc.flush(apply, self.iterations)
 
 
 def _in_flight(self):
