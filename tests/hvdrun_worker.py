@@ -11,6 +11,9 @@ def main():
     module, func = target.split(":")
     with open(os.path.join(outdir, "kwargs.pkl"), "rb") as f:
         kwargs = pickle.load(f)
+    if os.environ.get("HVD_DGC_TEST_DEVICE", "cpu") != "cpu":
+        from tests.workers.device import prepare_process
+        prepare_process()
     result = getattr(importlib.import_module(module), func)(**kwargs)
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     with open(os.path.join(outdir, f"rank{rank}.pkl.tmp"), "wb") as f:

@@ -160,7 +160,8 @@ def test_powersgd_matches_torch_powersgd_hook(torch_process_group, rank):
     dense. r=1, 2: Gram-Schmidt; r=4: QR. Tolerance 1e-6 of the output's scale (float32
     sums in other orders); observed: 0, bit for bit. At 2 ranks: test_powersgd_two_ranks."""
     out = compare_with_torch_hook(LocalComm(), rank, [(64, 32), (16, 8, 3, 3), (16,), (4, 4)],
-                                  ["w", "conv", "bias", "small"])
+                                  ["w", "conv", "bias", "small"],
+                                  dev="cuda" if torch.cuda.is_available() else "cpu")
     assert out["compressed"] == [0, 1]  # as torch decides too (else outputs would differ)
     assert out["iter"] == 6 and out["moved"] > 0.1  # residuals exist: EF is exercised
     assert out["output"] <= 1e-6 and out["residual"] <= 1e-6, out

@@ -11,6 +11,7 @@ import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.memory import DGCMemory
+from tests.workers.device import device
 from tests.workers.torch_convergence import accuracy, digits
 from tests.workers.torch_dgc import _run, expect_error, loss_of, ranks_identical, wide_mlp
 
@@ -49,12 +50,17 @@ class Bucket:
         return True
 
 
-def compare_with_torch_hook(comm, rank, shapes, keys, start=2, steps=6, data_rank=0):
+def compare_with_torch_hook(comm, rank, shapes, keys, start=2, steps=6, data_rank=0,
+                            dev="cpu"):
     """Run torch's powerSGD_hook (on torch.distributed's default group) and hvd_dgc's
     PowerSGD (collectives through ``comm``) on the same gradients; return the largest
     difference of outputs and of residuals, relative to the output's scale. Tensors the
     compressor does not take go dense (sent whole, nothing left behind). The only thing
-    set by hand: torch's initial Q is ours (torch draws its own from numpy's RNG)."""
+    set by hand: torch's initial Q is ours (torch draws its own from numpy's RNG).
+
+    ``dev``: where the gradients live. Where CUDA is available it must be a CUDA device:
+    torch's hook then calls ``torch.cuda.synchronize(bucket device)``, which refuses a
+    CPU device."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
     state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                              start_powerSGD_iter=start, min_compression_rate=2,
@@ -65,11 +71,12 @@ def compare_with_torch_hook(comm, rank, shapes, keys, start=2, steps=6, data_ran
     memory, gen = DGCMemory(), torch.Generator().manual_seed(7 + 1000 * data_rank)
     out = {"compressed": compressed, "output": 0.0, "residual": 0.0, "moved": 0.0}
     for step in range(steps):
-        grads = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [torch.randn(s, generator=gen).to(dev) for s in shapes]
         if step == start:
             state.p_memory_dict[0] = torch.empty(sum(shapes[i][0] * q.shape[1]
-                                                     for i, q in zip(compressed, qs)))
-            state.q_memory_dict[0] = torch.cat([q.reshape(-1) for q in qs])
+                                                     for i, q in zip(compressed, qs)),
+                                                 device=dev)
+            state.q_memory_dict[0] = torch.cat([q.reshape(-1) for q in qs]).to(dev)
         theirs = ph.powerSGD_hook(state, Bucket(grads)).wait()
         residuals = [memory.accumulate(i, g.reshape(-1)).view(g.shape)
                      for i, g in enumerate(grads)]
@@ -119,7 +126,7 @@ def powersgd_vs_torch():
     try:
         comm = HorovodComm(hvd.global_process_set)
         return {r: compare_with_torch_hook(comm, r, [(64, 32), (16, 8, 3, 3)], ["w", "conv"],
-                                           data_rank=hvd.rank())
+                                           data_rank=hvd.rank(), dev=device())
                 for r in (1, 4)}
     finally:
         dist.destroy_process_group()
@@ -192,7 +199,8 @@ def delay_and_errors():
 # -- convergence on digits --------------------------------------------------------------------
 def mlp(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(),
+                         nn.Linear(128, 10)).to(device())
 
 
 def convergence(epochs=8, batch=32, lr=0.05):

@@ -8,6 +8,7 @@ from sklearn.datasets import load_digits
 
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
+from tests.workers.device import device
 
 
 def digits(rank, size):
@@ -17,7 +18,8 @@ def digits(rank, size):
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     test, train = perm[:360], perm[360:]
     shard = train[rank::size]
-    return (x[shard], y[shard]), (x[test], y[test])
+    dev = device()
+    return (x[shard].to(dev), y[shard].to(dev)), (x[test].to(dev), y[test].to(dev))
 
 
 def cnn(seed=0):
@@ -25,7 +27,7 @@ def cnn(seed=0):
     return nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10)).to(device())
 
 
 def accuracy(model, data):

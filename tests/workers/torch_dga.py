@@ -26,8 +26,9 @@ def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
     """
     workers = [copy.deepcopy(model0) for _ in range(size)]
     shapes = [p.numel() for p in model0.parameters()]
-    u = [[torch.zeros(n) for n in shapes] for _ in range(size)]
-    v = [[torch.zeros(n) for n in shapes] for _ in range(size)]
+    dev = next(model0.parameters()).device
+    u = [[torch.zeros(n, device=dev) for n in shapes] for _ in range(size)]
+    v = [[torch.zeros(n, device=dev) for n in shapes] for _ in range(size)]
     history = []  # per step: (own[r][j], avg[j])
     for i in range(steps):
         owns = []

@@ -14,25 +14,28 @@ import torch.nn as nn
 
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
+from tests.workers.device import device
 
 
 # -- helpers -------------------------------------------------------------------
 def mlp(seed=0, width=64):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(20, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 5))
+                         nn.Linear(width, 5)).to(device())
 
 
 def wide_mlp(seed=0):
     """Tensors large enough to be compressed at density 0.001 (k > 1)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+                         nn.Linear(256, 10)).to(device())
 
 
 def batch(step, rank, n=16, features=20, classes=5):
+    """Drawn on the CPU (the same numbers whatever the device), then moved."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, features, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+    x, y = torch.randn(n, features, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+    return x.to(device()), y.to(device())
 
 
 def loss_of(model, step, rank, **kw):
@@ -276,7 +279,7 @@ def amp_pattern():
     opt_p = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9),
                                      named_parameters=[("pl." + n, p) for n, p in
                                                        plain.named_parameters()], **kw)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=10 ** 6)
+    scaler = torch.amp.GradScaler(device().type, init_scale=2.0 ** 12, growth_interval=10 ** 6)
     opt_a = hvd.DistributedOptimizer(torch.optim.SGD(amp.parameters(), lr=0.1, momentum=0.9),
                                      named_parameters=[("amp." + n, p) for n, p in
                                                        amp.named_parameters()],

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# hvd_dgc's GPU tests: tests/test_cuda.py (host synchronisations per step, DGC's
+# fixed-size GPU selection, GradScaler) at np=1 and np=2, then the PyTorch DGC, DGA and
+# compressor suites again with every model and batch on CUDA (HVD_DGC_TEST_DEVICE=cuda),
+# over Horovod's NCCL operations. Needs a GPU and Horovod built with NCCL
+# (tools/build_horovod_gpu.sh). Two ranks may share one GPU (tests/workers/device.py).
+# Extra arguments go to pytest.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+cd "$REPO"
+"$PYTHON" - <<'PY'
+import sys
+import torch
+try:
+    import horovod.torch as hvd
+except ImportError:
+    sys.exit("Horovod is not installed: run tools/build_horovod_gpu.sh")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA GPU visible to torch")
+if not hvd.nccl_built():
+    sys.exit("this Horovod has no NCCL operations: run tools/build_horovod_gpu.sh")
+PY
+export HVD_DGC_TEST_DEVICE=cuda TF_CPP_MIN_LOG_LEVEL=3 PYTHONDONTWRITEBYTECODE=1
+# The MPI controller's tests need mpirun; Gloo runs everywhere.
+"$PYTHON" -m pytest -ra --timeout=900 -k "not mpi" "$@" tests/test_cuda.py \
+  tests/test_torch_optimizer.py tests/test_torch_dga.py tests/test_compressors.py
