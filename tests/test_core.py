@@ -9,6 +9,7 @@ from hvd_dgc import CompressionStats, CostModel, DensitySchedule
 from hvd_dgc.costmodel import DENSE, SPARSE
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.torch.compression import Compression, DGCCompressor
+from hvd_dgc.torch.gpu_select import select_many
 from hvd_dgc.torch.memory import DGCMemory, local_gradient
 
 G = [0.5, -2.0, 0.1, 1.0]
@@ -116,6 +117,93 @@ def test_sampled_threshold_falls_back_when_sample_misleads():
     idx = DGCCompressor(sample_ratio=0.001, min_sample=10).select(x, 200)
     assert 160 <= idx.numel() <= 200
     assert set(idx.tolist()) >= set(range(0, 200_000, 1000)[40:])
+
+
+def _gpu_form(comp, flats, ks, seed=0):
+    """The accelerator's selection (gpu_select.select_many), run here on CPU tensors."""
+    return select_many(flats, ks, torch.Generator().manual_seed(seed), comp.sample_ratio,
+                       comp.min_sample)
+
+
+def _check_gpu_form(flats, ks, sel):
+    """Exactly k records per tensor; the real ones distinct, equal to v there, all among the
+    tensor's exact top k; padding repeats a sent index with value 0. Returns the count of
+    real records per tensor."""
+    assert sel.ks == tuple(ks) and sel.indices.shape == sel.values.shape == (sum(ks),)
+    reals = []
+    for x, k, (idx, val) in zip(flats, ks, sel.split()):
+        real = val != 0
+        sent = idx[real]
+        assert sent.unique().numel() == sent.numel()
+        assert torch.equal(val[real], x[sent])
+        assert set(sent.tolist()) <= set(torch.topk(x.abs(), k).indices.tolist())
+        assert set(idx[~real].tolist()) <= set(sent.tolist()) or not real.any()
+        reals.append(sent.numel())
+    return reals
+
+
+@pytest.mark.parametrize("n,density", [(3000, 0.001), (100_000, 0.001), (100_000, 0.01),
+                                       (2_359_296, 0.001), (4096, 0.25)])
+def test_gpu_form_sends_exactly_k_records_of_the_top_k(n, density):
+    """One tensor at a time; the records sum back to exactly what was sent."""
+    comp = DGCCompressor()
+    k = num_selected(n, density)
+    real_total = 0
+    for seed in range(3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        sel = _gpu_form(comp, [x], [k], seed)
+        real_total += _check_gpu_form([x], [k], sel)[0]
+        back = comp.scatter_sum(comp.pack(sel.values, sel.indices), n)
+        expect = torch.zeros(n)
+        expect[sel.indices] = sel.values
+        assert torch.equal(back, expect)
+    assert real_total >= 0.99 * 3 * k  # aimed at 2k passing: k are found nearly always
+
+
+def test_gpu_form_selects_many_tensors_at_once_as_each_alone():
+    """A ResNet-like group (sizes from 1k to 2.4M, one all-zero, one with few non-zeros, one
+    with k >= n) in one call: each tensor gets its own top k, as if selected alone, and the
+    group's records sum back into each tensor's update (scatter_sum_many)."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1024, 2_359_296, 4608, 65_536, 300, 50_000, 20_000, 2048]
+    flats = [torch.randn(n, generator=gen) for n in sizes]
+    flats[3] = torch.zeros(sizes[3])  # nothing to send: padding only, value 0
+    flats[5] = flats[5] * (torch.rand(sizes[5], generator=gen) < 0.0005)  # ~25 non-zeros
+    ks = [num_selected(n, 0.001) for n in sizes]
+    ks[4] = 300  # k = n: every non-zero goes
+    comp = DGCCompressor()
+    sel = _gpu_form(comp, flats, ks)
+    reals = _check_gpu_form(flats, ks, sel)
+    assert reals[3] == 0 and reals[4] == 300
+    assert reals[5] == int((flats[5] != 0).sum())  # fewer non-zeros than k: all of them
+    for i in (0, 1, 2, 6, 7):
+        assert reals[i] >= 0.8 * ks[i], (i, reals[i], ks[i])
+    # two ranks' records of the whole group, summed per tensor in one scatter
+    other = _gpu_form(comp, [f.flip(0) for f in flats], ks, seed=1)
+    records = torch.cat([comp.pack(sel.values, sel.indices),
+                         comp.pack(other.values, other.indices)])
+    sums = comp.scatter_sum_many(records, tuple(sizes), tuple(ks), scale=0.5)
+    for n, mine, theirs, total in zip(sizes, sel.split(), other.split(), sums):
+        expect = torch.zeros(n)
+        expect.index_put_((mine[0],), mine[1] * 0.5, accumulate=True)
+        expect.index_put_((theirs[0],), theirs[1] * 0.5, accumulate=True)
+        assert torch.equal(total, expect)
+
+
+def test_gpu_form_with_few_non_zeros_and_spikes_the_sample_misses():
+    comp = DGCCompressor(sample_ratio=0.001, min_sample=10)
+    x = torch.zeros(200_000)
+    x[torch.arange(0, 200_000, 1000)] = torch.arange(1, 201, dtype=torch.float32)
+    sel = _gpu_form(comp, [x], [400])  # k above the 200 non-zeros: all of them go
+    assert sel.indices.numel() == 400
+    assert set(sel.indices[sel.values != 0].tolist()) == set(range(0, 200_000, 1000))
+    sel = _gpu_form(comp, [x], [150])  # k below: the 150 largest
+    assert set(sel.indices[sel.values != 0].tolist()) == set(range(50_000, 200_000, 1000))
+    zeros = _gpu_form(comp, [torch.zeros(50_000)], [50])
+    assert zeros.indices.numel() == 50 and not zeros.values.any()
+    # the CPU form: distinct indices, no padding
+    cpu = comp.sparsify(x, 150).indices
+    assert cpu.unique().numel() == cpu.numel() <= 150
 
 
 def test_compressor_options_and_errors():

@@ -12,26 +12,47 @@ use them (it would sum the payloads); that is detected and refused with the fix.
 ``Compression.dgc``, ``Compression.topk`` and ``Compression.randomk`` are
 ready instances; call one to change its options, e.g.
 ``Compression.dgc(sample_ratio=0.001, fp16_values=True)``.
+
+On a GPU nothing on this path may wait for the device, and kernel launches, not
+bytes, bound the work: there a step's tensors are selected together
+(``sparsify_many``, gpu_select.py), always exactly ``k`` records per tensor,
+decided on the device; slots that no coordinate fills repeat a sent index with
+value 0, which adds nothing.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.schedule import check_density, num_selected
+from hvd_dgc.torch.gpu_select import RUN as _RUN, Selection, prime_at_least as _prime_at_least, \
+    select_many, slot_offsets
 from hvd_dgc.torch.memory import BLOCK, _fused, _fused_memory, block_abs_max
 from hvd_dgc.torch.options import Options
 from hvd_dgc.torch.powersgd import PowerSGDCompressor
 from hvd_dgc.torch.quantize import BF16Compressor, QSGDCompressor, SignCompressor, \
     TernGradCompressor
 
-__all__ = ["Compression", "SparseCompressor", "DGCCompressor", "TopKCompressor",
-           "RandomKCompressor", "PowerSGDCompressor", "SignCompressor", "TernGradCompressor",
-           "QSGDCompressor", "BF16Compressor"]
+__all__ = ["Compression", "Selected", "Selection", "SparseCompressor", "DGCCompressor",
+           "TopKCompressor", "RandomKCompressor", "PowerSGDCompressor", "SignCompressor",
+           "TernGradCompressor", "QSGDCompressor", "BF16Compressor"]
 
 INDEX_BYTES = 4
+
+
+class Selected(NamedTuple):
+    """What one worker sends of a flat tensor: ``values[i]`` at ``indices[i]`` (int64).
+    An index may repeat only with value 0 (padding of the fixed-size GPU form)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
+def on_accelerator(t):
+    return t.device.type != "cpu"
 
 
 class SparseCompressor(Options, Compressor):
@@ -69,14 +90,34 @@ class SparseCompressor(Options, Compressor):
     def record_bytes(self):
         return INDEX_BYTES + self.value_bytes
 
+    def wants_block_max(self, device):
+        """Does ``sparsify`` on ``device`` use ``memory.block_abs_max`` (CPU DGC only)?"""
+        return self.uses_block_max and device.type == "cpu"
+
     # -- the three steps of the sparse path -------------------------------
     def select(self, flat, k, rank=0, block_max=None):
-        """Indices (int64) of the ``k`` coordinates to send from a flat tensor.
+        """Indices (int64, distinct) of the ``k`` coordinates to send from a flat tensor.
 
         ``block_max``: ``memory.block_abs_max(flat)`` if the caller already has it
         (the fused memory update computes it on the way); only DGC's selection uses it.
         """
         raise NotImplementedError
+
+    def sparsify(self, flat, k, rank=0, block_max=None):
+        """``Selected(indices, values)``: what the optimizer sends of ``flat``."""
+        indices = self.select(flat, k, rank, block_max)
+        return Selected(indices, flat.index_select(0, indices))
+
+    def sparsify_many(self, flats, ks, rank=0, block_maxes=None):
+        """``Selection`` of ``ks[i]`` records (at most) from each of ``flats``, concatenated
+        in order: what one launch sends. Here one tensor after the other."""
+        block_maxes = block_maxes or [None] * len(flats)
+        picked = [self.sparsify(f, k, rank, b) for f, k, b in zip(flats, ks, block_maxes)]
+        ks = tuple(sel.indices.numel() for sel in picked)
+        if len(picked) == 1:
+            return Selection(picked[0].indices, picked[0].values, ks)
+        return Selection(torch.cat([sel.indices for sel in picked]),
+                         torch.cat([sel.values for sel in picked]), ks)
 
     def pack(self, values, indices):
         """One uint8 buffer of records ``[int32 index | value]``, shape ``(k, record_bytes)``."""
@@ -91,16 +132,35 @@ class SparseCompressor(Options, Compressor):
         values = records[:, INDEX_BYTES:].contiguous().view(self.value_dtype).view(-1)
         return values, indices
 
+    def scatter_sum_many(self, records, sizes, ks, dtype=torch.float32, scale=1.0):
+        """``scatter_sum`` of a launch whose records carry several tensors: every rank's
+        block holds ``ks[i]`` records of tensor ``i`` (of ``sizes[i]`` elements), in
+        order. One scatter for them all; returns the dense flat update of each."""
+        if len(sizes) == 1:
+            return [self.scatter_sum(records, sizes[0], dtype, scale)]
+        values, indices = self.unpack(records)
+        offsets = slot_offsets(sizes, ks, str(records.device))
+        indices = (indices.view(-1, sum(ks)) + offsets).view(-1)
+        return list(self._sum_records(values, indices, sum(sizes), dtype, scale).split(sizes))
+
     def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
         """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates
         add up). Scaling the k values, not the n-element result, saves a pass."""
         values, indices = self.unpack(records)
+        return self._sum_records(values, indices, numel, dtype, scale)
+
+    @staticmethod
+    def _sum_records(values, indices, numel, dtype, scale):
         values = values.to(dtype)
         if scale != 1.0:
             values = values * scale
-        out = torch.zeros(numel, dtype=dtype, device=records.device)
-        out.index_add_(0, indices.long(), values)
-        return out
+        out = torch.zeros(numel, dtype=dtype, device=values.device)
+        if on_accelerator(out):
+            # CUDA's index_add_ adds duplicates with atomics, in any order: ranks would
+            # round differently. index_put_ sorts the indices (stably) and adds them in
+            # record order, so every rank computes the same sum.
+            return out.index_put_((indices.long(),), values, accumulate=True)
+        return out.index_add_(0, indices.long(), values)
 
     # -- Horovod's Compressor API ------------------------------------------
     def compress(self, tensor):
@@ -109,8 +169,8 @@ class SparseCompressor(Options, Compressor):
         if called_from_horovod_allreduce():
             raise sparse_under_allreduce_error(repr(self), "torch")
         flat = tensor.detach().reshape(-1)
-        indices = self.select(flat, num_selected(flat.numel(), self.density))
-        return self.pack(flat.index_select(0, indices), indices), (tensor.shape, tensor.dtype)
+        sel = self.sparsify(flat, num_selected(flat.numel(), self.density))
+        return self.pack(sel.values, sel.indices), (tensor.shape, tensor.dtype)
 
     def decompress(self, tensor, ctx):
         """Dense sum of the gathered records, in the original shape and dtype."""
@@ -141,8 +201,8 @@ class RandomKCompressor(SparseCompressor):
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
-        gen = self.generator("cpu", rank)
-        return torch.randperm(n, generator=gen)[:k].to(flat.device)
+        gen = self.generator(flat.device, rank)
+        return torch.randperm(n, generator=gen, device=flat.device)[:k]
 
 
 class DGCCompressor(SparseCompressor):
@@ -159,6 +219,12 @@ class DGCCompressor(SparseCompressor):
 
     The estimate aims at ``window[1]*k`` rather than ``k``: overshooting costs a
     top-k of a few candidates, undershooting another scan of the tensor.
+
+    On a GPU the rounds of lowering would each wait for a count, so there the
+    selection is decided on the device, for all of a step's tensors at once
+    (gpu_select.py): exactly ``k`` records per tensor, the exact top-k whenever
+    at least ``k`` pass a threshold aimed at ``2k``. ``window``,
+    ``threshold_decay`` and ``max_adapt_rounds`` apply to the CPU form.
 
     Args:
         sample_ratio: fraction of the tensor sampled (paper: 0.1%-1%).
@@ -195,29 +261,48 @@ class DGCCompressor(SparseCompressor):
                     max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
         return opts
 
+    def _sample(self, flat, num_samples, rank):
+        """|flat| at about ``num_samples`` places spread over the whole tensor.
+
+        Runs of RUN consecutive elements (one cache line) at a strided distance from
+        a random start: a random gather costs as much as a pass over the whole tensor,
+        and even one element per line reads 1/RUN of it. The stride is prime so the
+        runs walk through every residue of the tensor's inner dimensions (3x3 kernels,
+        power-of-two channels) instead of aliasing onto one of them."""
+        n = flat.numel()
+        if num_samples >= n or n < 8 * _RUN:
+            return flat.abs()
+        runs = flat[:n // _RUN * _RUN].view(-1, _RUN)
+        stride = _prime_at_least(runs.shape[0] * _RUN // num_samples)
+        start = int(torch.randint(0, min(stride, runs.shape[0]), (1,),
+                                  generator=self.generator("cpu", rank)))
+        return runs[start::stride].abs().view(-1)
+
+    def sparsify(self, flat, k, rank=0, block_max=None):
+        if on_accelerator(flat) and k < flat.numel():
+            indices, values, _ = self.sparsify_many([flat], [k], rank)
+            return Selected(indices, values)
+        return super().sparsify(flat, k, rank, block_max)
+
+    def sparsify_many(self, flats, ks, rank=0, block_maxes=None):
+        if not on_accelerator(flats[0]):
+            return super().sparsify_many(flats, ks, rank, block_maxes)
+        return select_many(flats, ks, self.generator("cpu", rank), self.sample_ratio,
+                           self.min_sample)
+
     def select(self, flat, k, rank=0, block_max=None):
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
+        if on_accelerator(flat):  # distinct indices: one count read back (not the hot path)
+            sel = self.sparsify(flat, k, rank)
+            return torch.unique(sel.indices[sel.values != 0])
         num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
-        if num_samples >= n or n < 8 * _RUN:
-            sample = flat.abs()
-        else:
-            # Runs of RUN consecutive elements (one cache line) at a strided
-            # distance from a random start: a random gather costs as much as a pass
-            # over the whole tensor, and even one element per line reads 1/RUN of
-            # it. The stride is prime so the runs walk through every residue of the
-            # tensor's inner dimensions (3x3 kernels, power-of-two channels)
-            # instead of aliasing onto one of them.
-            runs = flat[:n // _RUN * _RUN].view(-1, _RUN)
-            stride = _prime_at_least(runs.shape[0] * _RUN // num_samples)
-            gen = self.generator(flat.device, rank)
-            start = int(torch.randint(0, min(stride, runs.shape[0]), (1,), generator=gen,
-                                      device=flat.device))
-            sample = runs[start::stride].abs().view(-1)
-        low, high = self.window[0] * k, self.window[1] * k
-        k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * high / n))))
+        sample = self._sample(flat, num_samples, rank)
+        count = self.window[1] * k
+        k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * count / n))))
         threshold = torch.topk(sample, k_sample, sorted=False).values.min()
+        low = self.window[0] * k
 
         scan = _BlockScan(flat, block_max)
         for _ in range(self.max_adapt_rounds + 1):
@@ -231,16 +316,6 @@ class DGCCompressor(SparseCompressor):
                 return candidates
             threshold = threshold * self.threshold_decay
         return torch.topk(flat.abs(), k, sorted=False).indices
-
-
-_RUN = 16  # sampled elements read together: 64 bytes of float32
-
-
-def _prime_at_least(n):
-    n = max(2, int(n))
-    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
-        n += 1
-    return n
 
 
 class _BlockScan:

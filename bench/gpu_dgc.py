@@ -1,0 +1,263 @@
+"""DGC's local work on a GPU, side by side in one run (issue 19).
+
+1. Select + pack of ResNet-50's gradients (the tensors DGC sparsifies: >= 1024 elements,
+   density 0.001): DGC's GPU selection of all of them at once (gpu_select.py, what the
+   optimizer runs), the same selection one tensor at a time, an exact ``torch.topk`` per
+   tensor, and a device-to-device copy of the same gradients (per tensor, and as one flat
+   copy: the memory-bandwidth floor).
+2. The whole local DGC work of one step (memory update, select, pack, momentum masking,
+   and the sum of 2 ranks' records back into dense updates; small tensors on the dense
+   path) as a fraction of a ResNet-50 training step on this GPU.
+3. The same ResNet-50 step through hvd_dgc's DistributedOptimizer at np=1 (hooks, one
+   launch, Horovod's NCCL allgather of one rank) against the bare optimizer.
+
+GPU times are CUDA-event medians over ``--reps`` repetitions after warm-up; "host" is the
+time the Python thread spends issuing the work (where it exceeds the GPU time, launches,
+not the GPU, set the pace). Run: python bench/gpu_dgc.py [--out bench/results/gpu_dgc.md]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.resnet50_shapes import numel, resnet50_shapes  # noqa: E402
+from hvd_dgc.schedule import num_selected  # noqa: E402
+from hvd_dgc.torch.compression import DGCCompressor  # noqa: E402
+from hvd_dgc.torch.memory import DGCMemory  # noqa: E402
+
+DENSITY = 0.001
+MIN_COMPRESS = 1024
+
+
+def timed(fn, reps, warm=3):
+    """(median GPU ms, median host ms) of ``fn()``."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(host)
+
+
+def gradients(dev, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return [(name, torch.randn(numel(shape), generator=gen, device=dev) * 1e-3)
+            for name, shape in resnet50_shapes()]
+
+
+def select_and_pack(args, dev):
+    grads = [g for _, g in gradients(dev) if g.numel() >= MIN_COMPRESS]
+    ks = [num_selected(g.numel(), DENSITY) for g in grads]
+    comp = DGCCompressor()
+    copies = [torch.empty_like(g) for g in grads]
+    flat_src = torch.cat(grads)
+    flat_dst = torch.empty_like(flat_src)
+
+    def copy_each():
+        for g, c in zip(grads, copies):
+            c.copy_(g)
+
+    def copy_flat():
+        flat_dst.copy_(flat_src)
+
+    def exact():
+        for g, k in zip(grads, ks):
+            idx = torch.topk(g.abs(), k, sorted=False).indices
+            comp.pack(g.index_select(0, idx), idx)
+
+    def dgc():
+        sel = comp.sparsify_many(grads, ks)
+        comp.pack(sel.values, sel.indices)
+
+    def dgc_each():
+        for g, k in zip(grads, ks):
+            sel = comp.sparsify(g, k)
+            comp.pack(sel.values, sel.indices)
+
+    n_total = sum(g.numel() for g in grads)
+    print(f"\n[1] select + pack: {len(grads)} ResNet-50 tensors >= {MIN_COMPRESS} elements, "
+          f"{n_total / 1e6:.2f} M elements, k = {sum(ks)} at density {DENSITY}")
+    res = {name: timed(fn, args.reps) for name, fn in
+           [("copy_flat", copy_flat), ("copy_each", copy_each), ("topk_exact", exact),
+            ("dgc_each", dgc_each), ("dgc", dgc)]}
+    for name, (gpu, host) in res.items():
+        print(f"  {name:12s} GPU {gpu:8.3f} ms   host {host:8.3f} ms")
+    dgc_gpu, exact_gpu = res["dgc"][0], res["topk_exact"][0]
+    print(f"  DGC (all at once) vs exact top-k: {exact_gpu / dgc_gpu:.2f}x faster (GPU time), "
+          f"vs DGC one tensor at a time: {res['dgc_each'][0] / dgc_gpu:.2f}x; "
+          f"DGC = {dgc_gpu / res['copy_each'][0]:.2f} per-tensor copies "
+          f"= {dgc_gpu / res['copy_flat'][0]:.1f} flat copies")
+    return res
+
+
+def local_work(args, dev, world=2):
+    """One step's local DGC work for every ResNet-50 tensor, as the optimizer does it."""
+    named = gradients(dev, 2)
+    comp = DGCCompressor()
+    mem = DGCMemory()
+
+    sparse = [(i, g) for i, (_, g) in enumerate(named) if g.numel() >= MIN_COMPRESS]
+    dense = [(i, g) for i, (_, g) in enumerate(named) if g.numel() < MIN_COMPRESS]
+    sizes = tuple(g.numel() for _, g in sparse)
+    ks = tuple(num_selected(n, DENSITY) for n in sizes)
+
+    def accumulate():
+        return [mem.accumulate(i, g, 0.9) for i, g in sparse]
+
+    def select(vs):
+        return comp.sparsify_many(vs, ks)
+
+    def masking(sel):
+        for (i, _), (idx, _) in zip(sparse, sel.split()):
+            mem.sent(i, idx)
+
+    def unpack(records):
+        return comp.scatter_sum_many(torch.cat([records] * world), sizes, ks, scale=0.5)
+
+    def step():
+        sel = select(accumulate())
+        records = comp.pack(sel.values, sel.indices)
+        masking(sel)
+        unpack(records)
+        for i, g in dense:
+            mem.accumulate(i, g, 0.9).clone().mul_(1.0 / world)
+            mem.sent_all(i)
+
+    vs = accumulate()
+    sel = select(vs)
+    records = comp.pack(sel.values, sel.indices)
+    phases = {
+        "memory update": timed(accumulate, args.reps),
+        "select (all at once)": timed(lambda: select(vs), args.reps),
+        "pack": timed(lambda: comp.pack(sel.values, sel.indices), args.reps),
+        "masking (sent)": timed(lambda: masking(sel), args.reps),
+        "unpack + sum of 2 ranks": timed(lambda: unpack(records), args.reps),
+    }
+    return timed(step, args.reps), phases
+
+
+def resnet_step(args, dev, amp):
+    import torchvision
+    model = torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = args.batch_amp if amp else args.batch
+    x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def fwd_bwd():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+    return timed(fwd_bwd, max(5, args.reps // 2)), batch, model, opt, (x, y)
+
+
+def optimizer_overhead(args, dev, amp):
+    """A ResNet-50 step through hvd_dgc's optimizer at np=1 vs the bare SGD step."""
+    import horovod.torch as hvd_stock
+    import hvd_dgc.torch as hvd
+    hvd_stock.init()
+    (base_fb, _), batch, model, opt, (x, y) = resnet_step(args, dev, amp)
+
+    def full_step(o):
+        o.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        o.step()
+    bare = timed(lambda: full_step(opt), max(5, args.reps // 2))
+    wrapped = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=model.named_parameters(), density=DENSITY)
+    dgc = timed(lambda: full_step(wrapped), max(5, args.reps // 2))
+    stats = wrapped.compression_stats()
+    return bare, dgc, batch, stats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=64, help="ResNet-50 batch, fp32")
+    ap.add_argument("--batch-amp", type=int, default=128, help="ResNet-50 batch, bf16 autocast")
+    ap.add_argument("--skip-optimizer", action="store_true", help="skip part 3 (needs Horovod)")
+    ap.add_argument("--out", help="write the tables as markdown here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_dgc.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"GPU: {props.name}, torch {torch.__version__}")
+    sel = select_and_pack(args, dev)
+    (work_gpu, work_host), phases = local_work(args, dev)
+    print("\n[2] whole local DGC work of one ResNet-50 step (161 tensors; 2 ranks' records "
+          f"summed back): GPU {work_gpu:.3f} ms, host {work_host:.3f} ms")
+    for name, (gpu, host) in phases.items():
+        print(f"  phase {name:24s} GPU {gpu:8.3f} ms   host {host:8.3f} ms")
+    steps = {}
+    for amp in (False, True):
+        (fb_gpu, _), batch, *_ = resnet_step(args, dev, amp)
+        tag = f"{'bf16 autocast' if amp else 'fp32'}, batch {batch}"
+        steps[tag] = fb_gpu
+        print(f"  ResNet-50 forward+backward ({tag}): {fb_gpu:.2f} ms -> local DGC work = "
+              f"{100 * work_gpu / fb_gpu:.1f}% of it (GPU), {100 * work_host / fb_gpu:.1f}% "
+              f"(host)")
+    overhead = {}
+    if not args.skip_optimizer:
+        for amp in (False, True):
+            bare, dgc, batch, stats = optimizer_overhead(args, dev, amp)
+            tag = f"{'bf16 autocast' if amp else 'fp32'}, batch {batch}"
+            overhead[tag] = (bare, dgc, stats)
+            print(f"\n[3] ResNet-50 training step at np=1 ({tag}): bare SGD {bare[0]:.2f} ms, "
+                  f"hvd_dgc DistributedOptimizer {dgc[0]:.2f} ms -> "
+                  f"{dgc[0] / bare[0]:.3f}x; bytes sent / dense: 1/"
+                  f"{stats['compression_ratio']:.0f}")
+    if args.out:
+        write_markdown(args.out, props.name, sel, (work_gpu, work_host), phases, steps,
+                       overhead)
+
+
+def write_markdown(path, gpu_name, sel, work, phases, steps, overhead):
+    lines = [f"# DGC's local work on a GPU ({gpu_name}, torch {torch.__version__})", "",
+             "Measured by `python bench/gpu_dgc.py --out bench/results/gpu_dgc.md`: CUDA-event "
+             "medians, one run, side by side. `dgc`: the selection of all tensors at once "
+             "(gpu_select.py, what the optimizer runs); `dgc_each`: the same, one tensor at a "
+             "time; `topk_exact`: `torch.topk` per tensor; copies: of the same gradients.", "",
+             "| select + pack of ResNet-50's sparse tensors | GPU ms | host ms |",
+             "| --- | --- | --- |"]
+    lines += [f"| {k} | {g:.3f} | {h:.3f} |" for k, (g, h) in sel.items()]
+    lines += ["", f"DGC vs exact top-k: **{sel['topk_exact'][0] / sel['dgc'][0]:.2f}x**; DGC = "
+              f"**{sel['dgc'][0] / sel['copy_each'][0]:.2f}** per-tensor copies = "
+              f"{sel['dgc'][0] / sel['copy_flat'][0]:.1f} flat copies.", ""]
+    lines += ["| local DGC work, one step | GPU ms | host ms |", "| --- | --- | --- |",
+              f"| whole step | {work[0]:.3f} | {work[1]:.3f} |"]
+    lines += [f"| {k} | {g:.3f} | {h:.3f} |" for k, (g, h) in phases.items()]
+    lines += ["", "| ResNet-50 forward+backward | ms | local DGC work, GPU | host |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| {k} | {v:.2f} | {100 * work[0] / v:.1f}% | {100 * work[1] / v:.1f}% |"
+              for k, v in steps.items()]
+    if overhead:
+        lines += ["", "| ResNet-50 step, np=1 | bare SGD ms | hvd_dgc ms | ratio |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {k} | {b[0]:.2f} | {d[0]:.2f} | {d[0] / b[0]:.3f} |"
+                  for k, (b, d, _) in overhead.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Bodies of the CUDA tests (tests/test_cuda.py), run on every rank under horovodrun with
+``HVD_DGC_TEST_DEVICE=cuda``: host synchronisations per step, and DGC's fixed-size GPU
+selection against an exact top-k."""
+
+import collections
+import traceback
+import warnings
+
+import torch
+import torch.nn as nn
+
+import hvd_dgc.torch as hvd
+from hvd_dgc.schedule import num_selected
+from hvd_dgc.torch.compression import DGCCompressor
+from tests.workers.device import device
+from tests.workers.torch_dgc import _run, batch, loss_of
+
+
+def model(seed=0):
+    """Two tensors above min_compress_size per layer kind, and small ones that go dense."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 10)).to(device())
+
+
+def _count_syncs(fn):
+    """Run ``fn`` with torch's CUDA sync debugging on; return (result, [where]): each
+    synchronisation named by the innermost hvd_dgc frame that led to it (else by the
+    frame the warning names)."""
+    torch.cuda.synchronize()
+    seen = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack() if "/hvd_dgc/" in f.filename]
+        where = ours[-1] if ours else None
+        seen.append(f"{where.filename.split('hvd_dgc/')[-1]}:{where.lineno}" if where
+                    else f"{filename}:{lineno}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, seen
+
+
+def syncs_per_step(steps=4, warm=2):
+    """Host synchronisations per training step, by configuration (after ``warm`` steps, which
+    allocate the memory)."""
+    rank = hvd.rank()
+    configs = {
+        "dgc": dict(density=0.01),
+        "dgc_no_guard": dict(density=0.01, skip_nonfinite=False),
+        "dgc_fp16_values": dict(density=0.01, compression=hvd.Compression.dgc(fp16_values=True)),
+        "topk": dict(density=0.01, compression=hvd.Compression.topk),
+        "randomk": dict(density=0.01, compression=hvd.Compression.randomk),
+        "dense": dict(compression=hvd.Compression.none),
+        "dense_no_guard": dict(compression=hvd.Compression.none, skip_nonfinite=False),
+        "dga_delay2_no_guard": dict(density=0.01, delay=2, skip_nonfinite=False),
+        "dga_delay2": dict(density=0.01, delay=2),
+        "powersgd": dict(compression=hvd.Compression.powersgd(rank=2, start_iter=0)),
+        "sign": dict(compression=hvd.Compression.sign),
+        "terngrad": dict(compression=hvd.Compression.terngrad),
+        "qsgd": dict(compression=hvd.Compression.qsgd),
+        "bf16": dict(compression=hvd.Compression.bf16),
+    }
+    out = {}
+    for tag, kw in configs.items():
+        m = model(1)
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=[(f"sync.{tag}.{n}", p) for n, p in m.named_parameters()], **kw)
+
+        # On the device before counting: a copy from pageable host memory synchronises.
+        data = [batch(i, rank, features=64, classes=10) for i in range(warm + steps)]
+
+        def step(i):
+            opt.zero_grad()
+            x, y = data[i]
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+
+        for i in range(warm):
+            step(i)
+        per_step, ours, where = [], [], collections.Counter()
+        for i in range(warm, warm + steps):
+            _, seen = _count_syncs(lambda: step(i))
+            per_step.append(len(seen))
+            ours.append(sum(w.startswith("torch/") for w in seen))
+            where.update(seen)
+        if hasattr(opt, "flush"):
+            opt.flush()
+        out[tag] = {"per_step": per_step, "ours": ours, "where": dict(where),
+                    "finite": bool(torch.isfinite(torch.cat([p.detach().reshape(-1)
+                                                              for p in m.parameters()])).all())}
+    return out
+
+
+def fixed_selection():
+    """DGC's GPU form: exactly k records, the real ones distinct and equal to v there, the
+    padding valued 0, and the set equal to an exact top-k whenever enough pass the
+    threshold; no host synchronisation."""
+    comp = DGCCompressor()
+    gen = torch.Generator(device=device()).manual_seed(11 + hvd.rank())
+    out = []
+    for n in (3000, 100_000, 2_359_296):
+        for density in (0.001, 0.01, 0.25):
+            k = num_selected(n, density)
+            for trial in range(3):
+                v = torch.randn(n, generator=gen, device=device())
+                if trial == 2:  # mostly zeros, as an embedding's gradient: few candidates
+                    v = v * (torch.rand(n, generator=gen, device=device()) < 0.3 * k / n)
+                comp.sparsify(v, k, rank=0)  # builds the plan (once per size and k)
+                sel, seen = _count_syncs(lambda: comp.sparsify(v, k, rank=0))
+                out.append(_describe_selection(v, k, sel.indices, sel.values, trial, seen))
+    # Trial 3: four tensors selected together, as the optimizer does in one launch.
+    sizes = (2_359_296, 1_048_576, 4608, 3000)
+    for _ in range(3):
+        flats = [torch.randn(n, generator=gen, device=device()) for n in sizes]
+        ks = [num_selected(n, 0.001) for n in sizes]
+        comp.sparsify_many(flats, ks)
+        sel, seen = _count_syncs(lambda: comp.sparsify_many(flats, ks))
+        for v, k, (idx, val) in zip(flats, ks, sel.split()):
+            out.append(_describe_selection(v, k, idx, val, 3, seen))
+    return out
+
+
+def _describe_selection(v, k, indices, values, trial, seen):
+    real = values != 0
+    idx_real = indices[real]
+    exact = set(torch.topk(v.abs(), k).indices.tolist())
+    return {
+        "n": v.numel(), "k": k, "trial": trial, "records": indices.numel(),
+        "real": int(real.sum()), "distinct": idx_real.unique().numel(),
+        "values_match": bool(torch.equal(values[real], v[idx_real])),
+        "pads_repeat_sent": bool(set(indices[~real].tolist()) <= set(idx_real.tolist())
+                                 or not bool(real.any())),
+        "in_exact": len(exact & set(idx_real.tolist())),
+        "nonzero": int((v != 0).sum()), "syncs": len(seen)}
+
+
+def loss_scale_and_guard():
+    """GradScaler + DGC on CUDA: the scale is read as a tensor (no sync per tensor); an
+    overflow on one rank makes every rank skip the step, the memory stays finite."""
+    rank = hvd.rank()
+    m = model(3)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=[("gs." + n, p) for n, p in
+                                                     m.named_parameters()],
+                                   density=0.01, grad_scaler=scaler)
+    syncs, changed = [], []
+    for i in range(6):
+        before = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+
+        def step():
+            opt.zero_grad()
+            loss = loss_of(m, i, rank, features=64, classes=10)
+            if i == 3 and rank == hvd.size() - 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        _, seen = _count_syncs(step)
+        syncs.append(seen)
+        after = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        changed.append(float((after - before).abs().max()))
+    memory_finite = all(bool(torch.isfinite(s["v"]).all())
+                        for s in opt._dgc.memory.buffers.values())
+    return {"syncs": syncs, "changed": changed, "memory_finite": memory_finite,
+            "overflow_steps": opt.compression_stats()["overflow_steps"]}
+
+
+def suite(names):
+    hvd.init()
+    torch.cuda.set_device(device())
+    return _run(names, __import__(__name__, fromlist=["_"]))
+
