@@ -7,7 +7,7 @@ examples/tensorflow2/tensorflow2_keras_mnist.py, with DGC one flag away.
 
 Keras 3 (TensorFlow's default) is not supported by Horovod 0.28.1's own Keras
 optimizer (horovod #4290); there the dense run uses hvd_dgc's optimizer with
-Compression.none, which averages like Horovod, and the script says so.
+density=1.0, which averages like Horovod, and the script says so.
 Data: keras.datasets.mnist when it can be loaded (downloaded once); otherwise
 scikit-learn's digits (8x8, shipped with the package), and the script says so.
 """
@@ -76,7 +76,7 @@ def main():
     x, y, xt, yt, source = load_data()
     x, y = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
     mode = "hvd_dgc DGC" if args.dgc else (
-        "Horovod dense" if KERAS2 else "dense via hvd_dgc Compression.none (Keras 3)")
+        "Horovod dense" if KERAS2 else "dense via hvd_dgc density=1.0 (Keras 3)")
     if hvd.rank() == 0:
         print(f"data: {source}; {len(y)} train images per rank, {len(yt)} test, "
               f"{hvd.size()} ranks, Keras {'2' if KERAS2 else '3'}, {mode}", flush=True)
@@ -95,7 +95,7 @@ def main():
     elif KERAS2:
         opt = hvd.DistributedOptimizer(opt)
     else:
-        opt = hvd.DistributedOptimizer(opt, compression=hvd.Compression.none)
+        opt = hvd.DistributedOptimizer(opt, density=1.0)
     model.compile(optimizer=opt, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   **({} if KERAS2 else {"jit_compile": False}))  # Horovod ops: no XLA

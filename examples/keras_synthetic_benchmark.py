@@ -7,7 +7,7 @@ flag away.
 
 --model: a keras.applications name (ResNet50, the default) or wide_mlp
 (built in: ~25M parameters like ResNet-50, little compute per gradient byte).
-Under Keras 3 the dense run uses hvd_dgc with Compression.none (Horovod's own
+Under Keras 3 the dense run uses hvd_dgc with density=1.0 (Horovod's own
 Keras optimizer needs Keras 2, horovod #4290), as the output says.
 """
 
@@ -78,7 +78,9 @@ def main():
         mode = f"hvd_dgc DGC density {args.density:g}"
     else:
         compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(opt, compression=compression)
+        # hvd_dgc (Keras 3) reads Horovod's compression as DGC: density=1.0 says dense.
+        opt = hvd.DistributedOptimizer(opt, compression=compression,
+                                       **({} if KERAS2 else {"density": 1.0}))
         mode = ("Horovod dense" if KERAS2 else "dense via hvd_dgc (Keras 3)") + (
             " fp16" if args.fp16_allreduce else "")
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -100,12 +100,13 @@ def main():
     # Scale the learning rate by the number of workers, as Horovod's example does.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
                                 momentum=args.momentum)
-    options = {}
+    # Horovod's line, unchanged: under hvd_dgc (--dgc) Compression.none / fp16 mean DGC
+    # with fp32 / fp16 values; without --dgc this is Horovod itself, dense.
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     if args.dgc:
-        compression = hvd.Compression.dgc(fp16_values=args.fp16_allreduce)
         options = dict(density=args.density, warmup=args.warmup_epochs, delay=args.delay)
     else:
-        compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+        options = {}
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(

@@ -68,12 +68,13 @@ def main():
     model, shape, description = build_model()
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-    options = {}
+    # Horovod's line, unchanged: under hvd_dgc (--dgc) Compression.none / fp16 mean DGC
+    # with fp32 / fp16 values; without --dgc this is Horovod itself, dense.
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     if args.dgc:
-        compression = hvd.Compression.dgc(fp16_values=args.fp16_allreduce)
         options = dict(density=args.density, delay=args.delay)
     else:
-        compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+        options = {}
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression, **options)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

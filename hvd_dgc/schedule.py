@@ -13,10 +13,19 @@ depends only on counters every rank shares.
 import math
 from typing import Callable, Optional, Sequence, Union
 
-__all__ = ["DensitySchedule", "PAPER_WARMUP_DENSITIES", "as_schedule", "check_density", "num_selected"]
+__all__ = ["DensitySchedule", "PAPER_WARMUP_DENSITIES", "DEFAULT_WARMUP_STEPS", "as_schedule",
+           "check_density", "num_selected"]
 
 #: The paper's warm-up stages; the final density (0.1%) follows them.
 PAPER_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
+
+#: The warm-up when a script sets neither ``density`` nor ``warmup`` (the one-line
+#: switch): counted in optimizer steps, so it needs no ``set_epoch`` call. The residual
+#: sends a coordinate about once per 1/density steps, so at 0.1% a run needs thousands
+#: of steps before every coordinate has travelled; a short run at 0.1% from its first
+#: step trains a small model on a trickle (digits MLP, 88 steps: 73% accuracy against
+#: 96% dense). Passing ``density=`` or ``warmup=`` replaces this default.
+DEFAULT_WARMUP_STEPS = 1000
 
 
 def check_density(density, name="density"):
@@ -92,9 +101,16 @@ class _CallableSchedule:
         return ("callable", getattr(self.fn, "__qualname__", repr(self.fn)))
 
 
-def as_schedule(density: ScheduleLike = 0.001, warmup: float = 0, warmup_unit: str = "epoch",
-                warmup_densities: Optional[Sequence[float]] = None):
-    """Turn the user's ``density`` argument (number, schedule or callable) into a schedule."""
+def as_schedule(density: Optional[ScheduleLike] = None, warmup: Optional[float] = None,
+                warmup_unit: str = "epoch", warmup_densities: Optional[Sequence[float]] = None):
+    """Turn the user's ``density`` argument (number, schedule or callable) into a schedule.
+    Neither ``density`` nor ``warmup`` given: 0.1% after ``DEFAULT_WARMUP_STEPS`` steps of
+    the paper's warm-up stages."""
+    if density is None and warmup is None:
+        return DensitySchedule(0.001, warmup=DEFAULT_WARMUP_STEPS, unit="step",
+                               warmup_densities=warmup_densities)
+    density = 0.001 if density is None else density
+    warmup = 0 if warmup is None else warmup
     if isinstance(density, DensitySchedule) or (callable(density) and hasattr(density, "config")):
         if warmup:
             raise ValueError("pass warm-up settings inside the DensitySchedule, not as "

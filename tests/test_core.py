@@ -348,3 +348,59 @@ def test_fused_scan_finds_exactly_the_coordinates_at_or_above_threshold(n):
         assert torch.equal(got, expected)
         scan = _BlockScan(x.double())  # float64: the eager scan
         assert torch.equal(torch.sort(scan.at_least(threshold)).values, expected)
+
+
+def test_horovod_compression_names_resolve_to_dgc_with_their_value_format():
+    """hvd_dgc/switch.py with the torch namespace: Horovod's none/fp16 (class or instance)
+    mean DGC with fp32/fp16 values; names in any case; classes instantiated; the rest refused."""
+    from horovod.torch.compression import Compressor, NoneCompressor
+    from hvd_dgc.switch import dense_requested, resolve_compression
+    from hvd_dgc.torch.collective import ExchangeCompressor
+    from hvd_dgc.torch.compression import SparseCompressor, TopKCompressor
+
+    def resolve(c):
+        return resolve_compression(c, Compression, (SparseCompressor, ExchangeCompressor),
+                                   "torch")
+    assert resolve(Compression.none) == (Compression.dgc, False, "none")
+    assert resolve(NoneCompressor()) == (Compression.dgc, False, "none")
+    assert resolve(Compression.fp16) == (Compression.dgc, True, "fp16")
+    assert resolve(" FP16 ") == (Compression.dgc, True, "fp16")
+    assert resolve("topk").compressor is Compression.topk
+    assert isinstance(resolve(TopKCompressor).compressor, TopKCompressor)
+    assert resolve(Compression.powersgd).compressor is Compression.powersgd
+    with pytest.raises(ValueError, match="'dgcc' is not a compressor name; use one of .*'dgc'"):
+        resolve("dgcc")
+
+    class Custom(Compressor):
+        pass
+    with pytest.raises(TypeError, match="Custom is a class hvd_dgc cannot use"):
+        resolve(Custom)
+    with pytest.raises(TypeError, match="density=1.0 trains dense"):
+        resolve(Custom())
+    assert dense_requested(1.0, None) and dense_requested(1, 0)
+    assert not dense_requested(1.0, 4) and not dense_requested(None, None)
+    assert not dense_requested(True, None) and not dense_requested(0.5, None)
+
+
+def test_momentum_masking_only_where_its_tail_is_small():
+    from hvd_dgc.masking import check_masking, masking_density_limit
+    limit = masking_density_limit("auto", 0.9)
+    assert limit == pytest.approx(0.1 * 0.1 / 0.9)
+    assert 0.001 <= limit and 0.004 <= limit and not 0.015625 <= limit  # paper's stages
+    assert masking_density_limit(True, 0.9) == math.inf
+    assert masking_density_limit(False, 0.9) == -1.0
+    assert masking_density_limit("auto", 0.0) == -1.0  # no momentum: nothing to mask
+    assert masking_density_limit("auto", 0.99) == pytest.approx(0.1 * 0.01 / 0.99)
+    for bad in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match="momentum_masking must be True"):
+            check_masking(bad)
+
+
+def test_default_schedule_warms_up_by_steps_when_the_script_sets_nothing():
+    s = as_schedule()
+    assert (s.density, s.warmup, s.unit) == (0.001, 1000, "step")
+    assert [s(step, 0.0) for step in (0, 249, 250, 999, 1000)] == \
+        [0.25, 0.25, 0.0625, 0.004, 0.001]
+    assert as_schedule(0.01).warmup == 0            # density given: no implicit warm-up
+    assert as_schedule(None, 0).density == 0.001    # warmup=0: none
+    assert as_schedule(None, 4).unit == "epoch"

@@ -69,7 +69,7 @@ def test_keras_mnist(keras):
     dense = launch("keras_mnist.py", "--epochs", "4", "--batch-size", "32", "--lr", "0.02",
                    "--verbose", "0", env=env)
     assert_digits_fallback(dense)
-    assert ("Horovod dense" if keras == "2" else "Compression.none (Keras 3)") in dense
+    assert ("Horovod dense" if keras == "2" else "density=1.0 (Keras 3)") in dense
     assert number(r"test accuracy ([\d.]+)", dense) > 0.85
     dgc = launch("keras_mnist.py", "--epochs", "4", "--batch-size", "32", "--lr", "0.02",
                  "--verbose", "0", "--dgc", "--stats", "--warmup-epochs", "1", env=env)

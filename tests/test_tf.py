@@ -11,7 +11,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delay_dense_matches_formula",
         "tf_dga.tape_delay_sparse_flush_equals_synchronous", "tf_dga.delay_bad_inputs",
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
-        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank"]
+        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -107,7 +107,24 @@ def test_tape_bad_inputs_give_clear_errors(tape):
         assert "sparse_as_dense=True" in out["indexed_slices"]
         assert out["sparse_as_dense_rows"] == [1.0, 2.0, 0.0]  # averaged over 2 equal ranks
         assert "density" in out["density"]
-        assert "dense" in out["dense_with_density"]
+        assert "not a compressor name" in out["bad_name"] and "'topk'" in out["bad_name"]
+
+
+def test_tape_reads_horovods_compression_as_dgc_and_says_so(tape):
+    """tensorflow2 examples pass compression=hvd.Compression.fp16 / none to the tape: DGC
+    (fp16 dense path), a name resolves, density=1.0 is dense; rank 0 says which."""
+    for rank, out in enumerate(_checked(tape, "tape_horovod_patterns")):
+        for tag in ("fp16", "name", "dense"):
+            assert out[tag]["identical"], tag
+        if rank == 0:
+            fp16 = out["fp16"]["printed"]
+            assert fp16.count("[hvd_dgc] tensorflow: DGC at density 0.001, warm-up 1000 "
+                              "steps") == 1, fp16
+            assert "fp32 records" in fp16 and "fp16 allreduce" in fp16
+            assert "topk at density 0.001" in out["name"]["printed"]
+            assert "dense averaging (density=1.0), fp32 values" in out["dense"]["printed"]
+        else:
+            assert all(out[t]["printed"] == "" for t in ("fp16", "name", "dense"))
 
 
 def test_tape_inconsistent_config_is_named_not_hung(tape):

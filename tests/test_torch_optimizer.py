@@ -9,7 +9,8 @@ from tests.hvdrun import run
 from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
-                  "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every"]
+                  "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
+                  "horovod_patterns"]
 
 
 def _checked(results, name):
@@ -182,3 +183,45 @@ def test_log_every_prints_statistics_on_rank_zero_only(gloo):
                                                     ["[hvd_dgc]", "step", "4"]]
     assert all("density=0.01" in line and "ratio=" in line for line in rank0), rank0
     assert rank1 == []
+
+
+def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
+    """Horovod's examples pass compression=Compression.none / fp16 explicitly: under hvd_dgc
+    that is DGC with fp32 / fp16 values (and a name or a class resolves too), with the
+    default warm-up by steps (no set_epoch); density=1.0 is dense and equals Horovod; each
+    trains as Horovod's dense run does (4 epochs of digits, 88 steps: all in the warm-up's
+    first stage, 25%)."""
+    for rank, out in enumerate(_checked(gloo, "horovod_patterns")):
+        for tag in ("none", "fp16", "name", "name_case", "class"):
+            res = out[tag]
+            assert res["identical"], tag
+            assert res["density_now"] == 0.25 and res["density_at_1000"] == 0.001, res
+            # 3 large weights at 25%: fp32 records cost half their dense bytes, fp16 3/8
+            assert res["ratio"] > (2.5 if tag == "fp16" else 1.9), (tag, res["ratio"])
+            assert res["paths"]["sparse"] == 3 * 4 * 22, (tag, res["paths"])
+            assert res["accuracy"] > out["dense_accuracy"] - 0.02, (tag, res["accuracy"])
+        assert out["none"]["record_bytes"] == [8] and out["none"]["dense_bytes"] == [4]
+        assert out["fp16"]["record_bytes"] == [6] and out["fp16"]["dense_bytes"] == [2]
+        assert out["name"]["compressor"] == out["class"]["compressor"] == "DGCCompressor"
+        assert out["name_case"]["compressor"] == "TopKCompressor"
+        dense = out["dense"]
+        assert dense["ratio"] == 1.0 and "sparse" not in dense["paths"]
+        # float32 rounding over 88 steps (momentum in the memory vs in SGD); the exact
+        # equivalence over 20 steps is test_dense_equivalence's, at 1e-6
+        assert dense["max_diff_vs_horovod"] < 1e-4
+        if rank == 0:
+            assert out["none"]["printed"].count(
+                "[hvd_dgc] torch: DGC at density 0.001, warm-up 1000 steps") == 1
+            assert "3 of 6 tensors sparse (fp32 records" in out["none"]["printed"]
+            assert "fp16 records" in out["fp16"]["printed"]
+            assert "dense averaging (density=1.0)" in dense["printed"]
+        else:
+            assert all(out[t]["printed"] == "" for t in ("none", "fp16", "dense"))
+        assert len(out["warnings"]) == 2
+        assert "min_compress_size=1000000" in out["warnings"][0]
+        assert "density 0.9 and 2 ranks" in out["warnings"][1]
+        assert "not a compressor name" in out["bad_name"] and "'dgc'" in out["bad_name"]
+        assert "Custom is a class hvd_dgc cannot use" in out["foreign_class"]
+        assert "not one of hvd_dgc's compressors" in out["foreign_instance"]
+        assert "density=1.0 trains dense" in out["foreign_instance"]
+        assert "Linear is a class" in out["module"]

@@ -136,13 +136,16 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             compression=Compression.dgc, sparse_as_dense=False, op=Average,
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
                             process_set=global_process_set, scale_local_gradients=True, *,
-                            density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
-                            min_compress_size=1024, momentum_masking=True, clip_norm=None,
+                            density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
+                            min_compress_size=1024, momentum_masking="auto", clip_norm=None,
                             cost_model=None, delay=0, skip_nonfinite=True):
     """Horovod's DistributedGradientTape with Deep Gradient Compression.
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
-    ``Compression.dgc`` (``Compression.none``/``fp16`` give dense averaging).
+    ``Compression.dgc``; Horovod's ``Compression.none`` / ``fp16`` (which its example
+    scripts pass) mean DGC with fp32 values / with an fp16 dense path (the records stay
+    fp32 here); a compressor's name works too; ``density=1.0`` is dense averaging
+    (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     The DGC options are those of ``hvd_dgc.torch.DistributedOptimizer``. A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use

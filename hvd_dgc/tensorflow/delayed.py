@@ -34,7 +34,6 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.tensorflow.compression import Compression
 
 __all__ = ["DelayedAveraging", "SPARSE", "DENSE"]
 
@@ -108,7 +107,7 @@ class DelayedAveraging:
         ex = self.exchange
         pre, post = ex._scales()
         own = [arrays[i].view(np.float32) for i in chosen]
-        fp16 = ex.compression is Compression.fp16
+        fp16 = ex.dense_fp16
         reduce = self._function(name + ".dense", len(own),
                                 tf.TensorSpec([None], tf.float16 if fp16 else tf.float32),
                                 lambda t, n: _hvd.grouped_allreduce(

@@ -18,6 +18,8 @@ for a worker thread and step i applies ``own_i + avg_(i-D) - own_(i-D)``: see
 hvd_dgc/tensorflow/delayed.py.
 """
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
@@ -25,9 +27,11 @@ from horovod.tensorflow.mpi_ops import Average, Sum, global_process_set
 
 from hvd_dgc import consistency
 from hvd_dgc.costmodel import CostModel
-from hvd_dgc.schedule import as_schedule, DensitySchedule
+from hvd_dgc.schedule import as_schedule, DensitySchedule, num_selected
 from hvd_dgc.stats import CompressionStats
-from hvd_dgc.tensorflow.compression import Compression, is_sparse
+from hvd_dgc.masking import check_masking, masking_density_limit
+from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
+from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
 from hvd_dgc.tensorflow.delayed import DENSE, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
 
@@ -42,9 +46,9 @@ def variable_name(var, i):
 class GradientExchange(tf.Module):
     """DGC state and the per-step exchange for one set of variables."""
 
-    def __init__(self, compression=Compression.dgc, density=None, warmup=0,
+    def __init__(self, compression=Compression.dgc, density=None, warmup=None,
                  warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
-                 momentum=0.0, nesterov=False, momentum_masking=True, clip_norm=None,
+                 momentum=0.0, nesterov=False, momentum_masking="auto", clip_norm=None,
                  cost_model=None, op=Average, gradient_predivide_factor=1.0,
                  sparse_as_dense=False, process_set=global_process_set, delay=0,
                  skip_nonfinite=True, name="hvd_dgc"):
@@ -60,27 +64,24 @@ class GradientExchange(tf.Module):
             raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
-        if is_sparse(compression):
-            schedule = as_schedule(0.001 if density is None else density, warmup, warmup_unit,
-                                   warmup_densities)
+        choice = resolve_compression(compression, Compression, (SparseCompressor,),
+                                     "tensorflow")
+        compression = choice.compressor
+        self.dense_fp16 = choice.fp16  # Compression.fp16: fp16 on the dense path
+        if dense_requested(density, warmup):
+            compression, schedule = Compression.none, as_schedule(1.0)
+        else:
+            schedule = as_schedule(density, warmup, warmup_unit, warmup_densities)
             if not isinstance(schedule, DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
                                 "Python callable")
-        elif compression in (Compression.none, Compression.fp16):
-            if density is not None or warmup:
-                raise ValueError(f"density/warmup apply to sparse compressors, but compression="
-                                 f"{compression.__name__} is dense. Use compression="
-                                 f"hvd_dgc.tensorflow.Compression.dgc to sparsify.")
-            schedule = as_schedule(1.0)
-        else:
-            raise ValueError(f"compression must be one of hvd_dgc.tensorflow.Compression.dgc, "
-                             f".topk, .none, .fp16; got {compression!r}")
         self.compression = compression
         self.schedule = schedule
         self.min_compress_size = min_compress_size
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
-        self.momentum_masking = bool(momentum_masking)
+        self.momentum_masking = check_masking(momentum_masking)
+        self._mask_limit = masking_density_limit(momentum_masking, momentum)
         self.clip_norm = clip_norm
         self.cost_model = cost_model or CostModel()
         self.op = op
@@ -119,6 +120,7 @@ class GradientExchange(tf.Module):
                 self.cost_model.max_sparse_k(n, world, 4, self.compression.value_bytes)
                 if sparse and n >= self.min_compress_size else 0 for n in self.numels]
             _check_consistent_config(self._config(), self.process_set)
+            self._announce()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
                                      name="epoch")
@@ -132,6 +134,27 @@ class GradientExchange(tf.Module):
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
 
+    def _announce(self):
+        """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
+        warning where a setting leaves DGC nothing to do (as the PyTorch optimizer)."""
+        sparse = is_sparse(self.compression)
+        large = [n for n in self.numels if n >= self.min_compress_size]
+        kind = self.compression.name if sparse else "dense"
+        final = self.schedule.density if sparse else 1.0
+        if sparse:
+            sparse_at_final = any(num_selected(n, final) <= k
+                                  for n, k in zip(self.numels, self.max_sparse_k) if k)
+            message = idle_warning(kind, self.min_compress_size, bool(large), sparse_at_final,
+                                   final, self.world_size())
+            if message:
+                warnings.warn(message, UserWarning)
+        if _hvd.rank() == 0:
+            warm = (f"{self.schedule.warmup:g} {self.schedule.unit}s"
+                    if sparse and self.schedule.warmup else "")
+            print(summary(kind, final, warm, self.min_compress_size, self.dense_fp16,
+                          sparse and self.compression.value_bytes == 2, self.delay,
+                          len(large), len(self.numels), "tensorflow"), flush=True)
+
     def world_size(self):
         return self.process_set.size()
 
@@ -142,6 +165,7 @@ class GradientExchange(tf.Module):
                 "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
                 "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
                 "delay": self.delay, "skip_nonfinite": self.skip_nonfinite,
+                "dense_fp16": self.dense_fp16,
                 "variables": list(zip(self.names, self.numels))}
 
     # -- per step ---------------------------------------------------------------
@@ -235,11 +259,11 @@ class GradientExchange(tf.Module):
             return dense()
         return tf.cond(k <= self.max_sparse_k[i], sparse, dense)
 
-    def _select(self, i, v, k, seed):
+    def _select(self, i, v, k, seed, density):
         """Sparse path: indices and values to send; the memory forgets them."""
         indices = self.compression.select(v, k, seed)
         values = tf.gather(v, indices)
-        self.memory.sent(i, indices)
+        self.memory.sent(i, indices, mask_momentum=density <= self._mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
         numel = self.numels[i]
         self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
@@ -247,10 +271,10 @@ class GradientExchange(tf.Module):
         return indices, values
 
     def _dense_payload(self, i, v):
-        """Dense path: all of ``v`` leaves (as float16 with Compression.fp16)."""
+        """Dense path: all of ``v`` leaves (as float16 with Horovod's Compression.fp16)."""
         self.memory.sent_all(i)
         numel = self.numels[i]
-        fp16 = self.compression is Compression.fp16
+        fp16 = self.dense_fp16
         self.counters.assign_add(tf.constant([(2 if fp16 else 4) * numel, 4 * numel, numel,
                                               numel, 0, 1], tf.int64))
         return tf.cast(v, tf.float16) if fp16 else v
@@ -281,7 +305,7 @@ class GradientExchange(tf.Module):
             return tf.cast(avg, tf.float32)
 
         def sparse():
-            indices, values = self._select(i, v, k, seed)
+            indices, values = self._select(i, v, k, seed, density)
             if poison is not None:
                 values = tf.where(poison, float("inf"), values)
             records = self.compression.pack(values * pre, indices)
@@ -305,7 +329,7 @@ class GradientExchange(tf.Module):
                 return tf.constant(DENSE), tf.bitcast(own, tf.int32), own
 
             def sparse(i=i, v=v, k=k, numel=numel):
-                indices, values = self._select(i, v, k, seed)
+                indices, values = self._select(i, v, k, seed, density)
                 records = self.compression.pack(values * pre, indices)
                 own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
                 return tf.constant(SPARSE), tf.reshape(records, [-1]), own

@@ -29,7 +29,7 @@ class DGCMemory(tf.Module):
         super().__init__(name=name)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
-        self.momentum_masking = bool(momentum_masking)
+        self.momentum_masking = momentum_masking  # True, False or "auto" (masking.py)
         with tf.init_scope():
             self.v = [tf.Variable(tf.zeros([n]), trainable=False, name=f"v{i}")
                       for i, n in enumerate(numels)]
@@ -64,13 +64,19 @@ class DGCMemory(tf.Module):
             v.assign_add(g)
         return v.read_value()
 
-    def sent(self, i, indices):
-        """Coordinates ``indices`` left this worker: clear them (and their momentum)."""
+    def sent(self, i, indices, mask_momentum=None):
+        """Coordinates ``indices`` left this worker: clear them, and their momentum where
+        ``mask_momentum`` (a bool tensor: "auto" masking depends on the density, which
+        is a tensor in the warm-up; None: the ``momentum_masking`` setting)."""
         idx = tf.expand_dims(indices, 1)
         zeros = tf.zeros(tf.shape(indices), tf.float32)
         self.v[i].scatter_nd_update(idx, zeros)
-        if self.momentum and self.momentum_masking:
-            self.u[i].scatter_nd_update(idx, zeros)
+        if self.momentum and self.momentum_masking is not False:
+            if mask_momentum is None:
+                self.u[i].scatter_nd_update(idx, zeros)
+            else:
+                kept = tf.where(mask_momentum, zeros, tf.gather(self.u[i], indices))
+                self.u[i].scatter_nd_update(idx, kept)
 
     def sent_all(self, i):
         """Dense path: everything left, ``v`` clears, ``u`` stays (density 1 == momentum SGD)."""

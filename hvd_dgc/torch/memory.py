@@ -76,12 +76,13 @@ class DGCMemory:
     """Momentum correction, momentum factor masking and error feedback, per parameter.
 
     Args:
-        momentum_masking: zero the momentum of sent coordinates (the paper's
-            default). Off, the momentum keeps pushing coordinates already sent.
+        momentum_masking: zero the momentum of sent coordinates: True (the paper's
+            default), False (the momentum keeps pushing coordinates already sent), or
+            "auto" (the optimizer decides per step; hvd_dgc/masking.py).
     """
 
     def __init__(self, momentum_masking=True):
-        self.momentum_masking = bool(momentum_masking)
+        self.momentum_masking = momentum_masking
         self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
         self._snapshots = {}  # key -> the buffers before this step (None: had none)
         self._spare = {}      # key -> buffers to copy the next snapshot into
@@ -114,11 +115,15 @@ class DGCMemory:
             v.add_(grad)
         return (v, block_abs_max(v)) if with_block_max else v
 
-    def sent(self, key, indices):
-        """The coordinates at ``indices`` left this worker (sparse path)."""
+    def sent(self, key, indices, mask_momentum=None):
+        """The coordinates at ``indices`` left this worker (sparse path). Their momentum is
+        zeroed if ``mask_momentum`` (default: the ``momentum_masking`` setting; the
+        optimizer decides per step, as "auto" depends on the density: masking.py)."""
         state = self.buffers[key]
         state["v"].index_fill_(0, indices, 0)
-        if self.momentum_masking and state["u"] is not None:
+        if mask_momentum is None:
+            mask_momentum = self.momentum_masking is not False
+        if mask_momentum and state["u"] is not None:
             state["u"].index_fill_(0, indices, 0)
 
     def sent_all(self, key):

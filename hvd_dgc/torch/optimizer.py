@@ -51,9 +51,11 @@ from hvd_dgc import consistency
 from hvd_dgc.costmodel import DENSE, SPARSE, CostModel
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
-from hvd_dgc.torch.collective import EXCHANGE, HorovodComm, is_exchange
-from hvd_dgc.torch.compression import Compression, Selected, Selection, is_sparse, \
-    on_accelerator
+from hvd_dgc.masking import check_masking, masking_density_limit
+from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
+from hvd_dgc.torch.collective import EXCHANGE, ExchangeCompressor, HorovodComm, is_exchange
+from hvd_dgc.torch.compression import Compression, Selected, Selection, SparseCompressor, \
+    is_sparse, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on
 from hvd_dgc.torch.memory import DGCMemory, buffer_dtype, local_gradient
 
@@ -75,6 +77,7 @@ class _SparseJob(NamedTuple):
     poison: object         # device flag: g was not finite (GPU, skip_nonfinite), or None
     density: object
     fixed: object = None   # Selected: send this instead (a non-finite gradient's record)
+    momentum: float = 0.0  # the memory's momentum for it (masking: hvd_dgc/masking.py)
 
 
 class _Pending:
@@ -150,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "dense_compression": _describe(d.dense_compression),
             "density": repr(d.schedule.config()),
             "min_compress_size": d.min_compress_size,
-            "momentum_masking": d.memory.momentum_masking,
+            "momentum_masking": d.masking,
             "clip_norm": d.clip_norm,
             "cost_model": repr(d.cost_model.config()),
             "op": repr(self.op),
@@ -224,6 +227,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                and on_accelerator(p) and len(devices) == 1)
         return self._batch
 
+    def _announce(self):
+        """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
+        warning where a setting leaves DGC nothing to do."""
+        d = self._dgc
+        sizes = [p.numel() for group in self.param_groups for p in group["params"]
+                 if p.requires_grad]
+        comp = self._compression
+        kind = "dense" if not (is_sparse(comp) or is_exchange(comp)) else comp.name
+        large = [n for n in sizes if n >= d.min_compress_size]
+        final, warm = 1.0, ""
+        if is_sparse(comp):
+            final = getattr(d.schedule, "density", None)
+            if getattr(d.schedule, "warmup", 0):
+                warm = f"{d.schedule.warmup:g} {d.schedule.unit}s"
+            if final is None:  # a callable: its value now
+                final, warm = d.density(), "set by a callable schedule"
+        if is_sparse(comp) or is_exchange(comp):
+            sparse_at_final = not is_sparse(comp) or any(
+                d.cost_model.choose(n, num_selected(n, final), self._world(),
+                                    2 if d.dense_fp16 else 4, comp.value_bytes) == SPARSE
+                for n in large)
+            message = idle_warning(kind, d.min_compress_size, bool(large), sparse_at_final,
+                                   final, self._world())
+            if message:
+                warnings.warn(message, UserWarning)
+        if _hvd.rank() == 0:
+            print(summary(kind, final, warm, d.min_compress_size, d.dense_fp16,
+                          getattr(comp, "value_bytes", 4) == 2, d.delay, len(large),
+                          len(sizes), "torch"), flush=True)
+
     # -- the gradient's path -------------------------------------------------
     def _world(self):
         return self.process_set.size()
@@ -286,7 +319,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 v, block_max = d.memory.accumulate(key, g, momentum, nesterov), None
             # Selected and packed with the launch's other sparse tensors (_send_sparse).
-            job = _SparseJob(key, name, v, k, block_max, poison, density)
+            job = _SparseJob(key, name, v, k, block_max, poison, density, momentum=momentum)
             return path, job, (path, numel, scale, None)
         v = d.memory.accumulate(key, g, momentum, nesterov)
         if path == EXCHANGE:
@@ -332,7 +365,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         payload = comp.pack(wire, sel.indices)
         for job, (indices, _) in zip(jobs, sel.split()):
             if job.fixed is None:
-                d.memory.sent(job.key, indices)
+                mask = job.density <= masking_density_limit(d.masking, job.momentum)
+                d.memory.sent(job.key, indices, mask_momentum=mask)
                 d.stats.record(job.name, SPARSE, job.v.numel(), indices.numel(),
                                indices.numel() * comp.record_bytes, job.density)
         return payload, sel
@@ -780,6 +814,7 @@ class DGCState:
         self.dense_compression = dense_compression
         self.dense_fp16 = dense_compression is Compression.fp16 or compression is Compression.fp16
         self.memory = memory
+        self.masking = memory.momentum_masking  # True, False or "auto" (masking.py)
         self.cost_model = cost_model
         self.min_compress_size = min_compress_size
         self.clip_norm = clip_norm
@@ -920,19 +955,22 @@ def _check_consistent_config(config, process_set):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.dgc,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set, *, density=None, warmup=0,
+                         process_set=global_process_set, *, density=None, warmup=None,
                          warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
-                         momentum_masking=True, clip_norm=None,
-                         dense_compression=Compression.none, cost_model=None, grad_scaler=None,
+                         momentum_masking="auto", clip_norm=None,
+                         dense_compression=None, cost_model=None, grad_scaler=None,
                          log_every=0, delay=0, skip_nonfinite=True):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
-    ``compression`` defaults to ``Compression.dgc``; Horovod's ``Compression.none`` /
-    ``Compression.fp16`` give dense averaging (still through the memory, so the
-    maths is unchanged at any world size). ``Compression.powersgd``, ``sign``,
-    ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives (collective.py),
-    with error feedback through the same memory. hvd_dgc's options:
+    ``compression`` defaults to ``Compression.dgc``. Horovod's ``Compression.none`` /
+    ``Compression.fp16``, which Horovod's example scripts pass explicitly, keep their
+    meaning of how values travel: DGC with fp32 / fp16 values (hvd_dgc/switch.py); a
+    compressor's name ("dgc", "topk", ...) works too. Dense averaging is asked for
+    explicitly with ``density=1.0`` (through the memory, so the maths is unchanged at
+    any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
+    ``bf16`` run their own collectives (collective.py), with error feedback through the
+    same memory. Rank 0 prints one line at wrap time saying what runs. hvd_dgc's options:
 
     Args:
         density: fraction of each large tensor sent per step (default 0.001), a
@@ -940,12 +978,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warmup: warm-up length in ``warmup_unit`` ("epoch", driven by
             ``optimizer.set_epoch(e)``, or "step"); densities fall through
             ``warmup_densities`` (default the paper's 25%, 6.25%, 1.5625%, 0.4%).
+            With neither ``density`` nor ``warmup`` given: 1000 steps of warm-up
+            (hvd_dgc.schedule.DEFAULT_WARMUP_STEPS); ``warmup=0`` for none.
         min_compress_size: tensors with fewer elements always go dense (biases,
             norm layers: the paper sends them dense).
-        momentum_masking: zero the momentum of sent coordinates (paper default).
+        momentum_masking: zero the momentum of sent coordinates: True (always, as the
+            paper), False, or "auto" (default: only at densities where the momentum tail
+            it drops is small, <= 1.1% at momentum 0.9; hvd_dgc/masking.py).
         clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)``.
         dense_compression: ``Compression.none`` or ``Compression.fp16`` for the
-            dense path (fp16's rounding error stays in the residual).
+            dense path (fp16's rounding error stays in the residual); default: fp16
+            with ``compression=Compression.fp16``, else none.
         cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` deciding dense
             allreduce vs sparse allgather per tensor per step.
         grad_scaler: the ``torch.amp.GradScaler`` in use, so the memory holds
@@ -995,8 +1038,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
-    if isinstance(compression, type) and issubclass(compression, torch.nn.Module):
-        raise TypeError("compression must be a compressor such as hvd.Compression.dgc")
+    choice = resolve_compression(compression, Compression,
+                                 (SparseCompressor, ExchangeCompressor), "torch")
+    compression = choice.compressor
+    if choice.fp16:
+        compression = compression(fp16_values=True)
+    if dense_compression is None:
+        dense_compression = Compression.fp16 if choice.fp16 else Compression.none
     if dense_compression not in (Compression.none, Compression.fp16):
         raise ValueError("dense_compression must be Compression.none or Compression.fp16, got "
                          f"{dense_compression!r}")
@@ -1017,12 +1065,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
-    if is_sparse(compression):
+    if is_sparse(compression) and dense_requested(density, warmup):
+        compression, schedule = Compression.none, as_schedule(1.0)
+    elif is_sparse(compression):
         # A copy per optimizer: the sampler's RNG state belongs to one optimizer's
         # checkpoint, not to the shared Compression.dgc default.
         compression = compression()
-        schedule = as_schedule(0.001 if density is None else density, warmup, warmup_unit,
-                               warmup_densities)
+        schedule = as_schedule(density, warmup, warmup_unit, warmup_densities)
     else:
         if density is not None or warmup:
             raise ValueError(f"density/warmup apply to sparse compressors, but compression="
@@ -1036,10 +1085,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              f"and delayed averaging needs it at once. Use delay=0, or a "
                              f"one-round compressor (Compression.sign, qsgd, bf16, dgc).")
         compression = compression()  # a copy per optimizer: Q, RNG state (checkpointed)
+    check_masking(momentum_masking)
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
                    int(log_every), delay, skip_nonfinite)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, dgc)
+    wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, op, gradient_predivide_factor, groups,
+                  sparse_as_dense, process_set, dgc)
+    if process_set.included():
+        wrapped._announce()
+    return wrapped
+

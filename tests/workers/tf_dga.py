@@ -77,7 +77,7 @@ def _run_dense(tf, hvd, train_step, variables, w0, steps, delay, lr, momentum, f
 
 
 def tape_delay_dense_matches_formula(steps=7, delay=2, lr=0.05):
-    """Tape, Compression.none, delay=2, Keras SGD: w_i == the DGA formula at every step;
+    """Tape, density=1.0 (dense), delay=2, Keras SGD: w_i == the DGA formula at every step;
     hvd.flush(opt) leaves w == w0 - lr * sum of the averages, identical on all ranks."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
@@ -88,7 +88,7 @@ def tape_delay_dense_matches_formula(steps=7, delay=2, lr=0.05):
     def train_step(grads):
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
-        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.none, delay=delay)
+        tape = hvd.DistributedGradientTape(tape, density=1.0, delay=delay)
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
     out = _run_dense(tf, hvd, train_step, variables, w0, steps, delay, lr, 0.0,
@@ -105,7 +105,7 @@ def keras_delay_dense_matches_formula(steps=7, delay=2, lr=0.05, momentum=0.9):
     variables = _init(tf, 1)
     w0 = [v.numpy() for v in variables]
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum),
-                                   compression=hvd.Compression.none, delay=delay)
+                                   density=1.0, delay=delay)
 
     @tf.function
     def train_step(grads):

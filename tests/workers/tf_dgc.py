@@ -50,7 +50,7 @@ def _sgd_momentum_step(tf, variables, grads, buffers, lr=0.1, momentum=0.9):
 
 
 def tape_dense_equivalence(steps=10):
-    """Compression.none through hvd_dgc's tape == Horovod's DistributedGradientTape."""
+    """density=1.0 through hvd_dgc's tape == Horovod's DistributedGradientTape."""
     tf = _tf()
     import horovod.tensorflow as hvd_stock
     import hvd_dgc.tensorflow as hvd
@@ -61,7 +61,7 @@ def tape_dense_equivalence(steps=10):
         x, y = _batch(step, rank)
         for k, (variables, wrap) in enumerate(((ref, lambda t: hvd_stock.DistributedGradientTape(t)),
                                                (ours, lambda t: hvd.DistributedGradientTape(
-                                                   t, compression=hvd.Compression.none)))):
+                                                   t, density=1.0)))):
             with tf.GradientTape() as tape:
                 loss = _loss(tf, variables, x, y)
             grads = wrap(tape).gradient(loss, variables)
@@ -97,6 +97,34 @@ def tape_sparse_in_tf_function(steps=8):
             "traces": train_step.experimental_get_tracing_count()}
 
 
+def tape_horovod_patterns(steps=4):
+    """Horovod's tensorflow2 examples with the import line switched:
+    ``DistributedGradientTape(tape, compression=hvd.Compression.fp16)`` (and a name) is DGC,
+    with the default warm-up by steps; rank 0 prints what runs, once per tape set-up."""
+    import contextlib
+    import io
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    out = {}
+    for tag, comp in (("fp16", hvd.Compression.fp16), ("name", "TopK"),
+                      ("dense", hvd.Compression.none)):
+        variables = _vars(tf, seed=3, width=128)
+        printed = io.StringIO()
+        for step in range(steps):
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, variables, *_batch(step, rank))
+            tape = hvd.DistributedGradientTape(
+                tape, compression=comp, **({"density": 1.0} if tag == "dense" else {}))
+            with contextlib.redirect_stdout(printed):
+                grads = tape.gradient(loss, variables)
+            for v, g in zip(variables, grads):
+                v.assign_sub(0.1 * g)
+        out[tag] = {"printed": printed.getvalue(),
+                    "identical": _identical(tf, hvd, variables, "hp." + tag)}
+    return out
+
+
 def keras_dense_equivalence(steps=10):
     """Keras 2 (tf_keras): hvd_dgc's optimizer at density 1 == Horovod's, SGD momentum."""
     tf = _tf()
@@ -109,7 +137,7 @@ def keras_dense_equivalence(steps=10):
         params = []
         for k, wrap in enumerate((lambda o: hvd_stock.DistributedOptimizer(o),
                                   lambda o: hvd.DistributedOptimizer(
-                                      o, compression=hvd.Compression.none))):
+                                      o, density=1.0))):
             variables = _vars(tf, seed=2)
             opt = wrap(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov))
             for step in range(steps):
@@ -154,7 +182,7 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0):
         import horovod.tensorflow.keras as hvd_stock
         runs = {"dense": "horovod", **runs}
     else:  # Horovod's own optimizer fails under Keras 3 (horovod #4290): dense via hvd_dgc
-        runs = {"dense": dict(compression=hvd.Compression.none), **runs}
+        runs = {"dense": dict(density=1.0), **runs}
     for tag, options in runs.items():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([
@@ -302,16 +330,15 @@ def tape_bad_inputs():
     def embedding(**kw):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.nn.embedding_lookup(table, [1, 7, 7]))
-        grads = hvd.DistributedGradientTape(tape, compression=hvd.Compression.none,
-                                            **kw).gradient(loss, [table])
+        grads = hvd.DistributedGradientTape(tape, density=1.0, **kw).gradient(loss, [table])
         return grads[0].numpy()
     out["indexed_slices"] = error_of(embedding, ValueError)
     grad = embedding(sparse_as_dense=True)
     out["sparse_as_dense_rows"] = [float(grad[1, 0]), float(grad[7, 0]), float(grad[0, 0])]
     out["density"] = error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(),
                                                                   density=1.5), ValueError)
-    out["dense_with_density"] = error_of(lambda: hvd.DistributedGradientTape(
-        tf.GradientTape(), compression=hvd.Compression.none, density=0.01), ValueError)
+    out["bad_name"] = error_of(lambda: hvd.DistributedGradientTape(
+        tf.GradientTape(), compression="dgcc"), ValueError)
     return out
 
 

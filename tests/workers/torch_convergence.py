@@ -74,8 +74,7 @@ def compare(epochs=30, lr=0.02, delay=4):
             sgd(m), named_parameters=named("dgc", m), compression=hvd.Compression.dgc,
             density=0.001, warmup=4),
         "dense_delayed": lambda m: hvd.DistributedOptimizer(
-            sgd(m), named_parameters=named("dd", m), compression=hvd.Compression.none,
-            delay=delay),
+            sgd(m), named_parameters=named("dd", m), density=1.0, delay=delay),
         "dgc_delayed": lambda m: hvd.DistributedOptimizer(
             sgd(m), named_parameters=named("gd", m), compression=hvd.Compression.dgc,
             density=0.001, warmup=4, delay=delay),

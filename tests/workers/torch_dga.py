@@ -92,7 +92,7 @@ def delay_zero_is_synchronous():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
                                    named_parameters=[("d0." + n, p) for n, p in
                                                      ours.named_parameters()],
-                                   compression=hvd.Compression.none, delay=0)
+                                   density=1.0, delay=0)
     equal = []
     for i in range(20):
         step_all(((ref, opt_ref), (ours, opt)), i, rank)
@@ -119,9 +119,11 @@ def delay_two_matches_simulation(steps=10, delay=2, lr=0.05):
         kwargs = dict(compression=getattr(hvd.Compression, comp), delay=delay,
                       backward_passes_per_step=passes)
         schedule = None
-        if density is not None:
+        if density is None:  # dense, said explicitly
+            kwargs.update(density=1.0)
+        else:  # the simulation masks momentum always, as the paper
             kwargs.update(density=density, warmup=warmup, warmup_unit="step",
-                          min_compress_size=0)
+                          min_compress_size=0, momentum_masking=True)
             schedule = as_schedule(density, warmup, "step")
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd),
@@ -157,7 +159,7 @@ def flush_in_synchronize():
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
             named_parameters=[("fs%d.%s" % (use_sync, n), p) for n, p in model.named_parameters()],
-            compression=hvd.Compression.none, delay=3)
+            density=1.0, delay=3)
         _train(model, opt, 5, rank)
         opt.zero_grad()
         loss_of(model, 5, rank).backward()

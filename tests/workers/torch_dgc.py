@@ -114,7 +114,7 @@ def dense_equivalence():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=[("none." + n, p) for n, p in
                                                      ours.named_parameters()],
-                                   compression=hvd.Compression.none)
+                                   density=1.0)
     for step in range(10):
         step_all(((ref, opt_ref), (ours, opt)), step, rank)
     out["compression_none_max_diff"] = max_diff(ref, ours)
@@ -186,6 +186,86 @@ def log_every():
     with contextlib.redirect_stdout(buf):
         train(model, opt, 5, hvd.rank(), features=64, classes=10)
     return buf.getvalue().splitlines()
+
+
+def horovod_patterns():
+    """Horovod's example scripts with only the import line switched: an explicit
+    ``compression=Compression.none`` / ``fp16`` (DGC with fp32 / fp16 values), a name, a
+    class; ``density=1.0`` for dense; each against Horovod's own dense optimizer on the
+    same data. Rank 0's wrap-time line; warnings where DGC would do nothing; refusals."""
+    import contextlib
+    import io
+    from horovod.torch.compression import Compressor
+    from hvd_dgc.torch.compression import DGCCompressor
+    from tests.workers.torch_convergence import accuracy, digits
+    rank = hvd.rank()
+    (x, y), test = digits(rank, hvd.size())
+
+    def fit(model, opt, epochs=4, batch=32):
+        for epoch in range(epochs):
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+            for i in range(len(y) // batch):
+                idx = order[i * batch:(i + 1) * batch]
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+        return accuracy(model, test)
+
+    out = {}
+    ref = nn.Sequential(nn.Flatten(), *wide_mlp(3))
+    hvd.broadcast_parameters(ref.state_dict(), root_rank=0)
+    opt_ref = hvd_stock.DistributedOptimizer(
+        torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=[("hpref." + n, p) for n, p in ref.named_parameters()],
+        compression=hvd_stock.Compression.none)
+    out["dense_accuracy"] = fit(ref, opt_ref)
+    cases = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "name": "dgc",
+             "name_case": " TopK ", "class": DGCCompressor,
+             "dense": (hvd.Compression.none, 1.0)}
+    for tag, comp in cases.items():
+        comp, density = comp if isinstance(comp, tuple) else (comp, None)
+        model = nn.Sequential(nn.Flatten(), *wide_mlp(3))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                named_parameters=[(f"hp{tag}." + n, p) for n, p in model.named_parameters()],
+                compression=comp, **({} if density is None else {"density": density}))
+        acc = fit(model, opt)
+        stats = opt.compression_stats()
+        tensors = stats["last_step"]["tensors"].values()
+        out[tag] = {
+            "printed": printed.getvalue(), "ratio": stats["compression_ratio"],
+            "paths": stats["paths"], "identical": ranks_identical(model, f"hp{tag}"),
+            "compressor": type(opt._dgc.compression).__name__,
+            "record_bytes": sorted({t["bytes"] // max(t["sent"], 1) for t in tensors
+                                    if t["path"] == "sparse"}),
+            "dense_bytes": sorted({t["bytes"] // t["numel"] for t in tensors
+                                   if t["path"] == "dense"}),
+            "accuracy": acc, "max_diff_vs_horovod": max_diff(ref, model),
+            "density_now": opt.density, "density_at_1000": opt._dgc.schedule(1000, 0.0)}
+    m = wide_mlp(4)
+
+    def wrap(**kw):
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            named_parameters=[("hpw." + n, p) for n, p in m.named_parameters()], **kw)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.redirect_stdout(io.StringIO()):
+            wrap(min_compress_size=10 ** 6)
+            wrap(density=0.9)
+    out["warnings"] = [str(w.message) for w in caught if "does nothing" in str(w.message)]
+
+    class Custom(Compressor):
+        pass
+    out["bad_name"] = expect_error(lambda: wrap(compression="dgcc"), ValueError)
+    out["foreign_class"] = expect_error(lambda: wrap(compression=Custom), TypeError)
+    out["foreign_instance"] = expect_error(lambda: wrap(compression=Custom()), TypeError)
+    out["module"] = expect_error(lambda: wrap(compression=nn.Linear), TypeError)
+    return out
 
 
 def backward_passes():
@@ -390,7 +470,7 @@ def bad_inputs():
     out["dampening"] = expect_error(lambda: hvd.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1)), ValueError)
     out["density_with_dense_compressor"] = expect_error(lambda: hvd.DistributedOptimizer(
-        sgd(m.parameters()), compression=hvd.Compression.fp16, density=0.01), ValueError)
+        sgd(m.parameters()), compression=hvd.Compression.sign, density=0.01), ValueError)
     cplx = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
     out["complex"] = expect_error(lambda: hvd.DistributedOptimizer(
         sgd([cplx]), named_parameters=[("c", cplx)]), TypeError)

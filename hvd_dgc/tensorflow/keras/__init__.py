@@ -106,13 +106,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True, *,
-                         density=None, warmup=0, warmup_unit="epoch", warmup_densities=None,
-                         min_compress_size=1024, momentum_masking=True, clip_norm=None,
+                         density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
+                         min_compress_size=1024, momentum_masking="auto", clip_norm=None,
                          cost_model=None, delay=0, skip_nonfinite=True):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
-    (as Horovod does). DGC options as in ``hvd_dgc.torch.DistributedOptimizer``.
+    (as Horovod does). DGC options as in ``hvd_dgc.torch.DistributedOptimizer``;
+    Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / an fp16 dense
+    path; the records stay fp32 here), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
     collectives have no XLA kernels here.
 

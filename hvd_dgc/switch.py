@@ -1,0 +1,120 @@
+"""What the one-line switch makes of a Horovod script's ``compression=`` argument.
+
+Horovod's own examples, and the scripts written from them, pass
+``compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none``
+explicitly. With ``import hvd_dgc.torch as hvd`` (or the TensorFlow/Keras
+equivalent) in place of Horovod's import, those two keep Horovod's meaning of
+how values travel, while hvd_dgc's optimizer sparsifies:
+
+    Compression.none  -> DGC, float32 values (records and the dense small tensors)
+    Compression.fp16  -> DGC, float16 values in the records and on the dense path
+    a name ("dgc", "topk", ..., "none", "fp16"; config files, command lines)
+                      -> the compressor of that name, as above
+    a compressor class where an instance is needed (``DGCCompressor``)
+                      -> its default instance
+    density=1.0       -> dense averaging, said explicitly (no sparsification)
+
+Anything else is refused with an error that names it and the fix: nothing
+silently trains dense. Shared by the PyTorch and TensorFlow sides; each passes
+its own ``Compression`` namespace and the base classes of its compressors.
+"""
+
+from typing import NamedTuple
+
+__all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning", "summary"]
+
+#: Horovod's names, which keep their value format under hvd_dgc.
+HOROVOD_NAMES = ("none", "fp16")
+
+
+class Choice(NamedTuple):
+    """A resolved ``compression=``: the compressor, whether values travel as fp16
+    (Horovod's ``Compression.fp16``: each framework applies it to its records and
+    dense path), and the Horovod name it came from, if any."""
+
+    compressor: object
+    fp16: bool
+    horovod_name: object
+
+
+def resolve_compression(compression, namespace, ours, framework):
+    """``Choice`` for a ``compression=`` argument (see the module docstring).
+
+    ``namespace``: the framework's ``Compression`` (attributes ``dgc``, ``none``,
+    ``fp16``, ...); ``ours``: base classes of hvd_dgc's compressors there;
+    ``framework``: "torch" or "tensorflow", for the messages."""
+    names = sorted(n for n in vars(namespace) if not n.startswith("_"))
+    if isinstance(compression, str):
+        name = compression.strip().lower()
+        if name not in names:
+            raise ValueError(
+                f"compression={compression!r} is not a compressor name; use one of "
+                f"{', '.join(repr(n) for n in names)} (or hvd_dgc.{framework}.Compression.<name>)")
+        compression = getattr(namespace, name)
+    none, fp16 = namespace.none, namespace.fp16
+    if compression is none or isinstance(compression, none):
+        return Choice(namespace.dgc, False, "none")
+    if compression is fp16 or isinstance(compression, fp16):
+        return Choice(namespace.dgc, True, "fp16")
+    if isinstance(compression, type):
+        if issubclass(compression, ours):
+            return Choice(compression(), False, None)
+        raise TypeError(
+            f"compression={compression.__name__} is a class hvd_dgc cannot use: pass one of "
+            f"hvd_dgc.{framework}.Compression's compressors ({', '.join(names)}), or its name "
+            f"as a string")
+    if isinstance(compression, ours):
+        return Choice(compression, False, None)
+    raise TypeError(
+        f"compression={compression!r} ({type(compression).__name__}) is not one of "
+        f"hvd_dgc's compressors: hvd_dgc's optimizer selects and packs the values itself, "
+        f"so it cannot run a compressor written for Horovod's dense allreduce. Pass one of "
+        f"hvd_dgc.{framework}.Compression's ({', '.join(names)}), or its name; "
+        f"Horovod's Compression.none / fp16 mean DGC with fp32 / fp16 values, and "
+        f"density=1.0 trains dense.")
+
+
+def dense_requested(density, warmup):
+    """``density=1.0`` (a number, no warm-up): the user asks for dense averaging."""
+    return (isinstance(density, (int, float)) and not isinstance(density, bool)
+            and float(density) == 1.0 and not warmup)
+
+
+def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world):
+    """Why DGC would do nothing with this set-up, or None: no tensor of
+    ``min_compress_size`` elements (``large`` is False), or a final density at which the
+    cost model sends every large tensor dense (``sparse_at_final`` is False)."""
+    if not large:
+        return (f"hvd_dgc: no trainable tensor has min_compress_size={min_compress_size} "
+                f"elements or more, so every tensor goes dense and {kind} does nothing; "
+                f"lower min_compress_size, or pass density=1.0 to say dense.")
+    if not sparse_at_final:
+        return (f"hvd_dgc: at density {density:g} and {world} ranks the cost model sends "
+                f"every tensor dense (a sparse allgather would cost more), so DGC does "
+                f"nothing; lower the density, or pass density=1.0 to say dense.")
+    return None
+
+
+def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
+            compressed, total, framework):
+    """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
+
+    ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
+    a description of the warm-up or ""; ``compressed``/``total``: how many trainable
+    tensors are large enough to be sparsified, of how many."""
+    values = "fp16" if sparse_fp16 else "fp32"
+    dense_values = "fp16" if dense_fp16 else "fp32"
+    if kind == "dense":
+        return (f"[hvd_dgc] {framework}: dense averaging (density=1.0), {dense_values} "
+                f"values: nothing is sparsified.")
+    if kind in ("dgc", "topk", "randomk"):
+        what = (f"{'DGC' if kind == 'dgc' else kind} at density {density:g}"
+                f"{', warm-up ' + warmup if warmup else ', no warm-up'}: {compressed} of "
+                f"{total} tensors sparse ({values} records, allgather), the rest dense "
+                f"(< {min_compress_size} elements, {dense_values} allreduce)")
+    else:
+        what = (f"compressor {kind} on {compressed} of {total} tensors, the rest dense "
+                f"({dense_values} allreduce)")
+    if delay:
+        what += f"; delayed averaging, delay={delay}"
+    return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."
