@@ -1,6 +1,8 @@
 """hvd_dgc.tensorflow (DistributedGradientTape) and hvd_dgc.tensorflow.keras
 (DistributedOptimizer, model.fit under Keras 2 and Keras 3) on 2 real ranks."""
 
+import math
+
 import pytest
 
 from tests.hvdrun import run
@@ -11,7 +13,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delay_dense_matches_formula",
         "tf_dga.tape_delay_sparse_flush_equals_synchronous", "tf_dga.delay_bad_inputs",
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
-        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns"]
+        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
+        "tape_keras3_model"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -125,6 +128,16 @@ def test_tape_reads_horovods_compression_as_dgc_and_says_so(tape):
             assert "dense averaging (density=1.0), fp32 values" in out["dense"]["printed"]
         else:
             assert all(out[t]["printed"] == "" for t in ("fp16", "name", "dense"))
+
+
+def test_tape_trains_a_keras3_model(tape):
+    """DistributedGradientTape over a Keras 3 model's variables (no .ref(): Horovod's own
+    tape fails on them): ranks stay identical on the exchanged variables, DGC compresses."""
+    for out in _checked(tape, "tape_keras3_model"):
+        assert out["keras_version"].startswith("3") and not out["has_ref"]
+        assert out["identical"]
+        assert out["ratio"] > 1.5, out["ratio"]
+        assert all(math.isfinite(v) for v in out["losses"])
 
 
 def test_tape_inconsistent_config_is_named_not_hung(tape):

@@ -68,8 +68,30 @@ def _options_key(options):
     return tuple(sorted((name, key(value)) for name, value in options.items()))
 
 
+class _Identity:
+    """A dictionary key for a variable by identity. Keras 3 variables (TF 2.21's default
+    ``tf.keras``) have no ``.ref()``; holding the variable, as a ``Reference`` does, keeps
+    its id from being reused while it is a key."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+def _ref(variable):
+    ref = getattr(variable, "ref", None)
+    return ref() if callable(ref) else _Identity(variable)
+
+
 def _exchange_for(sources, options):
-    key = (tuple(s.ref() for s in sources), _options_key(options))
+    key = (tuple(_ref(s) for s in sources), _options_key(options))
     exchange = _EXCHANGES.get(key)
     if exchange is None:
         exchange = GradientExchange(**options)
@@ -116,12 +138,12 @@ class _DistributedGradientTape(tf.GradientTape):
 
     def register_local_source(self, source):
         """As in Horovod: this variable's gradient stays local (no exchange)."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(_ref(source))
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         flat = tf.nest.flatten(sources)
         gradients = super(self.__class__, self).gradient(target, flat, output_gradients)
-        shared = [i for i, s in enumerate(flat) if s.ref() not in self._local_sources]
+        shared = [i for i, s in enumerate(flat) if _ref(s) not in self._local_sources]
         variables = [flat[i] for i in shared]
         exchange = _exchange_for(variables, self._dgc_options)
         exchange.build(variables)

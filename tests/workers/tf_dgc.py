@@ -125,6 +125,40 @@ def tape_horovod_patterns(steps=4):
     return out
 
 
+def tape_keras3_model(steps=6):
+    """Horovod's tensorflow2_mnist pattern on TF 2.21's default Keras 3: a keras model, a
+    tf.GradientTape, ``hvd.DistributedGradientTape(tape)``, gradients of
+    ``model.trainable_variables`` (Keras 3 variables, which have no ``.ref()``), applied by
+    a Keras optimizer; plus ``register_local_source`` on one of them."""
+    tf = _tf()
+    import keras
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((20,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(5)])
+    opt = keras.optimizers.SGD(0.1)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, model(x), from_logits=True))
+        tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64)
+        if step == 0:
+            tape.register_local_source(model.trainable_variables[-1])
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    shared = [v.value if hasattr(v, "value") else v for v in model.trainable_variables[:-1]]
+    stats = hvd.compression_stats()
+    stats = stats[-1] if isinstance(stats, list) else stats  # the newest exchange is this one
+    return {"losses": losses, "keras_version": keras.__version__,
+            "has_ref": hasattr(model.trainable_variables[0], "ref"),
+            "identical": _identical(tf, hvd, shared, "k3.id"),
+            "ratio": stats["compression_ratio"]}
+
+
 def keras_dense_equivalence(steps=10):
     """Keras 2 (tf_keras): hvd_dgc's optimizer at density 1 == Horovod's, SGD momentum."""
     tf = _tf()
