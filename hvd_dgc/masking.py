@@ -24,8 +24,7 @@ TAIL_LIMIT = 0.1
 
 
 def check_masking(setting):
-    if setting not in (True, False, "auto") or isinstance(setting, (int, float)) and \
-            not isinstance(setting, bool):
+    if not (isinstance(setting, bool) or setting == "auto"):
         raise ValueError(f"momentum_masking must be True (always, as the paper), False (never) "
                          f"or 'auto' (where it helps: hvd_dgc/masking.py), got {setting!r}")
     return setting

@@ -23,10 +23,6 @@ from typing import NamedTuple
 
 __all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning", "summary"]
 
-#: Horovod's names, which keep their value format under hvd_dgc.
-HOROVOD_NAMES = ("none", "fp16")
-
-
 class Choice(NamedTuple):
     """A resolved ``compression=``: the compressor, whether values travel as fp16
     (Horovod's ``Compression.fp16``: each framework applies it to its records and

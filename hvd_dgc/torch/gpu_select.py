@@ -3,8 +3,9 @@
 On a GPU the selection is bound by kernel launches, not bytes. ResNet-50 has 76
 tensors worth sparsifying; a per-tensor selection of ~20 small kernels took 35-90
 ms a step on an H100, 3-7 times ``torch.topk`` per tensor and more than the
-forward and backward passes themselves. Here the selection of a whole group of tensors is a fixed
-number of kernels over their concatenation, whatever the number of tensors:
+forward and backward passes themselves. Here the selection of a whole group of
+tensors is a fixed number of kernels over their concatenation, whatever the
+number of tensors:
 
   1. sample   |v| at fixed runs of 16 elements per tensor, from a random start
               (one gather; the starts are drawn on the host, sent without waiting)
@@ -75,7 +76,6 @@ class _Plan:
     ``repeat_interleave`` to 25 M elements took 1.4 ms on an H100, more than the rest)."""
 
     def __init__(self, sizes, ks, device, sample_ratio, min_sample):
-        self.sizes, self.ks = sizes, ks
         self.k_total = sum(ks)
         padded = [-(-n // BLOCK) * BLOCK for n in sizes]
         self.pads = [p - n for p, n in zip(padded, sizes)]

@@ -153,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "dense_compression": _describe(d.dense_compression),
             "density": repr(d.schedule.config()),
             "min_compress_size": d.min_compress_size,
-            "momentum_masking": d.masking,
+            "momentum_masking": d.memory.momentum_masking,
             "clip_norm": d.clip_norm,
             "cost_model": repr(d.cost_model.config()),
             "op": repr(self.op),
@@ -365,7 +365,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         payload = comp.pack(wire, sel.indices)
         for job, (indices, _) in zip(jobs, sel.split()):
             if job.fixed is None:
-                mask = job.density <= masking_density_limit(d.masking, job.momentum)
+                mask = job.density <= masking_density_limit(d.memory.momentum_masking,
+                                                             job.momentum)
                 d.memory.sent(job.key, indices, mask_momentum=mask)
                 d.stats.record(job.name, SPARSE, job.v.numel(), indices.numel(),
                                indices.numel() * comp.record_bytes, job.density)
@@ -814,7 +815,6 @@ class DGCState:
         self.dense_compression = dense_compression
         self.dense_fp16 = dense_compression is Compression.fp16 or compression is Compression.fp16
         self.memory = memory
-        self.masking = memory.momentum_masking  # True, False or "auto" (masking.py)
         self.cost_model = cost_model
         self.min_compress_size = min_compress_size
         self.clip_norm = clip_norm
