@@ -5,6 +5,9 @@ with Deep Gradient Compression one flag (one line) away.
     horovodrun -np 2 -H localhost:2 python examples/pytorch_mnist.py --dgc     # hvd_dgc
     ... --dgc --density 0.001 --warmup-epochs 4 --delay 4 --stats              # all knobs
 
+With --dgc and no --density / --warmup-epochs the script passes no DGC option at all,
+as a Horovod script with only its import line switched: hvd_dgc's defaults apply.
+
 Data: torchvision's MNIST when torchvision is installed and the data is in
 --data-dir or downloadable; otherwise scikit-learn's digits (8x8, shipped with
 the package), and the script says so.
@@ -24,6 +27,8 @@ parser.add_argument("--test-batch-size", type=int, default=1000)
 parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--momentum", type=float, default=0.9)
+parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                    help="SGD with momentum (as Horovod's example) or AdamW (--lr 0.001 suits it)")
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--no-cuda", action="store_true")
 parser.add_argument("--fp16-allreduce", action="store_true",
@@ -34,9 +39,12 @@ parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch af
 parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 dgc = parser.add_argument_group("hvd_dgc")
 dgc.add_argument("--dgc", action="store_true", help="Deep Gradient Compression (hvd_dgc)")
-dgc.add_argument("--density", type=float, default=0.001, help="fraction of each gradient sent")
-dgc.add_argument("--warmup-epochs", type=float, default=4,
+dgc.add_argument("--density", type=float, default=None,
+                 help="fraction of each gradient sent (default: hvd_dgc's)")
+dgc.add_argument("--warmup-epochs", type=float, default=None,
                  help="paper warm-up 25%%->0.1%% over these epochs")
+dgc.add_argument("--min-compress-size", type=int, default=None,
+                 help="tensors smaller than this always go dense (default: hvd_dgc's)")
 dgc.add_argument("--delay", type=int, default=0,
                  help="delayed gradient averaging: apply each average D steps later")
 dgc.add_argument("--stats", action="store_true", help="print compression statistics per epoch")
@@ -98,15 +106,19 @@ def main():
 
     model = Net(x.shape[-1]).to(device)
     # Scale the learning rate by the number of workers, as Horovod's example does.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
-                                momentum=args.momentum)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
+                                    momentum=args.momentum)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr * hvd.size())
     # Horovod's line, unchanged: under hvd_dgc (--dgc) Compression.none / fp16 mean DGC
     # with fp32 / fp16 values; without --dgc this is Horovod itself, dense.
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    if args.dgc:
-        options = dict(density=args.density, warmup=args.warmup_epochs, delay=args.delay)
-    else:
-        options = {}
+    options = {}
+    if args.dgc:  # only what the command line gave: the rest is hvd_dgc's defaults
+        given = dict(density=args.density, warmup=args.warmup_epochs, delay=args.delay or None,
+                     min_compress_size=args.min_compress_size)
+        options = {key: value for key, value in given.items() if value is not None}
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(
@@ -117,10 +129,10 @@ def main():
     if args.max_steps:
         steps = min(steps, args.max_steps)
     for epoch in range(1, args.epochs + 1):
-        if args.dgc:
-            optimizer.set_epoch(epoch - 1)  # drives the warm-up schedule
+        if args.dgc and args.warmup_epochs is not None:
+            optimizer.set_epoch(epoch - 1)  # drives an epoch-based warm-up
         model.train()
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         batches = range(steps)
         if hvd.rank() == 0 and not args.no_progress:
             from tqdm import tqdm
@@ -159,6 +171,10 @@ def main():
         s = optimizer.compression_stats()
         print(f"whole run: sent {s['bytes_sent']:,} B of {s['dense_fp32_bytes']:,} B dense fp32 "
               f"({s['compression_ratio']:.1f}x), mean density {s['density']:.4f}", flush=True)
+    elif hvd.rank() == 0:  # Horovod's allreduce moves every gradient, fp32 (fp16 halves it)
+        width = 2 if args.fp16_allreduce else 4
+        sent = sum(p.numel() for p in model.parameters()) * width * steps * args.epochs
+        print(f"whole run: sent {sent:,} B (Horovod dense allreduce, 1.0x)", flush=True)
 
 
 if __name__ == "__main__":

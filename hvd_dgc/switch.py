@@ -96,8 +96,8 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
-    a description of the warm-up or ""; ``compressed``/``total``: how many trainable
-    tensors are large enough to be sparsified, of how many."""
+    the warm-up in words (DensitySchedule.describe) or ""; ``compressed``/``total``: how
+    many trainable tensors are large enough to be sparsified, of how many."""
     values = "fp16" if sparse_fp16 else "fp32"
     dense_values = "fp16" if dense_fp16 else "fp32"
     if kind == "dense":
@@ -105,7 +105,7 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
                 f"values: nothing is sparsified.")
     if kind in ("dgc", "topk", "randomk"):
         what = (f"{'DGC' if kind == 'dgc' else kind} at density {density:g}"
-                f"{', warm-up ' + warmup if warmup else ', no warm-up'}: {compressed} of "
+                f"{', ' + warmup if warmup else ', no warm-up'}: {compressed} of "
                 f"{total} tensors sparse ({values} records, allgather), the rest dense "
                 f"(< {min_compress_size} elements, {dense_values} allreduce)")
     else:

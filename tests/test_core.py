@@ -7,7 +7,7 @@ import torch
 
 from hvd_dgc import CompressionStats, CostModel, DensitySchedule
 from hvd_dgc.costmodel import DENSE, SPARSE
-from hvd_dgc.schedule import as_schedule, num_selected
+from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS, as_schedule, num_selected
 from hvd_dgc.torch.compression import Compression, DGCCompressor
 from hvd_dgc.torch.gpu_select import select_many
 from hvd_dgc.torch.memory import DGCMemory, local_gradient
@@ -398,9 +398,24 @@ def test_momentum_masking_only_where_its_tail_is_small():
 
 def test_default_schedule_warms_up_by_steps_when_the_script_sets_nothing():
     s = as_schedule()
-    assert (s.density, s.warmup, s.unit) == (0.001, 1000, "step")
-    assert [s(step, 0.0) for step in (0, 249, 250, 999, 1000)] == \
-        [0.25, 0.25, 0.0625, 0.004, 0.001]
+    assert (s.density, s.warmup, s.unit) == (0.001, 10000, "step")
+    assert s.boundaries == (160, 640, 2500, 10000)
+    assert [s(step, 0.0) for step in (0, 159, 160, 639, 640, 2499, 2500, 9999, 10000)] == \
+        [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.004, 0.004, 0.001]
+    # the rule: every coordinate could have travelled DEFAULT_SENDS times by any step
+    # past the first stage, and the stages are the paper's
+    assert all(s(t, 0) * t >= DEFAULT_SENDS for t in range(160, 20000))
+    assert s.describe() == ("warm-up 0.25 to step 160, 0.0625 to step 640, 0.01562 to "
+                            "step 2500, 0.004 to step 10000")
+    adaptive = as_schedule(adaptive=True)  # Adam & co.: ADAPTIVE_SENDS, 4x longer stages
+    assert adaptive.boundaries == (640, 2560, 10000, 40000)
+    assert all(adaptive(t, 0) * t >= ADAPTIVE_SENDS for t in range(640, 80000, 7))
+    tighter = DensitySchedule.coverage(0.01, sends=5)  # stages below 1% are raised to it
+    assert tighter.boundaries == (80, 320, 500, 500) and tighter(499, 0) == 0.015625
+    with pytest.raises(ValueError, match="sends must be a number > 0"):
+        DensitySchedule.coverage(0.001, sends=0)
+    with pytest.raises(ValueError, match="boundaries must be 4 increasing"):
+        DensitySchedule(0.001, warmup=4, boundaries=(1, 3, 2, 4))
     assert as_schedule(0.01).warmup == 0            # density given: no implicit warm-up
     assert as_schedule(None, 0).density == 0.001    # warmup=0: none
     assert as_schedule(None, 4).unit == "epoch"

@@ -52,6 +52,32 @@ def test_pytorch_mnist(dgc):
         assert number(r"whole run: .*\(([\d.]+)x\)", out) > 3
 
 
+def test_quick_demo_shows_dense_and_the_one_line_switch_side_by_side():
+    """The install's demo: the same script dense and with hvd_dgc's defaults (no DGC
+    option passed), its summary's numbers those of the two runs."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "quick_demo.sh"),
+                          "--lr", "0.05"], env=worker_env({"EPOCHS": "4"}),
+                          capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert "[hvd_dgc] torch: DGC at density 0.001, warm-up 0.25 to step 160" in out
+    dense_acc = number(r"Horovod, dense allreduce +test accuracy ([\d.]+)", out)
+    dgc_acc = number(r"hvd_dgc, one-line switch +test accuracy ([\d.]+)", out)
+    runs = re.findall(r"epoch +4 .*test accuracy ([\d.]+)", out)
+    assert [float(a) for a in runs] == [dense_acc, dgc_acc]
+    dense_sent = number(r"Horovod, dense allreduce .* sent ([\d,]+) B", out)
+    dgc_sent = number(r"hvd_dgc, one-line switch .* sent ([\d,]+) B", out)
+    # the dense run's bytes are what DGC's statistics count as dense fp32
+    assert dense_sent == number(r"whole run: sent [\d,]+ B of ([\d,]+) B dense fp32", out)
+    assert dgc_sent == number(r"whole run: sent ([\d,]+) B of", out)
+    assert number(r"\(([\d.]+)x less\)", out) == pytest.approx(dense_sent / dgc_sent, 0.01)
+    assert dense_sent / dgc_sent > 1.9  # 88 steps: the warm-up's 25% stage
+    assert dense_acc > 0.85 and dgc_acc > dense_acc - 0.05
+    assert number(r"accuracy difference: ([+-][\d.]+) points", out) == pytest.approx(
+        100 * (dgc_acc - dense_acc), abs=0.051)
+
+
 @pytest.mark.parametrize("dgc", [False, True])
 def test_pytorch_synthetic_benchmark(dgc):
     out = launch("pytorch_synthetic_benchmark.py", "--model", "wide_mlp",
