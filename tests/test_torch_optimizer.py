@@ -10,7 +10,7 @@ from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
-                  "horovod_patterns"]
+                  "horovod_patterns", "sparse_embeddings"]
 
 
 def _checked(results, name):
@@ -105,6 +105,25 @@ def test_backward_passes_per_step(gloo):
         assert "backward_passes_per_step" in out["too_many"]
 
 
+def test_sparse_embeddings_as_horovod(gloo):
+    for out in _checked(gloo, "sparse_embeddings"):
+        # rows allgathered and averaged, the base SGD's momentum: Horovod's weights
+        assert out["max_diff"] < 1e-5
+        assert out["max_diff_sparse_as_dense"] < 1e-6
+        assert out["grad_is_sparse"] == [True, True]  # as Horovod leaves p.grad
+        assert out["momentum_buffer_sparse"]  # SGD's own momentum, not DGC's memory
+        plain, as_dense, dgc = out["paths"]
+        assert plain == {"dense": 24, "sparse_grad": 6}  # 6 steps: 4 dense tensors + 1
+        assert as_dense == {"dense": 30}
+        assert dgc == {"dense": 60, "sparse": 20, "sparse_grad": 20}
+        emb = out["emb_last_step"]  # coalesced rows: 32 fp32 values + one int64 row index
+        assert emb["path"] == "sparse_grad" and emb["sent"] % 32 == 0
+        assert emb["bytes"] == emb["sent"] * 4 + (emb["sent"] // 32) * 8
+        assert out["dgc_ratio"] > 2 and out["dgc_identical"]
+        assert out["dgc_moved_from_dense"] > 1e-3  # the head really was compressed
+        assert "delay=2" in out["delay"] and "sparse_as_dense=True" in out["delay"]
+
+
 def test_groups(gloo):
     for out in _checked(gloo, "grouping"):
         assert out["identical"] == [True, True, True]
@@ -151,8 +170,6 @@ def test_bad_inputs_give_clear_errors(gloo):
         assert "dampening=0.1 is not supported" in out["dampening"]
         assert "apply to sparse compressors" in out["density_with_dense_compressor"]
         assert "'c' has dtype torch.complex64" in out["complex"]
-        assert "'emb' has a sparse gradient" in out["sparse_grad"]
-        assert "sparse_as_dense=True" in out["sparse_grad"]
         # the rows both ranks looked up (1, 2 on rank 0; 1, 3 on rank 1) moved, and only they
         assert out["sparse_as_dense_rows_changed"] == [1, 2, 3]
         assert out["sparse_as_dense_identical"]
@@ -192,16 +209,22 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
     trains as Horovod's dense run does (4 epochs of digits, 88 steps: all in the warm-up's
     first stage, 25%)."""
     for rank, out in enumerate(_checked(gloo, "horovod_patterns")):
-        for tag in ("none", "fp16", "name", "name_case", "class"):
+        for tag in ("none", "fp16", "name", "name_case", "class", "average", "predivide", "amp",
+                    "broadcast_state"):
             res = out[tag]
             assert res["identical"], tag
-            assert res["density_now"] == 0.25 and res["density_at_1000"] == 0.001, res
+            assert res["density_now"] == 0.25 and res["density_at_10000"] == 0.001, res
             # 3 large weights at 25%: fp32 records cost half their dense bytes, fp16 3/8
             assert res["ratio"] > (2.5 if tag == "fp16" else 1.9), (tag, res["ratio"])
             assert res["paths"]["sparse"] == 3 * 4 * 22, (tag, res["paths"])
             assert res["accuracy"] > out["dense_accuracy"] - 0.02, (tag, res["accuracy"])
         assert out["none"]["record_bytes"] == [8] and out["none"]["dense_bytes"] == [4]
         assert out["fp16"]["record_bytes"] == [6] and out["fp16"]["dense_bytes"] == [2]
+        # op=hvd.Average is the default; predividing by 2 and multiplying back, a
+        # power-of-two loss scale and a clipping bound the gradients stay under are exact;
+        # broadcast_optimizer_state leaves nothing behind: each equals the plain run
+        for tag in ("average", "predivide", "amp", "broadcast_state"):
+            assert out[tag]["max_diff_vs_none"] == 0.0, tag
         assert out["name"]["compressor"] == out["class"]["compressor"] == "DGCCompressor"
         assert out["name_case"]["compressor"] == "TopKCompressor"
         dense = out["dense"]
@@ -211,12 +234,14 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
         assert dense["max_diff_vs_horovod"] < 1e-4
         if rank == 0:
             assert out["none"]["printed"].count(
-                "[hvd_dgc] torch: DGC at density 0.001, warm-up 1000 steps") == 1
+                "[hvd_dgc] torch: DGC at density 0.001, warm-up 0.25 to step 160, 0.0625 "
+                "to step 640, 0.01562 to step 2500, 0.004 to step 10000: 3 of 6") == 1
             assert "3 of 6 tensors sparse (fp32 records" in out["none"]["printed"]
             assert "fp16 records" in out["fp16"]["printed"]
             assert "dense averaging (density=1.0)" in dense["printed"]
         else:
             assert all(out[t]["printed"] == "" for t in ("none", "fp16", "dense"))
+        assert out["adamw_boundaries"] == (640, 2560, 10000, 40000)  # ADAPTIVE_SENDS
         assert len(out["warnings"]) == 2
         assert "min_compress_size=1000000" in out["warnings"][0]
         assert "density 0.9 and 2 ranks" in out["warnings"][1]

@@ -19,6 +19,9 @@ The path of one gradient, all in this file:
       exchange (PowerSGD, sign, TernGrad, QSGD, bf16: compressors that run their own
               collectives, collective.py): compressor.launch(v); it takes what it
               sent out of v (error feedback)
+      a sparse gradient (nn.Embedding(sparse=True)), as Horovod: no DGC, no memory;
+              allgather of its coalesced indices and values (sparse_as_dense=True:
+              densified first, then DGC like any dense gradient)
       handle = allgather_async / allreduce_async_ (non-blocking)
     optimizer.step()                                      synchronize -> _collect
       exchange: compressor.advance (second rounds, every launch), then .collect
@@ -26,7 +29,7 @@ The path of one gradient, all in this file:
       delay 0: p.grad = avg_i
       delay D: p.grad = own_i - own_{i-D} + avg_{i-D}    (DGA; own = what this rank sent)
       base optimizer step, with SGD's momentum and weight decay switched off
-      (the memory applied them already)
+      (the memory applied them already; a sparse gradient gets the base SGD's own)
 
 Delayed gradient averaging (Zhu et al., NeurIPS 2021) keeps the collectives of
 the last D steps in flight: step i waits only for step i-D's, and replaces that
@@ -61,6 +64,9 @@ from hvd_dgc.torch.memory import DGCMemory, buffer_dtype, local_gradient
 
 __all__ = ["DistributedOptimizer"]
 
+#: Horovod's path for a sparse gradient (its sparse_allreduce_async): allgather of the
+#: indices and values, no DGC (the gradient is sparse already).
+SPARSE_GRAD = "sparse_grad"
 STATE_KEY = "hvd_dgc"
 STATE_VERSION = 1
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
@@ -131,6 +137,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compressor_saved = None  # the sampler's RNG before a guarded step
         self._dropped = []             # delay > 0: tensors this rank sent as zeros this step
         self._batch = None             # one launch per step, in synchronize (_batched)
+        self._sparse_grads = set()     # parameters whose update this step is a sparse grad
 
         if self.process_set.included():
             # Elastic: a worker added later wraps its optimizer alone, while the others
@@ -239,10 +246,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         final, warm = 1.0, ""
         if is_sparse(comp):
             final = getattr(d.schedule, "density", None)
-            if getattr(d.schedule, "warmup", 0):
-                warm = f"{d.schedule.warmup:g} {d.schedule.unit}s"
+            if hasattr(d.schedule, "describe"):
+                warm = d.schedule.describe()
             if final is None:  # a callable: its value now
-                final, warm = d.density(), "set by a callable schedule"
+                final, warm = d.density(), "warm-up set by a callable schedule"
         if is_sparse(comp) or is_exchange(comp):
             sparse_at_final = not is_sparse(comp) or any(
                 d.cost_model.choose(n, num_selected(n, final), self._world(),
@@ -272,25 +279,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _grad_of(self, p):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grad = p.grad
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise ValueError(
-                    f"hvd_dgc: parameter '{self._parameter_names[p]}' has a sparse gradient "
-                    f"(e.g. nn.Embedding(sparse=True)). DGC keeps a dense residual per "
-                    f"parameter; pass sparse_as_dense=True to "
-                    f"hvd_dgc.torch.DistributedOptimizer (or use a dense embedding).")
-            grad = grad.to_dense()
-        return grad
+        # sparse_as_dense (Horovod's meaning): a dense allreduce, here through DGC; the
+        # update goes back into p.grad as a sparse tensor (_set_grad).
+        return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
     def _prepare(self, p):
         """Clip, accumulate, choose the path, select and pack one parameter's gradient."""
         d = self._dgc
         key, name = self._param_index[p], self._parameter_names[p]
-        grad = self._grad_of(p)
         scale = None
         if d.grad_scaler is not None and d.grad_scaler.is_enabled():
             scale = d.loss_scale()
+        if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+            return self._prepare_sparse_grad(p, scale)
+        grad = self._grad_of(p)
+        if scale is not None:
             grad = grad / scale
 
         momentum, nesterov, weight_decay = self._hyper(p)
@@ -338,6 +341,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         d.stats.record(name, path, numel, numel, payload.numel() * payload.element_size(),
                        density)
         return path, payload, (path, numel, scale, own)
+
+    def _prepare_sparse_grad(self, p, scale):
+        """A sparse gradient travels as Horovod sends it: its indices and values,
+        allgathered; DGC's memory never sees it. Coalesced first (a batch that looks a
+        row up twice sends it once). A non-finite value shows in every rank's sum."""
+        d, name = self._dgc, self._parameter_names[p]
+        if d.delay:
+            raise ValueError(
+                f"hvd_dgc: parameter '{name}' has a sparse gradient (e.g. "
+                f"nn.Embedding(sparse=True)) and delay={d.delay}: delayed averaging needs "
+                f"dense gradients. Pass sparse_as_dense=True to DistributedOptimizer, or "
+                f"delay=0.")
+        g = p.grad.coalesce()
+        if scale is not None:
+            g = g / scale
+        indices, values = g.indices().t().contiguous(), g.values()
+        sent = indices.numel() * indices.element_size() + values.numel() * values.element_size()
+        d.stats.record(name, SPARSE_GRAD, p.numel(), values.numel(), sent,
+                       values.numel() / max(1, p.numel()))
+        return SPARSE_GRAD, (indices, values), (SPARSE_GRAD, p.numel(), scale, None)
 
     def _send_sparse(self, jobs):
         """Select, pack and take out of the memory what a launch's sparse tensors send:
@@ -461,7 +484,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse = [i for i, (path, _, _) in enumerate(prepared) if path == SPARSE]
         dense = [payload for path, payload, _ in prepared if path == DENSE]
         exchange = [i for i, (path, _, _) in enumerate(prepared) if path == EXCHANGE]
+        gathered = [(i, payload) for i, (path, payload, _) in enumerate(prepared)
+                    if path == SPARSE_GRAD]
         handles = {}
+        if gathered:  # Horovod's sparse allreduce: (indices, values) handles and the shape
+            handles[SPARSE_GRAD] = [
+                (_hvd.allgather_async(indices, name=f"{name}.g{i}.indices",
+                                      process_set=self.process_set),
+                 _hvd.allgather_async(values, name=f"{name}.g{i}.values",
+                                      process_set=self.process_set), params[i].shape)
+                for i, (indices, values) in gathered]
         if exchange:
             ex = self._compression.launch(
                 [prepared[i][1] for i in exchange], [self._parameter_names[params[i]]
@@ -504,6 +536,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         post = (self.gradient_predivide_factor / self._world()) if self.op == Average else 1.0
         outputs = {}
         for path, handle in pending.handles.items():
+            if path == SPARSE_GRAD:
+                outputs[path] = iter(self._gathered_sparse_grads(handle))
+                continue
             out = self._wait(path, handle)
             if path == SPARSE:  # every rank's records of every sparse tensor, summed
                 if isinstance(out, (list, tuple)):
@@ -515,13 +550,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p, ctx in zip(pending.params, pending.ctxs):
             path = ctx[0]
             out = next(outputs[path])
-            if path == SPARSE:
+            if path in (SPARSE, SPARSE_GRAD):
                 update = out
             elif path == EXCHANGE:  # compressors return the average
                 update = out.mul_(self._world()) if self.op == Sum else out
             else:
                 update = out.reshape(-1)
             yield p, ctx, update
+
+    def _gathered_sparse_grads(self, handles):
+        """Every rank's rows of each sparse gradient, as one (uncoalesced) sparse tensor:
+        the sum, or the average (op=Average), as Horovod's sparse allreduce returns it."""
+        for indices_handle, values_handle, shape in handles:
+            values = _hvd.synchronize(values_handle)  # values first, as Horovod waits
+            indices = _hvd.synchronize(indices_handle)
+            if self.op == Average:
+                values = values / self._world()
+            yield torch.sparse_coo_tensor(indices.t(), values, shape)
 
     def _wait(self, path, handle):
         return self._compression.collect(handle) if path == EXCHANGE else _hvd.synchronize(handle)
@@ -548,6 +593,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _set_grad(self, p, update, scale=None):
         if scale is not None:
             update = update * scale  # back to the scaled space GradScaler.unscale_ expects
+        if update.is_sparse:  # a sparse gradient's average (SPARSE_GRAD)
+            p.grad = update.to(p.dtype)
+            self._sparse_grads.add(p)
+            return
         update = update.view(p.shape).to(p.dtype)
         if p.grad is not None and p.grad.is_sparse:
             p.grad = update.to_sparse()
@@ -576,6 +625,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         waits for all of them, so the step that follows leaves every rank with the
         same weights (end of training, before evaluation or a checkpoint)."""
         self._skip_step = False
+        self._sparse_grads = set()
         if not self.process_set.included():
             self._synchronized = True
             return
@@ -664,12 +714,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._skip_step:  # a non-finite average: every rank skips (see _settle)
             self._skip_step = False
             return None
-        with self._sgd_hyperparameters_off():
-            loss = super(self.__class__, self).step(closure)
+        loss = self._base_step(closure)
         if self._average_after_step:
             self._average_parameters()
         self._dgc.step += 1
         self._dgc.maybe_log()
+        return loss
+
+    def _base_step(self, closure):
+        """The wrapped optimizer's step. With SGD taken over, parameters whose update is
+        a sparse gradient (no memory: nothing applied their momentum) step in a second
+        call with SGD's own hyper-parameters; each call sees only its own gradients."""
+        base = super(self.__class__, self)
+        sparse, self._sparse_grads = self._sparse_grads, set()
+        if not (self._takes_over_sgd and sparse):
+            with self._sgd_hyperparameters_off():
+                return base.step(closure)
+        with _grads_hidden(sparse):
+            with self._sgd_hyperparameters_off():
+                loss = base.step(closure)
+        others = [p for p in self._param_index if p not in sparse and p.grad is not None]
+        with _grads_hidden(others):
+            base.step()
         return loss
 
     @contextmanager
@@ -873,7 +939,22 @@ def _sum(t):
     """Sum of ``t`` as a device scalar: non-finite iff ``t`` holds a NaN/Inf (one pass, no
     mask tensor; ~30x cheaper than ``isfinite(t).all()`` on a CPU). A finite tensor whose
     sum overflows counts as non-finite."""
+    if t.is_sparse:
+        t = t._values()
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+@contextmanager
+def _grads_hidden(params):
+    """``p.grad = None`` for ``params`` meanwhile: torch's optimizers skip them."""
+    saved = {p: p.grad for p in params}
+    try:
+        for p in saved:
+            p.grad = None
+        yield
+    finally:
+        for p, g in saved.items():
+            p.grad = g
 
 
 def _finite(t):
@@ -978,8 +1059,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warmup: warm-up length in ``warmup_unit`` ("epoch", driven by
             ``optimizer.set_epoch(e)``, or "step"); densities fall through
             ``warmup_densities`` (default the paper's 25%, 6.25%, 1.5625%, 0.4%).
-            With neither ``density`` nor ``warmup`` given: 1000 steps of warm-up
-            (hvd_dgc.schedule.DEFAULT_WARMUP_STEPS); ``warmup=0`` for none.
+            With neither ``density`` nor ``warmup`` given: the paper's stages by
+            steps, each as long as density * step >= 10 allows (0.1% from step 10000;
+            hvd_dgc.schedule.DEFAULT_SENDS; 40 and step 40000 for optimizers other
+            than SGD, ADAPTIVE_SENDS); ``warmup=0`` for none.
         min_compress_size: tensors with fewer elements always go dense (biases,
             norm layers: the paper sends them dense).
         momentum_masking: zero the momentum of sent coordinates: True (always, as the
@@ -1008,6 +1091,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     With ``torch.optim.SGD`` the memory applies SGD's momentum (momentum
     correction) and weight decay, and the base step runs with both switched off.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) travel as in Horovod: their rows
+    allgathered and averaged, no DGC (they are sparse already), their momentum applied
+    by the base SGD; ``sparse_as_dense=True`` densifies them first, and they then go
+    through DGC like any dense gradient.
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -1071,7 +1159,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         # A copy per optimizer: the sampler's RNG state belongs to one optimizer's
         # checkpoint, not to the shared Compression.dgc default.
         compression = compression()
-        schedule = as_schedule(density, warmup, warmup_unit, warmup_densities)
+        schedule = as_schedule(density, warmup, warmup_unit, warmup_densities,
+                               adaptive=not isinstance(optimizer, torch.optim.SGD))
     else:
         if density is not None or warmup:
             raise ValueError(f"density/warmup apply to sparse compressors, but compression="

@@ -201,14 +201,28 @@ def horovod_patterns():
     rank = hvd.rank()
     (x, y), test = digits(rank, hvd.size())
 
-    def fit(model, opt, epochs=4, batch=32):
+    def fit(model, opt, epochs=4, batch=32, amp=False):
+        # amp: Horovod's AMP / clipping pattern (pytorch_imagenet_resnet50.py and the
+        # mnist example with --use-mixed-precision): synchronize(), unscale_, clip,
+        # then step() inside skip_synchronize()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if amp else None
         for epoch in range(epochs):
             order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
             for i in range(len(y) // batch):
                 idx = order[i * batch:(i + 1) * batch]
                 opt.zero_grad()
-                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
+                loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+                if not amp:
+                    loss.backward()
+                    opt.step()
+                    continue
+                scaler.scale(loss).backward()
+                opt.synchronize()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+                scaler.update()
         return accuracy(model, test)
 
     out = {}
@@ -219,11 +233,16 @@ def horovod_patterns():
         named_parameters=[("hpref." + n, p) for n, p in ref.named_parameters()],
         compression=hvd_stock.Compression.none)
     out["dense_accuracy"] = fit(ref, opt_ref)
-    cases = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "name": "dgc",
-             "name_case": " TopK ", "class": DGCCompressor,
-             "dense": (hvd.Compression.none, 1.0)}
-    for tag, comp in cases.items():
-        comp, density = comp if isinstance(comp, tuple) else (comp, None)
+    none = {"compression": hvd.Compression.none}
+    cases = {"none": none, "fp16": {"compression": hvd.Compression.fp16},
+             "name": {"compression": "dgc"}, "name_case": {"compression": " TopK "},
+             "class": {"compression": DGCCompressor},
+             "dense": {"compression": hvd.Compression.none, "density": 1.0},
+             # more of the examples' arguments and calls, each with Compression.none
+             "average": {**none, "op": hvd.Average},
+             "predivide": {**none, "gradient_predivide_factor": 2.0},
+             "amp": none, "broadcast_state": none}
+    for tag, kwargs in cases.items():
         model = nn.Sequential(nn.Flatten(), *wide_mlp(3))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         printed = io.StringIO()
@@ -231,8 +250,12 @@ def horovod_patterns():
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                 named_parameters=[(f"hp{tag}." + n, p) for n, p in model.named_parameters()],
-                compression=comp, **({} if density is None else {"density": density}))
-        acc = fit(model, opt)
+                **kwargs)
+        if tag == "broadcast_state":  # the examples call it right after wrapping
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        acc = fit(model, opt, amp=tag == "amp")
+        if tag == "none":
+            after_none = model
         stats = opt.compression_stats()
         tensors = stats["last_step"]["tensors"].values()
         out[tag] = {
@@ -244,7 +267,8 @@ def horovod_patterns():
             "dense_bytes": sorted({t["bytes"] // t["numel"] for t in tensors
                                    if t["path"] == "dense"}),
             "accuracy": acc, "max_diff_vs_horovod": max_diff(ref, model),
-            "density_now": opt.density, "density_at_1000": opt._dgc.schedule(1000, 0.0)}
+            "density_now": opt.density, "density_at_10000": opt._dgc.schedule(10000, 0.0),
+            "max_diff_vs_none": max_diff(after_none, model)}
     m = wide_mlp(4)
 
     def wrap(**kw):
@@ -258,6 +282,11 @@ def horovod_patterns():
             wrap(min_compress_size=10 ** 6)
             wrap(density=0.9)
     out["warnings"] = [str(w.message) for w in caught if "does nothing" in str(w.message)]
+    with contextlib.redirect_stdout(io.StringIO()):  # the one-line default for AdamW
+        adamw = hvd.DistributedOptimizer(
+            torch.optim.AdamW(m.parameters()),
+            named_parameters=[("hpadamw." + n, p) for n, p in m.named_parameters()])
+    out["adamw_boundaries"] = adamw._dgc.schedule.boundaries
 
     class Custom(Compressor):
         pass
@@ -265,6 +294,68 @@ def horovod_patterns():
     out["foreign_class"] = expect_error(lambda: wrap(compression=Custom), TypeError)
     out["foreign_instance"] = expect_error(lambda: wrap(compression=Custom()), TypeError)
     out["module"] = expect_error(lambda: wrap(compression=nn.Linear), TypeError)
+    return out
+
+
+class EmbedNet(nn.Module):
+    """A recommender's shape: a sparse embedding bag and a dense head DGC compresses."""
+
+    def __init__(self, sparse, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(100, 32, sparse=sparse)
+        self.head = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def _train_embeddings(module, tag, steps=6, sparse=True, **kw):
+    model = EmbedNet(sparse).to(device())
+    opt = module.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()], **kw)
+    rank = hvd.rank()
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 100 if rank else 50, (16, 4), generator=gen).to(device())
+        y = torch.randint(0, 5, (16,), generator=gen).to(device())
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids), y).backward()
+        opt.step()
+    return model, opt
+
+
+def sparse_embeddings():
+    """nn.Embedding(sparse=True) as Horovod runs it: its rows allgathered and averaged,
+    the base SGD's momentum for it; sparse_as_dense=True densifies it (then DGC). Each
+    against Horovod's own optimizer on the same data (rank 0 looks up rows 0-49 only,
+    rank 1 rows 0-99: the ranks' sparse gradients differ in their rows)."""
+    import contextlib
+    import io
+    out = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        stock, _ = _train_embeddings(hvd_stock, "se_stock")
+        ours, opt = _train_embeddings(hvd, "se_ours", density=1.0)
+        stock_sad, _ = _train_embeddings(hvd_stock, "se_stock_sad", sparse_as_dense=True)
+        ours_sad, opt_sad = _train_embeddings(hvd, "se_ours_sad", density=1.0,
+                                              sparse_as_dense=True)
+        dgc, opt_dgc = _train_embeddings(hvd, "se_dgc", steps=20, density=0.01,
+                                         min_compress_size=1000)
+        dense_of_dgc, _ = _train_embeddings(hvd_stock, "se_dense20", steps=20)
+    out["max_diff"] = max_diff(stock, ours)
+    out["max_diff_sparse_as_dense"] = max_diff(stock_sad, ours_sad)
+    out["grad_is_sparse"] = [ours.emb.weight.grad.is_sparse, ours_sad.emb.weight.grad.is_sparse]
+    out["momentum_buffer_sparse"] = opt.state[ours.emb.weight]["momentum_buffer"].is_sparse
+    out["paths"] = [opt.compression_stats()["paths"], opt_sad.compression_stats()["paths"],
+                    opt_dgc.compression_stats()["paths"]]
+    last = opt_dgc.compression_stats()["last_step"]["tensors"]
+    out["emb_last_step"] = last["se_dgc.emb.weight"]
+    out["dgc_ratio"] = opt_dgc.compression_stats()["compression_ratio"]
+    out["dgc_identical"] = ranks_identical(dgc, "se_dgc_identical")
+    out["dgc_moved_from_dense"] = max_diff(dgc, dense_of_dgc)
+    out["delay"] = expect_error(lambda: _train_embeddings(hvd, "se_delay", steps=1, delay=2),
+                                ValueError)
     return out
 
 
@@ -474,15 +565,8 @@ def bad_inputs():
     cplx = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
     out["complex"] = expect_error(lambda: hvd.DistributedOptimizer(
         sgd([cplx]), named_parameters=[("c", cplx)]), TypeError)
-    # Sparse gradients (nn.Embedding(sparse=True)): a clear error, or densified on request.
-    emb = nn.Embedding(3000, 8, sparse=True)
-    torch.manual_seed(0)
-    nn.init.normal_(emb.weight)
-    hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
-    o = hvd.DistributedOptimizer(sgd(emb.parameters()), named_parameters=[("emb", emb.weight)])
-    out["sparse_grad"] = expect_error(
-        lambda: emb(torch.tensor([1, 2 + rank])).sum().backward(), ValueError)
-    o._handles.clear()
+    # sparse_as_dense=True: a sparse gradient densified, then DGC (sparse_embeddings: the
+    # rest of the sparse-gradient behaviour, against Horovod's)
     emb2 = nn.Embedding(3000, 8, sparse=True)
     hvd.broadcast_parameters(emb2.state_dict(), root_rank=0)
     before = emb2.weight.detach().clone()
