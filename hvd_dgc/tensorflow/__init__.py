@@ -146,7 +146,7 @@ class _DistributedGradientTape(tf.GradientTape):
         shared = [i for i, s in enumerate(flat) if _ref(s) not in self._local_sources]
         variables = [flat[i] for i in shared]
         exchange = _exchange_for(variables, self._dgc_options)
-        exchange.build(variables)
+        exchange.build(variables, [gradients[i] for i in shared])
         averaged = exchange([gradients[i] for i in shared])
         out = list(gradients)
         for i, g in zip(shared, averaged):
@@ -173,6 +173,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).
     ``groups`` is accepted for compatibility; each tensor is its own collective.
+    An IndexedSlices gradient (an embedding lookup) comes back as IndexedSlices,
+    averaged as Horovod averages it (rows and indices allgathered, no DGC);
+    ``sparse_as_dense=True`` densifies it first (then DGC).
 
     ``delay=D``: delayed gradient averaging, as in the PyTorch optimizer: the
     tape returns ``own_i - own_(i-D) + avg_(i-D)``, exact with an optimizer whose

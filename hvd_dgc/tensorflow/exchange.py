@@ -16,6 +16,12 @@ collective inside the same ``tf.cond`` branch.
 With ``delay=D`` (delayed gradient averaging) the collectives leave the graph
 for a worker thread and step i applies ``own_i + avg_(i-D) - own_(i-D)``: see
 hvd_dgc/tensorflow/delayed.py.
+
+A ``tf.IndexedSlices`` gradient (an embedding lookup) travels as Horovod sends it,
+unless ``sparse_as_dense=True``: its rows and their indices, allgathered, no DGC
+(it is sparse already) and no residual; the result is a ``tf.IndexedSlices``
+(with an SGD's momentum taken over, the memory's velocity applies it: a dense
+gradient).
 """
 
 import warnings
@@ -35,7 +41,10 @@ from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_spa
 from hvd_dgc.tensorflow.delayed import DENSE, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
 
-__all__ = ["GradientExchange", "variable_name"]
+__all__ = ["GradientExchange", "variable_name", "SPARSE_GRAD"]
+
+#: The statistics' name for an IndexedSlices gradient's path (as hvd_dgc.torch's).
+SPARSE_GRAD = "sparse_grad"
 
 
 def variable_name(var, i):
@@ -91,6 +100,7 @@ class GradientExchange(tf.Module):
         self.delay = delay
         self.skip_nonfinite = bool(skip_nonfinite)
         self.memory = None
+        self.gathered = None  # steps of IndexedSlices gradients (when there are any)
         self._dga = None
         self._epoch = 0.0
 
@@ -101,11 +111,20 @@ class GradientExchange(tf.Module):
             self.epoch.assign(self._epoch)
 
     # -- set-up (eager, once) ---------------------------------------------------
-    def build(self, variables):
-        """Create the memory and check every rank agrees; runs outside any trace."""
+    def build(self, variables, grads=None):
+        """Create the memory and check every rank agrees; runs outside any trace.
+        ``grads`` (this step's, optional) tell which variables have IndexedSlices
+        gradients: those get no residual slot (an embedding table can be large)."""
         if self.memory is not None:
             return
         names = [variable_name(v, i) for i, v in enumerate(variables)]
+        grads = list(grads) if grads is not None else [None] * len(variables)
+        self.sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense
+                       for g in grads]
+        self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        for name, sliced in zip(names, self.sliced):
+            if sliced:
+                self._check_slices_allowed(name)
         with tf.init_scope():
             for var, name in zip(variables, names):
                 if not tf.as_dtype(var.dtype).is_floating:
@@ -118,7 +137,8 @@ class GradientExchange(tf.Module):
             sparse = is_sparse(self.compression)
             self.max_sparse_k = [
                 self.cost_model.max_sparse_k(n, world, 4, self.compression.value_bytes)
-                if sparse and n >= self.min_compress_size else 0 for n in self.numels]
+                if sparse and n >= self.min_compress_size and not sliced else 0
+                for n, sliced in zip(self.numels, self.sliced)]
             _check_consistent_config(self._config(), self.process_set)
             self._announce()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -128,9 +148,13 @@ class GradientExchange(tf.Module):
             self.counters = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
                                         name="counters")
             self.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite")
+            if any(self.sliced):  # only then: other checkpoints keep their layout
+                self.gathered = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="sparse_grad_steps")
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking,
-                                    snapshots=self.skip_nonfinite and not self.delay)
+                                    snapshots=self.skip_nonfinite and not self.delay,
+                                    no_residual=self.sliced)
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
 
@@ -138,7 +162,8 @@ class GradientExchange(tf.Module):
         """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
         warning where a setting leaves DGC nothing to do (as the PyTorch optimizer)."""
         sparse = is_sparse(self.compression)
-        large = [n for n in self.numels if n >= self.min_compress_size]
+        large = [n for n, k in zip(self.numels, self.sliced)
+                 if n >= self.min_compress_size and not k]
         kind = self.compression.name if sparse else "dense"
         final = self.schedule.density if sparse else 1.0
         if sparse:
@@ -149,8 +174,7 @@ class GradientExchange(tf.Module):
             if message:
                 warnings.warn(message, UserWarning)
         if _hvd.rank() == 0:
-            warm = (f"{self.schedule.warmup:g} {self.schedule.unit}s"
-                    if sparse and self.schedule.warmup else "")
+            warm = self.schedule.describe() if sparse else ""
             print(summary(kind, final, warm, self.min_compress_size, self.dense_fp16,
                           sparse and self.compression.value_bytes == 2, self.delay,
                           len(large), len(self.numels), "tensorflow"), flush=True)
@@ -166,7 +190,8 @@ class GradientExchange(tf.Module):
                 "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
                 "delay": self.delay, "skip_nonfinite": self.skip_nonfinite,
                 "dense_fp16": self.dense_fp16,
-                "variables": list(zip(self.names, self.numels))}
+                "variables": list(zip(self.names, self.numels)),
+                "indexed_slices_gradients": [n for n, k in zip(self.names, self.sliced) if k]}
 
     # -- per step ---------------------------------------------------------------
     def density(self):
@@ -176,8 +201,9 @@ class GradientExchange(tf.Module):
             return tf.constant(s.density, tf.float64)
         t = tf.cast(self.epoch if s.unit == "epoch" else self.step, tf.float64)
         stages = tf.constant(s.warmup_densities, tf.float64)
-        stage = tf.cast(tf.floor(t * len(s.warmup_densities) / s.warmup), tf.int32)
-        stage = tf.clip_by_value(stage, 0, len(s.warmup_densities) - 1)
+        ends = tf.constant(s.boundaries, tf.float64)  # as Python: count the stages ended
+        stage = tf.reduce_sum(tf.cast(t >= ends, tf.int32))
+        stage = tf.minimum(stage, len(s.warmup_densities) - 1)
         return tf.where(t >= s.warmup, tf.constant(s.density, tf.float64),
                         tf.gather(stages, stage))
 
@@ -192,11 +218,11 @@ class GradientExchange(tf.Module):
         density = self.density()
         base = self.compression.seed if is_sparse(self.compression) else 0
         seed = tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()])
-        grads = [self._dense_grad(i, g) for i, g in enumerate(grads)]
+        grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
         if not self.skip_nonfinite:
             return self._step(grads, density, seed), tf.constant(False)
         local_bad = tf.logical_not(tf.reduce_all(
-            [tf.math.is_finite(tf.reduce_sum(tf.cast(g, tf.float32))) for g in grads]))
+            [tf.math.is_finite(tf.reduce_sum(tf.cast(_values(g), tf.float32))) for g in grads]))
         if self.delay:
             # DGA: the other ranks apply their own part of this step before anyone knows;
             # the rank that has the NaN contributes zeros and keeps it out of its memory.
@@ -207,16 +233,19 @@ class GradientExchange(tf.Module):
         # sends inf, so every rank's averages show it; then every rank puts its memory back.
         self.memory.snapshot()
         counters = self.counters.read_value()
+        gathered = self.gathered.read_value() if self.gathered is not None else None
         out = [self._exchange_one(i, grad, density, seed, poison=local_bad)
                for i, grad in enumerate(grads)]
         bad = tf.logical_not(tf.reduce_all(
-            [tf.math.is_finite(tf.reduce_sum(a)) for a in out]))
+            [tf.math.is_finite(tf.reduce_sum(_values(a))) for a in out]))
 
         def skip():
             self.memory.restore()
             self.counters.assign(counters)
+            if gathered is not None:
+                self.gathered.assign(gathered)
             self.nonfinite.assign_add(1)
-            return [tf.fill(tf.shape(g), float("nan")) for g in grads]
+            return [_nan_like(a) for a in out]
 
         def keep():
             self.step.assign_add(1)
@@ -232,18 +261,34 @@ class GradientExchange(tf.Module):
         self.step.assign_add(1)
         return out
 
-    def _dense_grad(self, i, grad):
+    def _local_grad(self, i, grad):
+        """The gradient as it will travel: dense, or IndexedSlices (Horovod's way)."""
         if grad is None:
+            if self.sliced[i]:  # nothing looked up: no rows
+                return tf.IndexedSlices(tf.zeros((0,) + self.shapes[i][1:]),
+                                        tf.zeros([0], tf.int32),
+                                        tf.constant(self.shapes[i], tf.int64))
             return tf.zeros([self.numels[i]])
         if isinstance(grad, tf.IndexedSlices):
-            if not self.sparse_as_dense:
-                raise ValueError(
-                    f"hvd_dgc: variable '{self.names[i]}' has a sparse (IndexedSlices) gradient "
-                    f"(an embedding lookup?). DGC keeps a dense residual per variable; pass "
-                    f"sparse_as_dense=True to hvd_dgc's DistributedGradientTape / "
-                    f"DistributedOptimizer.")
-            grad = tf.convert_to_tensor(grad)
+            if self.sparse_as_dense:
+                return tf.convert_to_tensor(grad)
+            self._check_slices_allowed(self.names[i])
+            return grad
+        if self.sliced[i]:
+            raise ValueError(
+                f"hvd_dgc: variable '{self.names[i]}' had a sparse (IndexedSlices) gradient "
+                f"when hvd_dgc built its memory and has a dense one now, and it has no "
+                f"residual slot. Pass sparse_as_dense=True to hvd_dgc's "
+                f"DistributedGradientTape / DistributedOptimizer.")
         return grad
+
+    def _check_slices_allowed(self, name):
+        if self.delay:
+            raise ValueError(
+                f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
+                f"embedding lookup?) and delay={self.delay}: delayed averaging needs dense "
+                f"gradients. Pass sparse_as_dense=True to hvd_dgc's DistributedGradientTape "
+                f"/ DistributedOptimizer, or delay=0.")
 
     # -- the gradient's path, shared by the synchronous and the delayed step --------
     def _accumulate(self, i, grad, density):
@@ -291,6 +336,8 @@ class GradientExchange(tf.Module):
 
     def _exchange_one(self, i, grad, density, seed, poison=None):
         """``poison``: this rank had a non-finite gradient; it sends inf (skip_nonfinite)."""
+        if isinstance(grad, tf.IndexedSlices):
+            return self._gather_slices(i, grad, poison)
         numel = self.numels[i]
         v, k = self._accumulate(i, grad, density)
         name = f"hvd_dgc.{i}"
@@ -314,6 +361,36 @@ class GradientExchange(tf.Module):
             return self.compression.scatter_sum(gathered, numel) * self._gathered_scale()
 
         return tf.reshape(self._choose(i, k, sparse, dense), tf.shape(grad))
+
+    def _gather_slices(self, i, grad, poison=None):
+        """Horovod's average of an IndexedSlices gradient: every rank's rows and indices
+        allgathered, as they are (duplicates kept, so the optimizer sees what Horovod's
+        would); values / N for Average. No DGC and no residual: it is sparse already.
+        With an SGD's momentum taken over, the memory's velocity applies the momentum
+        the SGD would have applied to these slices (a dense gradient)."""
+        values = grad.values
+        if poison is not None:
+            values = tf.where(poison, tf.cast(float("inf"), values.dtype), values)
+        name = f"hvd_dgc.{i}.slices"
+        rows = _hvd.allgather(values, name=name + ".values", process_set=self.process_set)
+        indices = _hvd.allgather(grad.indices, name=name + ".indices",
+                                 process_set=self.process_set)
+        if self.op == Average:
+            rows = rows / tf.cast(self.world_size(), rows.dtype)
+        sent = tf.size(values, out_type=tf.int64)
+        index_bytes = tf.size(grad.indices, out_type=tf.int64) * grad.indices.dtype.size
+        numel = self.numels[i]  # counted as sent bytes against dense fp32, as the others
+        self.counters.assign_add(tf.stack([sent * values.dtype.size + index_bytes, 4 * numel,
+                                           sent, numel, 0, 0]))
+        if self.gathered is not None:
+            self.gathered.assign_add(1)
+        shape = grad.dense_shape if grad.dense_shape is not None else \
+            tf.constant(self.shapes[i], tf.int64)
+        avg = tf.IndexedSlices(rows, indices, shape)
+        if not self.memory.momentum:
+            return avg
+        g = tf.reshape(tf.cast(tf.convert_to_tensor(avg), tf.float32), [-1])
+        return tf.reshape(self.memory.velocity(i, g), self.shapes[i])
 
     def _delayed_step(self, grads, density, seed):
         """DGA (hvd_dgc/tensorflow/delayed.py): launch this step, apply own + the
@@ -385,18 +462,33 @@ class GradientExchange(tf.Module):
     def stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         c = [int(x) for x in self.counters.numpy()]
+        gathered = int(self.gathered.numpy()) if self.gathered is not None else 0
         stats = CompressionStats()
         stats.load_state_dict({"steps": int(self.step.numpy()), "bytes_sent": c[0],
                                "dense_bytes": c[1], "elements_sent": c[2],
                                "elements_total": c[3],
-                               "paths": {k: n for k, n in (("sparse", c[4]), ("dense", c[5]))
-                                         if n}})
+                               "paths": {k: n for k, n in (("sparse", c[4]), ("dense", c[5]),
+                                                           (SPARSE_GRAD, gathered)) if n}})
         out = stats.summary()
         out.pop("last_step")
         out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
                    current_density=float(self.density().numpy()),
                    world_size=self.world_size(), nonfinite_steps=int(self.nonfinite.numpy()))
         return out
+
+
+def _values(grad):
+    """What a non-finite check looks at: an IndexedSlices' rows, or the tensor."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _nan_like(grad):
+    """The skipped step's gradient: NaN, shaped (and sliced) as the real one."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.fill(tf.shape(grad.values), tf.constant(float("nan"),
+                                                                            grad.values.dtype)),
+                                grad.indices, grad.dense_shape)
+    return tf.fill(tf.shape(grad), tf.constant(float("nan"), grad.dtype))
 
 
 def _check_consistent_config(config, process_set):

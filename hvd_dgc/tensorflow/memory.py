@@ -25,14 +25,17 @@ class DGCMemory(tf.Module):
     """Per-tensor velocity ``u`` and accumulation ``v`` as flat float32 variables."""
 
     def __init__(self, numels, momentum=0.0, nesterov=False, momentum_masking=True,
-                 snapshots=False, name="hvd_dgc_memory"):
+                 snapshots=False, no_residual=(), name="hvd_dgc_memory"):
+        """``no_residual[i]``: tensor i bypasses DGC (an IndexedSlices gradient), so its
+        ``v`` is empty; its ``u`` stays, for the momentum taken over (``velocity``)."""
         super().__init__(name=name)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.momentum_masking = momentum_masking  # True, False or "auto" (masking.py)
+        no_residual = list(no_residual) + [False] * (len(numels) - len(no_residual))
         with tf.init_scope():
-            self.v = [tf.Variable(tf.zeros([n]), trainable=False, name=f"v{i}")
-                      for i, n in enumerate(numels)]
+            self.v = [tf.Variable(tf.zeros([0 if skip else n]), trainable=False, name=f"v{i}")
+                      for i, (n, skip) in enumerate(zip(numels, no_residual))]
             self.u = [tf.Variable(tf.zeros([n]), trainable=False, name=f"u{i}")
                       for i, n in enumerate(numels)] if self.momentum else []
             # Copies of v and u taken before a step that may be undone (skip_nonfinite).
@@ -63,6 +66,17 @@ class DGCMemory(tf.Module):
         else:
             v.assign_add(g)
         return v.read_value()
+
+    def velocity(self, i, g):
+        """Momentum alone, on an average that bypassed DGC (an IndexedSlices gradient):
+        u = m u + g (Nesterov: u = m (u + g), returns u + g), what the SGD whose momentum
+        was taken over would have applied."""
+        u = self.u[i]
+        if self.nesterov:
+            u.assign(self.momentum * (u + g))
+            return u.read_value() + g
+        u.assign(self.momentum * u + g)
+        return u.read_value()
 
     def sent(self, i, indices, mask_momentum=None):
         """Coordinates ``indices`` left this worker: clear them, and their momentum where

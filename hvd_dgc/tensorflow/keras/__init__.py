@@ -8,8 +8,15 @@ hvd_dgc hooks the step where the gradients meet the optimizer (``apply`` in
 Keras 3, ``apply_gradients`` in Keras 2) and exchanges them with Horovod's TF
 collectives, so ``model.fit`` is distributed under both.
 
-With SGD the optimizer's momentum is taken over by DGC's momentum correction
-(the rebuilt optimizer runs with momentum 0), as on the PyTorch side.
+Keras 2's legacy optimizers (``tf_keras.optimizers.legacy.*``, OptimizerV2) are
+wrapped the same way (their slots are created before the step, as they have no
+``build``).
+
+With SGD (legacy or not) the optimizer's momentum is taken over by DGC's momentum
+correction (the rebuilt optimizer runs with momentum 0), as on the PyTorch side.
+A variable with an IndexedSlices gradient (an Embedding) bypasses DGC, so the
+memory keeps a velocity for it alone and hands the SGD ``u = m u + avg``: the
+update SGD's own momentum makes of Horovod's averaged slices.
 """
 
 import importlib
@@ -20,6 +27,7 @@ from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
 
 from hvd_dgc.tensorflow.compression import Compression
+from hvd_dgc.schedule import ADAPTIVE_SENDS, DensitySchedule
 from hvd_dgc.tensorflow.exchange import GradientExchange
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
@@ -30,23 +38,35 @@ def is_keras3(optimizer):
     return not type(optimizer).__module__.startswith("tf_keras")
 
 
+def is_legacy(optimizer):
+    """A Keras 2 legacy optimizer (``tf_keras.optimizers.legacy.*``, OptimizerV2)."""
+    return hasattr(optimizer, "_create_all_weights") and not hasattr(optimizer, "build")
+
+
 def _exchange_grads(self, grads, variables, apply):
     """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
     every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
     optimizer's step, built first so no variable is created inside the cond)."""
     exchange = self._hvd_dgc
-    exchange.build(variables)
+    exchange.build(variables, grads)
     grads, skipped = exchange.exchange(grads)
     if not exchange.skip_nonfinite or exchange.delay:
         return apply(grads)
-    if not (getattr(self, "built", False) or getattr(self, "_built", False)):
-        with tf.init_scope():  # Keras 3: .built, tf_keras: ._built
-            self.build(variables)
+    _create_optimizer_variables(self, variables)
 
     def step():
         apply(grads)
         return tf.constant(True)
     return tf.cond(skipped, lambda: tf.constant(False), step)
+
+
+def _create_optimizer_variables(self, variables):
+    """Slots and hyper-parameters, outside the cond: no variable may be born in a branch."""
+    with tf.init_scope():
+        if is_legacy(self):  # tf_keras.optimizers.legacy (OptimizerV2) has no build()
+            self._create_all_weights(variables)
+        elif not (getattr(self, "built", False) or getattr(self, "_built", False)):
+            self.build(variables)  # Keras 3: .built, tf_keras: ._built
 
 
 def _apply(self, grads, trainable_variables=None):  # Keras 3
@@ -129,6 +149,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     and step unchanged; that rank sends inf, so every rank sees it); counted in
     ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that has
     it sends zeros instead (the others applied their part of the step already).
+
+    IndexedSlices gradients (an Embedding) travel as in Horovod: rows and indices
+    allgathered, no DGC, no residual; ``sparse_as_dense=True`` densifies them first
+    (then DGC). They need ``delay=0``.
     """
     if backward_passes_per_step != 1:
         raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
@@ -139,6 +163,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          f"momentum): the DGA correction g_i - g_(i-D) + avg_(i-D) is exact "
                          f"only for an update linear in the gradient, and "
                          f"{type(optimizer).__name__} is not. Use delay=0.")
+    if density is None and warmup is None and type(optimizer).__name__ != "SGD":
+        # the one-line default for an adaptive optimizer (hvd_dgc.schedule.ADAPTIVE_SENDS)
+        density = DensitySchedule.coverage(0.001, ADAPTIVE_SENDS, warmup_densities)
     config = optimizer.get_config()
     momentum, nesterov = 0.0, False
     if type(optimizer).__name__ == "SGD" and config.get("momentum"):
