@@ -122,6 +122,9 @@ def test_sparse_embeddings_as_horovod(gloo):
         assert out["dgc_ratio"] > 2 and out["dgc_identical"]
         assert out["dgc_moved_from_dense"] > 1e-3  # the head really was compressed
         assert "delay=2" in out["delay"] and "sparse_as_dense=True" in out["delay"]
+        # NaN in rank 1's sparse gradient: skipped on every rank, named in the warning
+        assert out["nan_step_changed"] == 0.0 and out["nan_steps"] == 1
+        assert out["nan_warned"] and out["nan_identical"]
 
 
 def test_groups(gloo):

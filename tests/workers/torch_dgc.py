@@ -356,7 +356,43 @@ def sparse_embeddings():
     out["dgc_moved_from_dense"] = max_diff(dgc, dense_of_dgc)
     out["delay"] = expect_error(lambda: _train_embeddings(hvd, "se_delay", steps=1, delay=2),
                                 ValueError)
+    out.update(_sparse_grad_nan())
     return out
+
+
+def _sparse_grad_nan():
+    """A NaN in rank 1's sparse embedding gradient: every rank skips the step."""
+    import contextlib
+    import io
+    rank, poisoned = hvd.rank(), [False]
+
+    def poison(grad):
+        if not (poisoned[0] and rank == 1):
+            return grad
+        values = torch.full_like(grad.coalesce().values(), float("nan"))
+        return torch.sparse_coo_tensor(grad.coalesce().indices(), values, grad.shape)
+
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = EmbedNet(True).to(device())
+        model.emb.weight.register_hook(poison)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), density=1.0,
+            named_parameters=[("se_nan." + n, p) for n, p in model.named_parameters()])
+        weights = []
+        for step in range(2):
+            poisoned[0] = step == 1
+            gen = torch.Generator().manual_seed(step + 10 * rank)
+            ids = torch.randint(0, 100, (16, 4), generator=gen).to(device())
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(ids), torch.zeros(16, dtype=torch.long,
+                                                                  device=device())).backward()
+            opt.step()
+            weights.append(flat_params(model))
+    return {"nan_step_changed": float((weights[1] - weights[0]).abs().max()),
+            "nan_steps": opt.compression_stats()["nonfinite_steps"],
+            "nan_warned": any("se_nan.emb.weight" in str(w.message) for w in caught),
+            "nan_identical": ranks_identical(model, "se_nan")}
 
 
 def backward_passes():
