@@ -1,4 +1,4 @@
-"""Alpha-beta cost model: dense ring allreduce or sparse allgather, per tensor, per step.
+"""Alpha-beta cost model: dense ring allreduce, sparse allgather or region reduce, per tensor.
 
 An allgather's volume grows with the number of workers N while a ring
 allreduce's does not, so sparse only pays below a break-even density::
@@ -11,14 +11,27 @@ With fp32 values and int32 indices sparse wins below density 1/N; at the
 first warm-up stage (25%) on 32 workers the allgather would move 8x the dense
 volume. Every input is identical on every rank, so every rank picks the same
 collective (a mismatch would hang Horovod).
+
+Region reduce (hvd_dgc/aggregation.py, after Ok-Topk, PPoPP 2022) keeps the
+sparse volume flat in N: an alltoall to the owners of N index regions, a
+re-sparsified sum on each owner, an allgather of quota = ceil(k/N) records each::
+
+    region reduce             2(N-1) alpha + [k(N-1)/N + quota (N-1)] (w + i) beta
+
+``choose`` (dense or allgather, what the optimizers call today) is unchanged;
+``choose_aggregation`` picks among the three.
 """
 
 from dataclasses import dataclass
 
-__all__ = ["CostModel", "DENSE", "SPARSE"]
+from hvd_dgc.aggregation import quota
+
+__all__ = ["CostModel", "DENSE", "SPARSE", "REGION", "AGGREGATIONS"]
 
 DENSE = "dense"
 SPARSE = "sparse"
+REGION = "region"
+AGGREGATIONS = (SPARSE, REGION, DENSE)  # also the order of preference on equal cost
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,44 @@ class CostModel:
             else:
                 hi = mid - 1
         return lo
+
+    def region_seconds(self, k, world_size, value_bytes, index_bytes):
+        """Region reduce: alltoall of k(N-1)/N records in, allgather of quota(N-1) in,
+        quota = ceil(k/N) (at least 1); two rounds of N-1 messages each."""
+        n1 = world_size - 1
+        records = k * n1 / world_size + quota(k, world_size) * n1
+        return 2 * n1 * self.alpha + records * (value_bytes + index_bytes) / self.bandwidth
+
+    def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
+                           sparse_value_bytes=4, index_bytes=4,
+                           allowed=(DENSE, SPARSE, REGION)):
+        """Cheapest of ``allowed`` (DENSE, SPARSE, REGION) for one tensor.
+
+        Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
+        go SPARSE, then REGION, then DENSE: np=1 (all free) and np=2 (region moves at
+        least allgather's k records, in twice the messages) keep allgather, and with
+        ``allowed=(DENSE, SPARSE)`` this is exactly ``choose``. A single name forces it.
+        """
+        if isinstance(allowed, str):
+            allowed = (allowed,)
+        allowed = tuple(allowed)
+        unknown = [a for a in allowed if a not in AGGREGATIONS]
+        if unknown or not allowed:
+            raise ValueError(f"allowed must name some of {AGGREGATIONS}, got {allowed!r}")
+        if k >= numel and DENSE in allowed:
+            return DENSE
+        cost = {
+            SPARSE: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes),
+            REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes, index_bytes),
+            DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
+        }
+        best, best_cost = None, None
+        for name in AGGREGATIONS:
+            if name in allowed:
+                c = cost[name]()
+                if best is None or c < best_cost:
+                    best, best_cost = name, c
+        return best
 
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth)

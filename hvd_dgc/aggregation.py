@@ -1,0 +1,214 @@
+"""Region reduce: a sparse aggregation whose bytes per worker stay flat in N (issue 15).
+
+After Ok-Topk (S. Shi, X. Zhou, S. Song, X. Wang, Z. Zhu, X. Huang, X. Jiang, F. Zhou,
+Z. Guo, L. Xie, R. Lan, X. Ouyang, Y. Zhang, J. Wei, J. Gong, W. Lin, P. Gao, P. Meng,
+X. Xu, C. Guo, B. Yang, Z. Chen, Y. Wu, X. Chu: "Near-optimal sparse allreduce for
+distributed deep learning", PPoPP 2022), simplified to N equal regions of the index
+space (Ok-Topk balances the regions by the observed index distribution and selects
+with a global threshold; here the regions are fixed and each owner keeps a quota).
+
+Today's sparse path allgathers every rank's k records, so each worker receives
+k(N-1) records: linear in N. Region reduce, per tensor of n elements:
+
+1. each rank selects up to k records (index, value) from its DGC memory;
+2. the index space [0, n) is cut into N contiguous regions, rank j owns region j
+   (the first n % N regions one element longer); one alltoall sends each record
+   to the owner of its index;
+3. owner j sums what it received (its own records included) into S_j;
+4. owner j keeps the ``quota = ceil(k / N)`` entries of S_j largest in |value|
+   (ties: lower index first) and adds the rest, D_j = S_j - kept, back into its
+   own residual (error feedback), so nothing is lost::
+
+       sum_ranks(memory after) + sum(kept) == sum_ranks(memory before)
+
+5. one allgather of the kept records gives every rank the global update (a sum;
+   Average divides by N afterwards).
+
+Records received per worker (r = value_bytes + index_bytes bytes each; balanced:
+every rank's indices spread evenly over the regions)::
+
+    region reduce        k(N-1)/N  +  quota(N-1)   ~ 2k(N-1)/N    flat in N
+    sparse allgather     k(N-1)                                   linear in N
+    dense ring allreduce 2(N-1)/N * n values of w_dense bytes     flat in N
+
+Alpha-beta time (beta = 1/bandwidth; hvd_dgc/costmodel.py)::
+
+    region reduce        2(N-1) alpha + [k(N-1)/N + quota(N-1)] r beta
+    sparse allgather      (N-1) alpha +  k(N-1)               r beta
+    dense ring allreduce 2(N-1) alpha + 2(N-1)/N n w_dense      beta
+
+Worst case (every index in one region) that owner receives k(N-1) records, as
+with allgather. Not a bound for every input: a rank whose region receives
+everything the others sent also receives the other owners' kept records, up to
+quota(N-1) more than allgather (e.g. N = 2, each rank's indices all in the other's
+region: k + quota against allgather's k). At N = 2 both methods move about k
+records and the cost model keeps allgather.
+
+This module is the framework-free reference (NumPy); the optimizers run the same
+steps over Horovod's alltoall and allgather.
+"""
+
+from typing import List, NamedTuple, Tuple
+
+import numpy as np
+
+__all__ = ["regions", "region_of", "quota", "RegionReduce", "region_reduce_reference",
+           "bytes_per_worker", "METHODS"]
+
+METHODS = ("dense", "allgather", "region")
+
+
+def _check_world(n, world):
+    if int(world) != world or world < 1:
+        raise ValueError(f"world must be a positive integer, got {world!r}")
+    if int(n) != n or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+
+
+def regions(n, world):
+    """[(start, stop)] of the N contiguous regions of [0, n), rank j owning region j.
+
+    Sizes differ by at most one (the first n % N regions one longer), so every
+    owner holds about n/N indices and the balanced alltoall sends k/N to each."""
+    _check_world(n, world)
+    base, extra = divmod(int(n), int(world))
+    out, start = [], 0
+    for j in range(int(world)):
+        stop = start + base + (1 if j < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def region_of(indices, n, world):
+    """Owner rank of each index (vectorised; the inverse of ``regions``).
+
+    The first ``extra = n % N`` regions have ``base + 1`` indices and end at
+    ``extra (base + 1)``; beyond that every region has ``base``."""
+    _check_world(n, world)
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise ValueError(f"indices must lie in [0, {n}), got range "
+                         f"[{idx.min()}, {idx.max()}]")
+    base, extra = divmod(int(n), int(world))
+    split = extra * (base + 1)
+    # n < N (base 0): every index is below split, in a region of one element
+    return np.where(idx < split, idx // (base + 1), extra + (idx - split) // max(base, 1))
+
+
+def quota(k, world):
+    """Records each owner keeps after the reduce: ceil(k / N), at least 1.
+
+    N owners together keep about k, what one rank selected, so the allgather
+    moves about k(N-1)/N records per worker whatever N is."""
+    if int(world) != world or world < 1:
+        raise ValueError(f"world must be a positive integer, got {world!r}")
+    if int(k) != k or k < 0:
+        raise ValueError(f"k must be a non-negative integer, got {k!r}")
+    return max(1, -(-int(k) // int(world)))
+
+
+class RegionReduce(NamedTuple):
+    """Result of one region reduce of one tensor.
+
+    indices, values: the global update as a SUM, sorted by index.
+    returned: per rank, (indices, values) that owner adds back into its residual.
+    received_records: per rank, records received from OTHER ranks (alltoall +
+        allgather), the receive volume per worker.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    returned: List[Tuple[np.ndarray, np.ndarray]]
+    received_records: List[int]
+
+
+def _check_selections(selections, n, k):
+    if not isinstance(selections, (list, tuple)) or not selections:
+        raise ValueError("selections must be a non-empty list, one (indices, values) per rank")
+    if int(k) != k or k < 0:
+        raise ValueError(f"k must be a non-negative integer, got {k!r}")
+    out = []
+    for rank, sel in enumerate(selections):
+        idx, val = sel
+        idx = np.asarray(idx)
+        val = np.asarray(val)
+        if idx.ndim != 1 or val.ndim != 1 or idx.shape != val.shape:
+            raise ValueError(f"rank {rank}: indices and values must be 1-D of one length, "
+                             f"got {idx.shape} and {val.shape}")
+        if idx.size and not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"rank {rank}: indices must be integers, got {idx.dtype}")
+        if idx.size > k:
+            raise ValueError(f"rank {rank}: {idx.size} records, more than k={k}")
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise ValueError(f"rank {rank}: indices must lie in [0, {n})")
+        if np.unique(idx).size != idx.size:
+            raise ValueError(f"rank {rank}: repeated indices (a selection has each index once)")
+        out.append((idx.astype(np.int64), val))
+    return out
+
+
+def region_reduce_reference(selections, n, k):
+    """Region reduce of one tensor of ``n`` elements, every rank's step in one process.
+
+    ``selections[i]`` is rank i's (indices, values), at most ``k`` records with
+    distinct indices. Owners sum in rank order (deterministic; S_j then equals a
+    dense per-rank accumulation bit for bit). S_j's support is the indices some
+    rank sent (an exact zero sum included), so an owner never sends an index
+    nobody selected.
+    """
+    sels = _check_selections(selections, n, k)
+    world = len(sels)
+    q = quota(k, world)
+    dtype = np.result_type(*[v.dtype for _, v in sels]) if sels else np.float64
+    if not np.issubdtype(dtype, np.floating):
+        dtype = np.float64
+
+    # 2. split: rank i's records for owner j
+    owners = [region_of(idx, n, world) for idx, _ in sels]
+    from_others = [0] * world
+    kept_idx, kept_val, returned = [], [], []
+    for j in range(world):
+        parts_i, parts_v = [], []
+        for i, ((idx, val), own) in enumerate(zip(sels, owners)):
+            mask = own == j
+            parts_i.append(idx[mask])
+            parts_v.append(val[mask].astype(dtype, copy=False))
+            if i != j:
+                from_others[j] += int(mask.sum())
+        cat_i = np.concatenate(parts_i)
+        cat_v = np.concatenate(parts_v)
+        # 3. reduce, in rank order (np.add.at is unbuffered and goes in array order)
+        support, inverse = np.unique(cat_i, return_inverse=True)
+        s = np.zeros(support.size, dtype=dtype)
+        np.add.at(s, inverse, cat_v)
+        # 4. re-sparsify: largest |S_j| first, lower index on ties
+        order = np.lexsort((support, -np.abs(s)))
+        keep = np.sort(order[:q])
+        rest = np.sort(order[q:])
+        kept_idx.append(support[keep])
+        kept_val.append(s[keep])
+        returned.append((support[rest], s[rest]))
+
+    # 5. allgather: owner order = index order, since regions are contiguous
+    kept_counts = [x.size for x in kept_idx]
+    total_kept = sum(kept_counts)
+    received = [from_others[j] + total_kept - kept_counts[j] for j in range(world)]
+    return RegionReduce(np.concatenate(kept_idx), np.concatenate(kept_val), returned, received)
+
+
+def bytes_per_worker(method, n, k, world, value_bytes=4, index_bytes=4, dense_value_bytes=4):
+    """Bytes one worker receives per step for one tensor, balanced expectation.
+
+    dense: 2(N-1)/N n w_dense (ring allreduce); allgather: k(N-1) r;
+    region: [k(N-1)/N + quota(N-1)] r, with r = value_bytes + index_bytes."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _check_world(n, world)
+    record = value_bytes + index_bytes
+    n1 = world - 1
+    if method == "dense":
+        return 2.0 * n1 / world * n * dense_value_bytes
+    if method == "allgather":
+        return float(n1 * k * record)
+    return (k * n1 / world + quota(k, world) * n1) * record
