@@ -26,7 +26,7 @@ PAPER_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
 #: where they started (digits CNN: 86% accuracy against 97% dense). So the default
 #: lowers the density only as fast as ``density * step >= DEFAULT_SENDS`` allows: every
 #: coordinate could have travelled 10 times (and none waits longer than a tenth of the
-#: steps so far). The paper's stages then end at steps 160, 640, 2560 and 10000: short
+#: steps so far). The paper's stages then end at steps 160, 640, 2500 and 10000: short
 #: runs stay dense-ish, long ones run at 0.1% from step 10000 (two ImageNet epochs at
 #: batch 256). Passing ``density=`` or ``warmup=`` replaces this default.
 DEFAULT_SENDS = 10
@@ -37,7 +37,7 @@ DEFAULT_SENDS = 10
 #: so a burst moves the weight about sqrt(1/density) dense steps' worth instead of
 #: 1/density: its steps shrink by about sqrt(density) (SGD is linear: unaffected). Stages
 #: 4x as long (25% to step 640, 0.1% from step 40000) keep that smaller early on. Digits
-#: CNN, AdamW, 220 steps, 5 seeds: 25% throughout 0.44 points below dense Horovod, the SGD
+#: CNN, AdamW, 220 steps, 5 seeds: 25% throughout 0.45 points below dense Horovod, the SGD
 #: stages (6.25% from step 160) 1.17 below.
 ADAPTIVE_SENDS = 40
 
