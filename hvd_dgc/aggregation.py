@@ -53,7 +53,7 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 __all__ = ["regions", "region_of", "quota", "RegionReduce", "region_reduce_reference",
-           "bytes_per_worker", "METHODS"]
+           "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes", "METHODS"]
 
 METHODS = ("dense", "allgather", "region")
 
@@ -197,6 +197,22 @@ def region_reduce_reference(selections, n, k):
     return RegionReduce(np.concatenate(kept_idx), np.concatenate(kept_val), returned, received)
 
 
+# The volume each method hands one worker for one tensor: written once, read by the cost
+# model (hvd_dgc/costmodel.py: seconds = messages * alpha + bytes / bandwidth) and by
+# bytes_per_worker (the simulator). No validation: the optimizers call them every step.
+def dense_bytes(n, world, dense_value_bytes):
+    return 2.0 * (world - 1) / world * n * dense_value_bytes
+
+
+def allgather_bytes(k, world, record_bytes):
+    return float((world - 1) * k * record_bytes)
+
+
+def region_bytes(k, world, record_bytes):
+    n1 = world - 1
+    return (k * n1 / world + quota(k, world) * n1) * record_bytes
+
+
 def bytes_per_worker(method, n, k, world, value_bytes=4, index_bytes=4, dense_value_bytes=4):
     """Bytes one worker receives per step for one tensor, balanced expectation.
 
@@ -206,9 +222,8 @@ def bytes_per_worker(method, n, k, world, value_bytes=4, index_bytes=4, dense_va
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_world(n, world)
     record = value_bytes + index_bytes
-    n1 = world - 1
     if method == "dense":
-        return 2.0 * n1 / world * n * dense_value_bytes
+        return dense_bytes(n, world, dense_value_bytes)
     if method == "allgather":
-        return float(n1 * k * record)
-    return (k * n1 / world + quota(k, world) * n1) * record
+        return allgather_bytes(k, world, record)
+    return region_bytes(k, world, record)

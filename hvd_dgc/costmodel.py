@@ -24,7 +24,7 @@ re-sparsified sum on each owner, an allgather of quota = ceil(k/N) records each:
 
 from dataclasses import dataclass
 
-from hvd_dgc.aggregation import quota
+from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
 
 __all__ = ["CostModel", "DENSE", "SPARSE", "REGION", "AGGREGATIONS"]
 
@@ -53,11 +53,12 @@ class CostModel:
 
     def dense_seconds(self, numel, world_size, value_bytes):
         n1 = world_size - 1
-        return 2 * n1 * self.alpha + 2.0 * n1 / world_size * numel * value_bytes / self.bandwidth
+        return 2 * n1 * self.alpha + dense_bytes(numel, world_size, value_bytes) / self.bandwidth
 
     def sparse_seconds(self, k, world_size, value_bytes, index_bytes):
         n1 = world_size - 1
-        return n1 * self.alpha + n1 * k * (value_bytes + index_bytes) / self.bandwidth
+        return n1 * self.alpha + allgather_bytes(k, world_size,
+                                                 value_bytes + index_bytes) / self.bandwidth
 
     def choose(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                index_bytes=4):
@@ -87,8 +88,8 @@ class CostModel:
         """Region reduce: alltoall of k(N-1)/N records in, allgather of quota(N-1) in,
         quota = ceil(k/N) (at least 1); two rounds of N-1 messages each."""
         n1 = world_size - 1
-        records = k * n1 / world_size + quota(k, world_size) * n1
-        return 2 * n1 * self.alpha + records * (value_bytes + index_bytes) / self.bandwidth
+        return 2 * n1 * self.alpha + region_bytes(k, world_size,
+                                                  value_bytes + index_bytes) / self.bandwidth
 
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
