@@ -15,7 +15,7 @@ k(N-1) records: linear in N. Region reduce, per tensor of n elements:
    (the first n % N regions one element longer); one alltoall sends each record
    to the owner of its index;
 3. owner j sums what it received (its own records included) into S_j;
-4. owner j keeps the ``quota = ceil(k / N)`` entries of S_j largest in |value|
+4. owner j keeps the ``quota = ceil(2k / N)`` entries of S_j largest in |value|
    (ties: lower index first) and adds the rest, D_j = S_j - kept, back into its
    own residual (error feedback), so nothing is lost::
 
@@ -27,7 +27,7 @@ k(N-1) records: linear in N. Region reduce, per tensor of n elements:
 Records received per worker (r = value_bytes + index_bytes bytes each; balanced:
 every rank's indices spread evenly over the regions)::
 
-    region reduce        k(N-1)/N  +  quota(N-1)   ~ 2k(N-1)/N    flat in N
+    region reduce        k(N-1)/N  +  quota(N-1)   ~ 3k(N-1)/N    flat in N
     sparse allgather     k(N-1)                                   linear in N
     dense ring allreduce 2(N-1)/N * n values of w_dense bytes     flat in N
 
@@ -96,16 +96,25 @@ def region_of(indices, n, world):
     return np.where(idx < split, idx // (base + 1), extra + (idx - split) // max(base, 1))
 
 
-def quota(k, world):
-    """Records each owner keeps after the reduce: ceil(k / N), at least 1.
+#: owners together keep KEEP * k records (quota = ceil(KEEP k / N)). Ok-Topk keeps k, one
+#: rank's worth, while allgather applies the union of the N ranks' selections (up to
+#: N k). Measured through the optimizer (digits MLP, N = 4, DGC 1%, 4 seeds, 330 steps;
+#: tests/test_torch_aggregation.py): allgather 96.8%; region keeping k 95.7% (one seed
+#: 92.8%); keeping 2k 96.5%. Bytes stay flat in N: ~3k(N-1)/N per worker, 3/N of
+#: allgather's (0.375 at N = 8).
+KEEP = 2
 
-    N owners together keep about k, what one rank selected, so the allgather
-    moves about k(N-1)/N records per worker whatever N is."""
+
+def quota(k, world):
+    """Records each owner keeps after the reduce: ceil(KEEP k / N), at least 1.
+
+    N owners together keep about KEEP k, so the allgather moves about KEEP k(N-1)/N
+    records per worker whatever N is."""
     if int(world) != world or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     if int(k) != k or k < 0:
         raise ValueError(f"k must be a non-negative integer, got {k!r}")
-    return max(1, -(-int(k) // int(world)))
+    return max(1, -(-KEEP * int(k) // int(world)))
 
 
 class RegionReduce(NamedTuple):

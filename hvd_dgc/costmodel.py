@@ -14,7 +14,7 @@ collective (a mismatch would hang Horovod).
 
 Region reduce (hvd_dgc/aggregation.py, after Ok-Topk, PPoPP 2022) keeps the
 sparse volume flat in N: an alltoall to the owners of N index regions, a
-re-sparsified sum on each owner, an allgather of quota = ceil(k/N) records each::
+re-sparsified sum on each owner, an allgather of quota = ceil(2k/N) records each (aggregation.KEEP = 2)::
 
     region reduce             2(N-1) alpha + [k(N-1)/N + quota (N-1)] (w + i) beta
 
@@ -86,7 +86,7 @@ class CostModel:
 
     def region_seconds(self, k, world_size, value_bytes, index_bytes):
         """Region reduce: alltoall of k(N-1)/N records in, allgather of quota(N-1) in,
-        quota = ceil(k/N) (at least 1); two rounds of N-1 messages each."""
+        quota = ceil(2k/N) (at least 1); two rounds of N-1 messages each."""
         n1 = world_size - 1
         return 2 * n1 * self.alpha + region_bytes(k, world_size,
                                                   value_bytes + index_bytes) / self.bandwidth

@@ -25,6 +25,7 @@ class CompressionStats:
         self.elements_sent = 0
         self.elements_total = 0
         self.paths = Counter()
+        self.returned_elements = 0  # region reduce: sums an owner put back into its residual
         self.last = {}
         self._current = {}
 
@@ -36,6 +37,15 @@ class CompressionStats:
         self.paths[path] += 1
         self._current[name] = {"path": path, "numel": numel, "sent": elements_sent,
                                "bytes": bytes_sent, "density": density}
+
+    def add_bytes(self, name, bytes_sent):
+        """More bytes this step for ``name``, known only after a later round."""
+        self.bytes_sent += bytes_sent
+        if name in self._current:
+            self._current[name]["bytes"] += bytes_sent
+
+    def add_returned(self, elements):
+        self.returned_elements += elements
 
     def end_step(self):
         if self._current:
@@ -58,6 +68,7 @@ class CompressionStats:
                             self.elements_total)
         out["steps"] = self.steps
         out["paths"] = dict(self.paths)
+        out["returned_elements"] = self.returned_elements
         last = self.last.values()
         out["last_step"] = self._summary(sum(t["bytes"] for t in last),
                                          sum(4 * t["numel"] for t in last),
@@ -75,10 +86,12 @@ class CompressionStats:
     def state_dict(self):
         return {"steps": self.steps, "bytes_sent": self.bytes_sent,
                 "dense_bytes": self.dense_bytes, "elements_sent": self.elements_sent,
-                "elements_total": self.elements_total, "paths": dict(self.paths)}
+                "elements_total": self.elements_total, "paths": dict(self.paths),
+                "returned_elements": self.returned_elements}
 
     def load_state_dict(self, state):
         self.reset()
         for key in ("steps", "bytes_sent", "dense_bytes", "elements_sent", "elements_total"):
             setattr(self, key, state[key])
         self.paths = Counter(state["paths"])
+        self.returned_elements = state.get("returned_elements", 0)

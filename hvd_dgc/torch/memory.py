@@ -126,6 +126,16 @@ class DGCMemory:
         if mask_momentum and state["u"] is not None:
             state["u"].index_fill_(0, indices, 0)
 
+    def give_back(self, key, indices, values, like):
+        """Add ``values`` at ``indices`` into ``key``'s residual: what an aggregation took
+        but did not deliver (region reduce's owner keeps what it did not send on), so
+        error feedback sends it later. ``like``: a flat tensor shaped as the buffer."""
+        state = self.buffers.get(key)
+        if state is None:
+            state = {"u": None, "v": torch.zeros_like(like)}
+            self.buffers[key] = state
+        state["v"].index_add_(0, indices, values.to(state["v"].dtype))
+
     def sent_all(self, key):
         """Every coordinate left this worker (dense path): clear ``v``, keep ``u``."""
         self.buffers[key]["v"].zero_()

@@ -4,28 +4,29 @@ Same signature and behaviour as ``horovod.torch.DistributedOptimizer``
 (synchronize, skip_synchronize, backward_passes_per_step, groups, process
 sets, broadcast_optimizer_state), plus DGC (Lin et al., ICLR 2018): momentum
 correction, momentum factor masking, local gradient clipping, warm-up, and a
-per-tensor choice between dense allreduce and sparse allgather.
+per-tensor choice among dense allreduce, sparse allgather and region reduce.
 
-The path of one gradient, all in this file:
+The path of one gradient (this file, and paths.py for how each way travels):
 
     backward hook (last of backward_passes_per_step)      _launch -> _prepare
-      (on a GPU, with a sparse compressor: every tensor in one launch, in synchronize)
+      (launched together in synchronize instead: on a GPU with a sparse compressor,
+      every tensor; elsewhere the tensors going by region reduce)
       g = local_gradient(p.grad)     clip (N^-1/2), weight decay
-      path = cost_model.choose(...)  dense allreduce or sparse allgather
+      path = choose_aggregation(...) dense / allgather / region, by the cost model;
+                                     or the compressor's own collectives (exchange);
+                                     or Horovod's for a sparse gradient (sparse_grad)
       v = memory.accumulate(g)       u = m u + g; v += u  (+ |v| block maxima if sparse)
-      sparse, the launch's tensors together (_send_sparse):
-              sel = sparsify_many(vs, ks); payload = pack(sel); memory.sent(idx)
-      dense:  payload = v;                                     memory.sent_all()
-      exchange (PowerSGD, sign, TernGrad, QSGD, bf16: compressors that run their own
-              collectives, collective.py): compressor.launch(v); it takes what it
-              sent out of v (error feedback)
-      a sparse gradient (nn.Embedding(sparse=True)), as Horovod: no DGC, no memory;
-              allgather of its coalesced indices and values (sparse_as_dense=True:
-              densified first, then DGC like any dense gradient)
-      handle = allgather_async / allreduce_async_ (non-blocking)
+      payload = path.take(v)         what leaves the memory; it keeps the rest
+        dense:     v (fp16: its rounding error stays)             memory.sent_all()
+        allgather, region: selected with the launch's other sparse tensors at launch:
+                   sel = sparsify_many(vs, ks); memory.sent(idx)
+        exchange:  the compressor takes what it sent out of v (error feedback)
+        sparse_grad (nn.Embedding(sparse=True)): its rows, as Horovod; no memory
+      path.launch(payloads)          non-blocking collectives, one set per path
     optimizer.step()                                      synchronize -> _collect
-      exchange: compressor.advance (second rounds, every launch), then .collect
-      avg = scatter_sum(gathered records) / N  (or the allreduced dense v)
+      path.advance(...)              second rounds, every launch before any wait
+                                     (region: owners reduce, give back the unsent)
+      avg = path.collect(...)        the average (sum of records / N, or allreduced v)
       delay 0: p.grad = avg_i
       delay D: p.grad = own_i - own_{i-D} + avg_{i-D}    (DGA; own = what this rank sent)
       base optimizer step, with SGD's momentum and weight decay switched off
@@ -51,49 +52,41 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc import consistency
-from hvd_dgc.costmodel import DENSE, SPARSE, CostModel
+from hvd_dgc.costmodel import DENSE, REGION, SPARSE, CostModel
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
-from hvd_dgc.masking import check_masking, masking_density_limit
+from hvd_dgc.masking import check_masking
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
-from hvd_dgc.torch.collective import EXCHANGE, ExchangeCompressor, HorovodComm, is_exchange
-from hvd_dgc.torch.compression import Compression, Selected, Selection, SparseCompressor, \
-    is_sparse, on_accelerator
-from hvd_dgc.torch.gpu_select import counts_on
+from hvd_dgc.torch.collective import EXCHANGE, ExchangeCompressor, is_exchange
+from hvd_dgc.torch.compression import Compression, SparseCompressor, is_sparse, on_accelerator
 from hvd_dgc.torch.memory import DGCMemory, buffer_dtype, local_gradient
+from hvd_dgc.torch.paths import ORDER as PATH_ORDER, SPARSE_GRAD, Item, Job, Wire, \
+    make_paths, own_of, subtract_own
 
 __all__ = ["DistributedOptimizer"]
 
-#: Horovod's path for a sparse gradient (its sparse_allreduce_async): allgather of the
-#: indices and values, no DGC (the gradient is sparse already).
-SPARSE_GRAD = "sparse_grad"
 STATE_KEY = "hvd_dgc"
 STATE_VERSION = 1
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
+#: aggregation= -> the cost model's choices (hvd_dgc/costmodel.py)
+AGGREGATIONS = {"auto": (DENSE, SPARSE, REGION), "allgather": (SPARSE,), "region": (REGION,),
+                "dense": (DENSE,)}
 
 
-class _SparseJob(NamedTuple):
-    """A sparse tensor's part of a launch, up to selection (_prepare -> _send_sparse)."""
+class _Part(NamedTuple):
+    """One path's share of a launch."""
 
-    key: object            # its memory's key (None: nothing of it goes into the memory)
-    name: str
-    v: torch.Tensor        # what may be sent (the memory's velocity, flat)
-    k: int
-    block_max: object      # |v| block maxima from the fused CPU update, or None
-    poison: object         # device flag: g was not finite (GPU, skip_nonfinite), or None
-    density: object
-    fixed: object = None   # Selected: send this instead (a non-finite gradient's record)
-    momentum: float = 0.0  # the memory's momentum for it (masking: hvd_dgc/masking.py)
+    path: object
+    positions: list        # of its tensors in the launch
+    handle: object
 
 
-class _Pending:
-    """One launched collective: the parameters it carries and how to unpack them."""
+class _Pending(NamedTuple):
+    """One launch: its parameters, their items and each path's collectives."""
 
-    __slots__ = ("params", "ctxs", "handles", "layout")
-
-    def __init__(self, params, ctxs, handles, layout=None):
-        self.params, self.ctxs, self.handles = params, ctxs, handles
-        self.layout = layout  # sparse: (numel, records) per tensor, in the records' order
+    params: tuple
+    items: list
+    parts: list
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -138,6 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dropped = []             # delay > 0: tensors this rank sent as zeros this step
         self._batch = None             # one launch per step, in synchronize (_batched)
         self._sparse_grads = set()     # parameters whose update this step is a sparse grad
+        self._paths = make_paths(dgc, Wire(process_set, op, gradient_predivide_factor))
 
         if self.process_set.included():
             # Elastic: a worker added later wraps its optimizer alone, while the others
@@ -163,6 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "momentum_masking": d.memory.momentum_masking,
             "clip_norm": d.clip_norm,
             "cost_model": repr(d.cost_model.config()),
+            "aggregation": d.aggregation,
             "op": repr(self.op),
             "backward_passes_per_step": self.backward_passes_per_step,
             "gradient_predivide_factor": self.gradient_predivide_factor,
@@ -223,16 +218,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _batched(self, p):
-        """Launch every ungrouped parameter together, in synchronize? On an accelerator,
-        with a sparse compressor: there kernel launches, not bytes, bound the selection,
-        and one selection for all tensors (gpu_select.py) costs what one tensor's would.
-        The launch's members, order and name are the same on every rank (all trainable
-        parameters, by index). A model spread over several devices launches per tensor."""
+        """Launch ``p`` with the others, in synchronize, rather than from its hook?
+
+        On an accelerator, with a sparse compressor, every ungrouped parameter: there
+        kernel launches, not bytes, bound the selection, and one selection for all
+        tensors (gpu_select.py) costs what one tensor's would. A model spread over
+        several devices launches per tensor. Elsewhere, the tensors going by region
+        reduce this step: one alltoall and one allgather carry them all (two rounds per
+        tensor would cost more in latency than their bytes). The launch's members, order
+        and name are the same on every rank (by parameter index)."""
+        if self._groups is not None:
+            return False
         if self._batch is None:
             devices = {q.device for q in self._requires_update}
-            self._batch = bool(self._groups is None and is_sparse(self._compression)
-                               and on_accelerator(p) and len(devices) == 1)
-        return self._batch
+            self._batch = bool(is_sparse(self._compression) and on_accelerator(p)
+                               and len(devices) == 1)
+        if self._batch:
+            return True
+        if REGION not in self._dgc.aggregations or not is_sparse(self._compression) \
+                or (p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense):
+            return False
+        numel = p.numel()
+        return self._choose_path(numel, num_selected(numel, self._dgc.density()),
+                                 p.shape) == REGION
 
     def _announce(self):
         """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
@@ -252,9 +260,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 final, warm = d.density(), "warm-up set by a callable schedule"
         if is_sparse(comp) or is_exchange(comp):
             sparse_at_final = not is_sparse(comp) or any(
-                d.cost_model.choose(n, num_selected(n, final), self._world(),
-                                    2 if d.dense_fp16 else 4, comp.value_bytes) == SPARSE
-                for n in large)
+                self._choose_path(n, num_selected(n, final), None) != DENSE for n in large)
             message = idle_warning(kind, d.min_compress_size, bool(large), sparse_at_final,
                                    final, self._world())
             if message:
@@ -284,7 +290,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
     def _prepare(self, p):
-        """Clip, accumulate, choose the path, select and pack one parameter's gradient."""
+        """One parameter's gradient, up to its path: clip, accumulate, choose the path;
+        the path takes its payload out of the memory (paths.py)."""
         d = self._dgc
         key, name = self._param_index[p], self._parameter_names[p]
         scale = None
@@ -300,47 +307,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         g = local_gradient(grad, p, weight_decay, d.clip_norm, self._world())
         numel, density = g.numel(), d.density()
         k = num_selected(numel, density)
-        path = self._choose_path(numel, k, p.shape)
+        path = self._paths[self._choose_path(numel, k, p.shape)]
+        job = Job(key, name, p.shape, g, k, density, momentum)
         guard = self._guard()
-        poison = None  # device flag: g is not finite (sparse path on an accelerator)
+        if guard == "skip":  # before anything can change the memory (region gives back)
+            self._save_compressor_state(g.device)
+            d.memory.snapshot(key)
         if guard is not None:
             # Sparse: a NaN the selection leaves behind would stay in the memory unseen, so
             # look at g; dense: every rank's NaN shows in the allreduced sum (synchronize).
-            if path == SPARSE and guard == "skip" and on_accelerator(g):
+            if path.selects and guard == "skip" and on_accelerator(g):
                 # Reading the answer back would wait for the device: send inf instead when
-                # g is not finite; every rank then skips and restores the snapshot below.
-                poison = ~torch.isfinite(_sum(g))
-            elif (path == SPARSE or guard == "drop") and not _finite(g):
-                return self._prepare_nonfinite(p, g, path, guard)
-            if guard == "skip":
-                self._save_compressor_state(g.device)
-                d.memory.snapshot(key)
-        if path == SPARSE:
-            if self._compression.wants_block_max(g.device):
-                v, block_max = d.memory.accumulate(key, g, momentum, nesterov,
-                                                   with_block_max=True)
-            else:
-                v, block_max = d.memory.accumulate(key, g, momentum, nesterov), None
-            # Selected and packed with the launch's other sparse tensors (_send_sparse).
-            job = _SparseJob(key, name, v, k, block_max, poison, density, momentum=momentum)
-            return path, job, (path, numel, scale, None)
-        v = d.memory.accumulate(key, g, momentum, nesterov)
-        if path == EXCHANGE:
-            # The compressor sends v and leaves in it what it did not send (_launch).
-            d.stats.record(name, self._compression.name, numel, numel,
-                           self._compression.wire_bytes(p.shape), density)
-            return path, v.view(p.shape), (path, numel, scale, None)
-        payload = v.to(torch.float16) if d.dense_fp16 else v.clone()
-        if d.dense_fp16:
-            v.sub_(payload.to(v.dtype))  # keep fp16's rounding error as residual
+                # g is not finite; every rank then skips and restores the snapshot.
+                job = job._replace(poison=~torch.isfinite(_sum(g)))
+            elif (path.selects or guard == "drop") and not _finite(g):
+                return self._prepare_nonfinite(path, job, guard)
+        if path.selects and self._compression.wants_block_max(g.device):
+            v, block_max = d.memory.accumulate(key, g, momentum, nesterov, with_block_max=True)
+            job = job._replace(v=v, block_max=block_max)
         else:
-            d.memory.sent_all(key)
-        own = None
-        if d.delay:  # the allreduce overwrites payload in place: keep a copy
-            own = payload.to(v.dtype, copy=True)
-        d.stats.record(name, path, numel, numel, payload.numel() * payload.element_size(),
-                       density)
-        return path, payload, (path, numel, scale, own)
+            job = job._replace(v=d.memory.accumulate(key, g, momentum, nesterov))
+        return Item(path.name, job, path.take(job), scale)
 
     def _prepare_sparse_grad(self, p, scale):
         """A sparse gradient travels as Horovod sends it: its indices and values,
@@ -360,40 +347,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sent = indices.numel() * indices.element_size() + values.numel() * values.element_size()
         d.stats.record(name, SPARSE_GRAD, p.numel(), values.numel(), sent,
                        values.numel() / max(1, p.numel()))
-        return SPARSE_GRAD, (indices, values), (SPARSE_GRAD, p.numel(), scale, None)
-
-    def _send_sparse(self, jobs):
-        """Select, pack and take out of the memory what a launch's sparse tensors send:
-        ``(one buffer of records for them all, Selection)``. One allgather carries them;
-        on a GPU one selection serves them all (gpu_select.py), as launches, not bytes,
-        bound the work there."""
-        d, comp = self._dgc, self._compression
-        if all(job.fixed is None for job in jobs):
-            sel = comp.sparsify_many([job.v for job in jobs], [job.k for job in jobs],
-                                     _hvd.rank(), [job.block_max for job in jobs])
-        else:  # a non-finite gradient's placeholder among them (CPU, or delay > 0)
-            parts = [job.fixed or comp.sparsify(job.v, job.k, _hvd.rank(), job.block_max)
-                     for job in jobs]
-            sel = Selection(torch.cat([part.indices for part in parts]),
-                            torch.cat([part.values for part in parts]),
-                            tuple(part.indices.numel() for part in parts))
-        wire = sel.values
-        if self.op == Average and self.gradient_predivide_factor != 1.0:
-            wire = wire * (1.0 / self.gradient_predivide_factor)
-        poison = [job.poison for job in jobs if job.poison is not None]
-        if poison:  # every job has one (a GPU, skip_nonfinite): inf in a bad tensor's records
-            bad = torch.stack(poison).repeat_interleave(
-                counts_on(sel.ks, str(wire.device)), output_size=wire.numel())
-            wire = torch.where(bad, float("inf"), wire)
-        payload = comp.pack(wire, sel.indices)
-        for job, (indices, _) in zip(jobs, sel.split()):
-            if job.fixed is None:
-                mask = job.density <= masking_density_limit(d.memory.momentum_masking,
-                                                             job.momentum)
-                d.memory.sent(job.key, indices, mask_momentum=mask)
-                d.stats.record(job.name, SPARSE, job.v.numel(), indices.numel(),
-                               indices.numel() * comp.record_bytes, job.density)
-        return payload, sel
+        job = Job(self._param_index[p], name, p.shape, values, 0, 1.0)
+        return Item(SPARSE_GRAD, job, (indices, values), scale)
 
     def _guard(self):
         """How this step treats a non-finite gradient: "skip" (every rank skips the step
@@ -406,32 +361,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return "drop" if d.delay else "skip"
 
-    def _prepare_nonfinite(self, p, g, path, guard):
+    def _prepare_nonfinite(self, path, job, guard):
         """A non-finite local gradient stays out of the memory. "skip": send inf, so every
         rank sees a non-finite update and skips the step; "drop" (delayed averaging, where
         the other ranks applied this step's own contribution already): send zeros."""
-        numel = g.numel()
         value = float("inf") if guard == "skip" else 0.0
         own = None
-        if path == SPARSE:  # at index 0: one record, or k on a GPU (every rank sends k)
-            count = num_selected(numel, self._dgc.density()) if on_accelerator(g) else 1
-            fixed = Selected(torch.zeros(count, dtype=torch.long, device=g.device),
-                             torch.full((count,), value, dtype=g.dtype, device=g.device))
-            payload = _SparseJob(None, self._parameter_names[p], g, count, None, None, None,
-                                 fixed)
-        elif path == EXCHANGE:  # through the compressor, from a throwaway residual
-            payload = torch.full(p.shape, value, dtype=g.dtype, device=g.device)
-            if guard == "drop":
-                own = torch.zeros_like(g)
-        else:
-            payload = torch.full_like(g, value)
-            if self._dgc.dense_fp16:
-                payload = payload.half()
-            if guard == "drop":
-                own = torch.zeros_like(g)
         if guard == "drop":
-            self._dropped.append(self._parameter_names[p])
-        return path, payload, (path, numel, None, own)
+            own = torch.zeros_like(job.v)
+            self._dropped.append(job.name)
+        return Item(path.name, job, path.placeholder(job, value), None, own)
 
     def _save_compressor_state(self, device):
         """The sampler's RNG as it was before this step, for a step that gets skipped."""
@@ -472,123 +411,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return EXCHANGE if self._compression.compressible(shape, d.step) else DENSE
         if not is_sparse(self._compression) or numel < d.min_compress_size:
             return DENSE
-        return d.cost_model.choose(numel, k, self._world(), 2 if d.dense_fp16 else 4,
-                                   self._compression.value_bytes)
+        return d.cost_model.choose_aggregation(
+            numel, k, self._world(), 2 if d.dense_fp16 else 4, self._compression.value_bytes,
+            allowed=d.aggregations)
 
     def _launch(self, params):
-        """Start the collectives for ``params`` (one tensor, or one Horovod group)."""
-        prepared = [self._prepare(p) for p in params]
+        """Start the collectives for ``params`` (one tensor, one Horovod group, or the
+        tensors launched together in synchronize): each path its own, in a fixed order."""
+        items = [self._prepare(p) for p in params]
         name = "hvd_dgc." + self._parameter_names[params[0]]
         if self._dgc.delay:  # up to delay+1 steps in flight; Horovod names must be unique
             name += ".d%d" % (self._dgc.step % (self._dgc.delay + 1))
-        sparse = [i for i, (path, _, _) in enumerate(prepared) if path == SPARSE]
-        dense = [payload for path, payload, _ in prepared if path == DENSE]
-        exchange = [i for i, (path, _, _) in enumerate(prepared) if path == EXCHANGE]
-        gathered = [(i, payload) for i, (path, payload, _) in enumerate(prepared)
-                    if path == SPARSE_GRAD]
-        handles = {}
-        if gathered:  # Horovod's sparse allreduce: (indices, values) handles and the shape
-            handles[SPARSE_GRAD] = [
-                (_hvd.allgather_async(indices, name=f"{name}.g{i}.indices",
-                                      process_set=self.process_set),
-                 _hvd.allgather_async(values, name=f"{name}.g{i}.values",
-                                      process_set=self.process_set), params[i].shape)
-                for i, (indices, values) in gathered]
-        if exchange:
-            ex = self._compression.launch(
-                [prepared[i][1] for i in exchange], [self._parameter_names[params[i]]
-                                                     for i in exchange],
-                name + ".x", HorovodComm(self.process_set))
-            handles[EXCHANGE] = ex
-            if self._dgc.delay:  # DGA: what this rank sent (one-round compressors know it)
-                for i, sent in zip(exchange, ex.sent):
-                    path, payload, (_, numel, scale, own) = prepared[i]
-                    own = sent.to(payload.dtype, copy=True) if own is None else own
-                    prepared[i] = path, payload, (path, numel, scale, own)
-        layout = None
-        if sparse:
-            jobs = [prepared[i][1] for i in sparse]
-            records, sel = self._send_sparse(jobs)
-            if self._dgc.delay:  # DGA: what this rank sent (a dropped tensor: zeros)
-                for i, own in zip(sparse, sel.split()):
-                    path, payload, (_, numel, scale, _) = prepared[i]
-                    prepared[i] = path, payload, (path, numel, scale, own)
-            layout = (tuple(job.v.numel() for job in jobs), sel.ks)
-            if on_accelerator(records):  # k records per tensor on every rank: one buffer
-                handles[SPARSE] = _hvd.allgather_async(records, name=name + ".sparse",
-                                                       process_set=self.process_set)
-            else:  # the CPU selection's counts vary by rank: one allgather per tensor
-                handles[SPARSE] = _hvd.grouped_allgather_async(
-                    list(records.split(sel.ks)), name=name + ".sparse",
-                    process_set=self.process_set)
-        if dense:
-            if self.op == Average:
-                pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-            else:
-                pre, post = 1.0, 1.0
-            handles[DENSE] = _hvd.grouped_allreduce_async_(
-                dense, name=name + ".dense", op=self.op, prescale_factor=pre,
-                postscale_factor=post, process_set=self.process_set)
-        return _Pending(params, [ctx for _, _, ctx in prepared], handles, layout)
+        parts = []
+        for path_name in PATH_ORDER:
+            positions = [i for i, item in enumerate(items) if item.path == path_name]
+            if not positions:
+                continue
+            path = self._paths[path_name]
+            launched = path.launch([items[i] for i in positions], name)
+            if launched.sent is not None:  # delay > 0: what this rank sent (dropped: zeros)
+                for i, sent in zip(positions, launched.sent):
+                    if items[i].own is None:
+                        items[i] = items[i]._replace(own=sent)
+            parts.append(_Part(path, positions, launched.handle))
+        return _Pending(params, items, parts)
+
+    def _advance(self, pending):
+        for part in pending.parts:
+            part.path.advance(part.handle)
 
     def _collect(self, pending):
-        """Wait for one launch; yield ``(p, ctx, averaged update as a flat tensor)``."""
-        post = (self.gradient_predivide_factor / self._world()) if self.op == Average else 1.0
-        outputs = {}
-        for path, handle in pending.handles.items():
-            if path == SPARSE_GRAD:
-                outputs[path] = iter(self._gathered_sparse_grads(handle))
-                continue
-            out = self._wait(path, handle)
-            if path == SPARSE:  # every rank's records of every sparse tensor, summed
-                if isinstance(out, (list, tuple)):
-                    out = [self._compression.scatter_sum(records, numel, scale=post)
-                           for records, numel in zip(out, pending.layout[0])]
-                else:
-                    out = self._compression.scatter_sum_many(out, *pending.layout, scale=post)
-            outputs[path] = iter(out)
-        for p, ctx in zip(pending.params, pending.ctxs):
-            path = ctx[0]
-            out = next(outputs[path])
-            if path in (SPARSE, SPARSE_GRAD):
-                update = out
-            elif path == EXCHANGE:  # compressors return the average
-                update = out.mul_(self._world()) if self.op == Sum else out
-            else:
-                update = out.reshape(-1)
-            yield p, ctx, update
-
-    def _gathered_sparse_grads(self, handles):
-        """Every rank's rows of each sparse gradient, as one (uncoalesced) sparse tensor:
-        the sum, or the average (op=Average), as Horovod's sparse allreduce returns it."""
-        for indices_handle, values_handle, shape in handles:
-            values = _hvd.synchronize(values_handle)  # values first, as Horovod waits
-            indices = _hvd.synchronize(indices_handle)
-            if self.op == Average:
-                values = values / self._world()
-            yield torch.sparse_coo_tensor(indices.t(), values, shape)
-
-    def _wait(self, path, handle):
-        return self._compression.collect(handle) if path == EXCHANGE else _hvd.synchronize(handle)
-
-    @staticmethod
-    def _own(ctx, dtype):
-        """This rank's contribution to a launch, as a dense flat tensor."""
-        path, numel, _, own = ctx
-        if path != SPARSE:
-            return own.clone()  # p.grad may be changed by the user (clipping); own may not
-        indices, values = own
-        dense = torch.zeros(numel, dtype=dtype, device=values.device)
-        return dense.index_put_((indices,), values.to(dtype), accumulate=True)
-
-    @staticmethod
-    def _subtract_own(update, ctx):
-        """``update - own`` in place: the local term a delayed average replaces."""
-        path, own = ctx[0], ctx[3]
-        if path != SPARSE:
-            return update.sub_(own.to(update.dtype))
-        indices, values = own
-        return update.index_put_((indices,), -values.to(update.dtype), accumulate=True)
+        """Wait for one launch; yield ``(p, item, averaged update as a flat tensor)``."""
+        updates = [None] * len(pending.items)
+        for part in pending.parts:
+            for i, update in zip(part.positions, part.path.collect(part.handle)):
+                updates[i] = update
+        yield from zip(pending.params, pending.items, updates)
 
     def _set_grad(self, p, update, scale=None):
         if scale is not None:
@@ -609,8 +467,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for ``steps`` launches; add ``avg - own`` of each into ``corrections``."""
         for launches in steps:
             for pending in launches:
-                for p, ctx, update in self._collect(pending):
-                    correction = self._subtract_own(update, ctx)
+                for p, item, update in self._collect(pending):
+                    correction = subtract_own(update, item)
                     if p in corrections:
                         corrections[p].add_(correction)
                     else:
@@ -635,15 +493,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 launched.update(key if isinstance(key, tuple) else (key,))
         # Parameters whose hook has not fired (unused this step, or fewer backward
         # passes than backward_passes_per_step) still join every collective; on a GPU
-        # every ungrouped parameter is launched here, all in one launch (_batched).
+        # those _batched keeps for synchronize go in one launch.
         rest = sorted(self._requires_update - launched, key=self._param_index.get)
         for p in rest:
             self._handles.pop(p, None)
-        if rest and self._batched(rest[0]):
-            self._handles[tuple(rest)] = self._launch(tuple(rest))
-        else:
-            for p in rest:
-                self._handles[(p,)] = self._launch((p,))
+        together = tuple(p for p in rest if self._batched(p))
+        if together:
+            self._handles[together] = self._launch(together)
+        for p in set(rest) - set(together):
+            self._handles[(p,)] = self._launch((p,))
         for key in [k for k, v in self._handles.items() if v is None]:
             del self._handles[key]
         launches = list(self._handles.values())
@@ -651,16 +509,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Second rounds (PowerSGD's Q, TernGrad's sum) start on every launch before any is
         # waited on, so no rank can wait on one that another rank has not started.
         for pending in launches:
-            if EXCHANGE in pending.handles:
-                self._compression.advance(pending.handles[EXCHANGE])
+            self._advance(pending)
         delay = self._dgc.delay
         if delay == 0:
             guarded, sums = self._guard() == "skip", []
             for pending in launches:
-                for p, ctx, update in self._collect(pending):
+                for p, item, update in self._collect(pending):
                     if guarded:
                         sums.append((self._parameter_names[p], _sum(update)))
-                    self._set_grad(p, update, ctx[2])
+                    self._set_grad(p, update, item.scale)
             if guarded:  # one read-back for the whole step, not one per tensor
                 self._settle(_nonfinite_names(sums))
         else:
@@ -668,8 +525,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # launched `delay` steps ago in place of what this rank applied for it then.
             grads = {}
             for pending in launches:
-                for p, ctx in zip(pending.params, pending.ctxs):
-                    grads[p] = self._own(ctx, buffer_dtype(p.dtype))
+                for p, item in zip(pending.params, pending.items):
+                    grads[p] = own_of(item, buffer_dtype(p.dtype))
             self._inflight.append(launches)
             due = len(self._inflight) if flush else len(self._inflight) - delay
             self._drain([self._inflight.popleft() for _ in range(max(due, 0))], grads)
@@ -835,11 +692,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dgc_state = state_dict.pop(STATE_KEY, None)
         for launches in self._inflight:  # Horovod must finish them; their results are moot
             for pending in launches:
-                for path, h in pending.handles.items():
-                    try:
-                        self._wait(path, h)
-                    except Exception:  # noqa: BLE001  from a Horovod since shut down (elastic)
+                try:
+                    for _ in self._collect(pending):
                         pass
+                except Exception:  # noqa: BLE001  from a Horovod since shut down (elastic)
+                    pass
         self._inflight.clear()
         self._handles = {}
         self._dgc.memory.commit()  # a step cut short (elastic reset) has nothing to undo
@@ -873,8 +730,10 @@ class DGCState:
 
     def __init__(self, schedule, compression, dense_compression, memory, cost_model,
                  min_compress_size, clip_norm, grad_scaler, log_every, delay=0,
-                 skip_nonfinite=True):
+                 skip_nonfinite=True, aggregation="auto"):
         self.schedule = schedule
+        self.aggregation = aggregation
+        self.aggregations = AGGREGATIONS[aggregation]
         self.delay = delay
         self.skip_nonfinite = skip_nonfinite
         self.compression = compression
@@ -1040,7 +899,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
                          momentum_masking="auto", clip_norm=None,
                          dense_compression=None, cost_model=None, grad_scaler=None,
-                         log_every=0, delay=0, skip_nonfinite=True):
+                         log_every=0, delay=0, skip_nonfinite=True, aggregation="auto"):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -1072,8 +931,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         dense_compression: ``Compression.none`` or ``Compression.fp16`` for the
             dense path (fp16's rounding error stays in the residual); default: fp16
             with ``compression=Compression.fp16``, else none.
-        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` deciding dense
-            allreduce vs sparse allgather per tensor per step.
+        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` choosing per tensor per
+            step among dense allreduce, sparse allgather and region reduce.
+        aggregation: how sparse tensors are summed: "auto" (the cost model's choice),
+            "allgather" (every rank's records to every rank: k(N-1) records received
+            per worker), "region" (region reduce, after Ok-Topk: ~3k(N-1)/N, flat in
+            N; what an owner does not keep stays in its memory), or "dense". A forced
+            method runs even at density 1 (the equivalence with dense averaging);
+            tensors below ``min_compress_size`` stay dense.
         grad_scaler: the ``torch.amp.GradScaler`` in use, so the memory holds
             unscaled gradients and overflowed steps never enter it.
         log_every: print compression statistics on rank 0 every N steps.
@@ -1153,7 +1018,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
-    if is_sparse(compression) and dense_requested(density, warmup):
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {sorted(AGGREGATIONS)}, got "
+                         f"{aggregation!r}")
+    if aggregation in ("allgather", "region") and not is_sparse(compression):
+        raise ValueError(f"aggregation={aggregation!r} sums sparse records, but compression="
+                         f"{_describe(compression)} is not a sparse compressor. Use "
+                         f"compression=hvd_dgc.torch.Compression.dgc, or aggregation='auto'.")
+    if is_sparse(compression) and dense_requested(density, warmup) \
+            and aggregation not in ("allgather", "region"):
         compression, schedule = Compression.none, as_schedule(1.0)
     elif is_sparse(compression):
         # A copy per optimizer: the sampler's RNG state belongs to one optimizer's
@@ -1177,7 +1050,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_masking(momentum_masking)
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
-                   int(log_every), delay, skip_nonfinite)
+                   int(log_every), delay, skip_nonfinite, aggregation)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,

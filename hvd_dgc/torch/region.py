@@ -2,19 +2,29 @@
 stay flat as workers are added (issue 15; the maths and its NumPy reference are in
 hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022).
 
-Allgather, today's sparse path, hands every worker every other worker's k records:
+Allgather, the other sparse path, hands every worker every other worker's k records:
 k(N-1) per worker per tensor, growing with N. Here each rank owns one contiguous
-region of the index space: one alltoall sends each record to its region's owner, the
-owner sums what it got and keeps its ``quota = ceil(k/N)`` largest sums, one
-allgather shares the kept ones. About 2k(N-1)/N records per worker, whatever N.
+region of each tensor's index space: one alltoall sends each record to its region's
+owner, the owner sums what it got and keeps its ``quota = ceil(2k/N)`` largest sums
+per tensor, one allgather shares the kept ones. About 3k(N-1)/N records per worker,
+whatever N.
 
 What an owner does not keep goes back into the owner's residual (error feedback), so
 nothing is lost: the sum over ranks of the memories plus the update is what it was
-before the step. Every rank receives the same allgather, so every rank applies the
-same update, bit for bit.
+before the step. With fp16 values the kept sum's rounding error goes back too. Every
+rank receives the same allgather, so every rank applies the same update, bit for bit.
 
-Records travel as ``[int32 index bits | float32 value]`` rows, one alltoall and one
-allgather per tensor (two collective rounds: this path is for bandwidth, not latency).
+Many tensors travel together (one alltoall and one allgather per launch, whatever
+the number of tensors): their indices are offset into one index space, each tensor
+keeping its own regions and quota. Records are the compressor's ``[int32 index |
+value]`` rows, so a launch's tensors may hold at most 2**31 elements together (the
+optimizer splits larger launches).
+
+Non-blocking, in the optimizer's two-round protocol (as PowerSGD's exchange)::
+
+    job = RegionReduce(indices, values, counts, numels, ks, codec, name)  # alltoall
+    job.advance()        # wait for it, reduce this rank's regions, start the allgather
+    res = job.collect()  # wait; RegionResult
 """
 
 from typing import NamedTuple
@@ -25,27 +35,35 @@ from horovod.torch.mpi_ops import global_process_set
 
 from hvd_dgc.aggregation import quota
 
-__all__ = ["RegionResult", "owners", "pack_records", "region_reduce", "unpack_records"]
+__all__ = ["RegionReduce", "RegionResult", "owners", "pack_records", "region_reduce",
+           "unpack_records", "MAX_ELEMENTS"]
+
+#: int32 record indices: the elements one region reduce may address
+MAX_ELEMENTS = 2 ** 31 - 1
 
 
 class RegionResult(NamedTuple):
-    indices: torch.Tensor    # int64, sorted: the coordinates this step updates
+    indices: torch.Tensor    # int64, sorted, in the launch's joint index space
     values: torch.Tensor     # their sum over ranks (float32; divide by N to average)
-    returned: tuple          # (indices, values) this rank, as owner, adds back to its residual
+    returned: tuple          # (indices, values) this rank, as owner, adds to its residual
     received: int            # records received from other ranks, both rounds
 
 
 def owners(indices, numel, world):
     """The rank owning each index: ``world`` contiguous regions whose sizes differ by at
-    most one, the first ``numel % world`` one longer (hvd_dgc.aggregation.regions)."""
-    base, extra = divmod(numel, world)
+    most one, the first ``numel % world`` one longer (hvd_dgc.aggregation.regions).
+    ``numel`` may be a tensor, one per index (records of several tensors)."""
+    base = torch.div(numel, world, rounding_mode="floor")
+    extra = numel - base * world
     cut = extra * (base + 1)
-    if base == 0:  # fewer elements than ranks: rank i owns index i
-        return indices.clone()
-    return torch.where(indices < cut, indices // (base + 1), extra + (indices - cut) // base)
+    # base 0 (fewer elements than ranks): every index lies below cut; rank i owns index i
+    late = extra + torch.div(indices - cut, torch.clamp(torch.as_tensor(base), min=1),
+                             rounding_mode="floor")
+    return torch.where(indices < cut, torch.div(indices, base + 1, rounding_mode="floor"), late)
 
 
 def pack_records(indices, values):
+    """``[int32 index bits | float32 value]`` rows (the benchmark's fixed 8-byte form)."""
     return torch.stack([indices.to(torch.int32).view(torch.float32),
                         values.to(torch.float32)], dim=1)
 
@@ -55,27 +73,117 @@ def unpack_records(records):
     return records[:, 0].contiguous().view(torch.int32).to(torch.int64), records[:, 1]
 
 
+class _Float32Records:
+    """The codec ``region_reduce`` uses alone: a compressor's ``pack``/``unpack`` with
+    float32 values."""
+
+    @staticmethod
+    def pack(values, indices):
+        return pack_records(indices, values)
+
+    @staticmethod
+    def unpack(records):
+        indices, values = unpack_records(records.view(-1, 2))
+        return values, indices
+
+
+class RegionReduce:
+    """One launch's region reduce, started at construction (the alltoall).
+
+    Args:
+        indices, values: this rank's records of every tensor, concatenated in tensor
+            order (``counts[t]`` of tensor ``t``, indices local to it, distinct).
+        counts: records this rank sends of each tensor (a CPU selection may send
+            fewer than k); ``None``: ``ks``.
+        numels, ks: per tensor, its size and the k of the selection (the quota is
+            ``ceil(2k/N)``, aggregation.quota); identical on every rank.
+        codec: ``pack(values, indices) -> records`` / ``unpack(records) -> (values,
+            indices)``; the sparse compressor's (its value width travels).
+    """
+
+    def __init__(self, indices, values, counts, numels, ks, codec, name,
+                 process_set=global_process_set):
+        self.numels, self.ks = tuple(int(n) for n in numels), tuple(int(k) for k in ks)
+        if sum(self.numels) > MAX_ELEMENTS:
+            raise ValueError(f"region reduce: {sum(self.numels)} elements in one launch do "
+                             f"not fit int32 indices; split the launch")
+        self.codec, self.name, self.process_set = codec, name, process_set
+        self.world, self.rank = process_set.size(), process_set.rank()
+        device = values.device
+        sizes = torch.tensor(self.numels, dtype=torch.int64, device=device)
+        self.starts = sizes.cumsum(0) - sizes
+        counts = self.ks if counts is None else tuple(int(c) for c in counts)
+        tensor_of = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                            torch.tensor(counts, device=device),
+                                            output_size=indices.numel())
+        local = indices.to(torch.int64)
+        owner = owners(local, sizes[tensor_of], self.world)
+        order = torch.argsort(owner, stable=True)
+        splits = torch.bincount(owner, minlength=self.world).to(torch.int32).cpu()
+        joint = local + self.starts[tensor_of]
+        self._round1 = _hvd.alltoall_async(codec.pack(values[order], joint[order]),
+                                           splits=splits, name=name + ".split",
+                                           process_set=process_set)
+        self._round2 = None
+        self.advanced = False
+        self.kept_counts = None  # per tensor, records this rank kept as owner (advance)
+
+    def advance(self):
+        """Wait for the alltoall, reduce this rank's regions, start the allgather."""
+        if self.advanced:
+            return
+        self.advanced = True
+        got, got_splits = _hvd.synchronize(self._round1)
+        self._round1 = None
+        values, joint = self.codec.unpack(got)
+        joint = joint.to(torch.int64)
+        # sum by index, in source-rank order (the alltoall's output order): deterministic
+        unique, inverse = torch.unique(joint, sorted=True, return_inverse=True)
+        sums = torch.zeros(unique.numel(), dtype=torch.float32, device=got.device)
+        sums.index_add_(0, inverse, values.to(torch.float32))
+        tensor = torch.searchsorted(self.starts, unique, right=True) - 1
+        # per tensor, largest |sum| first, ties by lower index (both sorts stable)
+        ranked = torch.sort(sums.abs(), descending=True, stable=True).indices
+        ranked = ranked[torch.sort(tensor[ranked], stable=True).indices]
+        first = torch.searchsorted(tensor[ranked], tensor[ranked], right=False)
+        position = torch.arange(ranked.numel(), device=got.device) - first
+        quotas = torch.tensor([quota(k, self.world) for k in self.ks], dtype=torch.int64,
+                              device=got.device)
+        keep = torch.zeros(unique.numel(), dtype=torch.bool, device=got.device)
+        keep[ranked[position < quotas[tensor[ranked]]]] = True
+        kept = self.codec.pack(sums[keep], unique[keep])
+        sent_values, _ = self.codec.unpack(kept)
+        residual = sums.clone()
+        residual[keep] -= sent_values.to(torch.float32)  # fp16 values: the rounding error
+        back = ~keep | (residual != 0)
+        self._returned = (unique[back], residual[back])
+        self._received = got.shape[0] - int(got_splits[self.rank])
+        self._kept_rows = kept.shape[0]
+        self.kept_counts = torch.bincount(tensor[keep], minlength=len(self.numels)).tolist()
+        self._round2 = _hvd.allgather_async(kept, name=self.name + ".gather",
+                                            process_set=self.process_set)
+
+    def collect(self):
+        """Wait for the allgather: the ``RegionResult`` (every rank the same update)."""
+        self.advance()
+        everyone = _hvd.synchronize(self._round2)
+        values, joint = self.codec.unpack(everyone)
+        # by owner, each owner's by index: sorted only for one tensor, so sort
+        joint, order = torch.sort(joint.to(torch.int64))
+        received = self._received + everyone.shape[0] - self._kept_rows
+        return RegionResult(joint, values.to(torch.float32)[order], self._returned, received)
+
+    def split(self, joint):
+        """``(tensor number, local index)`` of joint indices."""
+        tensor = torch.searchsorted(self.starts, joint, right=True) - 1
+        return tensor, joint - self.starts[tensor]
+
+
 def region_reduce(indices, values, numel, k, name, process_set=global_process_set):
     """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
-    elements, keeping ``ceil(k/N)`` per region (module doc). Blocking; every rank of
+    elements, keeping ``ceil(2k/N)`` per region (module doc). Blocking; every rank of
     ``process_set`` must call it with the same ``numel``, ``k`` and ``name``."""
-    if numel >= 2 ** 31:
+    if numel > MAX_ELEMENTS:
         raise ValueError(f"region_reduce: {numel} elements do not fit int32 indices")
-    world, rank = process_set.size(), process_set.rank()
-    own = owners(indices, numel, world)
-    order = torch.argsort(own, stable=True)
-    splits = torch.bincount(own, minlength=world).to(torch.int32)
-    got, got_splits = _hvd.alltoall(pack_records(indices[order], values[order]), splits=splits,
-                                    name=name + ".split", process_set=process_set)
-    region_indices, region_values = unpack_records(got)  # by source rank: a fixed summation order
-    unique, inverse = torch.unique(region_indices, sorted=True, return_inverse=True)
-    sums = torch.zeros(unique.numel(), dtype=torch.float32).index_add_(0, inverse, region_values)
-    # largest |sum| first, ties by lower index (unique is sorted and the sort is stable)
-    ranked = torch.sort(sums.abs(), descending=True, stable=True).indices
-    q = quota(k, world)
-    keep, back = ranked[:q].sort().values, ranked[q:].sort().values
-    kept = pack_records(unique[keep], sums[keep])
-    everyone = _hvd.allgather(kept, name=name + ".gather", process_set=process_set)
-    update_indices, update_values = unpack_records(everyone)  # owners in rank order: sorted
-    received = (got.shape[0] - int(got_splits[rank])) + (everyone.shape[0] - kept.shape[0])
-    return RegionResult(update_indices, update_values, (unique[back], sums[back]), received)
+    return RegionReduce(indices, values, [indices.numel()], [numel], [k], _Float32Records,
+                        name, process_set).collect()
