@@ -10,7 +10,7 @@ from tests.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["density_one", "sparse_steps", "conservation", "nonfinite_skip", "delayed"]
-PATH = {"allgather": "sparse", "region": "region"}  # the statistics' name of each method
+PATH = {"allgather": "sparse", "region": "region", "region_predivide": "region"}
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def four():
 
 def test_density_one_every_aggregation_equals_dense_horovod(four):
     for out in _checked(four, "density_one"):
-        for method in ("allgather", "region"):
+        for method in ("allgather", "region", "region_predivide"):
             res = out[method]
             assert res["moved"] > 1e-2, "the reference did not train: comparison is empty"
             assert res["max_diff"] < 1e-6, (method, res["max_diff"])

@@ -28,14 +28,16 @@ def _named(tag, model):
 def density_one():
     """density 1, every tensor through the forced method == Horovod's momentum SGD."""
     rank, out = hvd.rank(), {}
-    for method in METHODS:
+    for method in METHODS + ("region_predivide",):
         ref, ours = mlp(3), mlp(3)
         kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
         opt_ref = hvd_stock.DistributedOptimizer(torch.optim.SGD(ref.parameters(), **kw),
                                                  named_parameters=_named("ref" + method, ref))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), **kw),
                                        named_parameters=_named(method, ours), density=1.0,
-                                       aggregation=method, min_compress_size=0)
+                                       aggregation=method.split("_")[0], min_compress_size=0,
+                                       gradient_predivide_factor=2.0 if "predivide" in method
+                                       else 1.0)
         diffs, identical = [], []
         for step in range(8):
             step_all(((ref, opt_ref), (ours, opt)), step, rank)
