@@ -34,12 +34,15 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import global_process_set
 
 from hvd_dgc.aggregation import quota
+from hvd_dgc.torch.compression import TopKCompressor
 
 __all__ = ["RegionReduce", "RegionResult", "owners", "pack_records", "region_reduce",
            "unpack_records", "MAX_ELEMENTS"]
 
 #: int32 record indices: the elements one region reduce may address
 MAX_ELEMENTS = 2 ** 31 - 1
+#: the codec ``region_reduce`` uses alone: a sparse compressor's records, float32 values
+_FLOAT32_RECORDS = TopKCompressor()
 
 
 class RegionResult(NamedTuple):
@@ -73,20 +76,6 @@ def unpack_records(records):
     return records[:, 0].contiguous().view(torch.int32).to(torch.int64), records[:, 1]
 
 
-class _Float32Records:
-    """The codec ``region_reduce`` uses alone: a compressor's ``pack``/``unpack`` with
-    float32 values."""
-
-    @staticmethod
-    def pack(values, indices):
-        return pack_records(indices, values)
-
-    @staticmethod
-    def unpack(records):
-        indices, values = unpack_records(records.view(-1, 2))
-        return values, indices
-
-
 class RegionReduce:
     """One launch's region reduce, started at construction (the alltoall).
 
@@ -94,7 +83,7 @@ class RegionReduce:
         indices, values: this rank's records of every tensor, concatenated in tensor
             order (``counts[t]`` of tensor ``t``, indices local to it, distinct).
         counts: records this rank sends of each tensor (a CPU selection may send
-            fewer than k); ``None``: ``ks``.
+            fewer than k).
         numels, ks: per tensor, its size and the k of the selection (the quota is
             ``ceil(2k/N)``, aggregation.quota); identical on every rank.
         codec: ``pack(values, indices) -> records`` / ``unpack(records) -> (values,
@@ -112,7 +101,7 @@ class RegionReduce:
         device = values.device
         sizes = torch.tensor(self.numels, dtype=torch.int64, device=device)
         self.starts = sizes.cumsum(0) - sizes
-        counts = self.ks if counts is None else tuple(int(c) for c in counts)
+        counts = tuple(int(c) for c in counts)
         tensor_of = torch.repeat_interleave(torch.arange(len(counts), device=device),
                                             torch.tensor(counts, device=device),
                                             output_size=indices.numel())
@@ -141,7 +130,7 @@ class RegionReduce:
         unique, inverse = torch.unique(joint, sorted=True, return_inverse=True)
         sums = torch.zeros(unique.numel(), dtype=torch.float32, device=got.device)
         sums.index_add_(0, inverse, values.to(torch.float32))
-        tensor = torch.searchsorted(self.starts, unique, right=True) - 1
+        tensor, _ = self.split(unique)
         # per tensor, largest |sum| first, ties by lower index (both sorts stable)
         ranked = torch.sort(sums.abs(), descending=True, stable=True).indices
         ranked = ranked[torch.sort(tensor[ranked], stable=True).indices]
@@ -183,7 +172,5 @@ def region_reduce(indices, values, numel, k, name, process_set=global_process_se
     """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
     elements, keeping ``ceil(2k/N)`` per region (module doc). Blocking; every rank of
     ``process_set`` must call it with the same ``numel``, ``k`` and ``name``."""
-    if numel > MAX_ELEMENTS:
-        raise ValueError(f"region_reduce: {numel} elements do not fit int32 indices")
-    return RegionReduce(indices, values, [indices.numel()], [numel], [k], _Float32Records,
+    return RegionReduce(indices, values, [indices.numel()], [numel], [k], _FLOAT32_RECORDS,
                         name, process_set).collect()
