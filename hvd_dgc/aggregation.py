@@ -53,7 +53,8 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 __all__ = ["regions", "region_of", "quota", "RegionReduce", "region_reduce_reference",
-           "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes", "METHODS"]
+           "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes",
+           "hierarchical_bytes", "slice_k", "METHODS"]
 
 METHODS = ("dense", "allgather", "region")
 
@@ -220,6 +221,22 @@ def allgather_bytes(k, world, record_bytes):
 def region_bytes(k, world, record_bytes):
     n1 = world - 1
     return (k * n1 / world + quota(k, world) * n1) * record_bytes
+
+
+def slice_k(k, numel, slice_numel):
+    """Records the owner of a slice of ``slice_numel`` of a tensor's ``numel`` elements
+    selects in hierarchical DGC: its share of k, rounded up, at most the slice."""
+    if not slice_numel:
+        return 0
+    return min(int(slice_numel), max(1, -(-int(k) * int(slice_numel) // int(numel))))
+
+
+def hierarchical_bytes(k, world, local_size, record_bytes):
+    """Hierarchical DGC (hvd_dgc/torch/paths.py HierarchicalPath): after a dense
+    reduce-scatter inside each host (fast links, not counted here), each rank sends
+    about k/L records; one allgather of every rank's: (N-1) k/L records per worker, so
+    a host's ranks together send k records across hosts where flat DGC's send L k."""
+    return float((world - 1) * -(-k // local_size) * record_bytes)
 
 
 def bytes_per_worker(method, n, k, world, value_bytes=4, index_bytes=4, dense_value_bytes=4):

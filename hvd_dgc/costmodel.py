@@ -18,38 +18,76 @@ re-sparsified sum on each owner, an allgather of quota = ceil(2k/N) records each
 
     region reduce             2(N-1) alpha + [k(N-1)/N + quota (N-1)] (w + i) beta
 
-``choose`` (dense or allgather, what the optimizers call today) is unchanged;
-``choose_aggregation`` picks among the three.
+Hierarchical DGC (several hosts of L ranks each: Horovod's local_size > 1 and
+cross_size > 1) first sums the dense gradient inside each host, over the fast
+local links (a reduce-scatter: each rank holds its host's sum of one slice), then
+each rank sends k/L records of its slice across hosts::
+
+    hierarchical              (L-1) alpha_local + (L-1)/L n w_dense beta_local
+                              + (N-1) alpha + (N-1) ceil(k/L) (w + i) beta
+
+``choose`` (dense or allgather) is unchanged; ``choose_aggregation`` picks among
+the four (hierarchical only where ``local_size`` says ranks share hosts).
 """
 
 from dataclasses import dataclass
 
-from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
+from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 
-__all__ = ["CostModel", "DENSE", "SPARSE", "REGION", "AGGREGATIONS"]
+__all__ = ["CostModel", "DENSE", "SPARSE", "REGION", "HIERARCHICAL", "AGGREGATIONS",
+           "AGGREGATION_OPTIONS", "aggregation_choices"]
 
 DENSE = "dense"
 SPARSE = "sparse"
 REGION = "region"
-AGGREGATIONS = (SPARSE, REGION, DENSE)  # also the order of preference on equal cost
+HIERARCHICAL = "hierarchical"
+#: also the order of preference on equal cost
+AGGREGATIONS = (SPARSE, REGION, HIERARCHICAL, DENSE)
+#: the optimizers' ``aggregation=`` -> the methods the cost model may choose among
+AGGREGATION_OPTIONS = {"auto": (DENSE, SPARSE, REGION, HIERARCHICAL), "allgather": (SPARSE,),
+                       "region": (REGION,), "hierarchical": (HIERARCHICAL,), "dense": (DENSE,),
+                       "flat": (DENSE, SPARSE, REGION)}
+
+
+def aggregation_choices(aggregation, sparse, compression, sparse_default):
+    """The validated ``aggregation=`` option of the torch and TF optimizers, as the
+    cost model's ``allowed``. ``sparse``: the compressor sends records; ``compression``
+    and ``sparse_default`` name the user's compressor and the fix in the error."""
+    if not isinstance(aggregation, str) or aggregation not in AGGREGATION_OPTIONS:
+        raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
+                         f"{aggregation!r}")
+    if aggregation in ("allgather", "region", "hierarchical") and not sparse:
+        raise ValueError(f"aggregation={aggregation!r} sums sparse records, but compression="
+                         f"{compression} is not a sparse compressor. Use compression="
+                         f"{sparse_default}, or aggregation='auto'.")
+    return AGGREGATION_OPTIONS[aggregation]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Latency ``alpha`` (seconds per message) and ``bandwidth`` (bytes/second).
+    """Latency ``alpha`` (seconds per message) and ``bandwidth`` (bytes/second) of the
+    links between hosts; ``local_alpha`` and ``local_bandwidth`` of those inside a host
+    (hierarchical DGC's dense first step).
 
-    The defaults describe 1 Gbit/s Ethernet with 50 us per message; only the
-    ratio alpha*bandwidth matters for the choice, and only for small tensors.
+    The defaults describe 1 Gbit/s Ethernet with 50 us per message, and shared memory
+    (5 us, 10 GB/s) inside a host; only the ratio alpha*bandwidth matters for the
+    choice among flat methods, and only for small tensors.
     """
 
     alpha: float = 50e-6
     bandwidth: float = 1.25e8
+    local_alpha: float = 5e-6
+    local_bandwidth: float = 1e10
 
     def __post_init__(self):
-        if not self.alpha >= 0:
-            raise ValueError(f"CostModel.alpha must be >= 0 seconds, got {self.alpha!r}")
-        if not self.bandwidth > 0:
-            raise ValueError(f"CostModel.bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        for name in ("alpha", "local_alpha"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CostModel.{name} must be >= 0 seconds, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("bandwidth", "local_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be > 0 bytes/s, got "
+                                 f"{getattr(self, name)!r}")
 
     def dense_seconds(self, numel, world_size, value_bytes):
         n1 = world_size - 1
@@ -91,15 +129,27 @@ class CostModel:
         return 2 * n1 * self.alpha + region_bytes(k, world_size,
                                                   value_bytes + index_bytes) / self.bandwidth
 
+    def hierarchical_seconds(self, numel, k, world_size, local_size, dense_value_bytes,
+                             value_bytes, index_bytes):
+        """Dense reduce-scatter inside the host, then an allgather of k/L records each."""
+        local = local_size - 1
+        return (local * self.local_alpha
+                + local / local_size * numel * dense_value_bytes / self.local_bandwidth
+                + (world_size - 1) * self.alpha
+                + hierarchical_bytes(k, world_size, local_size, value_bytes + index_bytes)
+                / self.bandwidth)
+
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
-                           allowed=(DENSE, SPARSE, REGION)):
-        """Cheapest of ``allowed`` (DENSE, SPARSE, REGION) for one tensor.
+                           allowed=(DENSE, SPARSE, REGION), local_size=1):
+        """Cheapest of ``allowed`` (DENSE, SPARSE, REGION, HIERARCHICAL) for one tensor.
 
         Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
-        go SPARSE, then REGION, then DENSE: np=1 (all free) and np=2 (region moves at
-        least allgather's k records, in twice the messages) keep allgather, and with
-        ``allowed=(DENSE, SPARSE)`` this is exactly ``choose``. A single name forces it.
+        go SPARSE, then REGION, then HIERARCHICAL, then DENSE: np=1 (all free) and np=2
+        (region moves at least allgather's k records, in twice the messages) keep
+        allgather, and with ``allowed=(DENSE, SPARSE)`` this is exactly ``choose``. A
+        single name forces it. HIERARCHICAL is a candidate only where ranks share hosts
+        and there are several hosts (1 < ``local_size`` < ``world_size``).
         """
         if isinstance(allowed, str):
             allowed = (allowed,)
@@ -109,7 +159,12 @@ class CostModel:
             raise ValueError(f"allowed must name some of {AGGREGATIONS}, got {allowed!r}")
         if k >= numel and DENSE in allowed:
             return DENSE
+        if len(allowed) > 1 and not 1 < local_size < world_size:
+            allowed = tuple(a for a in allowed if a != HIERARCHICAL)
         cost = {
+            HIERARCHICAL: lambda: self.hierarchical_seconds(
+                numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
+                index_bytes),
             SPARSE: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes),
             REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes, index_bytes),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
@@ -123,4 +178,5 @@ class CostModel:
         return best
 
     def config(self):
-        return ("CostModel", self.alpha, self.bandwidth)
+        return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
+                self.local_bandwidth)

@@ -70,6 +70,14 @@ def resolve_compression(compression, namespace, ours, framework):
         f"density=1.0 trains dense.")
 
 
+def _sums(methods):
+    """How the sparse tensors are summed, in words."""
+    words = {"sparse": "allgather", "region": "region reduce",
+             "hierarchical": "hierarchical: summed inside each host, records across hosts"}
+    named = [words[m] for m in words if m in methods]
+    return " / ".join(named) if named else "allgather"
+
+
 def dense_requested(density, warmup):
     """``density=1.0`` (a number, no warm-up): the user asks for dense averaging."""
     return (isinstance(density, (int, float)) and not isinstance(density, bool)
@@ -92,12 +100,13 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
 
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
-            compressed, total, framework):
+            compressed, total, framework, sums=("sparse",)):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
     the warm-up in words (DensitySchedule.describe) or ""; ``compressed``/``total``: how
-    many trainable tensors are large enough to be sparsified, of how many."""
+    many trainable tensors are large enough to be sparsified, of how many; ``sums``: the
+    cost model's methods for them at the final density (costmodel.SPARSE, REGION)."""
     values = "fp16" if sparse_fp16 else "fp32"
     dense_values = "fp16" if dense_fp16 else "fp32"
     if kind == "dense":
@@ -106,7 +115,7 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     if kind in ("dgc", "topk", "randomk"):
         what = (f"{'DGC' if kind == 'dgc' else kind} at density {density:g}"
                 f"{', ' + warmup if warmup else ', no warm-up'}: {compressed} of "
-                f"{total} tensors sparse ({values} records, allgather), the rest dense "
+                f"{total} tensors sparse ({values} records, {_sums(sums)}), the rest dense "
                 f"(< {min_compress_size} elements, {dense_values} allreduce)")
     else:
         what = (f"compressor {kind} on {compressed} of {total} tensors, the rest dense "

@@ -11,9 +11,11 @@ import pytest
 from bench.resnet50_shapes import numel, resnet50_shapes
 from bench.sparse_aggregation_sim import simulate
 from hvd_dgc import CostModel
-from hvd_dgc.aggregation import (KEEP, bytes_per_worker, quota, region_of, region_reduce_reference,
+from hvd_dgc.aggregation import (KEEP, allgather_bytes, bytes_per_worker, hierarchical_bytes,
+                                 slice_k, quota, region_of, region_reduce_reference,
                                  regions)
-from hvd_dgc.costmodel import DENSE, REGION, SPARSE
+from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
+    aggregation_choices
 from hvd_dgc.schedule import num_selected
 
 WORLDS = (1, 2, 3, 4, 8)
@@ -379,3 +381,52 @@ def test_choose_aggregation_refuses_unknown_names():
         cm.choose_aggregation(1000, 10, 8, allowed=())
     with pytest.raises(ValueError, match="regoin"):
         cm.choose_aggregation(1000, 10, 8, allowed="regoin")
+
+
+# ------------------------------------------------------------------- hierarchical DGC
+
+def test_slices_share_k_and_a_host_sends_k_records():
+    """Each of L slices selects its share of k rounded up: a host sends between k and
+    k + L records where flat DGC's L ranks send L k; the allgather's bytes say so."""
+    for n, k, local in itertools.product((1, 3, 1000, 2_359_296), (1, 7, 2360), (2, 3, 4, 8)):
+        k = min(k, n)
+        slices = [hi - lo for lo, hi in regions(n, local)]
+        shares = [slice_k(k, n, s) for s in slices]
+        assert all(0 <= c <= s for c, s in zip(shares, slices))
+        assert k <= sum(shares) <= k + local, (n, k, local, shares)
+    assert slice_k(10, 100, 0) == 0
+    assert hierarchical_bytes(2360, 8, 4, 8) == 7 * 590 * 8
+    assert hierarchical_bytes(2360, 8, 4, 8) <= allgather_bytes(2360, 8, 8) / 4
+
+
+def test_hierarchical_cost_and_choice():
+    cm = CostModel()
+    n, k = 2_359_296, 2360  # ResNet-50's largest conv at 0.1%
+    expect = (3 * cm.local_alpha + 3 / 4 * n * 4 / cm.local_bandwidth + 7 * cm.alpha
+              + hierarchical_bytes(k, 8, 4, 8) / cm.bandwidth)
+    assert cm.hierarchical_seconds(n, k, 8, 4, 4, 4, 4) == pytest.approx(expect)
+    # a candidate only where ranks share hosts and there are several hosts
+    slow = CostModel(bandwidth=100e6 / 8)
+    assert slow.choose_aggregation(n, k, 8, allowed=AGGREGATION_OPTIONS["auto"],
+                                   local_size=4) == HIERARCHICAL
+    for local in (1, 8):  # one rank per host, or one host
+        assert slow.choose_aggregation(n, k, 8, allowed=AGGREGATION_OPTIONS["auto"],
+                                       local_size=local) != HIERARCHICAL
+    # at 1 Gbit/s and 0.1% the records it saves cost less than the dense local step
+    assert cm.choose_aggregation(n, k, 8, allowed=AGGREGATION_OPTIONS["auto"],
+                                 local_size=4) != HIERARCHICAL
+    assert cm.choose_aggregation(n, k, 8, allowed=(HIERARCHICAL,), local_size=4) \
+        == HIERARCHICAL
+    assert HIERARCHICAL not in AGGREGATION_OPTIONS["flat"]
+    with pytest.raises(ValueError, match="local_bandwidth"):
+        CostModel(local_bandwidth=0)
+
+
+def test_aggregation_option_is_checked_once_for_both_frameworks():
+    assert aggregation_choices("auto", True, "x", "y") == AGGREGATION_OPTIONS["auto"]
+    with pytest.raises(ValueError, match=r"one of \['allgather', 'auto', 'dense', 'flat', "
+                                         r"'hierarchical', 'region'\], got 'regoin'"):
+        aggregation_choices("regoin", True, "x", "y")
+    for forced in ("allgather", "region", "hierarchical"):
+        with pytest.raises(ValueError, match="Compression.dgc, or aggregation='auto'"):
+            aggregation_choices(forced, False, "PowerSGD", "hvd_dgc.torch.Compression.dgc")

@@ -160,7 +160,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             process_set=global_process_set, scale_local_gradients=True, *,
                             density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
                             min_compress_size=1024, momentum_masking="auto", clip_norm=None,
-                            cost_model=None, delay=0, skip_nonfinite=True):
+                            cost_model=None, delay=0, skip_nonfinite=True, aggregation="auto"):
     """Horovod's DistributedGradientTape with Deep Gradient Compression.
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
@@ -201,7 +201,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                    clip_norm=clip_norm, cost_model=cost_model, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
                    sparse_as_dense=sparse_as_dense, process_set=process_set, delay=delay,
-                   skip_nonfinite=skip_nonfinite)
+                   skip_nonfinite=skip_nonfinite, aggregation=aggregation)
     key = _options_key(options)
     if key not in _VALIDATED:  # argument errors now, not at the first gradient
         GradientExchange(**options)

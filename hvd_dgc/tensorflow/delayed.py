@@ -12,14 +12,17 @@ is long done unless the link is slower than ``delay`` steps of compute:
                      c = correction(i - D)                 avg_(i-D) - own_(i-D)
                      update_i = own_i + c                  fed to the optimizer
 
-Up to D+1 steps' collectives run at once (one thread each for the sparse and
-the dense group of a step), so Horovod negotiates and moves them together, as
+Up to D+1 steps' collectives run at once (one thread each for the allgather,
+the region reduce and the dense group of a step), so Horovod negotiates and moves them together, as
 it does for the PyTorch side's asynchronous handles: one thread in turn would
 pay every step's round trips one after another. The threads take the
 collectives in launch order, the same on every rank, so they always meet.
 Each runs as a small tf.function (eager Horovod ops cannot overlap: see
 ``_function``), which needs a second inter-op thread: the step's graph holds
 one while it waits (checked when the exchange is built).
+
+Region reduce's owners give their unsent sums back into their memory when the
+graph takes step i-D's correction (as the PyTorch side does when it collects).
 
 The correction is exact for optimizers whose update is linear in the gradient
 (SGD); with the Keras optimizer DGC takes SGD's momentum over, as on the
@@ -29,22 +32,33 @@ PyTorch side.
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from typing import NamedTuple
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import Average
+
+from hvd_dgc.tensorflow.region import region_reduce
+
+__all__ = ["DelayedAveraging", "SPARSE", "DENSE", "REGION"]
+
+DENSE, SPARSE, REGION = 0, 1, 2  # path flags carried next to each payload
 
 
-__all__ = ["DelayedAveraging", "SPARSE", "DENSE"]
+class _Correction(NamedTuple):
+    """``avg - own`` of one tensor of one launch, and what region reduce gives back."""
 
-DENSE, SPARSE = 0, 1  # path flags carried next to each payload
+    records: np.ndarray   # [m, 2] int32 (index, value bits) to scatter-add (allgather)
+    dense: np.ndarray     # or a dense float32 part (dense allreduce, region reduce)
+    returned: np.ndarray  # [r, 2] records this rank, as owner, adds to its residual
+    kept: int = 0         # records this rank kept, as owner, and sent on
 
 
 class DelayedAveraging:
     """The collectives of one GradientExchange's last ``delay`` steps, in flight.
 
     Payloads arrive as flat int32 tensors: sparse records ``[index, value bits]``
-    or a dense float32 tensor's bits, so one ``tf.cond`` can return either. Only
+    or a dense float32 tensor's bits, so one ``tf.switch_case`` can return either. Only
     the collectives and cheap work run on the threads; the scatter into dense
     tensors happens in the graph, as on the synchronous path."""
 
@@ -53,7 +67,7 @@ class DelayedAveraging:
         self.exchange = exchange
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self._inflight = {}               # step -> [Future], each of {tensor: (records, dense)}
-        self._pool = ThreadPoolExecutor(2 * (exchange.delay + 1),
+        self._pool = ThreadPoolExecutor(3 * (exchange.delay + 1),
                                         thread_name_prefix="hvd_dgc_dga")
         self._functions = {}  # (name, count) -> tf.function running one grouped collective
 
@@ -62,36 +76,39 @@ class DelayedAveraging:
         return len(self._inflight)
 
     # -- called from the graph (tf.py_function) ---------------------------------
-    def launch(self, step, paths, *payloads):
-        step, paths = int(step), paths.numpy()
+    def launch(self, step, paths, ks, *payloads):
+        step, paths, ks = int(step), paths.numpy(), ks.numpy()
         arrays = [p.numpy() for p in payloads]
         # a name per slot: at most delay+1 steps are in flight, all on different slots
         name = f"hvd_dgc.dga{step % (self.exchange.delay + 1)}"
         futures = []
-        for path, collective in ((SPARSE, self._gather), (DENSE, self._reduce)):
+        for path, collective in ((SPARSE, self._gather), (REGION, self._region),
+                                 (DENSE, self._reduce)):
             chosen = [i for i, p in enumerate(paths) if p == path]
             if chosen:
-                futures.append(self._pool.submit(collective, name, chosen, arrays))
+                futures.append(self._pool.submit(collective, name, chosen, arrays, ks))
         self._inflight[step] = futures
         return np.int32(step)
 
     def correction(self, step):
-        """``avg - own`` of the launch at ``step``, per tensor as a pair: records to
-        scatter (sparse path) and a dense part (dense path), the other one empty;
-        both empty for a step never launched (before the first, or flushed before a
-        checkpoint this run resumed from). The graph turns them into one tensor."""
+        """``avg - own`` of the launch at ``step``, per tensor as three parts: records to
+        scatter (allgather) and a dense part (dense, region), the other one empty, and
+        the records region reduce gives back to this rank's residual; all empty for a
+        step never launched (before the first, or flushed before a checkpoint this run
+        resumed from). The graph turns them into one tensor. Last: the records this rank
+        kept as region owner (bytes it sent)."""
         parts = self._result(self._inflight.pop(int(step), []))
-        return [part for pair in parts for part in pair]
+        return [x for c in parts for x in c[:3]] + [np.int64(sum(c.kept for c in parts))]
 
     def _result(self, futures):
-        parts = [(_NO_RECORDS, _NO_DENSE)] * len(self.exchange.numels)
+        parts = [_Correction(_NO_RECORDS, _NO_DENSE, _NO_RECORDS)] * len(self.exchange.numels)
         for future in futures:
-            for i, pair in future.result().items():
-                parts[i] = pair
+            for i, correction in future.result().items():
+                parts[i] = correction
         return parts
 
     # -- the threads: collectives, and only cheap work besides ------------------------
-    def _gather(self, name, chosen, arrays):
+    def _gather(self, name, chosen, arrays, ks):
         ex = self.exchange
         pre, scale = ex._scales()[0], ex._gathered_scale()
         mine = [arrays[i].reshape(-1, 2) for i in chosen]
@@ -100,10 +117,39 @@ class DelayedAveraging:
                                     t, name=n, process_set=ex.process_set))
         gathered = gather(*mine)
         # avg - own as records: everyone's scaled, then this rank's negated
-        return {i: (np.concatenate([_scaled(everyone.numpy(), scale), _scaled(own, -1 / pre)]),
-                    _NO_DENSE) for i, own, everyone in zip(chosen, mine, gathered)}
+        return {i: _Correction(np.concatenate([_scaled(everyone.numpy(), scale),
+                                               _scaled(own, -1 / pre)]), _NO_DENSE, _NO_RECORDS)
+                for i, own, everyone in zip(chosen, mine, gathered)}
 
-    def _reduce(self, name, chosen, arrays):
+    def _region(self, name, chosen, arrays, ks):
+        """Region reduce (hvd_dgc/tensorflow/region.py) of the chosen tensors, in one
+        function so their collectives go together; avg - own as a dense part."""
+        ex = self.exchange
+        key = (name + ".region", tuple(chosen))
+        reduce = self._functions.get(key)
+        if reduce is None:
+            numels = [ex.numels[i] for i in chosen]
+
+            def run(k, *records):
+                return [region_reduce(r[:, 0], tf.bitcast(r[:, 1], tf.float32), n, k[j],
+                                      f"{name}.region.{i}", ex.process_set)
+                        for j, (i, r, n) in enumerate(zip(chosen, records, numels))]
+            reduce = tf.function(run, input_signature=[tf.TensorSpec([len(chosen)], tf.int32)]
+                                 + [tf.TensorSpec([None, 2], tf.int32)] * len(chosen))
+            self._functions[key] = reduce
+        mine = [arrays[i].reshape(-1, 2) for i in chosen]
+        results = reduce(np.asarray([ks[i] for i in chosen], np.int32), *mine)
+        scale = np.float32(ex._region_scale())
+        out = {}
+        for i, own_records, res in zip(chosen, mine, results):
+            correction = res.total.numpy() * scale
+            correction[own_records[:, 0]] -= own_records[:, 1].view(np.float32)  # distinct
+            returned = np.stack([res.returned_indices.numpy(),
+                                 res.returned_values.numpy().view(np.int32)], axis=1)
+            out[i] = _Correction(_NO_RECORDS, correction, returned, int(res.kept))
+        return out
+
+    def _reduce(self, name, chosen, arrays, ks):
         ex = self.exchange
         pre, post = ex._scales()
         own = [arrays[i].view(np.float32) for i in chosen]
@@ -114,8 +160,8 @@ class DelayedAveraging:
                                     t, op=ex.op, name=n, prescale_factor=pre,
                                     postscale_factor=post, process_set=ex.process_set))
         reduced = reduce(*[v.astype(np.float16) if fp16 else v for v in own])
-        return {i: (_NO_RECORDS, avg.numpy().astype(np.float32, copy=False) - mine)
-                for i, mine, avg in zip(chosen, own, reduced)}
+        return {i: _Correction(_NO_RECORDS, avg.numpy().astype(np.float32, copy=False) - mine,
+                               _NO_RECORDS) for i, mine, avg in zip(chosen, own, reduced)}
 
     def _function(self, name, count, spec, collective):
         """``collective(tensors, name)`` as a tf.function with its own graph node. Eager
@@ -134,13 +180,17 @@ class DelayedAveraging:
         tensor (flat float32), or None when nothing was in flight."""
         if not self._inflight:
             return None
-        total = [np.zeros([n], np.float32) for n in self.exchange.numels]
+        ex = self.exchange
+        total = [np.zeros([n], np.float32) for n in ex.numels]
         for step in sorted(self._inflight):
-            for t, (records, dense) in zip(total, self._result(self._inflight.pop(step))):
-                if dense.size:
-                    t += dense
+            for i, (t, c) in enumerate(zip(total, self._result(self._inflight.pop(step)))):
+                if c.dense.size:
+                    t += c.dense
                 else:
-                    np.add.at(t, records[:, 0], records[:, 1].view(np.float32))
+                    np.add.at(t, c.records[:, 0], c.records[:, 1].view(np.float32))
+                if ex.regioned is not None:
+                    ex._region_done(i, tf.constant(c.kept, tf.int64), c.returned[:, 0],
+                                    tf.constant(c.returned[:, 1].view(np.float32)))
         return total
 
 

@@ -3,15 +3,19 @@ Keras DistributedOptimizer:
 
     g = local_gradient(grad)              flat float32, clipped at clip_norm / sqrt(N)
     v = memory.accumulate(i, g)           u = m u + g; v += u   (momentum correction)
-    k = ceil(numel * density)             density: a variable driven by step/epoch
-    sparse if k <= max_sparse_k[i]        the shared alpha-beta cost model, decided
-                                          once per tensor in Python as a threshold on k
+    k = ceil(numel * density)             density: the warm-up stage, from step/epoch
+    path = methods[i][stage]              the shared alpha-beta cost model's choice
+                                          (costmodel.choose_aggregation), made in Python
+                                          for each stage's k when the memory is built
     sparse: idx = select(v, k); records = pack(v[idx], idx); memory.sent(i, idx)
             avg = scatter_sum(allgather(records)) / N
+    region: idx = select(v, k); memory.sent(i, idx)        hvd_dgc/tensorflow/region.py
+            sum, unsent = region_reduce(idx, v[idx]); memory.give_back(i, unsent)
+            avg = sum / N
     dense:  avg = allreduce(v, Average);  memory.sent_all(i)
 
-Every rank computes the same k and the same path, so every rank joins the same
-collective inside the same ``tf.cond`` branch.
+Every rank computes the same stage and the same path, so every rank joins the same
+collective inside the same ``tf.switch_case`` branch.
 
 With ``delay=D`` (delayed gradient averaging) the collectives leave the graph
 for a worker thread and step i applies ``own_i + avg_(i-D) - own_(i-D)``: see
@@ -25,6 +29,7 @@ gradient).
 """
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -32,14 +37,16 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average, Sum, global_process_set
 
 from hvd_dgc import consistency
-from hvd_dgc.costmodel import CostModel
+from hvd_dgc.costmodel import AGGREGATIONS, DENSE as _DENSE, HIERARCHICAL as _HIERARCHICAL, \
+    REGION as _REGION, SPARSE as _SPARSE, CostModel, aggregation_choices
 from hvd_dgc.schedule import as_schedule, DensitySchedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import check_masking, masking_density_limit
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
-from hvd_dgc.tensorflow.delayed import DENSE, SPARSE, DelayedAveraging
+from hvd_dgc.tensorflow.delayed import DENSE, REGION, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
+from hvd_dgc.tensorflow.region import region_reduce
 
 __all__ = ["GradientExchange", "variable_name", "SPARSE_GRAD"]
 
@@ -60,7 +67,7 @@ class GradientExchange(tf.Module):
                  momentum=0.0, nesterov=False, momentum_masking="auto", clip_norm=None,
                  cost_model=None, op=Average, gradient_predivide_factor=1.0,
                  sparse_as_dense=False, process_set=global_process_set, delay=0,
-                 skip_nonfinite=True, name="hvd_dgc"):
+                 skip_nonfinite=True, aggregation="auto", name="hvd_dgc"):
         super().__init__(name=name)
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise ValueError(f"delay must be an int >= 0 (the number of steps an average may "
@@ -77,7 +84,15 @@ class GradientExchange(tf.Module):
                                      "tensorflow")
         compression = choice.compressor
         self.dense_fp16 = choice.fp16  # Compression.fp16: fp16 on the dense path
-        if dense_requested(density, warmup):
+        self.aggregation = aggregation
+        self.allowed = aggregation_choices(aggregation, is_sparse(compression),
+                                           repr(compression),
+                                           "hvd_dgc.tensorflow.Compression.dgc")
+        if aggregation == "hierarchical":
+            raise ValueError("aggregation='hierarchical' runs in hvd_dgc.torch only so far; "
+                             "use aggregation='auto' (flat methods in TensorFlow).")
+        self.allowed = tuple(a for a in self.allowed if a != _HIERARCHICAL)
+        if dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
             compression, schedule = Compression.none, as_schedule(1.0)
         else:
             schedule = as_schedule(density, warmup, warmup_unit, warmup_densities)
@@ -87,6 +102,9 @@ class GradientExchange(tf.Module):
                                 "Python callable")
         self.compression = compression
         self.schedule = schedule
+        # the densities a step can have: the warm-up stages', then the final one
+        self._densities = (tuple(schedule.warmup_densities) if schedule.warmup > 0
+                           else ()) + (schedule.density,)
         self.min_compress_size = min_compress_size
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.momentum_masking = check_masking(momentum_masking)
@@ -101,6 +119,7 @@ class GradientExchange(tf.Module):
         self.skip_nonfinite = bool(skip_nonfinite)
         self.memory = None
         self.gathered = None  # steps of IndexedSlices gradients (when there are any)
+        self.regioned = None  # region reduce's (steps, elements given back), when it may run
         self._dga = None
         self._epoch = 0.0
 
@@ -133,12 +152,10 @@ class GradientExchange(tf.Module):
                                     f"non-trainable or leave it out of the variables.")
             self.numels = [int(np.prod(v.shape)) for v in variables]
             self.names = list(names)
-            world = self.world_size()
-            sparse = is_sparse(self.compression)
-            self.max_sparse_k = [
-                self.cost_model.max_sparse_k(n, world, 4, self.compression.value_bytes)
-                if sparse and n >= self.min_compress_size and not sliced else 0
-                for n, sliced in zip(self.numels, self.sliced)]
+            # per tensor and density stage: k, and the path the cost model chooses for it
+            self.ks = [tuple(num_selected(n, d) for d in self._densities) for n in self.numels]
+            self.methods = [self._methods(n, ks, sliced)
+                            for n, ks, sliced in zip(self.numels, self.ks, self.sliced)]
             _check_consistent_config(self._config(), self.process_set)
             self._announce()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -151,12 +168,23 @@ class GradientExchange(tf.Module):
             if any(self.sliced):  # only then: other checkpoints keep their layout
                 self.gathered = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="sparse_grad_steps")
+            if any(_REGION in m for m in self.methods):  # (steps, elements given back)
+                self.regioned = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
+                                            name="region_counters")
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking,
                                     snapshots=self.skip_nonfinite and not self.delay,
                                     no_residual=self.sliced)
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
+
+    def _methods(self, numel, ks, sliced):
+        """The path of one tensor at each density stage (same inputs on every rank)."""
+        if not is_sparse(self.compression) or numel < self.min_compress_size or sliced:
+            return (_DENSE,) * len(ks)
+        return tuple(self.cost_model.choose_aggregation(
+            numel, k, self.world_size(), 2 if self.dense_fp16 else 4,
+            self.compression.value_bytes, allowed=self.allowed) for k in ks)
 
     def _announce(self):
         """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
@@ -167,8 +195,7 @@ class GradientExchange(tf.Module):
         kind = self.compression.name if sparse else "dense"
         final = self.schedule.density if sparse else 1.0
         if sparse:
-            sparse_at_final = any(num_selected(n, final) <= k
-                                  for n, k in zip(self.numels, self.max_sparse_k) if k)
+            sparse_at_final = any(m[-1] != _DENSE for m in self.methods)
             message = idle_warning(kind, self.min_compress_size, bool(large), sparse_at_final,
                                    final, self.world_size())
             if message:
@@ -177,7 +204,8 @@ class GradientExchange(tf.Module):
             warm = self.schedule.describe() if sparse else ""
             print(summary(kind, final, warm, self.min_compress_size, self.dense_fp16,
                           sparse and self.compression.value_bytes == 2, self.delay,
-                          len(large), len(self.numels), "tensorflow"), flush=True)
+                          len(large), len(self.numels), "tensorflow",
+                          {m[-1] for m in self.methods}), flush=True)
 
     def world_size(self):
         return self.process_set.size()
@@ -189,23 +217,26 @@ class GradientExchange(tf.Module):
                 "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
                 "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
                 "delay": self.delay, "skip_nonfinite": self.skip_nonfinite,
-                "dense_fp16": self.dense_fp16,
+                "dense_fp16": self.dense_fp16, "aggregation": self.aggregation,
                 "variables": list(zip(self.names, self.numels)),
                 "indexed_slices_gradients": [n for n, k in zip(self.names, self.sliced) if k]}
 
     # -- per step ---------------------------------------------------------------
-    def density(self):
-        """The schedule (hvd_dgc.schedule.DensitySchedule.__call__) in TF ops."""
-        s = self.schedule  # float64, as in Python: k = ceil(numel * density) must agree
+    def stage(self):
+        """This step's index into the densities (the schedule, hvd_dgc.schedule.
+        DensitySchedule.__call__, in TF ops): k and the path are looked up by it, so
+        they are the ones Python computed."""
+        s = self.schedule
         if s.warmup <= 0:
-            return tf.constant(s.density, tf.float64)
+            return tf.constant(0, tf.int32)
         t = tf.cast(self.epoch if s.unit == "epoch" else self.step, tf.float64)
-        stages = tf.constant(s.warmup_densities, tf.float64)
         ends = tf.constant(s.boundaries, tf.float64)  # as Python: count the stages ended
-        stage = tf.reduce_sum(tf.cast(t >= ends, tf.int32))
-        stage = tf.minimum(stage, len(s.warmup_densities) - 1)
-        return tf.where(t >= s.warmup, tf.constant(s.density, tf.float64),
-                        tf.gather(stages, stage))
+        stage = tf.minimum(tf.reduce_sum(tf.cast(t >= ends, tf.int32)),
+                           len(s.warmup_densities) - 1)
+        return tf.where(t >= s.warmup, len(s.warmup_densities), stage)
+
+    def density(self):
+        return tf.gather(tf.constant(self._densities, tf.float64), self.stage())
 
     def __call__(self, grads):
         """Averaged gradients for this step's local ``grads`` (one per built variable);
@@ -215,12 +246,13 @@ class GradientExchange(tf.Module):
     def exchange(self, grads):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
         a non-finite gradient on some rank made every rank skip this step."""
-        density = self.density()
+        stage = self.stage()
         base = self.compression.seed if is_sparse(self.compression) else 0
-        seed = tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()])
+        at = _At(stage, tf.gather(tf.constant(self._densities, tf.float64), stage),
+                 tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]))
         grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
         if not self.skip_nonfinite:
-            return self._step(grads, density, seed), tf.constant(False)
+            return self._step(grads, at), tf.constant(False)
         local_bad = tf.logical_not(tf.reduce_all(
             [tf.math.is_finite(tf.reduce_sum(tf.cast(_values(g), tf.float32))) for g in grads]))
         if self.delay:
@@ -228,13 +260,14 @@ class GradientExchange(tf.Module):
             # the rank that has the NaN contributes zeros and keeps it out of its memory.
             self.nonfinite.assign_add(tf.cast(local_bad, tf.int64))
             grads = [tf.where(local_bad, tf.zeros_like(g), g) for g in grads]
-            return self._step(grads, density, seed), tf.constant(False)
+            return self._step(grads, at), tf.constant(False)
         # No extra collective: the memory is saved, a rank with a non-finite gradient
         # sends inf, so every rank's averages show it; then every rank puts its memory back.
         self.memory.snapshot()
         counters = self.counters.read_value()
         gathered = self.gathered.read_value() if self.gathered is not None else None
-        out = [self._exchange_one(i, grad, density, seed, poison=local_bad)
+        regioned = self.regioned.read_value() if self.regioned is not None else None
+        out = [self._exchange_one(i, grad, at, poison=local_bad)
                for i, grad in enumerate(grads)]
         bad = tf.logical_not(tf.reduce_all(
             [tf.math.is_finite(tf.reduce_sum(_values(a))) for a in out]))
@@ -244,6 +277,8 @@ class GradientExchange(tf.Module):
             self.counters.assign(counters)
             if gathered is not None:
                 self.gathered.assign(gathered)
+            if regioned is not None:
+                self.regioned.assign(regioned)
             self.nonfinite.assign_add(1)
             return [_nan_like(a) for a in out]
 
@@ -253,11 +288,11 @@ class GradientExchange(tf.Module):
 
         return tf.cond(bad, skip, keep), bad
 
-    def _step(self, grads, density, seed):
+    def _step(self, grads, at):
         if self.delay:
-            out = self._delayed_step(grads, density, seed)
+            out = self._delayed_step(grads, at)
         else:
-            out = [self._exchange_one(i, grad, density, seed) for i, grad in enumerate(grads)]
+            out = [self._exchange_one(i, grad, at) for i, grad in enumerate(grads)]
         self.step.assign_add(1)
         return out
 
@@ -291,29 +326,44 @@ class GradientExchange(tf.Module):
                 f"/ DistributedOptimizer, or delay=0.")
 
     # -- the gradient's path, shared by the synchronous and the delayed step --------
-    def _accumulate(self, i, grad, density):
+    def _accumulate(self, i, grad, at):
         """Clip and accumulate; ``v`` and the number of values ``k`` to select."""
         g = local_gradient(grad, self.clip_norm, self.world_size())
         v = self.memory.accumulate(i, g)
-        k = tf.maximum(1, tf.cast(tf.math.ceil(self.numels[i] * density), tf.int32))
-        return v, k
+        return v, tf.gather(tf.constant(self.ks[i], tf.int32), at.stage)
 
-    def _choose(self, i, k, sparse, dense):
-        """Every rank computes the same k, so every rank takes the same branch."""
-        if self.max_sparse_k[i] == 0:
-            return dense()
-        return tf.cond(k <= self.max_sparse_k[i], sparse, dense)
+    def _choose(self, i, at, branches):
+        """Run ``branches[path]`` for this step's path of tensor i. Every rank is at the
+        same stage, so every rank takes the same branch and joins the same collective."""
+        methods = self.methods[i]
+        used = sorted(set(methods), key=AGGREGATIONS.index)
+        if len(used) == 1:
+            return branches[used[0]]()
+        codes = tf.constant([used.index(m) for m in methods], tf.int32)
+        return tf.switch_case(tf.gather(codes, at.stage), [branches[m] for m in used])
 
-    def _select(self, i, v, k, seed, density):
-        """Sparse path: indices and values to send; the memory forgets them."""
-        indices = self.compression.select(v, k, seed)
+    def _select(self, i, v, k, at, path):
+        """Sparse paths: indices and values to send; the memory forgets them."""
+        indices = self.compression.select(v, k, at.seed)
         values = tf.gather(v, indices)
-        self.memory.sent(i, indices, mask_momentum=density <= self._mask_limit)
+        self.memory.sent(i, indices, mask_momentum=at.density <= self._mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
         numel = self.numels[i]
         self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
-                                           4 * numel, sent, numel, 1, 0]))
+                                           4 * numel, sent, numel,
+                                           1 if path == _SPARSE else 0, 0]))
+        if path == _REGION:
+            self.regioned.assign_add(tf.constant([1, 0], tf.int64))
         return indices, values
+
+    def _region_done(self, i, kept, returned_indices, returned_values):
+        """Region reduce's owner part: its unsent sums back into its residual (error
+        feedback), and the kept records it sent on counted as bytes sent."""
+        self.memory.give_back(i, returned_indices, returned_values)
+        self.counters.assign_add(tf.stack([self.compression.record_bytes * kept, 0, 0, 0, 0,
+                                           0]))
+        self.regioned.assign_add(tf.stack([tf.constant(0, tf.int64),
+                                           tf.size(returned_indices, out_type=tf.int64)]))
 
     def _dense_payload(self, i, v):
         """Dense path: all of ``v`` leaves (as float16 with Horovod's Compression.fp16)."""
@@ -334,12 +384,17 @@ class GradientExchange(tf.Module):
         """Factor turning the sum of every rank's (prescaled) records into the result."""
         return self._scales()[1] / self.world_size() if self.op == Average else 1.0
 
-    def _exchange_one(self, i, grad, density, seed, poison=None):
+    def _region_scale(self):
+        """Factor turning region reduce's sum into the result: its sums are formed once,
+        on the owners, from unscaled values, so the predivide factor plays no part."""
+        return 1.0 / self.world_size() if self.op == Average else 1.0
+
+    def _exchange_one(self, i, grad, at, poison=None):
         """``poison``: this rank had a non-finite gradient; it sends inf (skip_nonfinite)."""
         if isinstance(grad, tf.IndexedSlices):
             return self._gather_slices(i, grad, poison)
         numel = self.numels[i]
-        v, k = self._accumulate(i, grad, density)
+        v, k = self._accumulate(i, grad, at)
         name = f"hvd_dgc.{i}"
         pre, post = self._scales()
 
@@ -352,7 +407,7 @@ class GradientExchange(tf.Module):
             return tf.cast(avg, tf.float32)
 
         def sparse():
-            indices, values = self._select(i, v, k, seed, density)
+            indices, values = self._select(i, v, k, at, _SPARSE)
             if poison is not None:
                 values = tf.where(poison, float("inf"), values)
             records = self.compression.pack(values * pre, indices)
@@ -360,7 +415,16 @@ class GradientExchange(tf.Module):
                                       process_set=self.process_set)
             return self.compression.scatter_sum(gathered, numel) * self._gathered_scale()
 
-        return tf.reshape(self._choose(i, k, sparse, dense), tf.shape(grad))
+        def region():
+            indices, values = self._select(i, v, k, at, _REGION)
+            if poison is not None:  # inf is the largest sum: some owner keeps and sends it
+                values = tf.where(poison, float("inf"), values)
+            res = region_reduce(indices, values, numel, k, name + ".region", self.process_set)
+            self._region_done(i, res.kept, res.returned_indices, res.returned_values)
+            return res.total * self._region_scale()
+
+        out = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region})
+        return tf.reshape(out, tf.shape(grad))
 
     def _gather_slices(self, i, grad, poison=None):
         """Horovod's average of an IndexedSlices gradient: every rank's rows and indices
@@ -392,37 +456,44 @@ class GradientExchange(tf.Module):
         g = tf.reshape(tf.cast(tf.convert_to_tensor(avg), tf.float32), [-1])
         return tf.reshape(self.memory.velocity(i, g), self.shapes[i])
 
-    def _delayed_step(self, grads, density, seed):
+    def _delayed_step(self, grads, at):
         """DGA (hvd_dgc/tensorflow/delayed.py): launch this step, apply own + the
         correction of the step launched ``delay`` steps ago."""
-        paths, payloads, owns = [], [], []
+        paths, payloads, owns, ks = [], [], [], []
         pre, _ = self._scales()
         for i, grad in enumerate(grads):
             numel = self.numels[i]
-            v, k = self._accumulate(i, grad, density)
+            v, k = self._accumulate(i, grad, at)
 
             def dense(i=i, v=v):
                 own = tf.cast(self._dense_payload(i, v), tf.float32)
                 return tf.constant(DENSE), tf.bitcast(own, tf.int32), own
 
-            def sparse(i=i, v=v, k=k, numel=numel):
-                indices, values = self._select(i, v, k, seed, density)
-                records = self.compression.pack(values * pre, indices)
+            def sparse(i=i, v=v, k=k, numel=numel, path=_SPARSE, flag=SPARSE, scale=pre):
+                indices, values = self._select(i, v, k, at, path)
+                records = self.compression.pack(values * scale, indices)
                 own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
-                return tf.constant(SPARSE), tf.reshape(records, [-1]), own
+                return tf.constant(flag), tf.reshape(records, [-1]), own
 
-            path, payload, own = self._choose(i, k, sparse, dense)
+            def region(i=i, v=v, k=k, numel=numel):  # region's values travel unscaled
+                return sparse(i, v, k, numel, _REGION, REGION, 1.0)
+
+            path, payload, own = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse,
+                                                      _REGION: region})
             paths.append(path)
             payloads.append(payload)
             owns.append(own)
-        launched = tf.py_function(self._dga.launch, [self.step, tf.stack(paths)] + payloads,
+            ks.append(k)
+        launched = tf.py_function(self._dga.launch,
+                                  [self.step, tf.stack(paths), tf.stack(ks)] + payloads,
                                   Tout=tf.int32)
         with tf.control_dependencies([launched]):
             parts = tf.py_function(self._dga.correction, [self.step - self.delay],
-                                   Tout=[tf.int32, tf.float32] * len(grads))
+                                   Tout=[tf.int32, tf.float32, tf.int32] * len(grads)
+                                   + [tf.int64])
         out = []
         for i, (grad, own) in enumerate(zip(grads, owns)):
-            records, dense = parts[2 * i], parts[2 * i + 1]
+            records, dense, returned = parts[3 * i: 3 * i + 3]
             records.set_shape([None, 2])
             # the dense part, or zeros, plus the records scattered (as the sync path does)
             base = tf.cond(tf.size(dense) > 0, lambda d=dense: d,
@@ -430,6 +501,13 @@ class GradientExchange(tf.Module):
             correction = tf.tensor_scatter_nd_add(base, records[:, :1],
                                                   tf.bitcast(records[:, 1], tf.float32))
             out.append(tf.reshape(own + tf.reshape(correction, [-1]), tf.shape(grad)))
+            if self.regioned is not None:  # step i-D's region reduce, given back now
+                returned.set_shape([None, 2])
+                self._region_done(i, tf.constant(0, tf.int64), returned[:, 0],
+                                  tf.bitcast(returned[:, 1], tf.float32))
+        if self.regioned is not None:
+            self.counters.assign_add(tf.stack([self.compression.record_bytes * parts[-1],
+                                               0, 0, 0, 0, 0]))
         return out
 
     @property
@@ -463,18 +541,30 @@ class GradientExchange(tf.Module):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         c = [int(x) for x in self.counters.numpy()]
         gathered = int(self.gathered.numpy()) if self.gathered is not None else 0
+        regioned = [int(x) for x in self.regioned.numpy()] if self.regioned is not None \
+            else [0, 0]
         stats = CompressionStats()
+        paths = (("sparse", c[4]), ("dense", c[5]), (SPARSE_GRAD, gathered),
+                 (_REGION, regioned[0]))
         stats.load_state_dict({"steps": int(self.step.numpy()), "bytes_sent": c[0],
                                "dense_bytes": c[1], "elements_sent": c[2],
-                               "elements_total": c[3],
-                               "paths": {k: n for k, n in (("sparse", c[4]), ("dense", c[5]),
-                                                           (SPARSE_GRAD, gathered)) if n}})
+                               "elements_total": c[3], "returned_elements": regioned[1],
+                               "paths": {k: n for k, n in paths if n}})
         out = stats.summary()
         out.pop("last_step")
         out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
                    current_density=float(self.density().numpy()),
                    world_size=self.world_size(), nonfinite_steps=int(self.nonfinite.numpy()))
         return out
+
+
+class _At(NamedTuple):
+    """Where a step is: its density stage (k and the path are looked up by it), the
+    density (momentum masking depends on it) and the selection's random seed."""
+
+    stage: tf.Tensor
+    density: tf.Tensor
+    seed: tf.Tensor
 
 
 def _values(grad):

@@ -92,6 +92,12 @@ class DGCMemory(tf.Module):
                 kept = tf.where(mask_momentum, zeros, tf.gather(self.u[i], indices))
                 self.u[i].scatter_nd_update(idx, kept)
 
+    def give_back(self, i, indices, values):
+        """Add ``values`` at ``indices`` into tensor i's residual: what an aggregation took
+        but did not deliver (region reduce's owner keeps what it did not send on), so
+        error feedback sends it later (as hvd_dgc/torch/memory.py)."""
+        self.v[i].scatter_nd_add(tf.expand_dims(indices, 1), values)
+
     def sent_all(self, i):
         """Dense path: everything left, ``v`` clears, ``u`` stays (density 1 == momentum SGD)."""
         self.v[i].assign(tf.zeros_like(self.v[i]))

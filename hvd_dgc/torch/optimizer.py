@@ -14,7 +14,10 @@ The path of one gradient (this file, and paths.py for how each way travels):
       g = local_gradient(p.grad)     clip (N^-1/2), weight decay
       path = choose_aggregation(...) dense / allgather / region, by the cost model;
                                      or the compressor's own collectives (exchange);
-                                     or Horovod's for a sparse gradient (sparse_grad)
+                                     or Horovod's for a sparse gradient (sparse_grad);
+                                     or hierarchical DGC (several hosts of several
+                                     ranks: chosen once per tensor), which sends g
+                                     itself and accumulates the host's sum in advance
       v = memory.accumulate(g)       u = m u + g; v += u  (+ |v| block maxima if sparse)
       payload = path.take(v)         what leaves the memory; it keeps the rest
         dense:     v (fp16: its rounding error stays)             memory.sent_all()
@@ -52,7 +55,8 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc import consistency
-from hvd_dgc.costmodel import DENSE, REGION, SPARSE, CostModel
+from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, \
+    CostModel, aggregation_choices
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import check_masking
@@ -68,9 +72,6 @@ __all__ = ["DistributedOptimizer"]
 STATE_KEY = "hvd_dgc"
 STATE_VERSION = 1
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
-#: aggregation= -> the cost model's choices (hvd_dgc/costmodel.py)
-AGGREGATIONS = {"auto": (DENSE, SPARSE, REGION), "allgather": (SPARSE,), "region": (REGION,),
-                "dense": (DENSE,)}
 
 
 class _Part(NamedTuple):
@@ -131,13 +132,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dropped = []             # delay > 0: tensors this rank sent as zeros this step
         self._batch = None             # one launch per step, in synchronize (_batched)
         self._sparse_grads = set()     # parameters whose update this step is a sparse grad
-        self._paths = make_paths(dgc, Wire(process_set, op, gradient_predivide_factor))
+        self._hierarchical = {}        # numel -> whether such a tensor goes hierarchical
+        peers = ()
 
         if self.process_set.included():
             # Elastic: a worker added later wraps its optimizer alone, while the others
             # wait in a reset; a collective here would hang it. All run the same script.
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 _check_consistent_config(self._config(), self.process_set)
+            peers = _host_peers(dgc, process_set)
+        self._paths = make_paths(dgc, Wire(process_set, op, gradient_predivide_factor, peers))
+        if self.process_set.included():
             # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
             self._register_hooks()
 
@@ -258,9 +263,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warm = d.schedule.describe()
             if final is None:  # a callable: its value now
                 final, warm = d.density(), "warm-up set by a callable schedule"
+        sums = {self._choose_path(n, num_selected(n, final), None) for n in large} \
+            if is_sparse(comp) else set()
         if is_sparse(comp) or is_exchange(comp):
-            sparse_at_final = not is_sparse(comp) or any(
-                self._choose_path(n, num_selected(n, final), None) != DENSE for n in large)
+            sparse_at_final = not is_sparse(comp) or bool(sums - {DENSE})
             message = idle_warning(kind, d.min_compress_size, bool(large), sparse_at_final,
                                    final, self._world())
             if message:
@@ -268,7 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if _hvd.rank() == 0:
             print(summary(kind, final, warm, d.min_compress_size, d.dense_fp16,
                           getattr(comp, "value_bytes", 4) == 2, d.delay, len(large),
-                          len(sizes), "torch"), flush=True)
+                          len(sizes), "torch", sums), flush=True)
 
     # -- the gradient's path -------------------------------------------------
     def _world(self):
@@ -308,7 +314,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         numel, density = g.numel(), d.density()
         k = num_selected(numel, density)
         path = self._paths[self._choose_path(numel, k, p.shape)]
-        job = Job(key, name, p.shape, g, k, density, momentum)
+        job = Job(key, name, p.shape, g, k, density, momentum, nesterov=nesterov)
         guard = self._guard()
         if guard == "skip":  # before anything can change the memory (region gives back)
             self._save_compressor_state(g.device)
@@ -322,6 +328,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 job = job._replace(poison=~torch.isfinite(_sum(g)))
             elif (path.selects or guard == "drop") and not _finite(g):
                 return self._prepare_nonfinite(path, job, guard)
+        if path.reduces_first:  # hierarchical: the memory gets the host's sum (paths.py)
+            return Item(path.name, job, path.take(job), scale)
         if path.selects and self._compression.wants_block_max(g.device):
             v, block_max = d.memory.accumulate(key, g, momentum, nesterov, with_block_max=True)
             job = job._replace(v=v, block_max=block_max)
@@ -411,9 +419,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return EXCHANGE if self._compression.compressible(shape, d.step) else DENSE
         if not is_sparse(self._compression) or numel < d.min_compress_size:
             return DENSE
+        if self._goes_hierarchical(numel):
+            return HIERARCHICAL
         return d.cost_model.choose_aggregation(
             numel, k, self._world(), 2 if d.dense_fp16 else 4, self._compression.value_bytes,
-            allowed=d.aggregations)
+            allowed=tuple(a for a in d.aggregations if a != HIERARCHICAL) or (DENSE,))
+
+    def _goes_hierarchical(self, numel):
+        """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC
+        each rank's whole residual: a tensor cannot move between them, so the choice is
+        made once per tensor (by the cost model at the final density), not per step."""
+        d, peers = self._dgc, self._paths[HIERARCHICAL].wire.peers
+        if not peers or HIERARCHICAL not in d.aggregations:
+            return False
+        if d.aggregations == (HIERARCHICAL,):
+            return True
+        final = getattr(d.schedule, "density", None)  # None: a callable schedule, stay flat
+        if numel not in self._hierarchical and final is not None:
+            self._hierarchical[numel] = d.cost_model.choose_aggregation(
+                numel, num_selected(numel, final), self._world(), 2 if d.dense_fp16 else 4,
+                self._compression.value_bytes, allowed=d.aggregations,
+                local_size=len(peers)) == HIERARCHICAL
+        return self._hierarchical.get(numel, False)
 
     def _launch(self, params):
         """Start the collectives for ``params`` (one tensor, one Horovod group, or the
@@ -438,7 +465,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _advance(self, pending):
         for part in pending.parts:
-            part.path.advance(part.handle)
+            sent = part.path.advance(part.handle)
+            if sent is not None and self._dgc.delay:  # known only now (hierarchical)
+                for i, own in zip(part.positions, sent):
+                    if pending.items[i].own is None:  # a dropped gradient keeps its zeros
+                        pending.items[i] = pending.items[i]._replace(own=own)
 
     def _collect(self, pending):
         """Wait for one launch; yield ``(p, item, averaged update as a flat tensor)``."""
@@ -733,7 +764,7 @@ class DGCState:
                  skip_nonfinite=True, aggregation="auto"):
         self.schedule = schedule
         self.aggregation = aggregation
-        self.aggregations = AGGREGATIONS[aggregation]
+        self.aggregations = AGGREGATION_OPTIONS[aggregation]
         self.delay = delay
         self.skip_nonfinite = skip_nonfinite
         self.compression = compression
@@ -881,6 +912,32 @@ def _check_dampening(group):
                          f"momentum correction accumulates u = m*u + g. Use dampening=0.")
 
 
+def _host_peers(dgc, process_set):
+    """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
+    (several hosts of several ranks, the global process set, not elastic); else ().
+    One allgather at wrap time, after the config check (every rank gets here alike)."""
+    if HIERARCHICAL not in dgc.aggregations or not is_sparse(dgc.compression):
+        return ()
+    forced = dgc.aggregations == (HIERARCHICAL,)
+    local, cross = _hvd.local_size(), _hvd.cross_size()
+    problem = None
+    if not (local > 1 and cross > 1):
+        problem = (f"it needs several hosts of several ranks each, and this job has "
+                   f"{cross} host(s) with local_size={local} (horovodrun -H host1:4,host2:4)")
+    elif process_set.process_set_id != global_process_set.process_set_id:
+        problem = "it runs on the global process set only"
+    elif os.environ.get("HOROVOD_ELASTIC") == "1":  # a collective at wrap time would hang
+        problem = "it does not run under elastic Horovod yet"
+    if problem:
+        if forced:
+            raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
+                             f"(hierarchical where it applies) or 'flat'.")
+        return ()
+    hosts = _hvd.allgather(torch.tensor([_hvd.cross_rank()], dtype=torch.int64),
+                           name="hvd_dgc.hosts", process_set=process_set).tolist()
+    return tuple(r for r, h in enumerate(hosts) if h == _hvd.cross_rank())
+
+
 def _check_consistent_config(config, process_set):
     """One allgather at wrap time (see hvd_dgc/consistency.py)."""
     mine = torch.frombuffer(bytearray(consistency.encode(config)), dtype=torch.uint8)
@@ -936,9 +993,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         aggregation: how sparse tensors are summed: "auto" (the cost model's choice),
             "allgather" (every rank's records to every rank: k(N-1) records received
             per worker), "region" (region reduce, after Ok-Topk: ~3k(N-1)/N, flat in
-            N; what an owner does not keep stays in its memory), or "dense". A forced
-            method runs even at density 1 (the equivalence with dense averaging);
-            tensors below ``min_compress_size`` stay dense.
+            N; what an owner does not keep stays in its memory), "hierarchical"
+            (several hosts of several ranks: the gradient summed densely inside each
+            host, about k/L records per rank across hosts; each host's residual kept in
+            slices by its ranks), "flat" (the cost model's choice without
+            hierarchical), or "dense". A forced method runs even at density 1 (the
+            equivalence with dense averaging); tensors below ``min_compress_size`` stay
+            dense.
         grad_scaler: the ``torch.amp.GradScaler`` in use, so the memory holds
             unscaled gradients and overflowed steps never enter it.
         log_every: print compression statistics on rank 0 every N steps.
@@ -1018,15 +1079,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {sorted(AGGREGATIONS)}, got "
-                         f"{aggregation!r}")
-    if aggregation in ("allgather", "region") and not is_sparse(compression):
-        raise ValueError(f"aggregation={aggregation!r} sums sparse records, but compression="
-                         f"{_describe(compression)} is not a sparse compressor. Use "
-                         f"compression=hvd_dgc.torch.Compression.dgc, or aggregation='auto'.")
+    aggregation_choices(aggregation, is_sparse(compression), _describe(compression),
+                        "hvd_dgc.torch.Compression.dgc")
     if is_sparse(compression) and dense_requested(density, warmup) \
-            and aggregation not in ("allgather", "region"):
+            and aggregation not in ("allgather", "region", "hierarchical"):
         compression, schedule = Compression.none, as_schedule(1.0)
     elif is_sparse(compression):
         # A copy per optimizer: the sampler's RNG state belongs to one optimizer's

@@ -2,7 +2,8 @@
 
 A launch (one tensor, one Horovod group, or every tensor of a step) holds tensors
 that may travel different ways: dense allreduce, sparse allgather, region reduce,
-a compressor's own collectives, or a sparse gradient as Horovod sends it. The
+hierarchical DGC, a compressor's own collectives, or a sparse gradient as Horovod
+sends it. The
 optimizer (optimizer.py) prepares each tensor — clip, accumulate, choose — and
 hands it to its path; every path answers the same calls, so a new aggregation is
 one more class here, not more branches there::
@@ -11,13 +12,17 @@ one more class here, not more branches there::
     payload = path.placeholder(job, x)  a non-finite gradient's stand-in: x = inf or 0
     launched = path.launch(items, name) start the collectives (non-blocking); with
                                         delay > 0, ``launched.sent``: what this rank sent
-    path.advance(handle)                second rounds: called for every launch of a step
+    sent = path.advance(handle)         second rounds: called for every launch of a step
                                         before any is waited on, so no rank waits on a
-                                        round another rank has not started
+                                        round another rank has not started; a path that
+                                        learns only here what it sent returns it (delay)
     updates = path.collect(handle)      wait; each tensor's averaged update, flat, in order
 
 What a tensor sent (``sent``: a flat tensor, or ``Selected`` records) is what delayed
 averaging replaces by the average D steps later (``own_of`` / ``subtract_own``).
+
+A path whose ``reduces_first`` is set (hierarchical DGC) takes the clipped gradient
+itself: its memory accumulates what the first round returns, not this rank's own.
 """
 
 from typing import NamedTuple
@@ -26,7 +31,8 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average, Sum
 
-from hvd_dgc.costmodel import DENSE, REGION, SPARSE
+from hvd_dgc.aggregation import regions, slice_k
+from hvd_dgc.costmodel import DENSE, HIERARCHICAL, REGION, SPARSE
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.torch.collective import EXCHANGE, HorovodComm
 from hvd_dgc.torch.compression import Selected, Selection, on_accelerator
@@ -54,6 +60,7 @@ class Job(NamedTuple):
     block_max: object = None  # |v| block maxima from the fused CPU update
     poison: object = None  # device flag: the gradient was not finite (GPU, skip_nonfinite)
     fixed: object = None   # Selected: send this instead (a non-finite gradient's record)
+    nesterov: bool = False  # for a memory that accumulates after the launch (hierarchical)
 
 
 class Item(NamedTuple):
@@ -77,6 +84,7 @@ class Wire(NamedTuple):
     process_set: object
     op: object
     predivide: float
+    peers: tuple = ()  # global ranks on this rank's host, sorted (hierarchical DGC only)
 
     def world(self):
         return self.process_set.size()
@@ -92,13 +100,14 @@ class Wire(NamedTuple):
 
 class _Path:
     name = None
-    selects = False  # a sparse selection (k records from the memory)
+    selects = False        # a sparse selection (k records from the memory)
+    reduces_first = False  # takes the gradient; the memory accumulates after a first round
 
     def __init__(self, dgc, wire):
         self.dgc, self.wire = dgc, wire
 
     def advance(self, handle):
-        pass
+        return None
 
 
 class DensePath(_Path):
@@ -284,6 +293,102 @@ class RegionPath(AllgatherPath):
         return updates
 
 
+class _HierarchicalLaunch(NamedTuple):
+    jobs: list
+    name: str
+    bounds: list     # per job, its slices' (start, stop), one per rank of the host
+    local: object    # the alltoall inside the host
+    gather: list     # [the allgather across hosts], once advanced
+
+
+class HierarchicalPath(_Path):
+    """Hierarchical DGC for several hosts of several ranks each (Horovod's local_size > 1
+    and cross_size > 1): the dense gradient is summed inside the host first, over its
+    fast links, and only sparse records cross between hosts.
+
+    Round 1 (launch): an alltoall among the host's L ranks (Horovod's global alltoall,
+    nothing to other hosts) sends slice j of every tensor's clipped gradient to the
+    host's j-th rank: a reduce-scatter, so each rank holds its host's sum of one slice.
+    Round 2 (advance): that rank's memory accumulates the host sum (momentum correction
+    on it), selects about k/L of the slice and sends the records in one allgather of
+    every rank's; every rank sums the same records in the same order (collect).
+
+    Memory: the residual of slice j of a host's summed gradient lives on the host's
+    j-th rank, and only there (1/L of a tensor per rank); what a host did not send
+    stays in the memory of the rank owning that slice. A host sends about k records
+    per tensor across hosts where flat DGC's L ranks send L k (hvd_dgc/aggregation.py
+    hierarchical_bytes). At density 1 every coordinate is sent: the update is dense
+    momentum SGD's."""
+
+    name = HIERARCHICAL
+    selects = True
+    reduces_first = True
+
+    def take(self, job):
+        return job  # the clipped gradient: the host's sum reaches the memory in advance
+
+    def placeholder(self, job, value):
+        return job._replace(v=torch.full_like(job.v, value))
+
+    def launch(self, items, name):
+        jobs = [it.payload for it in items]
+        peers, ps = self.wire.peers, self.wire.process_set
+        bounds = [regions(job.v.numel(), len(peers)) for job in jobs]
+        # a GPU's non-finite flag (skip_nonfinite): inf reaches the host's sums, then the wire
+        sends = [job.v if job.poison is None else torch.where(job.poison, float("inf"), job.v)
+                 for job in jobs]
+        parts = [torch.cat([v[b[j][0]:b[j][1]] for v, b in zip(sends, bounds)])
+                 for j in range(len(peers))]
+        splits = torch.zeros(ps.size(), dtype=torch.int32)
+        for j, rank in enumerate(peers):
+            splits[rank] = parts[j].numel()
+        local = _hvd.alltoall_async(torch.cat(parts), splits=splits, name=name + ".local",
+                                    process_set=ps)
+        return Launched(_HierarchicalLaunch(jobs, name, bounds, local, []), None)
+
+    def advance(self, handle):
+        """Returns what this rank sent, per tensor (its slice's records, unscaled): its
+        host's sum, so over all ranks they add up to N x the average, as delayed
+        averaging's ``own`` must (paths.py own_of)."""
+        if handle.gather:
+            return None
+        d, comp, rank = self.dgc, self.dgc.compression, _hvd.rank()
+        got, _ = _hvd.synchronize(handle.local)
+        me = self.wire.peers.index(rank)
+        host = got.view(len(self.wire.peers), -1).sum(0)  # the host's ranks, in rank order
+        records, sent, start, pre = [], [], 0, self.wire.pre()
+        for job, bounds in zip(handle.jobs, handle.bounds):
+            lo, hi = bounds[me]
+            v = d.memory.accumulate(job.key, host[start:start + hi - lo], job.momentum,
+                                    job.nesterov)
+            start += hi - lo
+            k = slice_k(job.k, job.v.numel(), hi - lo)
+            if not k:  # fewer elements than the host has ranks: nothing here
+                empty = v.new_zeros(0)
+                records.append(comp.pack(empty, empty.long()))
+                sent.append(Selected(empty.long(), empty))
+                continue
+            sel = comp.sparsify(v, k, rank, None)
+            mask = job.density <= masking_density_limit(d.memory.momentum_masking, job.momentum)
+            d.memory.sent(job.key, sel.indices, mask_momentum=mask)
+            count = sel.indices.numel()
+            d.stats.record(job.name, HIERARCHICAL, hi - lo, count, count * comp.record_bytes,
+                           job.density)
+            values = sel.values if pre == 1.0 else sel.values * pre
+            records.append(comp.pack(values, sel.indices + lo))
+            sent.append(Selected(sel.indices + lo, sel.values))
+        handle.gather.append(_hvd.grouped_allgather_async(
+            records, name=handle.name + ".cross", process_set=self.wire.process_set))
+        return sent
+
+    def collect(self, handle):
+        self.advance(handle)
+        out, comp, post = _hvd.synchronize(handle.gather[0]), self.dgc.compression, \
+            self.wire.post()
+        return [comp.scatter_sum(records, job.v.numel(), scale=post)
+                for records, job in zip(out, handle.jobs)]
+
+
 class ExchangePath(_Path):
     """Compressors that run their own collectives (collective.py: PowerSGD, sign,
     TernGrad, QSGD, bf16); they take what they sent out of ``v`` (error feedback)."""
@@ -346,12 +451,12 @@ class SparseGradPath(_Path):
 
 
 #: the order a launch starts its paths in (the same on every rank)
-ORDER = (SPARSE_GRAD, EXCHANGE, SPARSE, REGION, DENSE)
+ORDER = (SPARSE_GRAD, EXCHANGE, SPARSE, REGION, HIERARCHICAL, DENSE)
 
 
 def make_paths(dgc, wire):
     return {cls.name: cls(dgc, wire) for cls in (SparseGradPath, ExchangePath, AllgatherPath,
-                                                  RegionPath, DensePath)}
+                                                  RegionPath, HierarchicalPath, DensePath)}
 
 
 def own_of(item, dtype):

@@ -128,7 +128,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          process_set=global_process_set, scale_local_gradients=True, *,
                          density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
                          min_compress_size=1024, momentum_masking="auto", clip_norm=None,
-                         cost_model=None, delay=0, skip_nonfinite=True):
+                         cost_model=None, delay=0, skip_nonfinite=True, aggregation="auto"):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
@@ -177,7 +177,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
         clip_norm=clip_norm, cost_model=cost_model, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, delay=delay, skip_nonfinite=skip_nonfinite)
+        process_set=process_set, delay=delay, skip_nonfinite=skip_nonfinite,
+        aggregation=aggregation)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer)}

@@ -1,0 +1,83 @@
+"""Region reduce in TensorFlow: sparse aggregation whose bytes per worker stay flat as
+workers are added (issue 15; the maths, its formulas and the NumPy reference are in
+hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022; hvd_dgc/torch/region.py
+is the PyTorch side, and both are tested against that reference).
+
+Each rank owns one contiguous region of the tensor's index space. One alltoall sends
+each record to its region's owner; the owner sums what it got, in source-rank order,
+and keeps its ``quota = ceil(KEEP k / N)`` largest sums (ties: lower index); one
+allgather shares the kept ones, so every rank builds the same update. What the owner
+did not keep goes back into its own residual (the caller's ``give_back``): nothing is
+lost. About 3k(N-1)/N records per worker, whatever N.
+
+In graph ops, one tensor per call: the tensors of a step are independent ops of one
+graph, so TensorFlow runs their collectives concurrently and Horovod negotiates them
+together (as it does the allgathers of the other sparse path). Records are the sparse
+compressors' ``[int32 index | float32 value bits]`` rows.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import global_process_set
+
+from hvd_dgc.aggregation import KEEP
+from hvd_dgc.tensorflow.compression import SparseCompressor
+
+__all__ = ["RegionResult", "owners", "quota", "region_reduce"]
+
+
+class RegionResult(NamedTuple):
+    total: tf.Tensor             # flat float32 [numel]: the SUM over ranks (divide by N to average)
+    returned_indices: tf.Tensor  # int32: this rank's region's sums it did not keep
+    returned_values: tf.Tensor   # float32: ... and their values, for its residual
+    kept: tf.Tensor              # int64 scalar: records this rank kept, as owner
+
+
+def owners(indices, numel, world):
+    """The rank owning each index (hvd_dgc.aggregation.region_of in graph ops): ``world``
+    contiguous regions, the first ``numel % world`` one element longer."""
+    base, extra = divmod(int(numel), int(world))
+    cut = extra * (base + 1)
+    idx = tf.cast(indices, tf.int64)
+    # base 0 (fewer elements than ranks): every index lies below cut; rank i owns index i
+    return tf.where(idx < cut, idx // (base + 1), extra + (idx - cut) // max(base, 1))
+
+
+def quota(k, world):
+    """hvd_dgc.aggregation.quota for a k that is a tensor (it follows the warm-up)."""
+    k = tf.cast(k, tf.int64)
+    return tf.maximum(tf.constant(1, tf.int64), -(-KEEP * k // int(world)))
+
+
+def region_reduce(indices, values, numel, k, name, process_set=global_process_set):
+    """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
+    elements (each rank's indices distinct), each owner keeping ``quota(k, N)`` of its
+    region's sums. Every rank of ``process_set`` calls it with the same ``numel``, ``k``
+    and ``name``. Returns a ``RegionResult``; ``total`` is bit-identical on every rank."""
+    world = process_set.size()
+    owner = owners(indices, numel, world)
+    order = tf.argsort(owner, stable=True)
+    splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=world, maxlength=world)
+    records = SparseCompressor.pack(tf.gather(values, order), tf.gather(indices, order))
+    got, _ = _hvd.alltoall(records, splits=splits, name=name + ".split",
+                           process_set=process_set)
+    # sum by index in the alltoall's order (source rank), as the reference does
+    unique, inverse = tf.unique(got[:, 0])
+    sums = tf.math.unsorted_segment_sum(tf.bitcast(got[:, 1], tf.float32), inverse,
+                                        tf.size(unique))
+    by_index = tf.argsort(unique, stable=True)
+    unique, sums = tf.gather(unique, by_index), tf.gather(sums, by_index)
+    # largest |sum| first; top_k puts the lower position, here the lower index, first on ties
+    size = tf.size(unique, out_type=tf.int64)
+    count = tf.cast(tf.minimum(quota(k, world), size), tf.int32)
+    top = tf.math.top_k(tf.abs(sums), k=count, sorted=True).indices
+    keep = tf.scatter_nd(tf.expand_dims(top, 1), tf.ones_like(top, tf.bool), tf.shape(unique))
+    kept = SparseCompressor.pack(tf.gather(sums, top), tf.gather(unique, top))
+    everyone = _hvd.allgather(kept, name=name + ".gather", process_set=process_set)
+    rest = tf.logical_not(keep)
+    # owners' regions are disjoint: each index arrives once, so the scatter has no order
+    return RegionResult(SparseCompressor.scatter_sum(everyone, numel),
+                        tf.boolean_mask(unique, rest), tf.boolean_mask(sums, rest),
+                        tf.cast(count, tf.int64))
