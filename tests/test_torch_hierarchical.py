@@ -122,3 +122,60 @@ def test_forced_hierarchical_that_cannot_run_says_why(two_by_two, one_host):
     assert "not a sparse compressor" in dense and "aggregation='auto'" in dense, dense
     single = _checked(one_host, "bad_inputs")[0]["single_host"]
     assert "several hosts of several ranks" in single and "local_size=2" in single, single
+
+
+# -- over real ssh: emulated hosts (bench/wan/hosts.py), Gloo and MPI ----------------------
+def _on_emulated_hosts(controller, names):
+    """The worker on 2 emulated hosts x 2 ranks, horovodrun over ssh (mpirun's own
+    topology detection, by host name, decides local_size under MPI)."""
+    import os
+    import pickle
+    import shutil
+    import sys
+    import tempfile
+    from tests.hvdrun import REPO, worker_env
+    sys.path.insert(0, REPO)
+    from bench.wan.hosts import EmulatedHosts, available
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"emulated hosts unavailable here: {why}")
+    outdir = tempfile.mkdtemp(prefix="hvd_dgc_hier_")
+    try:
+        with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
+            pickle.dump({"names": names}, f)
+        with EmulatedHosts(["h1:2", "h2:2"], rate_mbit=1000, rtt_ms=1) as hosts:
+            done = hosts.horovodrun(
+                ["-np", "4", "-H", "h1:2,h2:2", f"--{controller}", sys.executable, "-m",
+                 "tests.hvdrun_worker", WORKER, outdir],
+                env=worker_env(), cwd=REPO, timeout=600)
+        results = {}
+        for name in os.listdir(outdir):
+            if name.startswith("rank") and name.endswith(".pkl"):
+                with open(os.path.join(outdir, name), "rb") as f:
+                    results[int(name[4:-4])] = pickle.load(f)
+        assert done.returncode == 0 and sorted(results) == [0, 1, 2, 3], \
+            f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return [results[r] for r in range(4)]
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def over_ssh(request):
+    return request.param, _on_emulated_hosts(request.param,
+                                             ["topology", "density_one", "sparse_steps"])
+
+
+def test_hierarchical_dgc_over_ssh_on_emulated_hosts(over_ssh):
+    """horovodrun -np 4 -H h1:2,h2:2 over real ssh into two network namespaces (Gloo,
+    and Open MPI whose own node detection gives local_size 2): the equivalence with
+    dense Horovod and bit-identical ranks hold there too."""
+    controller, results = over_ssh
+    _topology_is(results, 2)
+    for out in _checked(results, "density_one"):
+        assert out["hierarchical_vs_dense"] < 1e-6 and out["hierarchical_vs_flat"] < 1e-6, \
+            (controller, out)
+        assert all(out["identical"]), controller
+    for out in _checked(results, "sparse_steps"):
+        assert all(out["hierarchical"]["identical"]), controller
+        assert out["hierarchical"]["host_bytes"] <= out["allgather"]["host_bytes"] / 2 + 48

@@ -34,9 +34,9 @@ trap 'rc=$?; [ $rc -ne 0 ] && printf "\n!!! [install] FAILED at step: %s (exit %
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-step "Debian packages (Open MPI, build tools, TF headers Horovod needs)"
+step "Debian packages (Open MPI, build tools, TF headers Horovod needs, ssh for emulated hosts)"
 APT_PKGS=(openmpi-bin libopenmpi-dev g++ make cmake python3-dev python3-venv
-          libhighwayhash-dev libfarmhash-dev iproute2 procps)
+          libhighwayhash-dev libfarmhash-dev iproute2 procps openssh-server openssh-client)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -12,6 +12,12 @@ with tail drop when more than ``queue_bytes`` wait for the bottleneck, and
 optional random loss. The TUN MTU is 64 KB so the forwarder, in Python, moves
 ~2k packets/s per Gbit/s; rates up to ~1 Gbit/s are faithful.
 
+With ``nodes=N > 2`` (emulated hosts, bench/wan/hosts.py) the same forwarder
+reads all N TUN devices and sends each IPv4 packet to the namespace that owns
+its destination address: a full mesh in which every ordered pair of namespaces
+has its own bottleneck and delay, as between sites of a WAN. Two namespaces
+behave exactly as before (every packet goes to the other side).
+
     with WanLink(rate_mbit=100, rtt_ms=50) as link:
         link.popen(0, ["python", "server.py"])      # in namespace 0
         link.run(1, ["python", "client.py", link.ip(0)])
@@ -122,29 +128,48 @@ class _Direction:
         return self.in_flight[0][0] if self.in_flight else None
 
 
-def _forward(fd_a, fd_b, stop_fd, rate, delay, jitter, loss, queue_bytes, seed):
+def _route(packet, subnet, nodes):
+    """Index of the namespace a packet is for, or None (not IPv4 to 10.<subnet>.0.<1..N>)."""
+    if len(packet) < 20 or packet[0] >> 4 != 4:
+        return None
+    if packet[16] != 10 or packet[17] != subnet or packet[18] != 0:
+        return None
+    index = packet[19] - 1
+    return index if 0 <= index < nodes else None
+
+
+def _forward(fds, stop_fd, rate, delay, jitter, loss, queue_bytes, seed, subnet=None):
     rng = random.Random(seed)
-    ways = {fd_a: _Direction(fd_b, rate, delay, jitter, loss, queue_bytes, rng),
-            fd_b: _Direction(fd_a, rate, delay, jitter, loss, queue_bytes, rng)}
+    n = len(fds)
+    # One bottleneck per ordered pair (source fd, destination index): pairs do not share.
+    ways = {(src, b): _Direction(fds[b], rate, delay, jitter, loss, queue_bytes, rng)
+            for a, src in enumerate(fds) for b in range(n) if b != a}
     while True:
         pending = [t for t in (w.next_time() for w in ways.values()) if t is not None]
         timeout = max(0.0, min(pending) - time.monotonic()) if pending else 0.5
-        ready, _, _ = select.select([fd_a, fd_b, stop_fd], [], [], timeout)
+        ready, _, _ = select.select([*fds, stop_fd], [], [], timeout)
         if stop_fd in ready:
             return
         now = time.monotonic()
         for fd in ready:
             try:
-                ways[fd].accept(os.read(fd, MTU + 1024), now)
+                packet = os.read(fd, MTU + 1024)
             except BlockingIOError:
-                pass
+                continue
+            if n == 2:  # a plain wire: whatever one side sends reaches the other
+                dst = 1 - fds.index(fd)
+            else:
+                dst = _route(packet, subnet, n)
+                if dst is None or fds[dst] == fd:
+                    continue  # no such host here: lost, as on a wire
+            ways[(fd, dst)].accept(packet, now)
         now = time.monotonic()
         for way in ways.values():
             way.deliver(now)
 
 
 class WanLink:
-    """Two namespaces joined by an emulated link (see the module docstring).
+    """Two (or ``nodes``) namespaces joined by an emulated link (see the module docstring).
 
     Args:
         rate_mbit: bottleneck rate in Mbit/s each way (None: unlimited).
@@ -153,10 +178,13 @@ class WanLink:
         loss: probability a packet is dropped, each way.
         queue_bytes: the bottleneck's buffer; default twice the bandwidth-delay
             product plus 256 KB, so TCP can fill the link.
+        nodes: how many namespaces (2 to 254); namespace i has address ip(i).
+        names: the namespaces' names, when the caller wants its own (they must
+            not exist yet; they are created and removed here like the default ones).
     """
 
     def __init__(self, rate_mbit=None, rtt_ms=0.0, jitter_ms=0.0, loss=0.0, queue_bytes=None,
-                 subnet=77, seed=0):
+                 subnet=77, seed=0, nodes=2, names=None):
         ok, why = available()
         if not ok:
             raise RuntimeError(f"WanLink: {why}")
@@ -168,7 +196,12 @@ class WanLink:
             queue_bytes = 2 * self.rate * 2 * self.delay + 256 * 1024
         self.queue_bytes = queue_bytes
         self.subnet, self.seed = subnet, seed
-        self.namespaces = [f"hvddgc{os.getpid()}s{subnet}n{i}" for i in range(2)]
+        if names is not None:
+            nodes = len(names)
+        if not 2 <= nodes <= 254:
+            raise ValueError(f"WanLink: {nodes} namespaces; a link joins 2 to 254")
+        self.namespaces = (list(names) if names is not None else
+                           [f"hvddgc{os.getpid()}s{subnet}n{i}" for i in range(nodes)])
         self._created = []
         self._forwarder = None
         self._stop_w = None
@@ -234,8 +267,8 @@ class WanLink:
             code = 0
             try:
                 os.close(self._stop_w)
-                _forward(fds[0], fds[1], stop_r, self.rate, self.delay, self.jitter, self.loss,
-                         self.queue_bytes, self.seed)
+                _forward(fds, stop_r, self.rate, self.delay, self.jitter, self.loss,
+                         self.queue_bytes, self.seed, self.subnet)
             except BaseException:
                 code = 1
             finally:
