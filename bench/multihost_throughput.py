@@ -30,9 +30,13 @@ the slow link, both ways:
             packet that crossed the link, IP/TCP headers and Horovod's own
             negotiation traffic included;
   computed  dense: the ring allreduce formula 2(N-1)/N * n * 4 bytes each way;
-            DGC: the host's ranks' compression_stats()["bytes_sent"] per step (the
-            records they put on the wire; for hierarchical DGC the cross-host
-            allgather only, not the in-host reduce-scatter).
+            DGC: the records of the compressed tensors that the host's ranks put on
+            the wire in the last timed step (compression_stats(); for hierarchical DGC
+            the cross-host allgather only, not the in-host reduce-scatter), plus the
+            ring formula for the small tensors that go dense.
+A launch whose ranks got less than --min-share of the cores (other work on the
+machine) is measured again; --resume re-measures only such rows and the missing
+ones; --report-only rewrites the markdown and plot from the CSV.
 Writes the markdown (--out), a CSV and a PNG next to it, after every measurement,
 so an interrupted run keeps what it measured.
 """
@@ -67,7 +71,8 @@ FIELDS = ["workload", "rate_mbit", "rtt_ms", "method", "label", "status", "error
           "batch", "world", "params", "samples_per_s", "vs_nocomm", "step_s", "cpu_s_per_step", "cpu_share",
           "measured_h1_to_h2_bytes_per_step", "measured_h2_to_h1_bytes_per_step",
           "computed_bytes_per_step_per_host", "records_bytes_per_step_per_host",
-          "dense_small_bytes_per_step", "computed_how", "horovod_idle_bytes_per_s", "horovod_idle_cpu_per_s", "dgc_paths", "flush_s",
+          "dense_small_bytes_per_step", "computed_how", "horovod_idle_bytes_per_s", "horovod_idle_cpu_per_s",
+          "tcp_retrans_segs_per_step", "dgc_paths", "flush_s",
           "launch_s", "loadavg_start", "loadavg_end", "hierarchical_allreduce_env", "attempts",
           "session"]
 TEXT_FIELDS = {"workload", "method", "label", "status", "error", "computed_how", "dgc_paths",
@@ -176,6 +181,10 @@ def measure(hosts, workload, method, rate, rtt, args):
     cpus = [r["idle_cpu_per_s"] for r in ranks if r.get("idle_cpu_per_s") is not None]
     if cpus:
         row["horovod_idle_cpu_per_s"] = round(sum(cpus) / len(cpus), 3)
+    retrans = [f["tcp_retrans_segs"] for f in firsts.values()
+               if f.get("tcp_retrans_segs") is not None]
+    if retrans:
+        row["tcp_retrans_segs_per_step"] = round(sum(retrans) / args.steps, 1)
     idle = [f["idle_tx_bytes_per_s"] for f in firsts.values()
             if f.get("idle_tx_bytes_per_s") is not None]
     if idle:
@@ -229,12 +238,16 @@ def load_previous(path):
     return rows
 
 
-def previous_commands(path):
+def previous_runs(path):
+    """[{command, started, minutes}] of the runs an earlier markdown lists (for --resume)."""
     try:
         with open(path) as f:
-            return re.findall(r"^(?:Command|Then): `([^`]*)`", f.read(), re.M)
+            text = f.read()
     except OSError:
         return []
+    return [{"command": c, "started": d or "?", "minutes": float(m) if m else None}
+            for c, d, m in re.findall(r"^(?:Command|Then|Run \d+): `([^`]*)`(?: \(started "
+                                      r"([^,]+), ([\d.]+) min)?", text, re.M)]
 
 
 def key(r):
@@ -250,6 +263,67 @@ def set_fractions(rows):
             r["vs_nocomm"] = round(r["samples_per_s"] / ref["samples_per_s"], 4)
         else:
             r.pop("vs_nocomm", None)
+
+
+def nominal_record_ratio(workload, density):
+    """Hierarchical / flat (allgather) records per host by design, from the model's shapes:
+    flat: each of the L ranks selects k = ceil(density n) of every compressed tensor;
+    hierarchical: each rank selects slice_k(k, n, its slice) of the host's sum."""
+    import math
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from multihost_worker import ResNet18, mlp
+    from hvd_dgc.aggregation import regions, slice_k
+    model = mlp() if workload == "mlp" else ResNet18()
+    flat = hier = 0
+    for p in model.parameters():
+        n = p.numel()
+        if n < 1024:  # min_compress_size: dense in both
+            continue
+        k = max(1, min(n, int(math.ceil(n * density))))
+        flat += LOCAL_SIZE * k
+        hier += sum(slice_k(k, n, hi - lo) for lo, hi in regions(n, LOCAL_SIZE))
+    return hier / flat, flat, hier
+
+
+def record_bytes():
+    from hvd_dgc.torch.compression import Compression
+    return Compression.dgc().record_bytes
+
+
+def where_it_goes(by, wl, rate, rtt):
+    """Where hierarchical DGC's step time goes beyond the no-communication step, from the
+    rows' CPU time (the ranks share the machine's cores, so CPU is time here)."""
+    ref, h, f = (by.get((wl, rate, rtt, m)) for m in ("local", "dgc_hier", "dgc_flat"))
+    if not (ref and h and ref["status"] == h["status"] == "ok"):
+        return None
+    cores = os.cpu_count()
+    gap = h["step_s"] - ref["step_s"]
+    extra_cpu = h["cpu_s_per_step"] - ref["cpu_s_per_step"]
+    extra_s = extra_cpu * NP / cores
+    link_ms = h["computed_bytes_per_step_per_host"] * 8 / (rate * 1e6) * 1e3
+    text = (f"- Where the time goes ({wl}, {rate:g} Mbit/s RTT {rtt:g} ms, hierarchical DGC, "
+            f"{h.get('vs_nocomm', 0):.0%} of no-comm): a step takes {h['step_s']:.2f} s against "
+            f"{ref['step_s']:.2f} s without communication (+{gap:.2f} s). The ranks held "
+            f"{h['cpu_share']:.0%} of the cores and each spent {extra_cpu:.2f} CPU-s per step "
+            f"beyond the model's {ref['cpu_s_per_step']:.2f}: {extra_s:.2f} s of the {cores} "
+            f"cores per step, {extra_s / gap:.0%} of the gap, while the link needs "
+            f"~{link_ms:.0f} ms per step for the computed bytes. That CPU is DGC's own work, "
+            f"Horovod's background loop, and waiting: a rank waiting for a collective spins "
+            f"(see Notes), on cores the ranks still computing need.")
+    if h.get("horovod_idle_cpu_per_s") not in (None, ""):
+        text += (f" Horovod's background loop accounts for at most "
+                 f"{h['horovod_idle_cpu_per_s'] * h['step_s']:.2f} CPU-s of that per rank "
+                 f"(its idle rate x the step time).")
+    if f and f["status"] == "ok":
+        text += (f" Flat DGC spent {f['cpu_s_per_step']:.2f} CPU-s/step/rank "
+                 f"({f.get('vs_nocomm', 0):.0%} of no-comm): hierarchical DGC's in-host "
+                 f"reduce-scatter of the whole dense gradient ({ref['params'] * 4 / 1e6:.0f} MB "
+                 f"per host per step, Gloo alltoall over loopback TCP) and its second round "
+                 f"cost {h['cpu_s_per_step'] - f['cpu_s_per_step']:+.2f} CPU-s/step/rank "
+                 f"more here, which on ranks sharing 2 cores is time. On real hosts (a core "
+                 f"or a GPU per rank, shared memory inside the host) that CPU would not be "
+                 f"taken from the other ranks' compute.")
+    return text
 
 
 def mb(x):
@@ -275,14 +349,19 @@ def write_outputs(rows, meta, args):
     L.append("# Throughput at 2 emulated hosts x 2 ranks: dense Horovod vs flat and "
              "hierarchical DGC")
     L.append("")
-    for i, command in enumerate(meta["commands"]):
-        L.append(f"{'Command' if i == 0 else 'Then'}: `{command}`  ")
-    if len(meta["commands"]) > 1:
+    runs = meta["runs"] + ([{"command": meta["command"], "started": meta["date"],
+                             "minutes": meta["wall_min"]}] if meta.get("command") else [])
+    for i, run in enumerate(runs):
+        minutes = "?" if run["minutes"] is None else f"{run['minutes']:.1f}"
+        L.append(f"Run {i + 1}: `{run['command']}` (started {run['started']}, {minutes} min)  ")
+    if len(runs) > 1:
         L.append("(--resume: rows of earlier runs measured with the ranks' CPU share >= "
                  f"{args.min_share:.0%} were kept, the others measured again; the session "
                  "column of the CSV says when each was measured.)  ")
-    L.append(f"Date: {meta['date']}; wall time {meta['wall_min']:.1f} min "
-             f"({'finished' if meta['finished'] else 'in progress or interrupted'}).  ")
+    total = sum(r["minutes"] or 0 for r in runs)
+    L.append(f"Written: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; measuring "
+             f"wall time {total:.1f} min in all"
+             + ("" if meta["finished"] else " (a run in progress or interrupted)") + ".  ")
     L.append(f"Machine: {meta['machine']}.  ")
     L.append(f"Software: Python {platform.python_version()}, torch {meta['torch']}, "
              f"Horovod {meta['horovod']} (Gloo controller), hvd_dgc from this repository.  ")
@@ -355,12 +434,24 @@ def write_outputs(rows, meta, args):
                 if flat.get(key) and hier.get(key):
                     meas.append(hier[key] / flat[key])
             verdict = "met" if rec <= 1 / LOCAL_SIZE + 1e-9 else "NOT met"
+            nominal = nominal_record_ratio(wl, args.density)
+            flat_recs = flat["records_bytes_per_step_per_host"] / record_bytes()
+            hier_recs = hier["records_bytes_per_step_per_host"] / record_bytes()
             L.append(f"- Cross-host bytes per host, {wl}, {rate:g} Mbit/s RTT {rtt:g} ms, "
                      f"hierarchical / flat DGC: compressed tensors' records (DGC statistics) "
                      f"**{rec:.3f}** (target <= 1/local_size = {1 / LOCAL_SIZE:.2f}: {verdict}, "
                      f"{mb(hier['records_bytes_per_step_per_host'])} vs "
                      f"{mb(flat['records_bytes_per_step_per_host'])} MB/step); with the "
-                     f"tensors that go dense in both (ring formula) {comp:.3f}"
+                     f"tensors that go dense in both (ring formula) {comp:.3f}; by design "
+                     f"(k = ceil(density n) per rank and tensor flat, slice_k per slice "
+                     f"hierarchical, from the model's shapes) "
+                     f"{nominal[0]:.4f}; flat sent {flat_recs / nominal[1]:.1%} and "
+                     f"hierarchical {hier_recs / nominal[2]:.1%} of those nominal counts "
+                     + ("(flat's region reduce, chosen by its cost model for some tensors, "
+                        "sends more than k records)" if "region" in flat.get("dgc_paths", "")
+                        else "(DGC's selection is a sampled threshold, not an exact top-k: "
+                        "flat's whole-tensor selection returns a little under k, the "
+                        "hierarchical per-slice one about k)")
                      + (f"; on the wire (wan0 h1→h2 / h2→h1, Horovod's negotiation included) "
                         f"{' / '.join(f'{m:.3f}' for m in meas)}" if meas else "") + ".")
     cnn = by.get(("cnn", 100.0, 0.0, "dgc_hier"))
@@ -371,6 +462,10 @@ def write_outputs(rows, meta, args):
                  f"{verdict}).")
     else:
         L.append("- ResNet-18 at 100 Mbit/s RTT 0, hierarchical DGC: not measured in this run.")
+    for wl in args.workloads:
+        where = where_it_goes(by, wl, 100.0, 0.0)
+        if where:
+            L.append(where)
     L.append("")
     L.append("## Horovod hierarchical allreduce with Gloo")
     L.append("")
@@ -393,25 +488,47 @@ def write_outputs(rows, meta, args):
     L.append("## Notes")
     L.append("")
     L += [f"- {n}" for n in meta["notes"]]
-    idle = [r["horovod_idle_bytes_per_s"] for r in rows
-            if r.get("horovod_idle_bytes_per_s") not in (None, "")]
-    if idle:
-        L.append(f"- Measured bytes include Horovod's own negotiation: its background loop "
-                 f"exchanges a few bytes with the other ranks every cycle (HOROVOD_CYCLE_TIME), "
-                 f"tensors or not. With every rank asleep for 1 s after the timed steps, "
-                 f"{min(idle) / 1e3:.0f}-{max(idle) / 1e3:.0f} KB/s crossed the link per "
-                 f"direction (CSV: horovod_idle_bytes_per_s); times the step time, that is "
-                 f"most of what DGC rows measure beyond their records. It is an upper bound "
-                 f"(the loop cycles less often while the ranks compute) and costs CPU in the "
-                 f"ranks and the emulator's forwarder.")
-    cpus = [r["horovod_idle_cpu_per_s"] for r in rows
-            if r.get("horovod_idle_cpu_per_s") not in (None, "")]
-    if cpus:
-        L.append(f"- CPU of that idle loop: each rank used {min(cpus):.2f}-{max(cpus):.2f} "
-                 f"CPU-s per second while asleep (CSV: horovod_idle_cpu_per_s), i.e. up to "
-                 f"{NP * max(cpus) / os.cpu_count():.0%} of this machine's {os.cpu_count()} "
-                 f"cores for 4 ranks, taken from the other ranks' compute on shared cores. "
-                 f"Every Horovod row pays it; the no-communication row does not.")
+    spread = []
+    for r in rows:
+        twin = by.get((r["workload"], r["rate_mbit"], r["rtt_ms"], "dense_hier"))
+        if r["method"] == "dense" and r["status"] == "ok" and twin and twin["status"] == "ok":
+            a, b = r["samples_per_s"], twin["samples_per_s"]
+            spread.append(abs(a - b) / min(a, b))
+    if spread:
+        L.append(f"- Noise: 'dense Horovod' and 'Horovod hierarchical allreduce' run identical "
+                 f"code here (see above), so their difference is launch-to-launch noise: "
+                 f"{min(spread):.0%}-{max(spread):.0%} (median "
+                 f"{sorted(spread)[len(spread) // 2]:.0%}) over {len(spread)} pairs. Read "
+                 f"differences smaller than that as ties.")
+    L.append("- Measured dense bytes exceed the ring formula at RTT 0 (~44-47 vs 37.9 MB/step "
+             "for the MLP) and match it at RTT 50 ms (37.96): at RTT 0 the emulator's "
+             "bottleneck buffer is only 256 KB (twice the bandwidth-delay product + 256 KB), "
+             "so TCP overruns it and the dropped segments are sent again, and wan0 counts "
+             "them. Spot check (a separate 3-step run, dense MLP at 100 Mbit/s, not in the "
+             "table): 227 TCP segments retransmitted per step at RTT 0, 1.3 at RTT 50 ms "
+             "(/proc/net/snmp RetransSegs of the hosts' namespaces; CSV column "
+             "tcp_retrans_segs_per_step, empty for rows measured before it was added).")
+    by_rtt = {}
+    for r in rows:
+        if r.get("horovod_idle_bytes_per_s") not in (None, ""):
+            by_rtt.setdefault(r["rtt_ms"], []).append(r)
+    if by_rtt:
+        parts = []
+        for rtt, rs in sorted(by_rtt.items()):
+            b = [r["horovod_idle_bytes_per_s"] / 1e3 for r in rs]
+            c = [r["horovod_idle_cpu_per_s"] for r in rs
+                 if r.get("horovod_idle_cpu_per_s") not in (None, "")]
+            parts.append(f"at RTT {rtt:g} ms {min(b):.0f}-{max(b):.0f} KB/s per direction and "
+                         f"{min(c):.3f}-{max(c):.3f} CPU-s per second per rank")
+        L.append("- Measured bytes include Horovod's own negotiation: its background loop "
+                 "exchanges a few bytes with the other ranks every cycle (HOROVOD_CYCLE_TIME), "
+                 "tensors or not, and each cycle waits for a round trip. With every rank "
+                 "asleep for 1 s after the timed steps (CSV: horovod_idle_bytes_per_s, "
+                 "horovod_idle_cpu_per_s): " + "; ".join(parts) + ". At RTT 0 that is most "
+                 "of what DGC rows measure on the wire beyond their records, and its CPU is "
+                 "taken from the other ranks' compute on shared cores; the no-communication "
+                 "rows do not pay it. Upper bounds: the loop cycles less often while the "
+                 "ranks compute.")
     if meta["not_run"]:
         L.append("")
         L.append("## Not run")
@@ -493,6 +610,9 @@ def main():
     ap.add_argument("--resume", action="store_true",
                     help="keep the uncontended ok rows of the CSV next to --out and measure "
                     "only the rest of the grid")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing: rewrite the markdown and plot from the CSV next to "
+                    "--out (and the runs its markdown lists)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results",
                                                   "multihost_throughput.md"))
     args = ap.parse_args()
@@ -504,7 +624,7 @@ def main():
     methods = ["local"] + [m for m in METHODS if m in methods and m != "local"]
     links = parse_links(args.links)
     ok, why = available()
-    if not ok:
+    if not ok and not args.report_only:
         sys.exit(f"multihost_throughput: {why}")
 
     import horovod
@@ -523,7 +643,8 @@ def main():
                      f"operation reads, and the 'Horovod hierarchical allreduce' rows run the "
                      f"same flat Gloo ring allreduce as 'dense Horovod'.")
     command = "python bench/multihost_throughput.py " + " ".join(sys.argv[1:])
-    meta = {"commands": (previous_commands(args.out) if args.resume else []) + [command],
+    meta = {"runs": previous_runs(args.out) if args.resume or args.report_only else [],
+            "command": None if args.report_only else command,
             "links": links,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
@@ -542,8 +663,10 @@ def main():
         f"rate; on real hosts compute would be faster and communication a larger share.",
         "Other work on the machine (other engineers' test suites) was not controlled. It "
         "shows in the ranks' CPU share: with nothing else running the 4 ranks use ~97-99% "
-        f"of the {os.cpu_count()} cores in every method (also while they wait: Gloo's "
-        "transport and Horovod's loop spin). A launch below --min-share "
+        f"of the {os.cpu_count()} cores in every method, also the communication-bound ones: "
+        "a rank waiting for a collective spins (strace of a dense ResNet-18 rank at "
+        "100 Mbit/s RTT 50 ms: 72,529 sched_yield calls in 3 s over its threads, while it waited on the link), so "
+        "on oversubscribed cores waiting ranks take CPU from computing ones. A launch below --min-share "
         f"({args.min_share:.0%}) was measured again after {args.retry_wait:g} s (up to "
         f"{args.retries} time(s)), the attempt with the highest share kept; rows still below "
         "are marked **contended** and their rates (and fractions) are not the method's. "
@@ -561,9 +684,19 @@ def main():
         "batch norm) go dense in every DGC method, and across hosts in all of them.",
         "DGA rows: delay=2, so a step waits for the collectives of two steps earlier; "
         "`opt.flush()` after the timed steps is timed apart (status column).",
-        "One launch per cell: no repetitions, so differences of a few percent are noise.",
+        "One launch per cell, no repetitions (see the noise note below).",
     ]
-    session = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    session = meta["date"]
+    if args.report_only:
+        rows = load_previous(os.path.splitext(args.out)[0] + ".csv")
+        meta["finished"] = True
+        for rate, rtt in links:
+            missing = [f"{wl} {LABELS[m]}" for wl in args.workloads for m in methods
+                       if not any(key(r) == (wl, rate, rtt, m) for r in rows)]
+            if missing:
+                meta["not_run"].append(f"{rate:g} Mbit/s RTT {rtt:g} ms: " + ", ".join(missing))
+        print(write_outputs(rows, meta, args))
+        return
     grid = {(wl, rate, rtt, m) for rate, rtt in links for wl in args.workloads for m in methods}
     rows = []
     if args.resume:

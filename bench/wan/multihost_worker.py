@@ -122,6 +122,16 @@ def wan0_bytes():
     return None, None
 
 
+def tcp_retransmits():
+    """TCP segments retransmitted in this network namespace so far (/proc/net/snmp), or None."""
+    try:
+        with open("/proc/net/snmp") as f:
+            tcp = [line.split() for line in f if line.startswith("Tcp:")]
+        return int(tcp[1][tcp[0].index("RetransSegs")])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def file_barrier(sync_dir, tag, rank, size, timeout=600.0):
     """Every rank has reached ``tag``: one file each in a directory all hosts share
     (the emulated hosts are namespaces of one machine). No network traffic."""
@@ -202,6 +212,7 @@ def main():
     stats0 = opt.compression_stats() if dgc else None
     file_barrier(args.sync_dir, "start", rank, size)
     tx0, rx0 = wan0_bytes()
+    re0 = tcp_retransmits()
     cpu0 = time.process_time()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -210,6 +221,7 @@ def main():
     cpu = time.process_time() - cpu0
     file_barrier(args.sync_dir, "end", rank, size)
     tx1, rx1 = wan0_bytes()
+    re1 = tcp_retransmits()
     stats1 = opt.compression_stats() if dgc else None
     flush = 0.0
     if args.method == "dgc_hier_dga":  # once per epoch/evaluation, not per step: timed apart
@@ -240,7 +252,8 @@ def main():
     }
     if local_rank == 0 and tx0 is not None:
         report.update(wan_tx_bytes=tx1 - tx0, wan_rx_bytes=rx1 - rx0,
-                      idle_tx_bytes_per_s=idle_tx)
+                      idle_tx_bytes_per_s=idle_tx,
+                      tcp_retrans_segs=None if re0 is None else re1 - re0)
     if dgc:
         report.update(dgc_bytes_sent=stats1["bytes_sent"] - stats0["bytes_sent"],
                       dgc_steps=stats1["steps"] - stats0["steps"],
