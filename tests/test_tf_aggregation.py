@@ -85,5 +85,6 @@ def test_keras_optimizer_with_region_reduce_keeps_ranks_identical(four):
 def test_aggregation_typos_are_refused_naming_the_choices(four):
     out = _scenario(four, "bad_inputs")[0]
     for tag in ("tape", "keras"):
+        assert out[tag]["type"] == "ValueError", out[tag]
         assert "aggregation must be one of ['allgather', 'auto', 'dense', 'flat', " \
-            in out[tag], out[tag]
+            in out[tag]["message"], out[tag]

@@ -39,6 +39,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 
@@ -49,6 +50,34 @@ TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 MTU = 65000
 DEVICE = "wan0"
+
+
+def close_on_exit(close):
+    """Call ``close`` at interpreter exit and on SIGTERM/SIGINT (then the handler that
+    was there runs, and the process exits): a link or hosts must never outlive the
+    process that made them. Returns the handlers replaced, for ``restore_handlers``;
+    signals are only handled from the main thread (the only one Python allows)."""
+    atexit.register(close)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum, frame):
+        close()
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        raise SystemExit(128 + signum)
+
+    for s in previous:
+        signal.signal(s, on_signal)
+    return previous
+
+
+def restore_handlers(previous):
+    """Put back the signal handlers ``close_on_exit`` replaced."""
+    for s, handler in previous.items():
+        signal.signal(s, handler)
 
 
 def available():
@@ -214,19 +243,7 @@ class WanLink:
 
     # -- set-up and tear-down ---------------------------------------------------
     def __enter__(self):
-        atexit.register(self.close)
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-        def on_signal(signum, frame):
-            self.close()
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, frame)
-            raise SystemExit(128 + signum)
-
-        for s in previous:
-            signal.signal(s, on_signal)
-        self._previous_handlers = previous
+        self._previous_handlers = close_on_exit(self.close)
         try:
             self._setup()
         except BaseException:
@@ -279,8 +296,7 @@ class WanLink:
             os.close(fd)
 
     def close(self):
-        for s, handler in getattr(self, "_previous_handlers", {}).items():
-            signal.signal(s, handler)
+        restore_handlers(getattr(self, "_previous_handlers", {}))
         self._previous_handlers = {}
         if self._forwarder:
             try:

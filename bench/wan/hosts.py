@@ -51,11 +51,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.wan.emulator import WanLink, available  # noqa: E402
+from bench.wan.emulator import WanLink, available, close_on_exit, \
+    restore_handlers  # noqa: E402
 
 __all__ = ["EmulatedHosts", "HostsError", "parse_hosts", "available", "MAX_HOSTS"]
 
@@ -199,20 +199,7 @@ class EmulatedHosts:
 
     # -- set-up and tear-down -------------------------------------------------------
     def __enter__(self):
-        atexit.register(self.close)
-        if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-            def on_signal(signum, frame):
-                self.close()
-                handler = previous[signum]
-                if callable(handler):
-                    handler(signum, frame)
-                raise SystemExit(128 + signum)
-
-            for s in previous:
-                signal.signal(s, on_signal)
-            self._handlers = previous
+        self._handlers = close_on_exit(self.close)
         try:
             self._setup()
         except BaseException:
@@ -343,8 +330,7 @@ class EmulatedHosts:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
             atexit.unregister(self.close)
         # Last: the link's close puts back the handler it found, which is ours.
-        for s, handler in self._handlers.items():
-            signal.signal(s, handler)
+        restore_handlers(self._handlers)
         self._handlers = {}
 
     # -- running things on a host ------------------------------------------------------

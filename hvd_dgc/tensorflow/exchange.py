@@ -85,13 +85,12 @@ class GradientExchange(tf.Module):
         compression = choice.compressor
         self.dense_fp16 = choice.fp16  # Compression.fp16: fp16 on the dense path
         self.aggregation = aggregation
-        self.allowed = aggregation_choices(aggregation, is_sparse(compression),
-                                           repr(compression),
-                                           "hvd_dgc.tensorflow.Compression.dgc")
+        allowed = aggregation_choices(aggregation, is_sparse(compression), repr(compression),
+                                      "hvd_dgc.tensorflow.Compression.dgc")
         if aggregation == "hierarchical":
             raise ValueError("aggregation='hierarchical' runs in hvd_dgc.torch only so far; "
                              "use aggregation='auto' (flat methods in TensorFlow).")
-        self.allowed = tuple(a for a in self.allowed if a != _HIERARCHICAL)
+        self.allowed = tuple(a for a in allowed if a != _HIERARCHICAL)
         if dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
             compression, schedule = Compression.none, as_schedule(1.0)
         else:
@@ -235,8 +234,10 @@ class GradientExchange(tf.Module):
                            len(s.warmup_densities) - 1)
         return tf.where(t >= s.warmup, len(s.warmup_densities), stage)
 
-    def density(self):
-        return tf.gather(tf.constant(self._densities, tf.float64), self.stage())
+    def density(self, stage=None):
+        """The density at ``stage`` (default: this step's)."""
+        stage = self.stage() if stage is None else stage
+        return tf.gather(tf.constant(self._densities, tf.float64), stage)
 
     def __call__(self, grads):
         """Averaged gradients for this step's local ``grads`` (one per built variable);
@@ -248,7 +249,7 @@ class GradientExchange(tf.Module):
         a non-finite gradient on some rank made every rank skip this step."""
         stage = self.stage()
         base = self.compression.seed if is_sparse(self.compression) else 0
-        at = _At(stage, tf.gather(tf.constant(self._densities, tf.float64), stage),
+        at = _At(stage, self.density(stage),
                  tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]))
         grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
         if not self.skip_nonfinite:

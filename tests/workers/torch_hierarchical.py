@@ -13,16 +13,15 @@ import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.aggregation import regions
 from tests.workers import torch_dgc
-from tests.workers.torch_dgc import flat_params, loss_of, max_diff, mlp, ranks_identical, \
-    step_all, wide_mlp
+from tests.workers.torch_aggregation import _named
+from tests.workers.torch_dgc import expect_error, flat_params, loss_of, max_diff, mlp, \
+    ranks_identical, step_all, train, wide_mlp
+
+WIDE = {"features": 64}  # wide_mlp's inputs
 
 
 def suite(names):
     return torch_dgc.suite(names, sys.modules[__name__])
-
-
-def _named(tag, model):
-    return [(f"{tag}.{n}", p) for n, p in model.named_parameters()]
 
 
 def topology():
@@ -68,9 +67,7 @@ def sparse_steps(steps=10, density=0.001):
                                        density=density, aggregation=method)
         identical = []
         for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, step, rank, features=64).backward()
-            opt.step()
+            train(model, opt, 1, rank, start=step, **WIDE)
             identical.append(ranks_identical(model, f"sp.{method}.{step}"))
         stats = opt.compression_stats()
         # the last step's records (what crosses hosts), summed over each host's ranks
@@ -113,7 +110,7 @@ def conservation(steps=6):
     for step in range(steps):
         before = residuals()
         opt.zero_grad()
-        loss_of(model, step, rank, features=64).backward()
+        loss_of(model, step, rank, **WIDE).backward()
         grads = torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
         opt.synchronize()
         update = torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
@@ -145,7 +142,7 @@ def nonfinite_skip():
         for step in range(4):
             before_w, before_m = flat_params(model).clone(), memory()
             opt.zero_grad()
-            loss = loss_of(model, step, rank, features=64)
+            loss = loss_of(model, step, rank, **WIDE)
             if step == 2 and rank == 1:  # in the graph: the hooks launch during backward
                 loss = loss * float("nan")
             loss.backward()
@@ -174,10 +171,7 @@ def auto_choice():
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=_named("auto" + tag, model),
                                        density=0.001, **kwargs)
-        for step in range(2):
-            opt.zero_grad()
-            loss_of(model, step, hvd.rank(), features=64).backward()
-            opt.step()
+        train(model, opt, 2, hvd.rank(), **WIDE)
         if kwargs.get("delay"):
             opt.flush()
         out[tag] = opt.compression_stats()["paths"]
@@ -197,10 +191,7 @@ def delayed(steps=6):
                                        named_parameters=_named("dga" + tag, model),
                                        density=density, aggregation="hierarchical", delay=2,
                                        min_compress_size=0)
-        for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, step, rank, features=64).backward()
-            opt.step()
+        train(model, opt, steps, rank, **WIDE)
         in_flight = opt.in_flight
         opt.flush()
         out[tag] = {"in_flight": in_flight, "identical": ranks_identical(model, "dga." + tag),
@@ -225,17 +216,11 @@ def checkpoint_resume(total=8, at=4):
             min_compress_size=0)
         return model, opt
 
-    def train(model, opt, start, stop):
-        for step in range(start, stop):
-            opt.zero_grad()
-            loss_of(model, step, rank, features=64).backward()
-            opt.step()
-
     model, opt = make("ck.ref")
-    train(model, opt, 0, at)
+    train(model, opt, at, rank, **WIDE)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    train(model, opt, at, total)
+    train(model, opt, total - at, rank, start=at, **WIDE)
     reference = flat_params(model).clone()
     out = {"saved_residual": sum(float(s["v"].abs().sum()) for s in
                                  opt.state_dict()["hvd_dgc"]["memory"].values())}
@@ -251,7 +236,7 @@ def checkpoint_resume(total=8, at=4):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt.load_state_dict(state)
-        train(model, opt, at, total)
+        train(model, opt, total - at, rank, start=at, **WIDE)
         out[f"max_diff_{'with' if with_state else 'without'}_state"] = float(
             (flat_params(model) - reference).abs().max())
     out["identical"] = ranks_identical(model, "ck.id")
@@ -266,11 +251,8 @@ def bad_inputs():
                         ("single_host", {})):
         if tag == "single_host" and hvd.cross_size() > 1:
             continue
-        try:
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=_named("bad" + tag, model),
-                                     aggregation="hierarchical", **kwargs)
-            out[tag] = "no error"
-        except ValueError as e:
-            out[tag] = str(e)
+        out[tag] = expect_error(lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=_named("bad" + tag, model), aggregation="hierarchical",
+            **kwargs), ValueError)
     return out
