@@ -198,19 +198,20 @@ def test_killed_rank_fails_the_job_within_bounded_time():
             job.stdout), job.output()
 
 
-def _elastic_job(tmp_path, worker, np, slots_before, slots_after):
+def _elastic_job(tmp_path, worker, np, slots_before, slots_after, max_np=2):
     """``tests.workers.torch_elastic:<worker>`` under horovodrun's elastic mode with a
-    discovery script offering ``slots_before`` slots until the worker writes its flag
-    file, then ``slots_after``. ``--network-interface lo``: with one host Horovod
-    cannot probe interfaces between hosts and would wait (its own message)."""
+    discovery script offering the hosts ``slots_before`` (``"localhost:2"``, or several
+    host lines) until the worker writes its flag file, then ``slots_after``.
+    ``--network-interface lo``: with one machine Horovod cannot probe interfaces between
+    hosts and would wait (its own message)."""
     flag = tmp_path / "flag"
     script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then echo localhost:{slots_after}; "
-                      f"else echo localhost:{slots_before}; fi\n")
+    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then printf '{slots_after}\\n'; "
+                      f"else printf '{slots_before}\\n'; fi\n")
     script.chmod(0o755)
     job = launch(f"tests.workers.torch_elastic:{worker}", kwargs={"flag": str(flag)},
                  timeout=240, launcher_args=[
-                     "-np", str(np), "--min-np", "1", "--max-np", "2",
+                     "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
                      "--host-discovery-script", str(script), "--gloo",
                      "--network-interface", "lo"])
     assert job.returncode == 0, job.output()
@@ -221,7 +222,7 @@ def test_elastic_run_loses_a_worker_and_finishes_consistently(tmp_path):
     """horovodrun --min-np 1 --max-np 2 with a discovery script that drops to one slot
     at step 10: the survivor resets, restores the last commit (weights, optimizer and
     hvd_dgc state) and trains to the end in a world of one."""
-    out = _elastic_job(tmp_path, "drop_a_worker", 2, 2, 1).results[0]
+    out = _elastic_job(tmp_path, "drop_a_worker", 2, "localhost:2", "localhost:1").results[0]
     log = out["log"]
     assert out["size"] == 1 and log[-1]["step"] == 40, log[-3:]
     two = [e for e in log if e["size"] == 2]
@@ -240,12 +241,40 @@ def test_elastic_run_loses_a_worker_and_finishes_consistently(tmp_path):
     assert all(math.isfinite(x) for x in out["final"])
 
 
+def test_elastic_run_loses_a_whole_host(tmp_path):
+    """Two hosts of two ranks (``localhost`` and ``127.0.0.1``: two host names Horovod
+    starts without ssh), then the discovery script drops the second host at step 10:
+    both its ranks go at once. The two survivors, on one host now, restore the last
+    commit and train to the end, their weights bit-identical after every step before
+    and after; hvd_dgc's step and world size follow the reset."""
+    job = _elastic_job(tmp_path, "drop_a_worker", 4, "localhost:2\\n127.0.0.1:2",
+                       "localhost:2", max_np=4)
+    assert sorted(job.results) == [0, 1], job.output()
+    for out in job.results.values():
+        log = out["log"]
+        assert out["size"] == 2 and log[-1]["step"] == 40, log[-3:]
+        four = [e for e in log if e["size"] == 4]
+        two = [e for e in log if e["size"] == 2]
+        assert len(four) >= 10 and two, [(e["step"], e["size"]) for e in log]
+        assert all(e["hosts"] == 2 and e["local_size"] == 2 for e in four)
+        assert all(e["hosts"] == 1 and e["local_size"] == 2 for e in two)
+        assert all(e["identical"] for e in log)
+        resumed = two[0]["step"]
+        assert resumed <= four[-1]["step"] + 1
+        assert [e["step"] for e in two] == list(range(resumed, 41))
+        assert all(e["dgc_step"] == e["step"] for e in log)
+        assert all(e["world_size"] == e["size"] for e in log)
+    # the survivors end with the same weights
+    assert job.results[0]["final"] == job.results[1]["final"]
+    assert all(math.isfinite(x) for x in job.results[0]["final"])
+
+
 def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     """Start with one slot; at step 8 the discovery script offers two. The newcomer
     wraps its optimizer alone (no wrap-time config collective under elastic, or it
     would hang), receives the last commit and hvd_dgc's step (elastic_state.py), and
     trains in lock-step with rank 0 through a warm-up by step."""
-    job = _elastic_job(tmp_path, "add_a_worker", 1, 1, 2)
+    job = _elastic_job(tmp_path, "add_a_worker", 1, "localhost:1", "localhost:2")
     assert sorted(job.results) == [0, 1], job.output()
     first, newcomer = job.results[0]["log"], job.results[1]["log"]
     assert first[-1]["step"] == 30 and newcomer[-1]["step"] == 30

@@ -22,6 +22,8 @@ def _elastic(seed, **dgc_options):
 
 
 def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
+    """Also the run that loses a whole host (``-H localhost:2,127.0.0.1:2``, then only
+    ``localhost:2``): the log says how many hosts and ranks per host each step had."""
     model, opt, state = _elastic(3, density=density, clip_norm=1.0)
     log = []
 
@@ -36,7 +38,8 @@ def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
             log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
                         "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}"),
                         "dgc_step": opt.compression_stats()["step"],
-                        "world_size": opt.compression_stats()["world_size"]})
+                        "world_size": opt.compression_stats()["world_size"],
+                        "hosts": hvd.cross_size(), "local_size": hvd.local_size()})
             if state.step == drop_at and hvd.rank() == 0:
                 open(flag, "w").close()
             if state.step >= drop_at:
