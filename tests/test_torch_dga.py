@@ -6,7 +6,8 @@ from tests.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",
-             "checkpoint_after_flush_resumes_exactly", "bad_delay"]
+             "checkpoint_after_flush_resumes_exactly", "bad_delay", "period_matches_simulation",
+             "bad_period"]
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +57,42 @@ def test_bad_delay_arguments_give_clear_errors(gloo):
         assert "needs torch.optim.SGD" in out["adam"] and "Adam" in out["adam"]
         assert "grad_scaler" in out["grad_scaler"]
         assert "after optimizer.step()" in out["flush_before_step"]
+
+
+# -- temporally sparse updates (period=p, issue 17) -------------------------------------
+@pytest.mark.parametrize("variant", ["dense_p3", "dense_p3_delay2", "dense_p2_delay3",
+                                     "topk_p2_delay1"])
+def test_period_equals_simulated_rule_and_flush_makes_ranks_identical(gloo, variant):
+    for out in _checked(gloo, "period_matches_simulation"):
+        res = out[variant]
+        period, delay = res["period"], res["delay"]
+        assert res["moved"] > 1e-2
+        assert res["sim_workers_agree"] < 1e-6
+        assert res["max_diff_vs_simulation"] < 1e-6, res
+        assert res["identical_after_flush"]
+        # an exchange's average is applied `delay` steps after it: from then until the
+        # next local step the ranks agree (up to rounding); in between they differ
+        applied = [s + delay for s in range(len(res["spread"])) if (s + 1) % period == 0]
+        for i, spread in enumerate(res["spread"]):
+            if i in applied and (delay == 0 or period == 1):
+                assert spread < 1e-6, (i, res["spread"])
+            elif i not in applied:
+                assert spread > 1e-6, (i, res["spread"])
+        # steps waiting for an average: those after the last exchange already applied
+        last = max(a - delay for a in applied if a < len(res["spread"]))
+        assert res["in_flight"][-1] == len(res["spread"]) - 1 - last
+        assert "flush()" in res["refused_state_dict"] and "period=" in res["refused_state_dict"]
+        # collectives only on exchange steps: one per tensor per exchange
+        exchanges = len(res["spread"]) // period
+        assert sum(res["paths"].values()) == res["tensors"] * exchanges, res["paths"]
+    if variant.startswith("topk"):
+        assert res["paths"]["sparse"] > 0
+
+
+def test_bad_period_arguments_give_clear_errors(gloo):
+    for out in _checked(gloo, "bad_period"):
+        for case in ("zero", "float", "bool"):
+            assert "period must be an int >= 1" in out[case], out[case]
+        assert "period=4 needs torch.optim.SGD" in out["adam"] and "period=1" in out["adam"]
+        assert "grad_scaler" in out["grad_scaler"] and "period=1" in out["grad_scaler"]
+        assert "period=2 does not work with compression" in out["powersgd"]

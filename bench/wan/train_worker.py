@@ -9,6 +9,8 @@ on rank 0: steps/s and samples/s over the timed steps, after warm-up steps.
              fp16    Horovod's DistributedOptimizer, Compression.fp16
              dgc     hvd_dgc, DGC at --density (no warm-up: steady-state speed)
              dga     hvd_dgc, DGC + delayed averaging (--delay)
+             dts     hvd_dgc, DGC + delayed averaging + temporally sparse updates
+                     (--delay, --period: an exchange every period-th step)
 """
 
 import argparse
@@ -21,13 +23,15 @@ import torch.nn as nn
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", required=True, choices=["local", "dense", "fp16", "dgc", "dga"])
+    ap.add_argument("--method", required=True, choices=["local", "dense", "fp16", "dgc", "dga",
+                                                          "dts"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--delay", type=int, default=4)
+    ap.add_argument("--period", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -44,7 +48,9 @@ def main():
         else:
             import hvd_dgc.torch as hvd
             compression = hvd.Compression.dgc
-            options = dict(density=args.density, delay=args.delay if args.method == "dga" else 0)
+            options = dict(density=args.density,
+                           delay=args.delay if args.method in ("dga", "dts") else 0,
+                           period=args.period if args.method == "dts" else 1)
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -68,7 +74,7 @@ def main():
         loss = step()
     elapsed = time.perf_counter() - start
     flush = 0.0
-    if args.method == "dga":  # once per epoch/evaluation, not per step: timed apart
+    if args.method in ("dga", "dts"):  # once per epoch/evaluation, not per step: timed apart
         start = time.perf_counter()
         opt.flush()
         flush = time.perf_counter() - start

@@ -115,6 +115,15 @@ class DGCMemory:
             v.add_(grad)
         return (v, block_abs_max(v)) if with_block_max else v
 
+    def increment(self, key, grad, nesterov=False):
+        """What the last ``accumulate(key, grad, ...)`` added to ``v`` (a copy): this
+        rank's own velocity for the step, which a step between exchanges applies
+        (``period > 1``): ``u`` (plain momentum), ``u + g`` (Nesterov), ``g`` (none)."""
+        u = self.buffers[key]["u"]
+        if u is None:
+            return grad.clone()
+        return u + grad if nesterov else u.clone()
+
     def sent(self, key, indices, mask_momentum=None):
         """The coordinates at ``indices`` left this worker (sparse path). Their momentum is
         zeroed if ``mask_momentum`` (default: the ``momentum_masking`` setting; the

@@ -32,6 +32,9 @@ The path of one gradient (this file, and paths.py for how each way travels):
       avg = path.collect(...)        the average (sum of records / N, or allreduced v)
       delay 0: p.grad = avg_i
       delay D: p.grad = own_i - own_{i-D} + avg_{i-D}    (DGA; own = what this rank sent)
+      period p: between exchanges (every p-th step) the memory only accumulates and
+               p.grad = own_i, this rank's velocity; the exchange's average, D steps
+               after it, replaces everything this rank applied for its p steps
       base optimizer step, with SGD's momentum and weight decay switched off
       (the memory applied them already; a sparse gradient gets the base SGD's own)
 
@@ -42,6 +45,15 @@ velocity the memory sends (what DGC already communicates); with SGD, whose
 update is linear in the gradient, that equals feeding the corrected gradient to
 SGD's own momentum (sum_j m^(i-j) (g_j - g_(j-D) + avg_(j-D)) is the same sum),
 so one form serves dense and sparse paths alike.
+
+Temporally sparse updates (``period=p``; Zhu et al., "Distributed Training Across the
+World", 2019, the DTS update's second half) exchange every p-th step only. In between,
+each rank steps with its own velocity (the increment its memory just accumulated,
+``own``) and sends nothing; the memory keeps the whole sum, and the p-th step's
+exchange sends from it as any step would. When that exchange's average arrives (at
+once, or D steps later with ``delay``), it replaces every ``own`` this rank applied for
+those p steps, so each rank is back on the common trajectory: ``avg - sum(own)``.
+At p = 1 this is the DGA rule above, and at p = 1, D = 0 synchronous training.
 """
 
 import os
@@ -72,6 +84,7 @@ __all__ = ["DistributedOptimizer"]
 STATE_KEY = "hvd_dgc"
 STATE_VERSION = 1
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
+LOCAL = "local"  # a tensor's item on a step between exchanges (period > 1): no path
 
 
 class _Part(NamedTuple):
@@ -88,6 +101,14 @@ class _Pending(NamedTuple):
     params: tuple
     items: list
     parts: list
+
+
+class _InFlight(NamedTuple):
+    """One step's launches (none on a step between exchanges) and its own terms, waiting
+    for the step at which the exchange that covers them is applied."""
+
+    due: int        # the optimizer step (DGCState.step) that applies its average
+    launches: list  # of _Pending
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -117,7 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group in self.param_groups:
                 _check_dampening(group)
 
-        self._inflight = deque()    # DGA: launches of the last `delay` steps, oldest first
+        self._inflight = deque()    # DGA, period: _InFlight not yet applied, oldest first
         self._average_after_step = False
         self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self._handles = {}          # p or tuple(group) -> _Pending, or None while counting
@@ -167,6 +188,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "delay": d.delay,
+            "period": d.period,
             "skip_nonfinite": d.skip_nonfinite,
             "parameters": names,
             "shapes": shapes,
@@ -311,6 +333,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         momentum, nesterov, weight_decay = self._hyper(p)
         g = local_gradient(grad, p, weight_decay, d.clip_norm, self._world())
+        if not d.exchanges_now():  # period > 1, a step between exchanges
+            return self._prepare_local(Job(key, name, p.shape, g, 0, 1.0, momentum,
+                                           nesterov=nesterov))
         numel, density = g.numel(), d.density()
         k = num_selected(numel, density)
         path = self._paths[self._choose_path(numel, k, p.shape)]
@@ -337,17 +362,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             job = job._replace(v=d.memory.accumulate(key, g, momentum, nesterov))
         return Item(path.name, job, path.take(job), scale)
 
+    def _prepare_local(self, job):
+        """A step between exchanges (period > 1): the memory accumulates, nothing is sent;
+        this rank steps with what its memory just took in (the exchange replaces it later).
+        A non-finite gradient stays out of the memory and this rank applies zeros."""
+        d = self._dgc
+        if d.skip_nonfinite and not _finite(job.v):
+            self._dropped.append(job.name)
+            return Item(LOCAL, job, None, None, torch.zeros_like(job.v))
+        d.memory.accumulate(job.key, job.v, job.momentum, job.nesterov)
+        return Item(LOCAL, job, None, None, d.memory.increment(job.key, job.v, job.nesterov))
+
     def _prepare_sparse_grad(self, p, scale):
         """A sparse gradient travels as Horovod sends it: its indices and values,
         allgathered; DGC's memory never sees it. Coalesced first (a batch that looks a
         row up twice sends it once). A non-finite value shows in every rank's sum."""
         d, name = self._dgc, self._parameter_names[p]
-        if d.delay:
+        if d.keeps_own:
             raise ValueError(
                 f"hvd_dgc: parameter '{name}' has a sparse gradient (e.g. "
-                f"nn.Embedding(sparse=True)) and delay={d.delay}: delayed averaging needs "
-                f"dense gradients. Pass sparse_as_dense=True to DistributedOptimizer, or "
-                f"delay=0.")
+                f"nn.Embedding(sparse=True)) and delay={d.delay}, period={d.period}: "
+                f"delayed averaging and temporally sparse updates need dense gradients. "
+                f"Pass sparse_as_dense=True to DistributedOptimizer, or delay=0 and "
+                f"period=1.")
         g = p.grad.coalesce()
         if scale is not None:
             g = g / scale
@@ -360,14 +397,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _guard(self):
         """How this step treats a non-finite gradient: "skip" (every rank skips the step
-        and the memory is restored), "drop" (delay > 0: the rank that has it sends zeros)
-        or None (skip_nonfinite=False and no GradScaler: it goes through)."""
+        and the memory is restored), "drop" (delay > 0 or period > 1: the rank that has it
+        sends zeros) or None (skip_nonfinite=False and no GradScaler: it goes through)."""
         d = self._dgc
         if d.grad_scaler is not None and d.grad_scaler.is_enabled():
             return "skip"
         if not d.skip_nonfinite:
             return None
-        return "drop" if d.delay else "skip"
+        return "drop" if d.keeps_own else "skip"
 
     def _prepare_nonfinite(self, path, job, guard):
         """A non-finite local gradient stays out of the memory. "skip": send inf, so every
@@ -466,7 +503,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _advance(self, pending):
         for part in pending.parts:
             sent = part.path.advance(part.handle)
-            if sent is not None and self._dgc.delay:  # known only now (hierarchical)
+            if sent is not None and self._dgc.keeps_own:  # known only now (hierarchical)
                 for i, own in zip(part.positions, sent):
                     if pending.items[i].own is None:  # a dropped gradient keeps its zeros
                         pending.items[i] = pending.items[i]._replace(own=own)
@@ -495,11 +532,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad.copy_(update)
 
     def _drain(self, steps, corrections):
-        """Wait for ``steps`` launches; add ``avg - own`` of each into ``corrections``."""
-        for launches in steps:
-            for pending in launches:
+        """Wait for the launches of ``steps`` (``_InFlight``); add ``avg - own`` of each
+        into ``corrections`` (``-own`` for a step between exchanges: no average)."""
+        for entry in steps:
+            for pending in entry.launches:
                 for p, item, update in self._collect(pending):
-                    correction = subtract_own(update, item)
+                    if update is None:  # LOCAL: the exchange at the period's end covers it
+                        correction = own_of(item, buffer_dtype(p.dtype)).neg_()
+                    else:
+                        correction = subtract_own(update, item)
                     if p in corrections:
                         corrections[p].add_(correction)
                     else:
@@ -510,9 +551,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self, flush=False):
         """Launch what has not been launched, wait for what is due, fill ``p.grad``.
 
-        With ``delay=D`` only the launches of D steps ago are due; ``flush=True``
-        waits for all of them, so the step that follows leaves every rank with the
-        same weights (end of training, before evaluation or a checkpoint)."""
+        With ``delay=D`` only the launches of D steps ago are due (``period=p``: those of
+        the exchange D steps ago, and the p steps it covers); ``flush=True`` waits for
+        all of them, so the step that follows leaves every rank with the same weights
+        (end of training, before evaluation or a checkpoint). A flush between exchanges
+        takes back this rank's own steps since the last one: its memory still holds
+        them, and the next exchange sends them."""
         self._skip_step = False
         self._sparse_grads = set()
         if not self.process_set.included():
@@ -541,8 +585,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # waited on, so no rank can wait on one that another rank has not started.
         for pending in launches:
             self._advance(pending)
-        delay = self._dgc.delay
-        if delay == 0:
+        d = self._dgc
+        if not d.keeps_own:
             guarded, sums = self._guard() == "skip", []
             for pending in launches:
                 for p, item, update in self._collect(pending):
@@ -558,26 +602,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for pending in launches:
                 for p, item in zip(pending.params, pending.items):
                     grads[p] = own_of(item, buffer_dtype(p.dtype))
-            self._inflight.append(launches)
-            due = len(self._inflight) if flush else len(self._inflight) - delay
-            self._drain([self._inflight.popleft() for _ in range(max(due, 0))], grads)
+            self._inflight.append(_InFlight(d.applied_at(), launches))
+            due = []
+            while self._inflight and (flush or self._inflight[0].due <= d.step):
+                due.append(self._inflight.popleft())
+            self._drain(due, grads)
             for p, g in grads.items():
                 self._set_grad(p, g)
             self._average_after_step = flush
             if self._dropped:
                 self._dgc.nonfinite_steps += 1
                 warnings.warn(
-                    f"hvd_dgc: step {self._dgc.step}: non-finite gradient (NaN/Inf) in "
+                    f"hvd_dgc: step {d.step}: non-finite gradient (NaN/Inf) in "
                     f"{', '.join(self._dropped[:3])} on rank {_hvd.rank()}: with delay="
-                    f"{delay} this rank contributes zero to the step and keeps it out of its "
-                    f"memory; the other ranks have applied their own part already and keep "
-                    f"it ({self._dgc.nonfinite_steps} such steps here).", RuntimeWarning)
+                    f"{d.delay}, period={d.period} this rank contributes zero to the step "
+                    f"and keeps it out of its memory; the other ranks have applied their own "
+                    f"part already and keep it ({d.nonfinite_steps} such steps here).",
+                    RuntimeWarning)
                 self._dropped = []
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         for g in self._group_counts:
             self._group_counts[g] = 0
-        self._dgc.stats.end_step()
+        d.stats.end_step()
         self._synchronized = True
 
     @contextmanager
@@ -668,7 +715,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                "optimizer.synchronize(flush=True) before step()).")
         if not self._inflight:
             return
-        corrections = self._drain(list(self._inflight), {})
+        corrections = self._drain(list(self._inflight), {})  # all: none is due yet
         self._inflight.clear()
         saved = {p: p.grad for p in corrections}
         try:
@@ -692,7 +739,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def in_flight(self):
-        """Number of steps whose averages have not been applied yet (delay > 0)."""
+        """Number of steps whose averages have not been applied yet (delay > 0, or
+        period > 1 between exchanges)."""
         return len(self._inflight)
 
     @property
@@ -711,9 +759,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         if self._inflight:
             raise RuntimeError(
-                f"hvd_dgc: {len(self._inflight)} step(s) of delayed averaging are still in "
-                f"flight (delay={self._dgc.delay}); their averages cannot be saved. Call "
-                f"optimizer.flush() after step() before optimizer.state_dict().")
+                f"hvd_dgc: {len(self._inflight)} step(s) await an average (delay="
+                f"{self._dgc.delay}, period={self._dgc.period}); their averages cannot be "
+                f"saved. Call optimizer.flush() after step() before optimizer.state_dict().")
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = self._dgc.state_dict()
         return state
@@ -722,7 +770,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         dgc_state = state_dict.pop(STATE_KEY, None)
         for launches in self._inflight:  # Horovod must finish them; their results are moot
-            for pending in launches:
+            for pending in launches.launches:
                 try:
                     for _ in self._collect(pending):
                         pass
@@ -761,11 +809,12 @@ class DGCState:
 
     def __init__(self, schedule, compression, dense_compression, memory, cost_model,
                  min_compress_size, clip_norm, grad_scaler, log_every, delay=0,
-                 skip_nonfinite=True, aggregation="auto"):
+                 skip_nonfinite=True, aggregation="auto", period=1):
         self.schedule = schedule
         self.aggregation = aggregation
         self.aggregations = AGGREGATION_OPTIONS[aggregation]
         self.delay = delay
+        self.period = period
         self.skip_nonfinite = skip_nonfinite
         self.compression = compression
         self.dense_compression = dense_compression
@@ -784,6 +833,21 @@ class DGCState:
 
     def density(self):
         return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0
+
+    @property
+    def keeps_own(self):
+        """Whether a step applies this rank's own contribution before the average comes."""
+        return self.delay > 0 or self.period > 1
+
+    def exchanges_now(self):
+        """Whether this step exchanges: every ``period``-th (the same step on every rank,
+        as ``step`` is; it comes back with checkpoints and elastic commits)."""
+        return (self.step + 1) % self.period == 0
+
+    def applied_at(self):
+        """The step that applies the average covering this one: the period's exchange,
+        ``delay`` steps after it."""
+        return self.step + (-(self.step + 1)) % self.period + self.delay
 
     def loss_scale(self):
         """The GradScaler's scale as a tensor: ``get_scale()`` reads it back from the device,
@@ -928,6 +992,8 @@ def _host_peers(dgc, process_set):
         problem = "it runs on the global process set only"
     elif os.environ.get("HOROVOD_ELASTIC") == "1":  # a collective at wrap time would hang
         problem = "it does not run under elastic Horovod yet"
+    elif dgc.period > 1:  # its memory holds the host's sum: no own step to take back
+        problem = f"it does not run with period={dgc.period} (use period=1)"
     if problem:
         if forced:
             raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
@@ -956,7 +1022,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
                          momentum_masking="auto", clip_norm=None,
                          dense_compression=None, cost_model=None, grad_scaler=None,
-                         log_every=0, delay=0, skip_nonfinite=True, aggregation="auto"):
+                         log_every=0, delay=0, skip_nonfinite=True, aggregation="auto",
+                         period=1):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -1008,6 +1075,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             so D steps of compute hide each round trip. 0 is synchronous. Needs
             ``torch.optim.SGD``; call ``optimizer.flush()`` (or
             ``synchronize(flush=True)``) before evaluating or checkpointing.
+        period: temporally sparse updates: exchange every ``period``-th step only; in
+            between each rank steps with its own velocity and its memory keeps
+            accumulating; the exchange's average then replaces those own steps (module
+            doc). 1 exchanges every step. Composes with ``delay`` and any aggregation
+            but hierarchical; needs ``torch.optim.SGD``; ``flush()`` before evaluating
+            or checkpointing, as with delay.
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory, and
             the step is skipped on every rank (weights, memory, step count unchanged;
             counted in ``compression_stats()["nonfinite_steps"]``, with a warning).
@@ -1067,14 +1140,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
         raise ValueError(f"delay must be an int >= 0 (the number of steps an average may lag; "
                          f"0 = synchronous), got {delay!r}")
-    if delay and not isinstance(optimizer, torch.optim.SGD):
-        raise ValueError(f"delay={delay} needs torch.optim.SGD (with or without momentum): "
-                         f"the DGA correction g_i - g_(i-D) + avg_(i-D) is exact only for an "
-                         f"update linear in the gradient, and "
-                         f"{type(optimizer).__name__} is not. Use delay=0.")
-    if delay and grad_scaler is not None:
-        raise ValueError("delay > 0 with grad_scaler is not supported: an overflow seen D "
-                         "steps later cannot be undone. Use delay=0 with mixed precision.")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"period must be an int >= 1 (exchange every period-th step; 1 = "
+                         f"every step), got {period!r}")
+    # what takes this rank's own steps back later, and how to turn it off
+    lagging = " and ".join([f"delay={delay}"] * bool(delay) + [f"period={period}"] * (period > 1))
+    undo = " and ".join(["delay=0"] * bool(delay) + ["period=1"] * (period > 1))
+    if lagging and not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(f"{lagging} needs torch.optim.SGD (with or without momentum): "
+                         f"the correction g_i - g_(i-D) + avg_(i-D) (own steps replaced by the "
+                         f"average) is exact only for an update linear in the gradient, and "
+                         f"{type(optimizer).__name__} is not. Use {undo}.")
+    if lagging and grad_scaler is not None:
+        raise ValueError(f"{lagging} with grad_scaler is not supported: an overflow seen "
+                         f"steps later cannot be undone. Use {undo} with mixed precision.")
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if clip_norm is not None and not clip_norm > 0:
@@ -1097,16 +1176,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              f"hvd_dgc.torch.Compression.dgc to sparsify.")
         schedule = as_schedule(1.0)
     if is_exchange(compression):
-        if delay and not compression.sent_at_launch:
-            raise ValueError(f"delay={delay} does not work with compression={compression!r}: "
+        if lagging and not compression.sent_at_launch:
+            raise ValueError(f"{lagging} does not work with compression={compression!r}: "
                              f"what this rank sent is known only after its first allreduce, "
-                             f"and delayed averaging needs it at once. Use delay=0, or a "
+                             f"and a later correction needs it at once. Use {undo}, or a "
                              f"one-round compressor (Compression.sign, qsgd, bf16, dgc).")
         compression = compression()  # a copy per optimizer: Q, RNG state (checkpointed)
     check_masking(momentum_masking)
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
-                   int(log_every), delay, skip_nonfinite, aggregation)
+                   int(log_every), delay, skip_nonfinite, aggregation, period)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,

@@ -11,7 +11,8 @@ one more class here, not more branches there::
     payload = path.take(job)            what leaves the memory (the memory keeps the rest)
     payload = path.placeholder(job, x)  a non-finite gradient's stand-in: x = inf or 0
     launched = path.launch(items, name) start the collectives (non-blocking); with
-                                        delay > 0, ``launched.sent``: what this rank sent
+                                        delay > 0 or period > 1 (DGCState.keeps_own),
+                                        ``launched.sent``: what this rank sent
     sent = path.advance(handle)         second rounds: called for every launch of a step
                                         before any is waited on, so no rank waits on a
                                         round another rank has not started; a path that
@@ -19,7 +20,8 @@ one more class here, not more branches there::
     updates = path.collect(handle)      wait; each tensor's averaged update, flat, in order
 
 What a tensor sent (``sent``: a flat tensor, or ``Selected`` records) is what delayed
-averaging replaces by the average D steps later (``own_of`` / ``subtract_own``).
+averaging replaces by the average D steps later (``own_of`` / ``subtract_own``); with
+``period > 1`` the steps between exchanges take no path at all (optimizer.py, LOCAL).
 
 A path whose ``reduces_first`` is set (hierarchical DGC) takes the clipped gradient
 itself: its memory accumulates what the first round returns, not this rank's own.
@@ -70,12 +72,12 @@ class Item(NamedTuple):
     job: Job
     payload: object        # what its path sends
     scale: object = None   # GradScaler's scale the update is multiplied back by
-    own: object = None     # delay > 0: what this rank sent (flat tensor or Selected)
+    own: object = None     # keeps_own: what this rank sent (flat tensor or Selected)
 
 
 class Launched(NamedTuple):
     handle: object
-    sent: list = None      # per item, what this rank sent (delay > 0 only)
+    sent: list = None      # per item, what this rank sent (DGCState.keeps_own only)
 
 
 class Wire(NamedTuple):
@@ -134,7 +136,7 @@ class DensePath(_Path):
     def launch(self, items, name):
         # the allreduce overwrites the payloads in place: keep what was sent first
         sent = [it.payload.to(it.job.v.dtype, copy=True) for it in items] \
-            if self.dgc.delay else None
+            if self.dgc.keeps_own else None
         w = self.wire
         pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
         handle = _hvd.grouped_allreduce_async_(
@@ -208,7 +210,7 @@ class AllgatherPath(_Path):
         else:  # the CPU selection's counts vary by rank: one allgather per tensor
             handle = _hvd.grouped_allgather_async(list(records.split(sel.ks)),
                                                   name=name + ".sparse", process_set=ps)
-        return Launched((handle, layout), self._sent(sel) if self.dgc.delay else None)
+        return Launched((handle, layout), self._sent(sel) if self.dgc.keeps_own else None)
 
     def collect(self, handle):
         handle, (sizes, ks) = handle
@@ -257,7 +259,8 @@ class RegionPath(AllgatherPath):
                                   self.wire.process_set)
             chunks.append((reduce, list(range(start, stop))))
             start = stop
-        return Launched(_RegionLaunch(jobs, chunks), self._sent(sel) if self.dgc.delay else None)
+        sent = self._sent(sel) if self.dgc.keeps_own else None
+        return Launched(_RegionLaunch(jobs, chunks), sent)
 
     def advance(self, handle):
         comp = self.dgc.compression
@@ -409,7 +412,7 @@ class ExchangePath(_Path):
         ex = comp.launch([it.payload for it in items], [it.job.name for it in items],
                          name + ".x", HorovodComm(self.wire.process_set))
         sent = None
-        if self.dgc.delay:  # one-round compressors know what they sent at launch
+        if self.dgc.keeps_own:  # one-round compressors know what they sent at launch
             sent = [s.to(it.payload.dtype, copy=True) for s, it in zip(ex.sent, items)]
         return Launched(ex, sent)
 

@@ -14,23 +14,41 @@ from tests.workers.torch_dgc import (expect_error, flat_params, loss_of, mlp,
 
 
 def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
-                 density=None, passes=1):
+                 density=None, passes=1, period=1):
     """Every worker of a DGA run, in one process. ``density(step)`` None = dense.
 
     Per worker r and step i (DGC momentum correction, then DGA):
         g = sum of the step's backward passes + wd * w_r
-        u = m u + g;  v += u;  own = v[top-k] (all of v when dense);  v[sent] = 0
-        (and u[sent] = 0 when sparse: momentum factor masking)
-        w_r -= lr * (own_i - own_(i-D) + avg_(i-D))      (terms before step 0 are 0)
-    flush: w_r -= lr * (avg_j - own_j) for the D steps still in flight.
+        u = m u + g;  v += u
+        an exchange step ((i + 1) % period == 0):
+            own = v[top-k] (all of v when dense);  v[sent] = 0
+            (and u[sent] = 0 when sparse: momentum factor masking);  avg_i = mean of own
+        a step between exchanges (period > 1): own = u (what v just took in); no avg
+        w_r -= lr * own_i
+        at step s + D, for each exchange step s:
+            w_r -= lr * (avg_s - sum of own_j over s's period, j = s-period+1 .. s)
+    flush: the same for every exchange not yet applied, and -own_j for the steps
+    after the last exchange (their v is still in the memory).
     """
     workers = [copy.deepcopy(model0) for _ in range(size)]
     shapes = [p.numel() for p in model0.parameters()]
     dev = next(model0.parameters()).device
     u = [[torch.zeros(n, device=dev) for n in shapes] for _ in range(size)]
     v = [[torch.zeros(n, device=dev) for n in shapes] for _ in range(size)]
-    history = []  # per step: (own[r][j], avg[j])
+    history = []  # per step: (own[r][j], avg[j] or None between exchanges)
+
+    def correct(s):
+        """Apply exchange s's average in place of its period's own steps."""
+        owns_of = [history[j][0] for j in range(s - period + 1, s + 1)]
+        avg = history[s][1]
+        for r, model in enumerate(workers):
+            with torch.no_grad():
+                for j, p in enumerate(model.parameters()):
+                    took = sum(o[r][j] for o in owns_of)
+                    p -= lr * (avg[j] - took).view(p.shape)
+
     for i in range(steps):
+        exchange = (i + 1) % period == 0
         owns = []
         for r, model in enumerate(workers):
             model.zero_grad()
@@ -41,7 +59,9 @@ def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
                 g = p.grad.reshape(-1) + weight_decay * p.detach().reshape(-1)
                 u[r][j] = momentum * u[r][j] + g
                 v[r][j] += u[r][j]
-                if density is None:
+                if not exchange:
+                    own = u[r][j].clone()
+                elif density is None:
                     own = v[r][j].clone()
                     v[r][j].zero_()
                 else:
@@ -53,22 +73,24 @@ def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
                     u[r][j][idx] = 0
                 own_r.append(own)
             owns.append(own_r)
-        avg = [sum(owns[r][j] for r in range(size)) / size for j in range(len(shapes))]
+        avg = [sum(owns[r][j] for r in range(size)) / size
+               for j in range(len(shapes))] if exchange else None
         history.append((owns, avg))
         for r, model in enumerate(workers):
             with torch.no_grad():
                 for j, p in enumerate(model.parameters()):
-                    update = owns[r][j].clone()
-                    if i >= delay:
-                        old_owns, old_avg = history[i - delay]
-                        update += old_avg[j] - old_owns[r][j]
-                    p -= lr * update.view(p.shape)
+                    p -= lr * owns[r][j].view(p.shape)
+        if i >= delay and history[i - delay][1] is not None:
+            correct(i - delay)
+    for s in range(max(0, steps - delay), steps):  # flush
+        if history[s][1] is not None:
+            correct(s)
+    last = max([s for s in range(steps) if history[s][1] is not None], default=-1)
     for r, model in enumerate(workers):
         with torch.no_grad():
-            for i in range(max(0, steps - delay), steps):
-                old_owns, old_avg = history[i]
+            for i in range(last + 1, steps):
                 for j, p in enumerate(model.parameters()):
-                    p -= lr * (old_avg[j] - old_owns[r][j]).view(p.shape)
+                    p += lr * history[i][0][r][j].view(p.shape)
     return workers
 
 
@@ -84,7 +106,8 @@ def _train(model, opt, steps, rank, passes=1, start=0):
 
 
 def delay_zero_is_synchronous():
-    """delay=0 == Horovod's synchronous DistributedOptimizer, bit for bit (plain SGD)."""
+    """delay=0, period=1 == Horovod's synchronous DistributedOptimizer, bit for bit (plain
+    SGD)."""
     rank = hvd.rank()
     ref, ours = mlp(seed=3), mlp(seed=3)
     opt_ref = hvd_stock.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
@@ -92,7 +115,7 @@ def delay_zero_is_synchronous():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
                                    named_parameters=[("d0." + n, p) for n, p in
                                                      ours.named_parameters()],
-                                   density=1.0, delay=0)
+                                   density=1.0, delay=0, period=1)
     equal = []
     for i in range(20):
         step_all(((ref, opt_ref), (ours, opt)), i, rank)
@@ -203,6 +226,89 @@ def checkpoint_after_flush_resumes_exactly():
     opt2.flush()
     return {"refused_in_flight": refused,
             "resumed_equal": torch.equal(uninterrupted, flat_params(model2))}
+
+
+def _spread(model, name):
+    """Largest difference of any weight between ranks."""
+    everyone = hvd.allgather(flat_params(model).unsqueeze(0), name=name)
+    return float((everyone.max(dim=0).values - everyone.min(dim=0).values).max())
+
+
+PERIODS = {
+    # name: (compression, density or None, momentum, weight decay, period, delay, warm-up)
+    "dense_p3": ("none", None, 0.9, 1e-3, 3, 0, 0),
+    "dense_p3_delay2": ("none", None, 0.9, 0.0, 3, 2, 0),
+    "dense_p2_delay3": ("none", None, 0.0, 0.0, 2, 3, 0),
+    "topk_p2_delay1": ("topk", 0.02, 0.9, 1e-3, 2, 1, 4),
+}
+
+
+def period_matches_simulation(steps=11, lr=0.05):
+    """Temporally sparse updates (``period=p``) against ``simulate_dga`` with the same
+    period: every step's weights, ranks' spread after each step, bytes only on exchanges.
+    11 steps: the run ends between exchanges, so the flush takes own steps back."""
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for name, (comp, density, momentum, wd, period, delay, warmup) in PERIODS.items():
+        model = mlp(seed=6)
+        start = copy.deepcopy(model)
+        kwargs = dict(compression=getattr(hvd.Compression, comp), delay=delay, period=period)
+        schedule = None
+        if density is None:
+            kwargs.update(density=1.0)
+        else:
+            kwargs.update(density=density, warmup=warmup, warmup_unit="step",
+                          min_compress_size=0, momentum_masking=True)
+            schedule = as_schedule(density, warmup, "step")
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd),
+            named_parameters=[(name + "." + n, p) for n, p in model.named_parameters()],
+            **kwargs)
+        spread, in_flight = [], []
+        for i in range(steps):
+            opt.zero_grad()
+            loss_of(model, i, rank).backward()
+            opt.step()
+            spread.append(_spread(model, f"per.{name}.{i}"))
+            in_flight.append(opt.in_flight)
+        refused = expect_error(opt.state_dict, RuntimeError)
+        stats = opt.compression_stats()
+        opt.flush()
+        sim = simulate_dga(start, steps, size, delay, lr, momentum, wd,
+                           None if schedule is None else (lambda i, s=schedule: s(i, 0.0)),
+                           period=period)
+        out[name] = {
+            "max_diff_vs_simulation": max(float((flat_params(model) - flat_params(w))
+                                                .abs().max()) for w in sim),
+            "sim_workers_agree": float((flat_params(sim[0]) - flat_params(sim[-1]))
+                                       .abs().max()),
+            "identical_after_flush": ranks_identical(model, "per.flush." + name),
+            "spread": spread, "in_flight": in_flight, "refused_state_dict": refused,
+            "paths": stats["paths"], "period": period, "delay": delay,
+            "tensors": len(list(model.parameters())),
+            "moved": float((flat_params(model) - flat_params(start)).abs().max()),
+        }
+    return out
+
+
+def bad_period():
+    model = mlp()
+    named = list(model.named_parameters())
+
+    def wrap(opt, **kw):
+        return lambda: hvd.DistributedOptimizer(opt, named_parameters=named, **kw)
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "zero": expect_error(wrap(sgd, period=0), ValueError),
+        "float": expect_error(wrap(sgd, period=2.0), ValueError),
+        "bool": expect_error(wrap(sgd, period=True), ValueError),
+        "adam": expect_error(wrap(torch.optim.Adam(model.parameters()), period=4), ValueError),
+        "grad_scaler": expect_error(wrap(sgd, period=2, grad_scaler=torch.amp.GradScaler(
+            "cpu")), ValueError),
+        "powersgd": expect_error(wrap(sgd, period=2, compression=hvd.Compression.powersgd),
+                                 ValueError),
+    }
 
 
 def bad_delay():
