@@ -3,7 +3,7 @@ with Deep Gradient Compression one flag (one line) away.
 
     horovodrun -np 2 -H localhost:2 python examples/pytorch_mnist.py           # Horovod
     horovodrun -np 2 -H localhost:2 python examples/pytorch_mnist.py --dgc     # hvd_dgc
-    ... --dgc --density 0.001 --warmup-epochs 4 --delay 4 --stats              # all knobs
+    ... --dgc --density 0.001 --warmup-epochs 4 --delay 4 --period 4 --stats   # all knobs
 
 With --dgc and no --density / --warmup-epochs the script passes no DGC option at all,
 as a Horovod script with only its import line switched: hvd_dgc's defaults apply.
@@ -47,6 +47,8 @@ dgc.add_argument("--min-compress-size", type=int, default=None,
                  help="tensors smaller than this always go dense (default: hvd_dgc's)")
 dgc.add_argument("--delay", type=int, default=0,
                  help="delayed gradient averaging: apply each average D steps later")
+dgc.add_argument("--period", type=int, default=1,
+                 help="temporally sparse updates: exchange every P-th step, local steps between")
 dgc.add_argument("--stats", action="store_true", help="print compression statistics per epoch")
 args = parser.parse_args()
 
@@ -117,6 +119,7 @@ def main():
     options = {}
     if args.dgc:  # only what the command line gave: the rest is hvd_dgc's defaults
         given = dict(density=args.density, warmup=args.warmup_epochs, delay=args.delay or None,
+                     period=args.period if args.period != 1 else None,
                      min_compress_size=args.min_compress_size)
         options = {key: value for key, value in given.items() if value is not None}
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -144,7 +147,7 @@ def main():
             loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
             loss.backward()
             optimizer.step()
-        if args.dgc and args.delay:
+        if args.dgc and (args.delay or args.period > 1):
             optimizer.flush()  # apply the averages still in flight: ranks identical again
         elapsed = time.perf_counter() - start
 
