@@ -8,7 +8,8 @@ user-space link of bench/wan/emulator.py (rate cap, one-way delay). The same
 training for every method (bench/wan/train_worker.py: an MLP with 6.3M
 parameters, 25 MB of fp32 gradient, batch 128): Horovod dense fp32, Horovod
 fp16, hvd_dgc DGC 0.1%, DGC + delayed averaging (D=4), DGC + DGA + temporally
-sparse updates (D=4, an exchange every 4th step: ``--methods ... dts``), and the
+sparse updates (``--methods ... dts``: an exchange every ``--dts-period``-th step,
+each applied ``--dts-delay`` steps later; 8 and 8 by default), and the
 no-communication bound (one worker alone, x2). Writes, from this one run:
 
     bench/results/wan_throughput.csv    every measurement
@@ -31,7 +32,7 @@ from bench.wan.launch import run_job  # noqa: E402
 
 METHODS = ["dense", "fp16", "dgc", "dga"]
 LABELS = {"dense": "Horovod fp32", "fp16": "Horovod fp16", "dgc": "hvd_dgc DGC 0.1%",
-          "dga": "hvd_dgc DGC + DGA (D=4)", "dts": "hvd_dgc DGC + DGA (D=4) + period 4",
+          "dga": "hvd_dgc DGC + DGA (D=4)", "dts": "hvd_dgc DGC + DGA + period",
           "local": "no communication (bound)"}
 WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
 MODEL = ["--width", "2048", "--batch", "128"]  # the same training for every method
@@ -45,14 +46,21 @@ def steps_for(method, rate_mbit, rtt_ms, args):
     if method in ("dense", "fp16"):
         width = 2 if method == "fp16" else 4
         estimate = compute + GRAD_BYTES / 4 * width * 8 / (rate_mbit * 1e6) + 2 * rtt_ms / 1e3
+    elif method == "dts":  # latency hidden once the pipeline is full: time whole periods
+        return max(2 * args.dts_period, min(args.max_steps, int(args.seconds / compute)))
     else:
         estimate = compute + 8 * rtt_ms / 1e3
     return max(2, min(args.max_steps, int(args.seconds / estimate)))
 
 
 def measure(link, method, steps, args):
+    warmup = args.warmup_steps
+    if method == "dts":  # until the first average is applied: the pipeline is full
+        warmup = max(warmup, args.dts_period + args.dts_delay)
     argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
-                     str(args.warmup_steps), *MODEL]
+                     str(warmup), *MODEL]
+    if method == "dts":
+        argv += ["--period", str(args.dts_period), "--delay", str(args.dts_delay)]
     results = run_job(link, argv, timeout=args.timeout)
     code, out, err = results[0]
     if code != 0 or results[1][0] != 0:
@@ -154,8 +162,11 @@ def main():
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--dts-period", type=int, default=8)
+    ap.add_argument("--dts-delay", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = ap.parse_args()
+    LABELS["dts"] = f"hvd_dgc DGC + DGA (D={args.dts_delay}) + period {args.dts_period}"
     ok, why = available()
     if not ok:
         sys.exit(f"wan_throughput: {why}")
