@@ -4,7 +4,8 @@ cycle time) settings, beside the no-communication bound, in one run (issue 17).
     python bench/period_sweep.py                              # 100 Mbit/s, RTT 200 ms
     python bench/period_sweep.py --rtt 50 --settings 4:4:1 8:8:1
 
-A setting is ``period:delay:cycle_ms`` (cycle: HOROVOD_CYCLE_TIME). The training is
+A setting is ``period:delay:cycle_ms`` (cycle: HOROVOD_CYCLE_TIME; delay may be
+``auto``: delay="auto", its D at the end and its decisions printed). The training is
 bench/wan_throughput.py's (bench/wan/train_worker.py, DGC 0.1%), over its emulated link.
 """
 
@@ -33,19 +34,22 @@ def main():
     bound = local_rate(args)
     print(f"no-communication bound: {bound:.0f} samples/s; link {args.rate:g} Mbit/s, "
           f"RTT {args.rtt:g} ms; {args.steps} timed steps after period + delay\n")
-    print("| period, delay, HOROVOD_CYCLE_TIME | samples/s | of the bound |\n|---|---|---|")
+    print("| period, delay, HOROVOD_CYCLE_TIME | samples/s | of the bound | D at the end "
+          "(decisions: step, D) |\n|---|---|---|---|")
     with WanLink(rate_mbit=args.rate, rtt_ms=args.rtt) as link:
         for setting in args.settings:
             period, delay, cycle = setting.split(":")
             argv = WORKER + ["--method", "dts", "--period", period, "--delay", delay,
                              "--steps", str(args.steps), "--warmup-steps",
-                             str(int(period) + int(delay)), *MODEL]
+                             str(int(period) + (8 if delay == "auto" else int(delay))), *MODEL]
             results = run_job(link, argv, env={"HOROVOD_CYCLE_TIME": cycle}, timeout=900)
             if any(code != 0 for code, _, _ in results):
                 raise RuntimeError(f"{setting} failed:\n{results[0][2][-2000:]}")
-            rate = json.loads(results[0][1].strip().splitlines()[-1])["samples_per_s"]
-            print(f"| {period}, {delay}, {cycle} ms | {rate:.0f} | {rate / bound:.0%} |",
-                  flush=True)
+            out = json.loads(results[0][1].strip().splitlines()[-1])
+            rate = out["samples_per_s"]
+            chosen = "" if delay != "auto" else f"{out['delay']} {out['delay_decisions']}"
+            print(f"| {period}, {delay}, {cycle} ms | {rate:.0f} | {rate / bound:.0%} | "
+                  f"{chosen} |", flush=True)
 
 
 if __name__ == "__main__":

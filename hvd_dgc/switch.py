@@ -100,7 +100,7 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
 
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
-            compressed, total, framework, sums=("sparse",)):
+            compressed, total, framework, sums=("sparse",), period=1):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
@@ -122,4 +122,6 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
                 f"({dense_values} allreduce)")
     if delay:
         what += f"; delayed averaging, delay={delay}"
+    if period > 1:
+        what += f"; an exchange every {period} steps (period={period})"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."

@@ -1,6 +1,7 @@
 """Single-process tests: ALGORITHMS.md test vectors, schedule, cost model, packing, stats."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -419,3 +420,46 @@ def test_default_schedule_warms_up_by_steps_when_the_script_sets_nothing():
     assert as_schedule(0.01).warmup == 0            # density given: no implicit warm-up
     assert as_schedule(None, 0).density == 0.001    # warmup=0: none
     assert as_schedule(None, 4).unit == "epoch"
+
+
+# -- delay="auto" (hvd_dgc/autodelay.py) -------------------------------------------------
+def test_auto_delay_covers_the_measured_exchange_with_its_margin():
+    from hvd_dgc.autodelay import AutoDelay, choose_delay
+    cfg = AutoDelay(max_delay=8, margin=1.25)
+    # D=2, each step waited one step's compute: the exchange took 3 steps -> ceil(3.75)
+    assert choose_delay(2, compute_s=10.0, wait_s=10.0, steps=10, config=cfg) == 4
+    # period 4: one step in 4 waits; 0.25 per step = 1 step per exchange -> same 4
+    assert choose_delay(2, 10.0, 2.5, 10, cfg, period=4) == 4
+    # a long exchange is capped at max_delay
+    assert choose_delay(2, 1.0, 100.0, 10, cfg) == 8
+    # no wait worth the name (below idle): one step less, never below 1
+    assert choose_delay(5, 10.0, 0.4, 10, cfg) == 4
+    assert choose_delay(1, 10.0, 0.0, 10, cfg) == 1
+    # nothing measured: unchanged
+    assert choose_delay(3, 0.0, 0.0, 0, cfg) == 3
+
+
+def test_auto_delay_state_decides_from_the_window_it_was_given():
+    from hvd_dgc.autodelay import AutoDelay, AutoDelayState
+    state = AutoDelayState(AutoDelay(max_delay=6, window=2, start=2))
+    state.observe(0.1, 0.1)
+    assert not state.window_done()
+    state.observe(0.1, 0.1)
+    sums = state.take_window()
+    assert sums == (0.2, 0.2, 2.0, 2.0) and state.steps == 0
+    assert state.decide(sums, step=7) == 4 and state.decisions == [(7, 4)]
+    # a window measured under a D since replaced decides nothing
+    assert state.decide(sums, step=9) == 4 and state.decisions == [(7, 4)]
+
+
+def test_auto_delay_arguments():
+    from hvd_dgc.autodelay import AutoDelay, as_auto_delay
+    assert as_auto_delay(3) == (3, None)
+    assert as_auto_delay("AUTO") == (None, AutoDelay())
+    assert as_auto_delay(AutoDelay(max_delay=16)) == (None, AutoDelay(max_delay=16))
+    for bad, words in (("soon", '"auto"'), (-1, "int >= 0"), (True, "int >= 0"),
+                       (AutoDelay(window=0), "window must be an int >= 1"),
+                       (AutoDelay(margin=0.5), "margin must be a number >= 1"),
+                       (AutoDelay(idle=1.0), "idle must be a number in [0, 1)")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            as_auto_delay(bad)

@@ -7,7 +7,7 @@ from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",
              "checkpoint_after_flush_resumes_exactly", "bad_delay", "period_matches_simulation",
-             "bad_period"]
+             "bad_period", "auto_delay_matches_simulation"]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,25 @@ def test_bad_period_arguments_give_clear_errors(gloo):
         assert "period=4 needs torch.optim.SGD" in out["adam"] and "period=1" in out["adam"]
         assert "grad_scaler" in out["grad_scaler"] and "period=1" in out["grad_scaler"]
         assert "period=2 does not work with compression" in out["powersgd"]
+        assert "\"auto\"" in out["delay_word"] and "'sometimes'" in out["delay_word"]
+        assert "delay=auto needs torch.optim.SGD" in out["auto_adam"]
+        assert "max_delay must be an int >= 1" in out["auto_max"]
+        assert "start=3 is above max_delay=2" in out["auto_start"]
+
+
+# -- delay="auto" (issue 17) ---------------------------------------------------------
+@pytest.mark.parametrize("variant", ["down", "up", "up_period2"])
+def test_auto_delay_same_on_every_rank_and_equal_to_the_rule_it_chose(gloo, variant):
+    for out in _checked(gloo, "auto_delay_matches_simulation"):
+        res = out[variant]
+        trace = res["trace"]
+        assert all(t == trace for t in res["traces"]), res["traces"]  # every rank, every step
+        assert res["decisions"], res
+        if variant == "down":  # no wait worth the name: one step less per window, to 1
+            assert trace[0] == 4 and trace[-1] == 1, trace
+            assert all(a >= b for a, b in zip(trace, trace[1:])), trace
+        else:  # every wait counts: up by the margin each window, to max_delay
+            assert trace[0] == 1 and trace[-1] == 4, trace
+            assert all(a <= b for a, b in zip(trace, trace[1:])), trace
+        assert res["max_diff_vs_simulation"] < 1e-6, res
+        assert res["identical_after_flush"] and res["moved"] > 1e-2

@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--density", type=float, default=0.001)
-    ap.add_argument("--delay", type=int, default=4)
+    ap.add_argument("--delay", default="4", help="an int, or auto (delay=\"auto\")")
     ap.add_argument("--period", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -48,8 +48,9 @@ def main():
         else:
             import hvd_dgc.torch as hvd
             compression = hvd.Compression.dgc
+            delay = args.delay if args.delay == "auto" else int(args.delay)
             options = dict(density=args.density,
-                           delay=args.delay if args.method in ("dga", "dts") else 0,
+                           delay=delay if args.method in ("dga", "dts") else 0,
                            period=args.period if args.method == "dts" else 1)
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -84,7 +85,11 @@ def main():
                           "steps_per_s": args.steps / elapsed,
                           "samples_per_s": args.steps * args.batch * size / elapsed,
                           "workers": size, "params": params, "loss": float(loss.detach()),
-                          "flush_seconds": flush}), flush=True)
+                          "flush_seconds": flush,
+                          "delay": getattr(opt, "compression_stats", dict)().get("delay"),
+                          "delay_decisions": getattr(opt, "compression_stats",
+                                                     dict)().get("delay_decisions")}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Horovod's ``none``/``fp16`` next to ``dgc``, ``topk``, ``randomk``,
 from horovod.torch import *  # noqa: F401,F403  (the drop-in contract)
 from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for readers)
 
+from hvd_dgc.autodelay import AutoDelay  # noqa: F401
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.torch.compression import (  # noqa: F401

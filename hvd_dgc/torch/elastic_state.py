@@ -5,7 +5,8 @@ hvd_dgc's memory) and, when workers join, broadcasts rank 0's optimizer state,
 which leaves hvd_dgc's own state alone: residuals are per rank, and a newcomer
 rightly starts with an empty one. Its step and epoch, though, decide every
 rank's density and path (a mismatch would hang a collective), so after
-Horovod's sync they are taken from rank 0 too. Registered in Horovod's handler
+Horovod's sync they are taken from rank 0 too, with the delay ``delay="auto"``
+has reached. Registered in Horovod's handler
 registry when hvd_dgc.torch is imported: ``hvd.elastic.TorchState(model=...,
 optimizer=...)`` needs no change.
 """
@@ -29,8 +30,11 @@ class DGCOptimizerStateHandler(_state.OptimizerStateHandler):
     def sync(self):
         super().sync()
         dgc = self.value._dgc
-        dgc.step, dgc.epoch = broadcast_object((dgc.step, dgc.epoch), root_rank=0,
-                                               name="hvd_dgc.elastic.counters")
+        dgc.step, dgc.epoch, dgc.delay = broadcast_object(
+            (dgc.step, dgc.epoch, dgc.delay), root_rank=0, name="hvd_dgc.elastic.counters")
+        if dgc.auto is not None:  # delay="auto": every rank from rank 0's D, a fresh window
+            dgc.auto.delay = dgc.delay
+            dgc.auto.reset_window()
 
 
 def register():

@@ -57,6 +57,7 @@ At p = 1 this is the DGA rule above, and at p = 1, D = 0 synchronous training.
 """
 
 import os
+import time
 import warnings
 from collections import deque
 from contextlib import contextmanager
@@ -64,9 +65,10 @@ from typing import NamedTuple
 
 import torch
 import horovod.torch as _hvd
-from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
+from horovod.torch.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
 from hvd_dgc import consistency
+from hvd_dgc.autodelay import AutoDelayState, as_auto_delay
 from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, \
     CostModel, aggregation_choices
 from hvd_dgc.schedule import as_schedule, num_selected
@@ -154,6 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._batch = None             # one launch per step, in synchronize (_batched)
         self._sparse_grads = set()     # parameters whose update this step is a sparse grad
         self._hierarchical = {}        # numel -> whether such a tensor goes hierarchical
+        self._step_ended = None        # delay="auto": when the last synchronize ended
+        self._agreeing = None          # delay="auto": a window's sums, being agreed on
         peers = ()
 
         if self.process_set.included():
@@ -187,7 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "op": repr(self.op),
             "backward_passes_per_step": self.backward_passes_per_step,
             "gradient_predivide_factor": self.gradient_predivide_factor,
-            "delay": d.delay,
+            "delay": d.delay if d.auto is None else repr(d.auto.config),
             "period": d.period,
             "skip_nonfinite": d.skip_nonfinite,
             "parameters": names,
@@ -295,8 +299,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn(message, UserWarning)
         if _hvd.rank() == 0:
             print(summary(kind, final, warm, d.min_compress_size, d.dense_fp16,
-                          getattr(comp, "value_bytes", 4) == 2, d.delay, len(large),
-                          len(sizes), "torch", sums), flush=True)
+                          getattr(comp, "value_bytes", 4) == 2, d.describe_delay(),
+                          len(large), len(sizes), "torch", sums, d.period), flush=True)
 
     # -- the gradient's path -------------------------------------------------
     def _world(self):
@@ -484,8 +488,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tensors launched together in synchronize): each path its own, in a fixed order."""
         items = [self._prepare(p) for p in params]
         name = "hvd_dgc." + self._parameter_names[params[0]]
-        if self._dgc.delay:  # up to delay+1 steps in flight; Horovod names must be unique
-            name += ".d%d" % (self._dgc.step % (self._dgc.delay + 1))
+        if self._dgc.keeps_own:  # steps in flight at once; Horovod names must be unique
+            name += ".d%d" % (self._dgc.step % self._dgc.name_slots())
         parts = []
         for path_name in PATH_ORDER:
             positions = [i for i, item in enumerate(items) if item.path == path_name]
@@ -602,11 +606,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for pending in launches:
                 for p, item in zip(pending.params, pending.items):
                     grads[p] = own_of(item, buffer_dtype(p.dtype))
-            self._inflight.append(_InFlight(d.applied_at(), launches))
+            started = time.perf_counter()
+            # first in, first applied: a D lowered by delay="auto" waits for the older ones
+            after = self._inflight[-1].due if self._inflight else -1
+            self._inflight.append(_InFlight(max(d.applied_at(), after), launches))
             due = []
             while self._inflight and (flush or self._inflight[0].due <= d.step):
                 due.append(self._inflight.popleft())
             self._drain(due, grads)
+            if d.auto is not None and not flush:
+                self._tune_delay(started, time.perf_counter() - started)
             for p, g in grads.items():
                 self._set_grad(p, g)
             self._average_after_step = flush
@@ -626,6 +635,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_counts[g] = 0
         d.stats.end_step()
         self._synchronized = True
+
+    def _tune_delay(self, started, waited):
+        """delay="auto" (hvd_dgc/autodelay.py): measure this step, and at the end of a
+        window read the previous window's agreed sums (long arrived: no wait), decide
+        D from them (every rank the same, from this step on), and start agreeing on
+        this window's (max over ranks, non-blocking)."""
+        d, auto = self._dgc, self._dgc.auto
+        if self._step_ended is not None:
+            auto.observe(started - self._step_ended, waited)
+        self._step_ended = time.perf_counter()
+        if not auto.window_done():
+            return
+        sums = torch.tensor(auto.take_window(), dtype=torch.float64)
+        if self._agreeing is not None:
+            handle, self._agreeing = self._agreeing, None
+            d.delay = auto.decide(tuple(_hvd.synchronize(handle).tolist()), d.step, d.period)
+        self._agreeing = _hvd.allreduce_async(sums, op=Max, process_set=self.process_set,
+                                              name="hvd_dgc.autodelay.%d" % (d.step % 2))
+        self._step_ended = time.perf_counter()
 
     @contextmanager
     def skip_synchronize(self):
@@ -717,6 +745,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         corrections = self._drain(list(self._inflight), {})  # all: none is due yet
         self._inflight.clear()
+        self._step_ended = None  # delay="auto": the flush is not a step's compute
         saved = {p: p.grad for p in corrections}
         try:
             for p, c in corrections.items():
@@ -751,9 +780,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def compression_stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         out = self._dgc.stats.summary()
-        out.update(step=self._dgc.step, epoch=self._dgc.epoch, current_density=self.density,
-                   world_size=self._world(), overflow_steps=self._dgc.overflow_steps,
-                   nonfinite_steps=self._dgc.nonfinite_steps)
+        d = self._dgc
+        out.update(step=d.step, epoch=d.epoch, current_density=self.density,
+                   world_size=self._world(), overflow_steps=d.overflow_steps,
+                   nonfinite_steps=d.nonfinite_steps, delay=d.delay, period=d.period)
+        if d.auto is not None:
+            out.update(delay_decisions=list(d.auto.decisions))
         return out
 
     def state_dict(self):
@@ -777,6 +809,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception:  # noqa: BLE001  from a Horovod since shut down (elastic)
                     pass
         self._inflight.clear()
+        if self._agreeing is not None:  # delay="auto": a window's agreement, now moot
+            try:
+                _hvd.synchronize(self._agreeing)
+            except Exception:  # noqa: BLE001  from a Horovod since shut down (elastic)
+                pass
+        self._agreeing, self._step_ended = None, None
         self._handles = {}
         self._dgc.memory.commit()  # a step cut short (elastic reset) has nothing to undo
         self._skip_step, self._compressor_saved, self._dropped = False, None, []
@@ -809,12 +847,16 @@ class DGCState:
 
     def __init__(self, schedule, compression, dense_compression, memory, cost_model,
                  min_compress_size, clip_norm, grad_scaler, log_every, delay=0,
-                 skip_nonfinite=True, aggregation="auto", period=1):
+                 skip_nonfinite=True, aggregation="auto", period=1, auto_delay=None):
         self.schedule = schedule
         self.aggregation = aggregation
         self.aggregations = AGGREGATION_OPTIONS[aggregation]
-        self.delay = delay
+        self.delay = delay          # the D in force (delay="auto": the last decision)
+        self.auto = None if auto_delay is None else AutoDelayState(auto_delay)
+        if self.auto is not None:
+            self.delay = self.auto.delay
         self.period = period
+        self.period_delay = None    # the delay of the period under way (applied_at)
         self.skip_nonfinite = skip_nonfinite
         self.compression = compression
         self.dense_compression = dense_compression
@@ -834,6 +876,15 @@ class DGCState:
     def density(self):
         return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0
 
+    def describe_delay(self):
+        if self.auto is None:
+            return self.delay
+        return f"auto (from {self.auto.config.start}, at most {self.auto.config.max_delay})"
+
+    def name_slots(self):
+        """How many steps' collectives may be in flight at once (their names differ)."""
+        return (self.delay if self.auto is None else self.auto.config.max_delay) + 1
+
     @property
     def keeps_own(self):
         """Whether a step applies this rank's own contribution before the average comes."""
@@ -846,8 +897,11 @@ class DGCState:
 
     def applied_at(self):
         """The step that applies the average covering this one: the period's exchange,
-        ``delay`` steps after it."""
-        return self.step + (-(self.step + 1)) % self.period + self.delay
+        ``delay`` steps after it (the delay in force when the period began: a change
+        by delay="auto" waits for the next period, so a period's steps stay together)."""
+        if self.step % self.period == 0 or self.period_delay is None:
+            self.period_delay = self.delay
+        return self.step + (-(self.step + 1)) % self.period + self.period_delay
 
     def loss_scale(self):
         """The GradScaler's scale as a tensor: ``get_scale()`` reads it back from the device,
@@ -867,7 +921,8 @@ class DGCState:
         return {"version": STATE_VERSION, "step": self.step, "epoch": self.epoch,
                 "rank": _hvd.rank(), "memory": self.memory.state_dict(),
                 "compressor": comp, "stats": self.stats.state_dict(),
-                "overflow_steps": self.overflow_steps, "nonfinite_steps": self.nonfinite_steps}
+                "overflow_steps": self.overflow_steps, "nonfinite_steps": self.nonfinite_steps,
+                "delay": self.delay}
 
     def load_state_dict(self, state, device_of, rank):
         if state.get("version") != STATE_VERSION:
@@ -886,6 +941,9 @@ class DGCState:
         self.stats.load_state_dict(state["stats"])
         self.overflow_steps = state.get("overflow_steps", 0)
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
+        if self.auto is not None:  # delay="auto" goes on from the D it had reached
+            self.delay = self.auto.delay = int(state.get("delay", self.auto.delay))
+            self.auto.reset_window()
 
 
 # -- helpers -------------------------------------------------------------------
@@ -1072,9 +1130,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         log_every: print compression statistics on rank 0 every N steps.
         delay: delayed gradient averaging (DGA): step i waits only for the
             collectives of step i-D and applies ``own_i - own_(i-D) + avg_(i-D)``,
-            so D steps of compute hide each round trip. 0 is synchronous. Needs
-            ``torch.optim.SGD``; call ``optimizer.flush()`` (or
-            ``synchronize(flush=True)``) before evaluating or checkpointing.
+            so D steps of compute hide each round trip. 0 is synchronous. "auto":
+            D chosen from the measured compute and exchange times, adapted as
+            training goes, the same on every rank (hvd_dgc/autodelay.py; at most 8
+            steps, ``hvd_dgc.AutoDelay(max_delay=...)`` to change that); the D in
+            force is ``compression_stats()["delay"]``. Needs ``torch.optim.SGD``;
+            call ``optimizer.flush()`` (or ``synchronize(flush=True)``) before
+            evaluating or checkpointing.
         period: temporally sparse updates: exchange every ``period``-th step only; in
             between each rank steps with its own velocity and its memory keeps
             accumulating; the exchange's average then replaces those own steps (module
@@ -1137,9 +1199,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          f"{dense_compression!r}")
     if not isinstance(min_compress_size, int) or min_compress_size < 0:
         raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"delay must be an int >= 0 (the number of steps an average may lag; "
-                         f"0 = synchronous), got {delay!r}")
+    fixed_delay, auto_delay = as_auto_delay(delay)
+    delay = fixed_delay if auto_delay is None else "auto"
     if isinstance(period, bool) or not isinstance(period, int) or period < 1:
         raise ValueError(f"period must be an int >= 1 (exchange every period-th step; 1 = "
                          f"every step), got {period!r}")
@@ -1185,7 +1246,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_masking(momentum_masking)
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
-                   int(log_every), delay, skip_nonfinite, aggregation, period)
+                   int(log_every), fixed_delay or 0, skip_nonfinite, aggregation, period,
+                   auto_delay)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,

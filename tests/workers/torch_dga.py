@@ -3,6 +3,7 @@ single-process simulation of the DGA update rule written out here."""
 
 import copy
 import math
+import time
 
 import torch
 
@@ -29,7 +30,13 @@ def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
             w_r -= lr * (avg_s - sum of own_j over s's period, j = s-period+1 .. s)
     flush: the same for every exchange not yet applied, and -own_j for the steps
     after the last exchange (their v is still in the memory).
+    ``delay`` may be a list, the D in force at each step (delay="auto"): an exchange
+    takes the D its period began with, and is applied no earlier than the one before.
     """
+    delays = list(delay) if isinstance(delay, (list, tuple)) else [delay] * steps
+    due, last = {}, -1
+    for s in range(period - 1, steps, period):
+        due[s] = last = max(s + delays[s - period + 1], last)
     workers = [copy.deepcopy(model0) for _ in range(size)]
     shapes = [p.numel() for p in model0.parameters()]
     dev = next(model0.parameters()).device
@@ -80,11 +87,10 @@ def simulate_dga(model0, steps, size, delay, lr, momentum=0.0, weight_decay=0.0,
             with torch.no_grad():
                 for j, p in enumerate(model.parameters()):
                     p -= lr * owns[r][j].view(p.shape)
-        if i >= delay and history[i - delay][1] is not None:
-            correct(i - delay)
-    for s in range(max(0, steps - delay), steps):  # flush
-        if history[s][1] is not None:
+        for s in sorted(s for s, at in due.items() if at == i):
             correct(s)
+    for s in sorted(s for s, at in due.items() if at >= steps):  # flush
+        correct(s)
     last = max([s for s in range(steps) if history[s][1] is not None], default=-1)
     for r, model in enumerate(workers):
         with torch.no_grad():
@@ -291,6 +297,48 @@ def period_matches_simulation(steps=11, lr=0.05):
     return out
 
 
+AUTO = {
+    # name: (start D, idle, period, seconds of extra compute per step)
+    "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
+    "up": (1, 0.0, 1, 0.0),       # every wait counts: D climbs to max_delay
+    "up_period2": (1, 0.0, 2, 0.0),
+}
+
+
+def auto_delay_matches_simulation(steps=16, lr=0.05):
+    """delay=AutoDelay(...): the D each step ran with, on every rank, and the weights
+    against ``simulate_dga`` fed that same sequence of D (dense, momentum)."""
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for name, (start_d, idle, period, extra) in AUTO.items():
+        model = mlp(seed=7)
+        start = copy.deepcopy(model)
+        config = hvd.AutoDelay(max_delay=4, window=2, start=start_d, idle=idle)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+            named_parameters=[("ad" + name + "." + n, p) for n, p in model.named_parameters()],
+            density=1.0, delay=config, period=period)
+        trace = []
+        for i in range(steps):
+            opt.zero_grad()
+            loss_of(model, i, rank).backward()
+            time.sleep(extra)
+            trace.append(opt.compression_stats()["delay"])
+            opt.step()
+        stats = opt.compression_stats()
+        opt.flush()
+        sim = simulate_dga(start, steps, size, trace, lr, 0.9, period=period)
+        out[name] = {
+            "trace": trace, "traces": hvd.allgather_object(trace, name="ad.trace." + name),
+            "decisions": stats["delay_decisions"],
+            "max_diff_vs_simulation": max(float((flat_params(model) - flat_params(w))
+                                                .abs().max()) for w in sim),
+            "identical_after_flush": ranks_identical(model, "ad.flush." + name),
+            "moved": float((flat_params(model) - flat_params(start)).abs().max()),
+        }
+    return out
+
+
 def bad_period():
     model = mlp()
     named = list(model.named_parameters())
@@ -308,6 +356,12 @@ def bad_period():
             "cpu")), ValueError),
         "powersgd": expect_error(wrap(sgd, period=2, compression=hvd.Compression.powersgd),
                                  ValueError),
+        "delay_word": expect_error(wrap(sgd, delay="sometimes"), ValueError),
+        "auto_adam": expect_error(wrap(torch.optim.Adam(model.parameters()), delay="auto"),
+                                  ValueError),
+        "auto_max": expect_error(wrap(sgd, delay=hvd.AutoDelay(max_delay=0)), ValueError),
+        "auto_start": expect_error(wrap(sgd, delay=hvd.AutoDelay(max_delay=2, start=3)),
+                                   ValueError),
     }
 
 
