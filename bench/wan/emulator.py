@@ -80,6 +80,31 @@ def restore_handlers(previous):
         signal.signal(s, handler)
 
 
+class ClosedOnExit:
+    """A context manager for set-up that must not outlive its process (WanLink,
+    hosts.EmulatedHosts): ``_setup`` runs with ``close_on_exit`` armed, a failure in it
+    closes what was made, and ``close`` calls ``_disarm`` where its order needs it."""
+
+    _handlers = {}
+
+    def __enter__(self):
+        self._handlers = close_on_exit(self.close)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _disarm(self):
+        """Put back the signal handlers ``__enter__`` replaced."""
+        restore_handlers(self._handlers)
+        self._handlers = {}
+
+
 def available():
     """(ok, why): can this process build a link here?"""
     if os.geteuid() != 0:
@@ -197,7 +222,7 @@ def _forward(fds, stop_fd, rate, delay, jitter, loss, queue_bytes, seed, subnet=
             way.deliver(now)
 
 
-class WanLink:
+class WanLink(ClosedOnExit):
     """Two (or ``nodes``) namespaces joined by an emulated link (see the module docstring).
 
     Args:
@@ -241,19 +266,7 @@ class WanLink:
     def ip(self, i):
         return f"10.{self.subnet}.0.{i + 1}"
 
-    # -- set-up and tear-down ---------------------------------------------------
-    def __enter__(self):
-        self._previous_handlers = close_on_exit(self.close)
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
+    # -- set-up and tear-down (ClosedOnExit: __enter__, __exit__) -------------------
     def _ip(self, *args):
         subprocess.run(["ip", *args], check=True, capture_output=True)
 
@@ -296,8 +309,7 @@ class WanLink:
             os.close(fd)
 
     def close(self):
-        restore_handlers(getattr(self, "_previous_handlers", {}))
-        self._previous_handlers = {}
+        self._disarm()
         if self._forwarder:
             try:
                 os.write(self._stop_w, b"x")

@@ -54,8 +54,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.wan.emulator import WanLink, available, close_on_exit, \
-    restore_handlers  # noqa: E402
+from bench.wan.emulator import ClosedOnExit, WanLink, available  # noqa: E402
 
 __all__ = ["EmulatedHosts", "HostsError", "parse_hosts", "available", "MAX_HOSTS"]
 
@@ -132,7 +131,7 @@ def _tools(sshd):
     return found
 
 
-class EmulatedHosts:
+class EmulatedHosts(ClosedOnExit):
     """Hosts ``names`` on an emulated WAN, each with a real sshd (see the module docstring).
 
     Args:
@@ -170,7 +169,6 @@ class EmulatedHosts:
         self.identity_file = None
         self._sshd = {}  # name -> Popen of its sshd (started with -D: it stays our child)
         self._up = False
-        self._handlers = {}
 
     # -- addresses and files ------------------------------------------------------
     def ip(self, name):
@@ -197,19 +195,7 @@ class EmulatedHosts:
     def _path(self, name, leaf):
         return os.path.join(self.tmpdir or "/nonexistent", name, leaf)
 
-    # -- set-up and tear-down -------------------------------------------------------
-    def __enter__(self):
-        self._handlers = close_on_exit(self.close)
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
+    # -- set-up and tear-down (ClosedOnExit: __enter__, __exit__) -------------------
     def _setup(self):
         self._up = True
         self.tmpdir = tempfile.mkdtemp(prefix=f"{PREFIX}-hosts-{os.getpid()}-")
@@ -330,8 +316,7 @@ class EmulatedHosts:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
             atexit.unregister(self.close)
         # Last: the link's close puts back the handler it found, which is ours.
-        restore_handlers(self._handlers)
-        self._handlers = {}
+        self._disarm()
 
     # -- running things on a host ------------------------------------------------------
     def command(self, name, argv):

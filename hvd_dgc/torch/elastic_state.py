@@ -33,7 +33,6 @@ class DGCOptimizerStateHandler(_state.OptimizerStateHandler):
         dgc.step, dgc.epoch, dgc.delay = broadcast_object(
             (dgc.step, dgc.epoch, dgc.delay), root_rank=0, name="hvd_dgc.elastic.counters")
         if dgc.auto is not None:  # delay="auto": every rank from rank 0's D, a fresh window
-            dgc.auto.delay = dgc.delay
             dgc.auto.reset_window()
 
 

@@ -650,7 +650,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sums = torch.tensor(auto.take_window(), dtype=torch.float64)
         if self._agreeing is not None:
             handle, self._agreeing = self._agreeing, None
-            d.delay = auto.decide(tuple(_hvd.synchronize(handle).tolist()), d.step, d.period)
+            auto.decide(tuple(_hvd.synchronize(handle).tolist()), d.step, d.period)
         self._agreeing = _hvd.allreduce_async(sums, op=Max, process_set=self.process_set,
                                               name="hvd_dgc.autodelay.%d" % (d.step % 2))
         self._step_ended = time.perf_counter()
@@ -851,10 +851,8 @@ class DGCState:
         self.schedule = schedule
         self.aggregation = aggregation
         self.aggregations = AGGREGATION_OPTIONS[aggregation]
-        self.delay = delay          # the D in force (delay="auto": the last decision)
         self.auto = None if auto_delay is None else AutoDelayState(auto_delay)
-        if self.auto is not None:
-            self.delay = self.auto.delay
+        self._delay = delay
         self.period = period
         self.period_delay = None    # the delay of the period under way (applied_at)
         self.skip_nonfinite = skip_nonfinite
@@ -875,6 +873,18 @@ class DGCState:
 
     def density(self):
         return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0
+
+    @property
+    def delay(self):
+        """The D in force: the fixed one, or delay="auto"'s last decision."""
+        return self._delay if self.auto is None else self.auto.delay
+
+    @delay.setter
+    def delay(self, value):
+        if self.auto is None:
+            self._delay = value
+        else:
+            self.auto.delay = value
 
     def describe_delay(self):
         if self.auto is None:
@@ -942,7 +952,7 @@ class DGCState:
         self.overflow_steps = state.get("overflow_steps", 0)
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         if self.auto is not None:  # delay="auto" goes on from the D it had reached
-            self.delay = self.auto.delay = int(state.get("delay", self.auto.delay))
+            self.delay = int(state.get("delay", self.delay))
             self.auto.reset_window()
 
 

@@ -339,14 +339,21 @@ def auto_delay_matches_simulation(steps=16, lr=0.05):
     return out
 
 
-def bad_period():
+def _wrapping():
+    """``(model, its SGD, wrap)``: ``wrap(opt, **options)`` is a call that wraps ``opt`` in
+    hvd_dgc's optimizer, for ``expect_error``."""
     model = mlp()
     named = list(model.named_parameters())
 
     def wrap(opt, **kw):
         return lambda: hvd.DistributedOptimizer(opt, named_parameters=named, **kw)
 
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), wrap
+
+
+def bad_period():
+    """Bad ``period=``, and bad ``delay="auto"`` settings."""
+    model, sgd, wrap = _wrapping()
     return {
         "zero": expect_error(wrap(sgd, period=0), ValueError),
         "float": expect_error(wrap(sgd, period=2.0), ValueError),
@@ -366,13 +373,8 @@ def bad_period():
 
 
 def bad_delay():
-    model = mlp()
+    model, sgd, wrap = _wrapping()
     named = list(model.named_parameters())
-
-    def wrap(opt, **kw):
-        return lambda: hvd.DistributedOptimizer(opt, named_parameters=named, **kw)
-
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {
         "negative": expect_error(wrap(sgd, delay=-1), ValueError),
         "float": expect_error(wrap(sgd, delay=1.5), ValueError),
