@@ -272,7 +272,7 @@ def nominal_record_ratio(workload, density):
     import math
     sys.path.insert(0, os.path.dirname(WORKER))
     from multihost_worker import ResNet18, mlp
-    from hvd_dgc.aggregation import regions, slice_k
+    from hvd_dgc.aggregation import slice_k, slices
     model = mlp() if workload == "mlp" else ResNet18()
     flat = hier = 0
     for p in model.parameters():
@@ -281,7 +281,7 @@ def nominal_record_ratio(workload, density):
             continue
         k = max(1, min(n, int(math.ceil(n * density))))
         flat += LOCAL_SIZE * k
-        hier += sum(slice_k(k, n, hi - lo) for lo, hi in regions(n, LOCAL_SIZE))
+        hier += sum(slice_k(k, n, hi - lo) for lo, hi in slices(n, LOCAL_SIZE))
     return hier / flat, flat, hier
 
 

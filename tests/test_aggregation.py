@@ -13,7 +13,7 @@ from bench.sparse_aggregation_sim import simulate
 from hvd_dgc import CostModel
 from hvd_dgc.aggregation import (KEEP, allgather_bytes, bytes_per_worker, hierarchical_bytes,
                                  slice_k, quota, region_of, region_reduce_reference,
-                                 regions)
+                                 slices)
 from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
     aggregation_choices
 from hvd_dgc.schedule import num_selected
@@ -26,7 +26,7 @@ WORLDS = (1, 2, 3, 4, 8)
 def brute_force(selections, n, k):
     """Dense sums per region, top-quota per region by sorting (|v| desc, index asc).
 
-    Independent of the module: regions from np.array_split, sums in a dense vector in
+    Independent of the module: region j = range(j, n, N), sums in a dense vector in
     rank order, selection by Python's sort over the touched indices."""
     world = len(selections)
     dense = np.zeros(n, dtype=np.result_type(*[np.asarray(v).dtype for _, v in selections]))
@@ -36,12 +36,12 @@ def brute_force(selections, n, k):
         touched[idx] = True
     q = -(-KEEP * k // world) if k else 1
     kept, returned = [], []
-    for block in np.array_split(np.arange(n), world):
+    for block in (range(j, n, world) for j in range(world)):
         cand = [int(i) for i in block if touched[i]]
         cand.sort(key=lambda i: (-abs(dense[i]), i))
-        kept += sorted(cand[:q])
+        kept += cand[:q]
         returned.append(sorted(cand[q:]))
-    return dense, touched, kept, returned
+    return dense, touched, sorted(kept), returned
 
 
 def densify(n, idx, val, dtype=np.float64):
@@ -79,8 +79,8 @@ for _world in WORLDS:
 
 @pytest.mark.parametrize("n", [0, 1, 5, 7, 8, 13, 64, 97, 1001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])
-def test_regions_partition_and_region_of_agree(n, world):
-    rs = regions(n, world)
+def test_slices_partition_and_regions_interleave(n, world):
+    rs = slices(n, world)
     expected = [(int(b[0]), int(b[-1]) + 1) if b.size else None
                 for b in np.array_split(np.arange(n), world)]
     sizes = [stop - start for start, stop in rs]
@@ -88,9 +88,10 @@ def test_regions_partition_and_region_of_agree(n, world):
     assert all(rs[j][1] == rs[j + 1][0] for j in range(world - 1))
     assert sizes == [n // world + (1 if j < n % world else 0) for j in range(world)]
     assert [r if r[1] > r[0] else None for r in rs] == expected
+    # region reduce's owners: every N-th index, so each owner sees the whole tensor
     owner = region_of(np.arange(n), n, world)
-    for j, (start, stop) in enumerate(rs):
-        assert (owner[start:stop] == j).all()
+    for j in range(world):
+        np.testing.assert_array_equal(np.flatnonzero(owner == j), np.arange(j, n, world))
 
 
 def test_region_of_and_quota_refuse_bad_input():
@@ -99,7 +100,7 @@ def test_region_of_and_quota_refuse_bad_input():
     with pytest.raises(ValueError, match=r"\[0, 10\)"):
         region_of([-1], 10, 2)
     with pytest.raises(ValueError, match="world"):
-        regions(10, 0)
+        slices(10, 0)
     with pytest.raises(ValueError, match="k must"):
         quota(-1, 4)
     # ceil(2k / N), at least 1 (KEEP = 2)
@@ -183,7 +184,9 @@ def test_error_feedback_identity_with_memory(world):
     2**-10, so every float64 sum is exact whatever its order."""
     rng = np.random.default_rng(world)
     n, k = 203, 17
-    before = [rng.integers(-4096, 4096, n) / 1024.0 for _ in range(world)]
+    # region 0's indices four times larger: ranks' selections crowd it past its quota
+    crowd = np.where(np.arange(n) % world == 0, 4, 1)
+    before = [crowd * rng.integers(-4096, 4096, n) / 1024.0 for _ in range(world)]
     sels, after = [], []
     for mem in before:
         idx = np.sort(np.argsort(-np.abs(mem), kind="stable")[:k]).astype(np.int64)
@@ -215,26 +218,26 @@ def test_density_one_returns_nothing_and_equals_dense_sum(world):
         dense += v
     np.testing.assert_array_equal(res.values, dense)
     # owner j receives its region from the N-1 others, then every other region
-    for j, (start, stop) in enumerate(regions(n, world)):
-        size = stop - start
+    for j in range(world):
+        size = len(range(j, n, world))
         assert res.received_records[j] == (world - 1) * size + n - size
 
 
 def test_ties_go_to_the_lower_index():
-    # k = 2, N = 4: quota ceil(2 * 2 / 4) = 1 per region, regions [0, 2), [2, 4), ...
+    # k = 2, N = 4: quota ceil(2 * 2 / 4) = 1 per region, regions {0, 4}, {1, 5}, ...
     none = (np.array([], dtype=np.int64), np.array([]))
-    sels = [(np.array([0, 3]), np.array([-2.0, 2.0])), (np.array([1, 2]), np.array([2.0, 2.0])),
+    sels = [(np.array([0, 1]), np.array([-2.0, 2.0])), (np.array([4, 5]), np.array([2.0, 2.0])),
             none, none]
     res = region_reduce_reference(sels, 8, 2)
-    np.testing.assert_array_equal(res.indices, [0, 2])
+    np.testing.assert_array_equal(res.indices, [0, 1])
     np.testing.assert_array_equal(res.values, [-2.0, 2.0])
-    assert [list(i) for i, _ in res.returned] == [[1], [3], [], []]
+    assert [list(i) for i, _ in res.returned] == [[4], [5], [], []]
     # a larger |sum| wins over a lower index; sums, not single records, are compared
-    sels = [(np.array([0, 3]), np.array([1.0, 2.0])), (np.array([1, 3]), np.array([-1.5, 0.5])),
+    sels = [(np.array([0, 1]), np.array([1.0, 2.0])), (np.array([1, 4]), np.array([0.5, -1.5])),
             none, none]
     res = region_reduce_reference(sels, 8, 2)
-    np.testing.assert_array_equal(res.indices, [1, 3])
-    np.testing.assert_array_equal(res.values, [-1.5, 2.5])
+    np.testing.assert_array_equal(res.indices, [1, 4])
+    np.testing.assert_array_equal(res.values, [2.5, -1.5])
     assert [list(v) for _, v in res.returned] == [[1.0], [], [], []]
 
 
@@ -245,7 +248,7 @@ def test_balanced_receive_volume_is_the_formula(world):
     n, k = world * width, world * per_region
     sels = []
     for _ in range(world):
-        idx = np.concatenate([j * width + rng.choice(width, per_region, replace=False)
+        idx = np.concatenate([j + world * rng.choice(width, per_region, replace=False)
                               for j in range(world)])
         sels.append((np.sort(idx).astype(np.int64), rng.standard_normal(k)))
     res = region_reduce_reference(sels, n, k)
@@ -253,7 +256,7 @@ def test_balanced_receive_volume_is_the_formula(world):
     assert formula * 8 == bytes_per_worker("region", n, k, world)
     # an owner whose region's union holds fewer than quota sums keeps them all
     kept = [min(quota(k, world), int(np.unique(np.concatenate(
-        [i[(i >= j * width) & (i < (j + 1) * width)] for i, _ in sels])).size))
+        [i[i % world == j] for i, _ in sels])).size))
         for j in range(world)]
     assert res.received_records == [k * (world - 1) // world + sum(kept) - kept[j]
                                     for j in range(world)]
@@ -267,13 +270,13 @@ def test_all_indices_in_one_region_and_the_crossing_worst_case():
     # every index in region 0: its owner receives exactly allgather's k(N-1)
     world, n, k = 4, 400, 20
     rng = np.random.default_rng(3)
-    sels = [(np.sort(rng.choice(100, k, replace=False)).astype(np.int64),
+    sels = [(world * np.sort(rng.choice(100, k, replace=False)).astype(np.int64),
              rng.standard_normal(k)) for _ in range(world)]
     res = region_reduce_reference(sels, n, k)
     assert res.received_records[0] == k * (world - 1)
     assert res.received_records[1:] == [quota(k, world)] * (world - 1)
     # N = 2, each rank's indices all in the other's region: k + quota > allgather's k
-    sels = [(np.arange(50, 60), np.ones(10)), (np.arange(0, 10), np.ones(10))]
+    sels = [(np.arange(51, 71, 2), np.ones(10)), (np.arange(0, 20, 2), np.ones(10))]
     res = region_reduce_reference(sels, 100, 10)
     assert res.received_records == [10 + 10, 10 + 10]
 
@@ -390,9 +393,9 @@ def test_slices_share_k_and_a_host_sends_k_records():
     k + L records where flat DGC's L ranks send L k; the allgather's bytes say so."""
     for n, k, local in itertools.product((1, 3, 1000, 2_359_296), (1, 7, 2360), (2, 3, 4, 8)):
         k = min(k, n)
-        slices = [hi - lo for lo, hi in regions(n, local)]
-        shares = [slice_k(k, n, s) for s in slices]
-        assert all(0 <= c <= s for c, s in zip(shares, slices))
+        sizes = [hi - lo for lo, hi in slices(n, local)]
+        shares = [slice_k(k, n, s) for s in sizes]
+        assert all(0 <= c <= s for c, s in zip(shares, sizes))
         assert k <= sum(shares) <= k + local, (n, k, local, shares)
     assert slice_k(10, 100, 0) == 0
     assert hierarchical_bytes(2360, 8, 4, 8) == 7 * 590 * 8

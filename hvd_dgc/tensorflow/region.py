@@ -3,7 +3,8 @@ workers are added (issue 15; the maths, its formulas and the NumPy reference are
 hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022; hvd_dgc/torch/region.py
 is the PyTorch side, and both are tested against that reference).
 
-Each rank owns one contiguous region of the tensor's index space. One alltoall sends
+Each rank owns one region of the tensor's index space: rank j the indices i with
+i mod N = j (interleaved; hvd_dgc.aggregation.region_of says why). One alltoall sends
 each record to its region's owner; the owner sums what it got, in source-rank order,
 and keeps its ``quota = ceil(KEEP k / N)`` largest sums (ties: lower index); one
 allgather shares the kept ones, so every rank builds the same update. What the owner
@@ -35,14 +36,9 @@ class RegionResult(NamedTuple):
     kept: tf.Tensor              # int64 scalar: records this rank kept, as owner
 
 
-def owners(indices, numel, world):
-    """The rank owning each index (hvd_dgc.aggregation.region_of in graph ops): ``world``
-    contiguous regions, the first ``numel % world`` one element longer."""
-    base, extra = divmod(int(numel), int(world))
-    cut = extra * (base + 1)
-    idx = tf.cast(indices, tf.int64)
-    # base 0 (fewer elements than ranks): every index lies below cut; rank i owns index i
-    return tf.where(idx < cut, idx // (base + 1), extra + (idx - cut) // max(base, 1))
+def owners(indices, world):
+    """The rank owning each index (hvd_dgc.aggregation.region_of in graph ops)."""
+    return tf.math.floormod(tf.cast(indices, tf.int64), int(world))
 
 
 def quota(k, world):
@@ -57,7 +53,7 @@ def region_reduce(indices, values, numel, k, name, process_set=global_process_se
     region's sums. Every rank of ``process_set`` calls it with the same ``numel``, ``k``
     and ``name``. Returns a ``RegionResult``; ``total`` is bit-identical on every rank."""
     world = process_set.size()
-    owner = owners(indices, numel, world)
+    owner = owners(indices, world)
     order = tf.argsort(owner, stable=True)
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=world, maxlength=world)
     records = SparseCompressor.pack(tf.gather(values, order), tf.gather(indices, order))

@@ -33,7 +33,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average, Sum
 
-from hvd_dgc.aggregation import regions, slice_k
+from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.costmodel import DENSE, HIERARCHICAL, REGION, SPARSE
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.torch.collective import EXCHANGE, HorovodComm
@@ -336,7 +336,7 @@ class HierarchicalPath(_Path):
     def launch(self, items, name):
         jobs = [it.payload for it in items]
         peers, ps = self.wire.peers, self.wire.process_set
-        bounds = [regions(job.v.numel(), len(peers)) for job in jobs]
+        bounds = [slices(job.v.numel(), len(peers)) for job in jobs]
         # a GPU's non-finite flag (skip_nonfinite): inf reaches the host's sums, then the wire
         sends = [job.v if job.poison is None else torch.where(job.poison, float("inf"), job.v)
                  for job in jobs]

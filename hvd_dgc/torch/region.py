@@ -3,8 +3,8 @@ stay flat as workers are added (issue 15; the maths and its NumPy reference are 
 hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022).
 
 Allgather, the other sparse path, hands every worker every other worker's k records:
-k(N-1) per worker per tensor, growing with N. Here each rank owns one contiguous
-region of each tensor's index space: one alltoall sends each record to its region's
+k(N-1) per worker per tensor, growing with N. Here each rank owns one region of each
+tensor's index space (rank j the indices i with i mod N = j): one alltoall sends each record to its region's
 owner, the owner sums what it got and keeps its ``quota = ceil(2k/N)`` largest sums
 per tensor, one allgather shares the kept ones. About 3k(N-1)/N records per worker,
 whatever N.
@@ -52,17 +52,10 @@ class RegionResult(NamedTuple):
     received: int            # records received from other ranks, both rounds
 
 
-def owners(indices, numel, world):
-    """The rank owning each index: ``world`` contiguous regions whose sizes differ by at
-    most one, the first ``numel % world`` one longer (hvd_dgc.aggregation.regions).
-    ``numel`` may be a tensor, one per index (records of several tensors)."""
-    base = torch.div(numel, world, rounding_mode="floor")
-    extra = numel - base * world
-    cut = extra * (base + 1)
-    # base 0 (fewer elements than ranks): every index lies below cut; rank i owns index i
-    late = extra + torch.div(indices - cut, torch.clamp(torch.as_tensor(base), min=1),
-                             rounding_mode="floor")
-    return torch.where(indices < cut, torch.div(indices, base + 1, rounding_mode="floor"), late)
+def owners(indices, world):
+    """The rank owning each index of its tensor: ``index mod N``, interleaved regions
+    (hvd_dgc.aggregation.region_of says why)."""
+    return torch.remainder(indices, world)
 
 
 def pack_records(indices, values):
@@ -106,7 +99,7 @@ class RegionReduce:
                                             torch.tensor(counts, device=device),
                                             output_size=indices.numel())
         local = indices.to(torch.int64)
-        owner = owners(local, sizes[tensor_of], self.world)
+        owner = owners(local, self.world)
         order = torch.argsort(owner, stable=True)
         splits = torch.bincount(owner, minlength=self.world).to(torch.int32).cpu()
         joint = local + self.starts[tensor_of]

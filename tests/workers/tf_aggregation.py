@@ -26,9 +26,9 @@ def reference_parity(cases=((1000, 10), (37, 5), (3, 2), (4096, 40))):
         for r in range(world):
             rng = np.random.RandomState(100 * case + r)
             idx = rng.choice(n, size=min(k, n), replace=False)
-            # rank 0 picks from the first region only: unbalanced owners, ties of |sum|
+            # rank 0 picks from its own region only: unbalanced owners, ties of |sum|
             if r == 0:
-                idx = np.arange(min(k, n))
+                idx = np.arange(0, n, world)[:k]
             values = rng.randn(idx.size).astype(np.float32)
             if r == 1:
                 values[: idx.size // 2] = 0.5

@@ -11,7 +11,7 @@ import torch
 
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
-from hvd_dgc.aggregation import regions
+from hvd_dgc.aggregation import slices
 from tests.workers import torch_dgc
 from tests.workers.torch_aggregation import _named
 from tests.workers.torch_dgc import expect_error, flat_params, loss_of, max_diff, mlp, \
@@ -101,7 +101,7 @@ def conservation(steps=6):
             if r is not None and r.numel() == p.numel():  # a dense tensor: all of it here
                 full = r.reshape(-1).clone()
             elif r is not None:  # hierarchical: this rank's slice of its host's residual
-                lo, hi = regions(p.numel(), len(peers))[me]
+                lo, hi = slices(p.numel(), len(peers))[me]
                 full[lo:hi] = r.reshape(-1)
             out.append(full)
         return torch.cat(out)
