@@ -26,8 +26,11 @@ class CompressionStats:
         self.elements_total = 0
         self.paths = Counter()
         self.returned_elements = 0  # region reduce: sums an owner put back into its residual
+        self.launches = 0  # Horovod operations started (a grouped one once), first rounds
         self.last = {}
+        self.last_launches = 0
         self._current = {}
+        self._current_launches = 0
 
     def record(self, name, path, numel, elements_sent, bytes_sent, density):
         self.bytes_sent += bytes_sent
@@ -47,11 +50,19 @@ class CompressionStats:
     def add_returned(self, elements):
         self.returned_elements += elements
 
+    def add_launches(self, count):
+        """``count`` Horovod operations started: each a negotiation round of Horovod's
+        controller at least, the latency a step pays on a slow link."""
+        self.launches += count
+        self._current_launches += count
+
     def end_step(self):
         if self._current:
             self.steps += 1
             self.last = self._current
+            self.last_launches = self._current_launches
             self._current = {}
+            self._current_launches = 0
 
     @staticmethod
     def _summary(bytes_sent, dense_bytes, sent, total):
@@ -69,12 +80,14 @@ class CompressionStats:
         out["steps"] = self.steps
         out["paths"] = dict(self.paths)
         out["returned_elements"] = self.returned_elements
+        out["launches"] = self.launches
         last = self.last.values()
         out["last_step"] = self._summary(sum(t["bytes"] for t in last),
                                          sum(4 * t["numel"] for t in last),
                                          sum(t["sent"] for t in last),
                                          sum(t["numel"] for t in last))
         out["last_step"]["tensors"] = {k: dict(v) for k, v in self.last.items()}
+        out["last_step"]["launches"] = self.last_launches
         return out
 
     def format(self):
@@ -87,7 +100,7 @@ class CompressionStats:
         return {"steps": self.steps, "bytes_sent": self.bytes_sent,
                 "dense_bytes": self.dense_bytes, "elements_sent": self.elements_sent,
                 "elements_total": self.elements_total, "paths": dict(self.paths),
-                "returned_elements": self.returned_elements}
+                "returned_elements": self.returned_elements, "launches": self.launches}
 
     def load_state_dict(self, state):
         self.reset()
@@ -95,3 +108,4 @@ class CompressionStats:
             setattr(self, key, state[key])
         self.paths = Counter(state["paths"])
         self.returned_elements = state.get("returned_elements", 0)
+        self.launches = state.get("launches", 0)

@@ -5,12 +5,15 @@ compute (on one CPU thread), momentum SGD, synthetic data. Prints one JSON line
 on rank 0: steps/s and samples/s over the timed steps, after warm-up steps.
 
     --method local   no Horovod at all: the no-communication rate of one worker
+             floor   the local step plus one Horovod allreduce of one number: the least
+                     a synchronous step can wait under Horovod's controller
              dense   Horovod's DistributedOptimizer (fp32 allreduce)
              fp16    Horovod's DistributedOptimizer, Compression.fp16
              dgc     hvd_dgc, DGC at --density (no warm-up: steady-state speed)
              dga     hvd_dgc, DGC + delayed averaging (--delay)
              dts     hvd_dgc, DGC + delayed averaging + temporally sparse updates
                      (--delay, --period: an exchange every period-th step)
+    hvd_dgc's methods take --fusion-threshold (bytes; 0: one launch per tensor).
 """
 
 import argparse
@@ -23,8 +26,8 @@ import torch.nn as nn
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", required=True, choices=["local", "dense", "fp16", "dgc", "dga",
-                                                          "dts"])
+    ap.add_argument("--method", required=True, choices=["local", "floor", "dense", "fp16", "dgc",
+                                                          "dga", "dts"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
@@ -32,6 +35,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--delay", default="4", help="an int, or auto (delay=\"auto\")")
     ap.add_argument("--period", type=int, default=4)
+    ap.add_argument("--fusion-threshold", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -40,7 +44,13 @@ def main():
                           nn.Linear(args.width, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank, size = 0, 1
-    if args.method != "local":
+    floor = None
+    if args.method == "floor":
+        import horovod.torch as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        floor = lambda: hvd.allreduce(torch.zeros(1), name="floor")  # noqa: E731
+    elif args.method != "local":
         if args.method in ("dense", "fp16"):
             import horovod.torch as hvd
             compression = hvd.Compression.fp16 if args.method == "fp16" else hvd.Compression.none
@@ -51,7 +61,8 @@ def main():
             delay = args.delay if args.delay == "auto" else int(args.delay)
             options = dict(density=args.density,
                            delay=delay if args.method in ("dga", "dts") else 0,
-                           period=args.period if args.method == "dts" else 1)
+                           period=args.period if args.method == "dts" else 1,
+                           fusion_threshold=args.fusion_threshold)
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -66,6 +77,8 @@ def main():
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        if floor is not None:
+            floor()
         return loss
 
     for _ in range(args.warmup_steps):
@@ -87,6 +100,8 @@ def main():
                           "workers": size, "params": params, "loss": float(loss.detach()),
                           "flush_seconds": flush,
                           "delay": getattr(opt, "compression_stats", dict)().get("delay"),
+                          "launches": getattr(opt, "compression_stats", dict)().get(
+                              "last_step", {}).get("launches"),
                           "delay_decisions": getattr(opt, "compression_stats",
                                                      dict)().get("delay_decisions")}),
               flush=True)

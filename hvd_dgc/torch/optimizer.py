@@ -10,7 +10,12 @@ The path of one gradient (this file, and paths.py for how each way travels):
 
     backward hook (last of backward_passes_per_step)      _launch -> _prepare
       (launched together in synchronize instead: on a GPU with a sparse compressor,
-      every tensor; elsewhere the tensors going by region reduce)
+      every tensor; elsewhere the tensors going by region reduce. Otherwise, with a
+      sparse compressor, a tensor waits for the others of its bucket: consecutive
+      tensors in backward order up to ``fusion_threshold`` bytes on the wire, one
+      launch when the last of them is ready, so a step's records leave in as few
+      collectives as the backward pass allows: one per bucket, each a round of
+      Horovod's negotiation, which costs round trips on a slow link)
       g = local_gradient(p.grad)     clip (N^-1/2), weight decay
       path = choose_aggregation(...) dense / allgather / region, by the cost model;
                                      or the compressor's own collectives (exchange);
@@ -69,7 +74,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
 from hvd_dgc import consistency
 from hvd_dgc.autodelay import AutoDelayState, as_auto_delay
-from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, \
+from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
     CostModel, aggregation_choices
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
@@ -87,6 +92,7 @@ STATE_KEY = "hvd_dgc"
 STATE_VERSION = 1
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
 LOCAL = "local"  # a tensor's item on a step between exchanges (period > 1): no path
+HOROVOD_FUSION_DEFAULT = 64 * 1024 * 1024  # Horovod's HOROVOD_FUSION_THRESHOLD default
 
 
 class _Part(NamedTuple):
@@ -156,6 +162,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._batch = None             # one launch per step, in synchronize (_batched)
         self._sparse_grads = set()     # parameters whose update this step is a sparse grad
         self._hierarchical = {}        # numel -> whether such a tensor goes hierarchical
+        self._plans = {}               # (density, world) -> {p: its bucket} (_bucket_of)
+        self._bucket_ready = {}        # bucket -> its parameters whose hook fired this step
         self._step_ended = None        # delay="auto": when the last synchronize ended
         self._agreeing = None          # delay="auto": a window's sums, being agreed on
         peers = ()
@@ -194,6 +202,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "delay": d.delay if d.auto is None else repr(d.auto.config),
             "period": d.period,
             "skip_nonfinite": d.skip_nonfinite,
+            "fusion_threshold": d.fusion_threshold,
             "parameters": names,
             "shapes": shapes,
         }
@@ -235,8 +244,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if group is None:
                 if self._batched(p):  # launched with the others in synchronize
                     self._handles[p] = None
-                else:
-                    self._handles[p] = self._launch((p,))
+                    return
+                bucket = self._bucket_of(p)
+                alone = bucket is None or (p.grad is not None and p.grad.is_sparse
+                                           and not self.sparse_as_dense)
+                self._handles[p] = self._launch((p,)) if alone else None
+                if bucket is not None:
+                    ready = self._bucket_ready.setdefault(bucket, set())
+                    ready.add(p)
+                    if len(ready) == len(bucket):
+                        self._launch_bucket(bucket)
                 return
             self._group_counts[group] += 1
             if self._group_counts[group] == len(group):
@@ -272,6 +289,62 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         numel = p.numel()
         return self._choose_path(numel, num_selected(numel, self._dgc.density()),
                                  p.shape) == REGION
+
+    def _bucket_of(self, p):
+        """The bucket ``p`` leaves with (a tuple of parameters), or None (alone).
+
+        Horovod's tensor fusion at hvd_dgc's level. Horovod fuses what is ready within
+        one of its cycles, but a tensor whose hook fires while a cycle negotiates waits
+        for the next one, and each cycle costs round trips; on a slow link a step of
+        per-tensor launches spans several. Buckets are fixed from what every rank knows
+        alike (parameter order, sizes, the density, the cost model's choice), so they
+        are the same on every rank: consecutive tensors in reverse parameter order
+        (backward order, roughly), cut where the wire bytes would pass
+        ``fusion_threshold``. Tensors going by region reduce (launched together in
+        synchronize) or hierarchically (their own rounds) stay out, as does every
+        tensor of a dense compressor or of a Horovod ``groups`` set-up."""
+        density = self._dgc.density()
+        key = (density, self._world())  # an elastic reset changes the cost model's choice
+        plan = self._plans.get(key)
+        if plan is None:  # the latest only: a callable schedule may change every step
+            plan = self._plan_buckets(density)
+            self._plans = {key: plan}
+        return plan.get(p)
+
+    def _plan_buckets(self, density):
+        d, comp, threshold = self._dgc, self._compression, self._dgc.fusion_threshold
+        if threshold <= 0 or self._groups is not None or not is_sparse(comp):
+            return {}
+        buckets, members, size = [], [], 0
+        for p in sorted(self._requires_update, key=self._param_index.get, reverse=True):
+            numel = p.numel()
+            k = num_selected(numel, density)
+            path = self._choose_path(numel, k, p.shape)
+            if path == DENSE:
+                wire = numel * (2 if d.dense_fp16 else 4)
+            elif path == SPARSE:
+                wire = k * comp.record_bytes
+            else:
+                continue
+            if members and size + wire > threshold:
+                buckets.append(tuple(members))
+                members, size = [], 0
+            members.append(p)
+            size += wire
+        if members:
+            buckets.append(tuple(members))
+        return {p: bucket for bucket in buckets if len(bucket) > 1 for p in bucket}
+
+    def _launch_bucket(self, bucket):
+        """One launch for the bucket's parameters not launched yet this step (a sparse
+        gradient, nn.Embedding(sparse=True), leaves alone from its hook)."""
+        self._bucket_ready.pop(bucket, None)
+        members = tuple(p for p in bucket if self._handles.get(p) is None)
+        for p in members:
+            self._handles.pop(p, None)
+        if members:
+            self._handles[members] = self._launch(members)
+        return members
 
     def _announce(self):
         """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
@@ -502,6 +575,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if items[i].own is None:
                         items[i] = items[i]._replace(own=sent)
             parts.append(_Part(path, positions, launched.handle))
+        self._dgc.stats.add_launches(len(parts))
         return _Pending(params, items, parts)
 
     def _advance(self, pending):
@@ -572,15 +646,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 launched.update(key if isinstance(key, tuple) else (key,))
         # Parameters whose hook has not fired (unused this step, or fewer backward
         # passes than backward_passes_per_step) still join every collective; on a GPU
-        # those _batched keeps for synchronize go in one launch.
+        # those _batched keeps for synchronize go in one launch, and a bucket's go with
+        # those of its tensors that are waiting for them (same launches on every rank).
         rest = sorted(self._requires_update - launched, key=self._param_index.get)
         for p in rest:
             self._handles.pop(p, None)
         together = tuple(p for p in rest if self._batched(p))
         if together:
             self._handles[together] = self._launch(together)
-        for p in set(rest) - set(together):
-            self._handles[(p,)] = self._launch((p,))
+        done = set(together)
+        for p in rest:
+            if p in done:  # launched with its bucket just now
+                continue
+            bucket = self._bucket_of(p)
+            if bucket is None:
+                self._handles[(p,)] = self._launch((p,))
+            else:
+                done.update(self._launch_bucket(bucket))
         for key in [k for k, v in self._handles.items() if v is None]:
             del self._handles[key]
         launches = list(self._handles.values())
@@ -633,6 +715,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = self.backward_passes_per_step
         for g in self._group_counts:
             self._group_counts[g] = 0
+        self._bucket_ready.clear()
         d.stats.end_step()
         self._synchronized = True
 
@@ -847,8 +930,10 @@ class DGCState:
 
     def __init__(self, schedule, compression, dense_compression, memory, cost_model,
                  min_compress_size, clip_norm, grad_scaler, log_every, delay=0,
-                 skip_nonfinite=True, aggregation="auto", period=1, auto_delay=None):
+                 skip_nonfinite=True, aggregation="auto", period=1, auto_delay=None,
+                 fusion_threshold=HOROVOD_FUSION_DEFAULT):
         self.schedule = schedule
+        self.fusion_threshold = fusion_threshold
         self.aggregation = aggregation
         self.aggregations = AGGREGATION_OPTIONS[aggregation]
         self.auto = None if auto_delay is None else AutoDelayState(auto_delay)
@@ -1072,6 +1157,23 @@ def _host_peers(dgc, process_set):
     return tuple(r for r, h in enumerate(hosts) if h == _hvd.cross_rank())
 
 
+def _fusion_threshold(value):
+    """``fusion_threshold`` in bytes: the argument, else Horovod's environment variable."""
+    if value is None:
+        raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        if raw is None:
+            return HOROVOD_FUSION_DEFAULT
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got "
+                             f"{raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"fusion_threshold must be an int >= 0 (bytes; 0: each tensor "
+                         f"leaves from its own hook), got {value!r}")
+    return value
+
+
 def _check_consistent_config(config, process_set):
     """One allgather at wrap time (see hvd_dgc/consistency.py)."""
     mine = torch.frombuffer(bytearray(consistency.encode(config)), dtype=torch.uint8)
@@ -1091,7 +1193,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          momentum_masking="auto", clip_norm=None,
                          dense_compression=None, cost_model=None, grad_scaler=None,
                          log_every=0, delay=0, skip_nonfinite=True, aggregation="auto",
-                         period=1):
+                         period=1, fusion_threshold=None):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -1153,6 +1255,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             doc). 1 exchanges every step. Composes with ``delay`` and any aggregation
             but hierarchical; needs ``torch.optim.SGD``; ``flush()`` before evaluating
             or checkpointing, as with delay.
+        fusion_threshold: bytes on the wire of one launch. With a sparse compressor,
+            tensors ready one after another in backward wait for each other and leave
+            together, up to this many bytes (their records; a dense tensor's values), so
+            a step takes as few of Horovod's negotiation rounds as it can: on a slow
+            link each costs round trips. None (default): Horovod's own,
+            ``HOROVOD_FUSION_THRESHOLD`` (``horovodrun --fusion-threshold-mb``), 64 MiB
+            if unset; 0: each tensor leaves from its own hook.
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory, and
             the step is skipped on every rank (weights, memory, step count unchanged;
             counted in ``compression_stats()["nonfinite_steps"]``, with a warning).
@@ -1257,7 +1366,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
                    cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
                    int(log_every), fixed_delay or 0, skip_nonfinite, aggregation, period,
-                   auto_delay)
+                   auto_delay, _fusion_threshold(fusion_threshold))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
+from hvd_dgc.schedule import num_selected
 from tests.workers.device import device
 
 
@@ -262,8 +263,9 @@ def horovod_patterns():
             "printed": printed.getvalue(), "ratio": stats["compression_ratio"],
             "paths": stats["paths"], "identical": ranks_identical(model, f"hp{tag}"),
             "compressor": type(opt._dgc.compression).__name__,
-            "record_bytes": sorted({t["bytes"] // max(t["sent"], 1) for t in tensors
-                                    if t["path"] == "sparse"}),
+            # every rank sends k records per tensor (a CPU selection's padded to k)
+            "record_bytes": sorted({t["bytes"] // num_selected(t["numel"], t["density"])
+                                    for t in tensors if t["path"] == "sparse"}),
             "dense_bytes": sorted({t["bytes"] // t["numel"] for t in tensors
                                    if t["path"] == "dense"}),
             "accuracy": acc, "max_diff_vs_horovod": max_diff(ref, model),

@@ -1,0 +1,58 @@
+"""hvd_dgc's buckets (``fusion_threshold``): a step's tensors leave in one launch per
+bucket instead of one per tensor, with the same training bit for bit; 2 ranks under
+horovodrun (Gloo)."""
+
+import pytest
+
+from tests.hvdrun import run
+from tests.test_torch_optimizer import _checked
+
+SCENARIOS = ["bundled_equals_per_tensor", "unused_parameter_on_one_rank",
+             "sparse_gradient_in_a_bucket", "bad_threshold"]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    return run("tests.workers.torch_fusion:suite", np=2, controller="gloo",
+               kwargs={"names": SCENARIOS})
+
+
+@pytest.mark.parametrize("variant", ["sync", "delay", "period", "passes", "region"])
+def test_buckets_train_exactly_as_one_launch_per_tensor(gloo, variant):
+    for out in _checked(gloo, "bundled_equals_per_tensor"):
+        res = out[variant]
+        assert res["moved"] > 1e-2
+        assert all(res["equal_each_step"]), res["equal_each_step"]
+        assert all(res["identical"])
+        assert res["paths"][0]["sparse" if variant != "region" else "region"] > 0
+
+
+def test_one_launch_per_bucket(gloo):
+    for out in _checked(gloo, "bundled_equals_per_tensor"):
+        # default threshold: one bucket, its dense and sparse parts (2 Horovod ops);
+        # a threshold cutting it in three: 4; per tensor (0): one op per tensor, 6
+        assert out["sync"]["launches"] == [2, 4, 6]
+        assert out["delay"]["launches"] == [2, 6]
+        # region: the compressed tensors go together in synchronize (alltoall), the
+        # dense ones in a bucket of their own or one launch each
+        assert out["region"]["launches"] == [2, 5]
+
+
+def test_a_tensor_unused_on_one_rank_leaves_with_its_bucket_in_synchronize(gloo):
+    for out in _checked(gloo, "unused_parameter_on_one_rank"):
+        assert out["identical_each_step"] == [True] * 6
+        assert out["launches"] == 2
+
+
+def test_a_sparse_gradient_leaves_alone_and_its_bucket_without_it(gloo):
+    for out in _checked(gloo, "sparse_gradient_in_a_bucket"):
+        assert all(out["equal_each_step"]) and out["identical"]
+        assert out["launches"] == 3  # the embedding's rows, the bucket's dense and sparse
+
+
+def test_bad_threshold_names_the_argument(gloo):
+    for out in _checked(gloo, "bad_threshold"):
+        for case in ("negative", "float", "bool"):
+            assert "fusion_threshold must be an int >= 0" in out[case], out[case]
+        assert "HOROVOD_FUSION_THRESHOLD must be a number of bytes" in out["environment"]
+        assert "'64MB'" in out["environment"]

@@ -1,0 +1,152 @@
+"""Scenarios for hvd_dgc's buckets (``fusion_threshold``), run on every rank under
+horovodrun (tests/test_torch_fusion.py): a step's tensors leave in one launch per
+bucket, and the training is the same, bit for bit, as with one launch per tensor."""
+
+import os
+
+import torch
+import torch.nn as nn
+
+import hvd_dgc.torch as hvd
+from tests.workers.torch_dgc import (expect_error, flat_params, loss_of, mlp,
+                                     ranks_identical)
+
+#: mlp(): weights of 1280, 4096 (DGC) and 320, biases of 64, 64, 5 (dense) elements
+OPTIONS = dict(density=0.05, warmup=0, aggregation="allgather")
+
+
+def _wrap(model, tag, threshold, **options):
+    opts = dict(OPTIONS, **options)
+    return hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+        fusion_threshold=threshold, **opts)
+
+
+def _pair(tag, thresholds, steps=8, passes=1, **options):
+    """The same training with each threshold: weights equal after every step? launches
+    in the last step, ranks identical at the end."""
+    rank = hvd.rank()
+    models = [mlp(seed=4) for _ in thresholds]
+    opts = [_wrap(m, f"{tag}{i}", t, backward_passes_per_step=passes, **options)
+            for i, (m, t) in enumerate(zip(models, thresholds))]
+    equal = []
+    for step in range(steps):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            for pass_ in range(passes):
+                loss_of(model, step * passes + pass_, rank).backward()
+            opt.step()
+        first = flat_params(models[0])
+        equal.append(all(torch.equal(first, flat_params(m)) for m in models[1:]))
+    for opt in opts:
+        if opt.in_flight:
+            opt.flush()
+    stats = [opt.compression_stats() for opt in opts]
+    moved = float((flat_params(models[0]) - flat_params(mlp(seed=4))).abs().max())
+    return {"equal_each_step": equal, "moved": moved,
+            "launches": [s["last_step"]["launches"] for s in stats],
+            "paths": [s["paths"] for s in stats],
+            "identical": [ranks_identical(m, f"{tag}.same{i}") for i, m in enumerate(models)]}
+
+
+def bundled_equals_per_tensor():
+    """Default threshold (one bucket), a threshold that cuts the step in two, and 0 (one
+    launch per tensor, as Horovod's hooks): the same weights after every step."""
+    records = 205 * 8  # the 4096-element weight's k = 205 records of 8 bytes
+    out = {"sync": _pair("fz", [None, records + 400, 0])}
+    out["delay"] = _pair("fzd", [None, 0], delay=2)
+    out["period"] = _pair("fzp", [None, 0], delay=1, period=2, steps=9)
+    out["passes"] = _pair("fzb", [None, 0], passes=2)
+    out["region"] = _pair("fzr", [None, 0], aggregation="region")
+    return out
+
+
+class _Branchy(nn.Module):
+    """A head that only rank 0 uses: its hook never fires on rank 1."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = mlp(seed=5)
+        self.extra = nn.Linear(5, 5)
+
+    def forward(self, x, use_extra):
+        out = self.body(x)
+        return self.extra(out) if use_extra else out
+
+
+def unused_parameter_on_one_rank(steps=6):
+    """Rank 1 never uses a tensor of the bucket: its launch waits for synchronize there
+    and leaves at once on rank 0; same launch (members, name) on both, no hang."""
+    rank = hvd.rank()
+    model = _Branchy()
+    opt = _wrap(model, "fzu", None)
+    same = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, rank)
+        nn.functional.cross_entropy(model(x, rank == 0), y).backward()
+        opt.step()
+        same.append(ranks_identical(model, f"fzu.{step}"))
+    return {"identical_each_step": same,
+            "launches": opt.compression_stats()["last_step"]["launches"]}
+
+
+def _batch(step, rank):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 20, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+
+
+class _WithEmbedding(nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(6)
+        self.emb = nn.Embedding(50, 20, sparse=sparse)
+        self.body = mlp(seed=6)
+
+    def forward(self, tokens):
+        return self.body(self.emb(tokens).mean(1))
+
+
+def sparse_gradient_in_a_bucket(steps=6):
+    """nn.Embedding(sparse=True) leaves alone (Horovod's sparse path), the rest of its
+    bucket without it: same weights as one launch per tensor."""
+    rank = hvd.rank()
+    models = [_WithEmbedding(True) for _ in range(2)]
+    opts = [_wrap(m, f"fze{i}", t) for i, (m, t) in enumerate(zip(models, (None, 0)))]
+    equal = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, 50, (16, 3), generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(tokens), y).backward()
+            opt.step()
+        equal.append(torch.equal(flat_params(models[0]), flat_params(models[1])))
+    stats = opts[0].compression_stats()
+    return {"equal_each_step": equal, "launches": stats["last_step"]["launches"],
+            "identical": ranks_identical(models[0], "fze.same")}
+
+
+def bad_threshold():
+    def wrap(threshold):
+        return lambda: _wrap(mlp(), "fzbad", threshold)
+    out = {name: expect_error(wrap(value), ValueError)
+           for name, value in (("negative", -1), ("float", 1.5), ("bool", True))}
+    saved = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "64MB"
+    try:
+        out["environment"] = expect_error(wrap(None), ValueError)
+    finally:
+        if saved is None:
+            del os.environ["HOROVOD_FUSION_THRESHOLD"]
+        else:
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = saved
+    return out
+
+
+def suite(names):
+    from tests.workers import torch_dgc
+    return torch_dgc.suite(names, module=__import__(__name__, fromlist=["_"]))
