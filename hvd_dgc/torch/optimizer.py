@@ -899,6 +899,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 pass
         self._agreeing, self._step_ended = None, None
         self._handles = {}
+        self._bucket_ready.clear()  # a step cut short: its buckets start empty again
+        for g in self._group_counts:
+            self._group_counts[g] = 0
         self._dgc.memory.commit()  # a step cut short (elastic reset) has nothing to undo
         self._skip_step, self._compressor_saved, self._dropped = False, None, []
         self._synchronized = False
