@@ -711,13 +711,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"part already and keep it ({d.nonfinite_steps} such steps here).",
                     RuntimeWarning)
                 self._dropped = []
+        self._restart_counts()
+        d.stats.end_step()
+        self._synchronized = True
+
+    def _restart_counts(self):
+        """What the hooks count within a step, back to its start: backward passes left,
+        parameters ready in each Horovod group and each bucket."""
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         for g in self._group_counts:
             self._group_counts[g] = 0
         self._bucket_ready.clear()
-        d.stats.end_step()
-        self._synchronized = True
 
     def _tune_delay(self, started, waited):
         """delay="auto" (hvd_dgc/autodelay.py): measure this step, and at the end of a
@@ -899,15 +904,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 pass
         self._agreeing, self._step_ended = None, None
         self._handles = {}
-        self._bucket_ready.clear()  # a step cut short: its buckets start empty again
-        for g in self._group_counts:
-            self._group_counts[g] = 0
+        self._restart_counts()  # a step cut short (elastic reset) starts counting afresh
         self._dgc.memory.commit()  # a step cut short (elastic reset) has nothing to undo
         self._skip_step, self._compressor_saved, self._dropped = False, None, []
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
         super(self.__class__, self).load_state_dict(state_dict)
         if dgc_state is None:
             warnings.warn("hvd_dgc: the loaded optimizer state has no hvd_dgc entry (a plain "

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import hvd_dgc.torch as hvd
-from tests.workers.torch_dgc import (expect_error, flat_params, loss_of, mlp,
+from tests.workers.torch_dgc import (batch, expect_error, flat_params, loss_of, mlp,
                                      ranks_identical)
 
 #: mlp(): weights of 1280, 4096 (DGC) and 320, biases of 64, 64, 5 (dense) elements
@@ -85,17 +85,12 @@ def unused_parameter_on_one_rank(steps=6):
     same = []
     for step in range(steps):
         opt.zero_grad()
-        x, y = _batch(step, rank)
+        x, y = batch(step, rank)
         nn.functional.cross_entropy(model(x, rank == 0), y).backward()
         opt.step()
         same.append(ranks_identical(model, f"fzu.{step}"))
     return {"identical_each_step": same,
             "launches": opt.compression_stats()["last_step"]["launches"]}
-
-
-def _batch(step, rank):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(16, 20, generator=gen), torch.randint(0, 5, (16,), generator=gen)
 
 
 class _WithEmbedding(nn.Module):
