@@ -1,6 +1,6 @@
 """Training throughput over an emulated slow network: dense Horovod vs hvd_dgc (issue 6).
 
-    sudo python bench/wan_throughput.py                      # the full grid, ~15 min
+    sudo python bench/wan_throughput.py                      # the full grid, ~1 hour
     python bench/wan_throughput.py --rates 100 --rtts 0 50   # a part of it
 
 Two workers, one CPU thread each, in two network namespaces joined by the
@@ -9,8 +9,9 @@ training for every method (bench/wan/train_worker.py: an MLP with 6.3M
 parameters, 25 MB of fp32 gradient, batch 128): Horovod dense fp32, Horovod
 fp16, hvd_dgc DGC 0.1%, DGC + delayed averaging (D=4), DGC + DGA + temporally
 sparse updates (``--methods ... dts``: an exchange every ``--dts-period``-th step,
-each applied ``--dts-delay`` steps later; 8 and 8 by default), and the
-no-communication bound (one worker alone, x2). Writes, from this one run:
+each applied ``--dts-delay`` steps later; 8 and 8 by default), the same period
+with ``delay="auto"`` (``auto``: timed after its first two decision windows), and
+the no-communication bound (one worker alone, x2). Writes, from this one run:
 
     bench/results/wan_throughput.csv    every measurement
     bench/results/wan_throughput.md     ratios table (what the README shows)
@@ -33,7 +34,9 @@ from bench.wan.launch import run_job  # noqa: E402
 METHODS = ["dense", "fp16", "dgc", "dga"]
 LABELS = {"dense": "Horovod fp32", "fp16": "Horovod fp16", "dgc": "hvd_dgc DGC 0.1%",
           "dga": "hvd_dgc DGC + DGA (D=4)", "dts": "hvd_dgc DGC + DGA + period",
-          "local": "no communication (bound)"}
+          "auto": "hvd_dgc DGC + delay auto + period", "local": "no communication (bound)"}
+#: delay="auto" decides at the end of its second window of 20 steps (hvd_dgc/autodelay.py)
+AUTO_SETTLE = 40
 WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
 MODEL = ["--width", "2048", "--batch", "128"]  # the same training for every method
 GRAD_BYTES = 4 * 6.3e6  # that MLP's fp32 gradient
@@ -46,7 +49,7 @@ def steps_for(method, rate_mbit, rtt_ms, args):
     if method in ("dense", "fp16"):
         width = 2 if method == "fp16" else 4
         estimate = compute + GRAD_BYTES / 4 * width * 8 / (rate_mbit * 1e6) + 2 * rtt_ms / 1e3
-    elif method == "dts":  # latency hidden once the pipeline is full: time whole periods
+    elif method in ("dts", "auto"):  # latency hidden once the pipeline is full: periods
         return max(2 * args.dts_period, min(args.max_steps, int(args.seconds / compute)))
     else:
         estimate = compute + 8 * rtt_ms / 1e3
@@ -57,10 +60,13 @@ def measure(link, method, steps, args):
     warmup = args.warmup_steps
     if method == "dts":  # until the first average is applied: the pipeline is full
         warmup = max(warmup, args.dts_period + args.dts_delay)
-    argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
-                     str(warmup), *MODEL]
-    if method == "dts":
-        argv += ["--period", str(args.dts_period), "--delay", str(args.dts_delay)]
+    if method == "auto":  # until auto's first decision has taken effect, and a period more
+        warmup = max(warmup, AUTO_SETTLE + 2 * args.dts_period)
+    argv = WORKER + ["--method", "dts" if method == "auto" else method, "--steps", str(steps),
+                     "--warmup-steps", str(warmup), *MODEL]
+    if method in ("dts", "auto"):
+        argv += ["--period", str(args.dts_period),
+                 "--delay", "auto" if method == "auto" else str(args.dts_delay)]
     results = run_job(link, argv, timeout=args.timeout)
     code, out, err = results[0]
     if code != 0 or results[1][0] != 0:
@@ -156,8 +162,9 @@ def _mid(values):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="*", default=[10, 100, 1000])
-    ap.add_argument("--rtts", type=float, nargs="*", default=[0, 50, 200])
-    ap.add_argument("--methods", nargs="*", default=METHODS)
+    ap.add_argument("--rtts", type=float, nargs="*", default=[0, 50, 200, 700])
+    ap.add_argument("--methods", nargs="*", default=METHODS + ["dts", "auto"],
+                    choices=METHODS + ["dts", "auto"])
     ap.add_argument("--seconds", type=float, default=8.0, help="target timed seconds per run")
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--warmup-steps", type=int, default=2)
@@ -167,6 +174,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = ap.parse_args()
     LABELS["dts"] = f"hvd_dgc DGC + DGA (D={args.dts_delay}) + period {args.dts_period}"
+    LABELS["auto"] = f"hvd_dgc DGC + delay auto + period {args.dts_period}"
     ok, why = available()
     if not ok:
         sys.exit(f"wan_throughput: {why}")
@@ -185,7 +193,8 @@ def main():
                                  "samples_per_s": round(r["samples_per_s"], 2),
                                  "steps_per_s": round(r["steps_per_s"], 4),
                                  "vs_bound": round(r["samples_per_s"] / bound, 4),
-                                 "flush_seconds": round(r["flush_seconds"], 3)})
+                                 "flush_seconds": round(r["flush_seconds"], 3),
+                                 "delay": r.get("delay")})
                     print(f"{link.description:>28}  {LABELS[method]:<26} "
                           f"{r['samples_per_s']:8.1f} samples/s  ({steps} steps, "
                           f"{time.time() - started:5.0f} s so far)", flush=True)

@@ -45,8 +45,9 @@ dgc.add_argument("--warmup-epochs", type=float, default=None,
                  help="paper warm-up 25%%->0.1%% over these epochs")
 dgc.add_argument("--min-compress-size", type=int, default=None,
                  help="tensors smaller than this always go dense (default: hvd_dgc's)")
-dgc.add_argument("--delay", type=int, default=0,
-                 help="delayed gradient averaging: apply each average D steps later")
+dgc.add_argument("--delay", type=lambda v: v if v == "auto" else int(v), default=0,
+                 help="delayed gradient averaging: apply each average D steps later "
+                      "(auto: D from the measured compute and exchange times)")
 dgc.add_argument("--period", type=int, default=1,
                  help="temporally sparse updates: exchange every P-th step, local steps between")
 dgc.add_argument("--stats", action="store_true", help="print compression statistics per epoch")

@@ -28,6 +28,14 @@ each rank sends k/L records of its slice across hosts::
 
 ``choose`` (dense or allgather) is unchanged; ``choose_aggregation`` picks among
 the four (hierarchical only where ``local_size`` says ranks share hosts).
+
+A launch holding both (a bucket: a layer's small dense bias beside its sparse
+weight) may carry its dense tensors inside its allgather, as records of every
+index, instead of in an allreduce of their own (``folds``): N-1 copies of them
+cross the wire instead of about two, but one Horovod operation fewer waits its
+round trips (bench/results/round_trips.md: 3 round trips for one, 5 for two)::
+
+    folded                    (N-1) * n * (w + i) * beta  <=  2(N-1) alpha + dense bytes beta
 """
 
 from dataclasses import dataclass
@@ -107,6 +115,16 @@ class CostModel:
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
         sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes)
         return SPARSE if sparse <= dense else DENSE
+
+    def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
+        """Carry ``numel`` dense elements (a launch's dense tensors together) inside the
+        launch's allgather rather than in an allreduce of their own? Yes where the
+        allgather's extra bytes cost less than the allreduce they replace, latency
+        included: small tensors (biases, norms), or any on a link of high latency."""
+        if world_size < 2 or numel <= 0:
+            return False
+        extra = allgather_bytes(numel, world_size, value_bytes + index_bytes) / self.bandwidth
+        return extra <= self.dense_seconds(numel, world_size, value_bytes)
 
     def max_sparse_k(self, numel, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                      index_bytes=4):

@@ -353,6 +353,18 @@ def test_choose_aggregation_without_region_is_choose():
                 assert full == DENSE
 
 
+def test_dense_tensors_fold_into_the_allgather_up_to_the_break_even():
+    # (N-1) n (w+i) / B <= 2 (N-1) alpha + 2 (N-1)/N n w / B
+    #   <=>  n <= 2 alpha B / ((w+i) - 2w/N): N=2, fp32 values, 50 us, 1 Gbit/s -> 3125
+    cm = CostModel()
+    assert cm.folds(3125, 2) and not cm.folds(3126, 2)
+    assert cm.folds(2083, 4) and not cm.folds(2084, 4)  # N = 4: 12500 / 6
+    assert not CostModel(alpha=0.0).folds(1, 2)  # without latency, never
+    wan = CostModel(alpha=0.1, bandwidth=12.5e6)  # 200 ms of round trip, 100 Mbit/s
+    assert wan.folds(100_000, 8) and not wan.folds(1_000_000, 8)
+    assert not cm.folds(10, 1) and not cm.folds(0, 2)  # nothing to save
+
+
 def test_choose_aggregation_picks_region_at_scale():
     cm = CostModel()
     shapes = [s for _, s in resnet50_shapes()]

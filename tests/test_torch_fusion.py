@@ -17,7 +17,8 @@ def gloo():
                kwargs={"names": SCENARIOS})
 
 
-@pytest.mark.parametrize("variant", ["sync", "delay", "period", "passes", "region"])
+@pytest.mark.parametrize("variant", ["sync", "delay", "period", "passes", "region",
+                                     "unfolded"])
 def test_buckets_train_exactly_as_one_launch_per_tensor(gloo, variant):
     for out in _checked(gloo, "bundled_equals_per_tensor"):
         res = out[variant]
@@ -29,25 +30,36 @@ def test_buckets_train_exactly_as_one_launch_per_tensor(gloo, variant):
 
 def test_one_launch_per_bucket(gloo):
     for out in _checked(gloo, "bundled_equals_per_tensor"):
-        # default threshold: one bucket, its dense and sparse parts (2 Horovod ops);
-        # a threshold cutting it in three: 4; per tensor (0): one op per tensor, 6
-        assert out["sync"]["launches"] == [2, 4, 6]
-        assert out["delay"]["launches"] == [2, 6]
+        # default threshold: one bucket, its biases riding in its allgather: 1 Horovod
+        # op; a threshold cutting it in three: 3; per tensor (0): one op per tensor, 6
+        assert out["sync"]["launches"] == [1, 3, 6]
+        assert out["delay"]["launches"] == [1, 6]
         # region: the compressed tensors go together in synchronize (alltoall), the
         # dense ones in a bucket of their own or one launch each
         assert out["region"]["launches"] == [2, 5]
+        # the cost model without latency keeps the biases' allreduce: 2 ops
+        assert out["unfolded"]["launches"] == [2, 6]
+
+
+def test_folded_dense_tensors_are_counted_with_their_indices(gloo):
+    dense = [64, 64, 320, 5]  # mlp()'s tensors below min_compress_size, elements
+    for out in _checked(gloo, "bundled_equals_per_tensor"):
+        folded, alone = out["sync"]["dense_bytes"][0], out["sync"]["dense_bytes"][2]
+        assert sorted(folded.values()) == sorted(8 * n for n in dense)  # records
+        assert sorted(alone.values()) == sorted(4 * n for n in dense)   # fp32
+        assert sorted(out["unfolded"]["dense_bytes"][0].values()) == sorted(alone.values())
 
 
 def test_a_tensor_unused_on_one_rank_leaves_with_its_bucket_in_synchronize(gloo):
     for out in _checked(gloo, "unused_parameter_on_one_rank"):
         assert out["identical_each_step"] == [True] * 6
-        assert out["launches"] == 2
+        assert out["launches"] == 1
 
 
 def test_a_sparse_gradient_leaves_alone_and_its_bucket_without_it(gloo):
     for out in _checked(gloo, "sparse_gradient_in_a_bucket"):
         assert all(out["equal_each_step"]) and out["identical"]
-        assert out["launches"] == 3  # the embedding's rows, the bucket's dense and sparse
+        assert out["launches"] == 2  # the embedding's rows (two allgathers), the bucket
 
 
 def test_bad_threshold_names_the_argument(gloo):

@@ -558,8 +558,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, params):
         """Start the collectives for ``params`` (one tensor, one Horovod group, or the
-        tensors launched together in synchronize): each path its own, in a fixed order."""
-        items = [self._prepare(p) for p in params]
+        tensors launched together in synchronize): each path its own, in a fixed order.
+        Small dense tensors ride in the launch's allgather (paths.py ``fold``)."""
+        items = self._paths[SPARSE].fold([self._prepare(p) for p in params])
         name = "hvd_dgc." + self._parameter_names[params[0]]
         if self._dgc.keeps_own:  # steps in flight at once; Horovod names must be unique
             name += ".d%d" % (self._dgc.step % self._dgc.name_slots())

@@ -37,7 +37,7 @@ from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.costmodel import DENSE, HIERARCHICAL, REGION, SPARSE
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.torch.collective import EXCHANGE, HorovodComm
-from hvd_dgc.torch.compression import Selected, Selection, on_accelerator
+from hvd_dgc.torch.compression import INDEX_BYTES, Selected, Selection, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
@@ -171,18 +171,22 @@ class AllgatherPath(_Path):
         Selection)``. On a GPU one selection serves them all (gpu_select.py), as kernel
         launches, not bytes, bound the work there."""
         d, comp, rank = self.dgc, self.dgc.compression, _hvd.rank()
-        if all(job.fixed is None for job in jobs):
-            sel = comp.sparsify_many([job.v for job in jobs], [job.k for job in jobs], rank,
-                                     [job.block_max for job in jobs])
-        else:  # a non-finite gradient's placeholder among them (CPU, or delay > 0)
-            parts = [job.fixed or comp.sparsify(job.v, job.k, rank, job.block_max)
-                     for job in jobs]
+        free = [job for job in jobs if job.fixed is None]
+        if free:
+            sel = comp.sparsify_many([job.v for job in free], [job.k for job in free], rank,
+                                     [job.block_max for job in free])
+        if len(free) < len(jobs):  # fixed records among them: a non-finite gradient's
+            picked = iter(sel.split() if free else ())  # placeholder, a folded dense tensor
+            parts = [job.fixed or Selected(*next(picked)) for job in jobs]
             sel = Selection(torch.cat([part.indices for part in parts]),
                             torch.cat([part.values for part in parts]),
                             tuple(part.indices.numel() for part in parts))
         wire = sel.values if pre == 1.0 else sel.values * pre
-        poison = [job.poison for job in jobs if job.poison is not None]
-        if poison:  # every job has one (a GPU, skip_nonfinite): inf in a bad tensor's records
+        if any(job.poison is not None for job in jobs):  # a GPU, skip_nonfinite
+            # inf in a bad tensor's records; a folded dense tensor (fold) has no flag: its
+            # own non-finite values reach the sum as they are
+            no = torch.zeros((), dtype=torch.bool, device=wire.device)
+            poison = [no if job.poison is None else job.poison for job in jobs]
             bad = torch.stack(poison).repeat_interleave(
                 counts_on(sel.ks, str(wire.device)), output_size=wire.numel())
             wire = torch.where(bad, float("inf"), wire)
@@ -194,6 +198,32 @@ class AllgatherPath(_Path):
                 d.stats.record(job.name, self.name, job.v.numel(), indices.numel(),
                                indices.numel() * comp.record_bytes, job.density)
         return wire, sel
+
+    def fold(self, items):
+        """``items`` with the launch's dense tensors moved into its allgather, where the
+        cost model says so (costmodel.py ``folds``): each as records of all its indices,
+        values exactly those the dense allreduce would have summed (so the memory, the
+        stats' dense count and delayed averaging's ``own`` are unchanged). One Horovod
+        operation per launch instead of two: two round trips fewer a step over a WAN
+        (bench/results/round_trips.md). The same decision on every rank: it depends on
+        the launch's members and sizes only."""
+        dense = [i for i, it in enumerate(items) if it.path == DENSE]
+        if not dense or not any(it.path == SPARSE for it in items):
+            return items
+        comp, d = self.dgc.compression, self.dgc
+        if any(items[i].payload.dtype != comp.value_dtype for i in dense):
+            return items  # fp16 on the dense wire, fp32 records (or the reverse): leave it
+        numel = sum(items[i].payload.numel() for i in dense)
+        if not d.cost_model.folds(numel, self.wire.world(), comp.value_bytes, INDEX_BYTES):
+            return items
+        items = list(items)
+        for i in dense:
+            it = items[i]
+            n = it.payload.numel()
+            whole = Selected(torch.arange(n, device=it.payload.device), it.payload)
+            d.stats.add_bytes(it.job.name, n * INDEX_BYTES)
+            items[i] = it._replace(path=SPARSE, payload=it.job._replace(k=n, fixed=whole))
+        return items
 
     @staticmethod
     def _sent(sel):

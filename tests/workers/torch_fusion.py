@@ -46,6 +46,8 @@ def _pair(tag, thresholds, steps=8, passes=1, **options):
     moved = float((flat_params(models[0]) - flat_params(mlp(seed=4))).abs().max())
     return {"equal_each_step": equal, "moved": moved,
             "launches": [s["last_step"]["launches"] for s in stats],
+            "dense_bytes": [{name: t["bytes"] for name, t in s["last_step"]["tensors"].items()
+                             if t["path"] == "dense"} for s in stats],
             "paths": [s["paths"] for s in stats],
             "identical": [ranks_identical(m, f"{tag}.same{i}") for i, m in enumerate(models)]}
 
@@ -59,6 +61,8 @@ def bundled_equals_per_tensor():
     out["period"] = _pair("fzp", [None, 0], delay=1, period=2, steps=9)
     out["passes"] = _pair("fzb", [None, 0], passes=2)
     out["region"] = _pair("fzr", [None, 0], aggregation="region")
+    # no latency in the cost model: the dense tensors keep their allreduce (costmodel.folds)
+    out["unfolded"] = _pair("fzn", [None, 0], cost_model=hvd.CostModel(alpha=0.0))
     return out
 
 
