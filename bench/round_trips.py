@@ -16,8 +16,11 @@ Settings (bench/wan/train_worker.py's MLP, DGC 0.1%, synchronous: delay 0):
               synchronous step waits under Horovod's controller
   dense       Horovod's DistributedOptimizer (its own tensor fusion)
   per-tensor  hvd_dgc, fusion_threshold=0: one launch per tensor, from its hook
-  buckets     hvd_dgc, default fusion_threshold (Horovod's 64 MiB): one launch per
-              bucket, here the whole step's tensors
+  buckets-unfolded  hvd_dgc, default fusion_threshold (Horovod's 64 MiB): one launch
+              per bucket, here the whole step's tensors: an allreduce of its dense
+              tensors and an allgather of its records (CostModel(alpha=0) keeps them apart)
+  buckets     the same, the dense tensors inside the allgather (CostModel.folds):
+              one Horovod operation per step
 
 ``--probe`` times single Horovod collectives the same way (bench/wan/collective_probe.py):
 what one operation costs under Horovod's controller, and what makes it cost more.
@@ -38,6 +41,7 @@ SETTINGS = {
     "floor": ["--method", "floor"],
     "dense": ["--method", "dense"],
     "per-tensor": ["--method", "dgc", "--fusion-threshold", "0"],
+    "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "0"],
     "buckets": ["--method", "dgc"],
 }
 

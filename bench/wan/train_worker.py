@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--delay", default="4", help="an int, or auto (delay=\"auto\")")
     ap.add_argument("--period", type=int, default=4)
     ap.add_argument("--fusion-threshold", type=int, default=None)
+    ap.add_argument("--cost-alpha", type=float, default=None,
+                    help="hvd_dgc CostModel alpha (s); 0: a bucket's dense tensors keep "
+                         "their own allreduce (CostModel.folds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -63,6 +66,8 @@ def main():
                            delay=delay if args.method in ("dga", "dts") else 0,
                            period=args.period if args.method == "dts" else 1,
                            fusion_threshold=args.fusion_threshold)
+            if args.cost_alpha is not None:
+                options["cost_model"] = hvd.CostModel(alpha=args.cost_alpha)
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
