@@ -27,6 +27,7 @@ class CompressionStats:
         self.paths = Counter()
         self.returned_elements = 0  # region reduce: sums an owner put back into its residual
         self.launches = 0  # Horovod operations started (a grouped one once), first rounds
+        self.fp16_clipped = 0  # dense fp16 values sent clipped to fp16wire.fp16_bound
         self.last = {}
         self.last_launches = 0
         self._current = {}
@@ -49,6 +50,9 @@ class CompressionStats:
 
     def add_returned(self, elements):
         self.returned_elements += elements
+
+    def add_fp16_clipped(self, count):
+        self.fp16_clipped += count
 
     def add_launches(self, count):
         """``count`` Horovod operations started: each a negotiation round of Horovod's
@@ -81,6 +85,7 @@ class CompressionStats:
         out["paths"] = dict(self.paths)
         out["returned_elements"] = self.returned_elements
         out["launches"] = self.launches
+        out["fp16_clipped"] = self.fp16_clipped
         last = self.last.values()
         out["last_step"] = self._summary(sum(t["bytes"] for t in last),
                                          sum(4 * t["numel"] for t in last),
@@ -100,7 +105,8 @@ class CompressionStats:
         return {"steps": self.steps, "bytes_sent": self.bytes_sent,
                 "dense_bytes": self.dense_bytes, "elements_sent": self.elements_sent,
                 "elements_total": self.elements_total, "paths": dict(self.paths),
-                "returned_elements": self.returned_elements, "launches": self.launches}
+                "returned_elements": self.returned_elements, "launches": self.launches,
+                "fp16_clipped": self.fp16_clipped}
 
     def load_state_dict(self, state):
         self.reset()
@@ -109,3 +115,4 @@ class CompressionStats:
         self.paths = Counter(state["paths"])
         self.returned_elements = state.get("returned_elements", 0)
         self.launches = state.get("launches", 0)
+        self.fp16_clipped = state.get("fp16_clipped", 0)

@@ -463,3 +463,43 @@ def test_auto_delay_arguments():
                        (AutoDelay(idle=1.0), "idle must be a number in [0, 1)")):
         with pytest.raises(ValueError, match=re.escape(words)):
             as_auto_delay(bad)
+
+
+# ---------------------------------------------------------------- fp16 on the dense wire
+
+def test_fp16_bound_keeps_every_sum_of_n_ranks_finite():
+    import numpy as np
+    from hvd_dgc.fp16wire import FP16_MAX, fp16_bound
+    assert fp16_bound(1) == FP16_MAX
+    assert fp16_bound(2) == 32736.0  # the fp16 number below 65504 / (2 (1 + 2^-11))
+    for world in (2, 3, 4, 5, 7, 8, 16, 64, 512):
+        for prescale in (1.0, 0.5, 1 / 3):
+            bound = fp16_bound(world, prescale)
+            assert float(np.float16(bound)) == bound  # clipped values cast exactly
+            top = np.float16(np.float32(bound) * np.float32(prescale))  # Horovod's prescale
+            total = np.float16(0)
+            for _ in range(world):  # fp16 additions, every one rounding (here: up)
+                total = np.float16(np.float32(total) + np.float32(top))
+            assert np.isfinite(total), (world, prescale, total)
+        # not needlessly small: within 1% (N <= 16) of the exact share of 65504
+        if world <= 16:
+            assert bound > 0.99 * FP16_MAX / world
+
+
+def test_fp16_payload_sends_what_fits_and_keeps_the_rest():
+    import numpy as np
+    from hvd_dgc.fp16wire import fp16_payload
+    v = np.array([1e5, -7e4, 32736.0, 3.0, 0.1, np.inf, np.nan, -np.inf], np.float32)
+    payload, residual, clipped = fp16_payload(v, 2)
+    assert payload.dtype == np.float16 and residual.dtype == np.float32
+    assert clipped == 2  # 1e5 and -7e4; 32736 is the bound itself; non-finite ones are not
+    np.testing.assert_array_equal(payload[:4], np.float16([32736, -32736, 32736, 3]))
+    np.testing.assert_array_equal(residual[:4], np.float32([67264, -37264, 0, 0]))
+    # fp16's rounding stays: payload + residual == v exactly for finite values
+    finite = np.isfinite(v)
+    np.testing.assert_array_equal(payload[finite].astype(np.float32) + residual[finite],
+                                  v[finite])
+    assert residual[4] != 0
+    # a non-finite value leaves as it is (skip_nonfinite sees it) and leaves nothing behind
+    assert np.isposinf(payload[5]) and np.isnan(payload[6]) and np.isneginf(payload[7])
+    np.testing.assert_array_equal(residual[5:], 0)

@@ -3,6 +3,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from tests.hvdrun import run
@@ -14,7 +15,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.tape_delay_sparse_flush_equals_synchronous", "tf_dga.delay_bad_inputs",
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
-        "tape_keras3_model"]
+        "tape_keras3_model", "fp16_wire.tf_outlier"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -71,6 +72,18 @@ def _assert_resumed(outs):
     for out in outs:
         assert out["restored"] == 0.0, out  # bit-identical to the uninterrupted run
         assert out["without_dgc_state"] > 1e-4, out  # the memory is what made it so
+
+
+def test_tape_dense_fp16_beyond_its_range_matches_the_reference(tape):
+    """The PyTorch test's steps (tests/test_torch_optimizer.py) through the TF tape inside
+    tf.function: the same weights after every step as the NumPy reference, so as
+    PyTorch's; TF kept no fp16 rounding in its residual before, and lost the step."""
+    from tests.workers.fp16_wire import reference
+    weights, clipped = reference()
+    for rank, out in enumerate(_checked(tape, "fp16_wire.tf_outlier")):
+        assert out["skipped"] == 0
+        np.testing.assert_array_equal(out["weights"], weights)
+        assert out["clipped"] == clipped[rank] > 0
 
 
 def test_tape_memory_checkpoint_resumes_bit_identically(tape, resumed3):

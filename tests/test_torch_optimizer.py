@@ -3,6 +3,7 @@
 Scenarios run in a few launches (module fixtures); each test asserts on one result.
 """
 
+import numpy as np
 import pytest
 
 from tests.hvdrun import run
@@ -10,7 +11,7 @@ from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
-                  "horovod_patterns", "sparse_embeddings"]
+                  "horovod_patterns", "sparse_embeddings", "fp16_outlier"]
 
 
 def _checked(results, name):
@@ -86,6 +87,23 @@ def test_dense_fp16_path(gloo):
         assert out["identical"]
         assert out["ours_vs_fp32"] < 1e-3
         assert out["ours_vs_fp32"] <= out["stock_fp16_vs_fp32"]
+
+
+def test_dense_fp16_beyond_its_range_is_clipped_not_lost(gloo):
+    """A gradient of 1e5 with fp16 on the dense wire: before, inf on the wire, the step
+    skipped on every rank and the gradient lost. Now each rank sends at most what two
+    fp16 values may sum to, the rest leaves in the next steps: every step's weights are
+    the NumPy reference's (hvd_dgc/fp16wire.py; the TF tape: tests/test_tf.py)."""
+    from tests.workers.fp16_wire import GRADS, reference
+    weights, clipped = reference()
+    for rank, out in enumerate(_checked(gloo, "fp16_outlier")):
+        assert out["skipped"] == 0
+        np.testing.assert_array_equal(out["weights"], weights)
+        assert out["clipped"] == clipped[rank] > 0
+        assert len(out["warnings"]) == 1 and "clipped to it" in out["warnings"][0]
+        # all of the outlier arrived: 4 steps of at most 32736 carried 1e5 + 3
+        total = -(np.float32(GRADS[0][0]) + np.float32(GRADS[0][1])) / 2
+        assert abs(out["weights"][-1][0] - total[0]) <= 16
 
 
 def test_np1_still_compresses():

@@ -28,6 +28,7 @@ unless ``sparse_as_dense=True``: its rows and their indices, allgathered, no DGC
 gradient).
 """
 
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -42,6 +43,7 @@ from hvd_dgc.costmodel import AGGREGATIONS, DENSE as _DENSE, HIERARCHICAL as _HI
 from hvd_dgc.schedule import as_schedule, DensitySchedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import check_masking, masking_density_limit
+from hvd_dgc.fp16wire import clip_warning, fp16_bound
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
 from hvd_dgc.tensorflow.delayed import DENSE, REGION, SPARSE, DelayedAveraging
@@ -164,6 +166,9 @@ class GradientExchange(tf.Module):
             self.counters = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
                                         name="counters")
             self.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite")
+            # dense fp16 values sent clipped (hvd_dgc/fp16wire.py): scratch, not checkpointed
+            object.__setattr__(self, "fp16_clipped", tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="fp16_clipped"))
             if any(self.sliced):  # only then: other checkpoints keep their layout
                 self.gathered = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="sparse_grad_steps")
@@ -252,6 +257,30 @@ class GradientExchange(tf.Module):
         at = _At(stage, self.density(stage),
                  tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]))
         grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
+        if self.dense_fp16:
+            clipped_before = self.fp16_clipped.read_value()
+            with tf.control_dependencies([clipped_before]):
+                out, bad = self._exchange_guarded(grads, at)
+            with tf.control_dependencies([_values(a) for a in out]):
+                self._warn_fp16(clipped_before)
+            return out, bad
+        return self._exchange_guarded(grads, at)
+
+    def _warn_fp16(self, before):
+        """The first step that sends dense fp16 values clipped says so (as the PyTorch
+        side's warning, printed from the graph); later ones are counted in stats()."""
+        template = clip_warning("tensorflow", "{}", "{}", fp16_bound(
+            self.world_size(), self._scales()[0])) + \
+            " Later ones are counted in stats()['fp16_clipped']."
+        now = self.fp16_clipped.read_value()
+
+        def say():
+            tf.print(tf.strings.format(template, [self.step, now - before]),
+                     output_stream=sys.stderr)
+            return tf.constant(0)
+        tf.cond(tf.logical_and(tf.equal(before, 0), now > 0), say, lambda: tf.constant(0))
+
+    def _exchange_guarded(self, grads, at):
         if not self.skip_nonfinite:
             return self._step(grads, at), tf.constant(False)
         local_bad = tf.logical_not(tf.reduce_all(
@@ -266,6 +295,7 @@ class GradientExchange(tf.Module):
         # sends inf, so every rank's averages show it; then every rank puts its memory back.
         self.memory.snapshot()
         counters = self.counters.read_value()
+        clipped = self.fp16_clipped.read_value()
         gathered = self.gathered.read_value() if self.gathered is not None else None
         regioned = self.regioned.read_value() if self.regioned is not None else None
         out = [self._exchange_one(i, grad, at, poison=local_bad)
@@ -276,6 +306,7 @@ class GradientExchange(tf.Module):
         def skip():
             self.memory.restore()
             self.counters.assign(counters)
+            self.fp16_clipped.assign(clipped)
             if gathered is not None:
                 self.gathered.assign(gathered)
             if regioned is not None:
@@ -367,13 +398,23 @@ class GradientExchange(tf.Module):
                                            tf.size(returned_indices, out_type=tf.int64)]))
 
     def _dense_payload(self, i, v):
-        """Dense path: all of ``v`` leaves (as float16 with Horovod's Compression.fp16)."""
-        self.memory.sent_all(i)
+        """Dense path: all of ``v`` leaves; with Horovod's Compression.fp16 as float16, at
+        most fp16wire.fp16_bound of it, the rest (and fp16's rounding) staying in the
+        residual, as on the PyTorch side (hvd_dgc/fp16wire.py)."""
         numel = self.numels[i]
         fp16 = self.dense_fp16
         self.counters.assign_add(tf.constant([(2 if fp16 else 4) * numel, 4 * numel, numel,
                                               numel, 0, 1], tf.int64))
-        return tf.cast(v, tf.float16) if fp16 else v
+        if not fp16:
+            self.memory.sent_all(i)
+            return v
+        bound = fp16_bound(self.world_size(), self._scales()[0])
+        finite = tf.math.is_finite(v)
+        self.fp16_clipped.assign_add(tf.math.count_nonzero(
+            finite & (tf.abs(v) > bound), dtype=tf.int64))
+        payload = tf.cast(tf.where(finite, tf.clip_by_value(v, -bound, bound), v), tf.float16)
+        self.memory.keep(i, tf.where(finite, v - tf.cast(payload, tf.float32), 0.0))
+        return payload
 
     def _scales(self):
         """(prescale, postscale) of Horovod's Average with gradient_predivide_factor."""
@@ -555,7 +596,8 @@ class GradientExchange(tf.Module):
         out.pop("last_step")
         out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
                    current_density=float(self.density().numpy()),
-                   world_size=self.world_size(), nonfinite_steps=int(self.nonfinite.numpy()))
+                   world_size=self.world_size(), nonfinite_steps=int(self.nonfinite.numpy()),
+                   fp16_clipped=int(self.fp16_clipped.numpy()))
         return out
 
 

@@ -98,6 +98,11 @@ class DGCMemory(tf.Module):
         error feedback sends it later (as hvd_dgc/torch/memory.py)."""
         self.v[i].scatter_nd_add(tf.expand_dims(indices, 1), values)
 
+    def keep(self, i, remainder):
+        """Dense path with fp16 on the wire: what did not leave (fp16's rounding, values
+        beyond its range: hvd_dgc/fp16wire.py) is the new residual."""
+        self.v[i].assign(remainder)
+
     def sent_all(self, i):
         """Dense path: everything left, ``v`` clears, ``u`` stays (density 1 == momentum SGD)."""
         self.v[i].assign(tf.zeros_like(self.v[i]))

@@ -76,6 +76,7 @@ from hvd_dgc import consistency
 from hvd_dgc.autodelay import AutoDelayState, as_auto_delay
 from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
     CostModel, aggregation_choices
+from hvd_dgc.fp16wire import clip_warning, fp16_bound
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import check_masking
@@ -512,6 +513,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             d.memory.commit()
             return
         d.memory.rollback()
+        d.fp16_clipped = []  # the step left no trace: nor did its clipping
         if saved is not None:
             self._compression.load_state_dict(saved, _hvd.rank())
         if d.grad_scaler is not None and d.grad_scaler.is_enabled():
@@ -712,9 +714,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"part already and keep it ({d.nonfinite_steps} such steps here).",
                     RuntimeWarning)
                 self._dropped = []
+        self._report_fp16()
         self._restart_counts()
         d.stats.end_step()
         self._synchronized = True
+
+    def _report_fp16(self):
+        """Dense fp16 values this step sent clipped (hvd_dgc/fp16wire.py): counted in the
+        statistics, and a warning the first time (a skipped step's are dropped: _settle)."""
+        d = self._dgc
+        counts, d.fp16_clipped = d.fp16_clipped, []
+        if not counts:
+            return
+        count = int(torch.stack([c.to(counts[0].device) for c in counts]).sum())  # one read
+        if not count:
+            return
+        if not d.stats.fp16_clipped:
+            wire = self._paths[DENSE].wire
+            warnings.warn(clip_warning("torch", d.step, count,
+                                       fp16_bound(wire.world(), wire.pre()))
+                          + " Later ones are counted in compression_stats()['fp16_clipped'].",
+                          RuntimeWarning)
+        d.stats.add_fp16_clipped(count)
 
     def _restart_counts(self):
         """What the hooks count within a step, back to its start: backward passes left,
@@ -960,6 +981,7 @@ class DGCState:
         self.epoch = 0.0
         self.overflow_steps = 0    # GradScaler overflows (steps skipped by the scaler)
         self.nonfinite_steps = 0   # skip_nonfinite: steps skipped (delay > 0: dropped here)
+        self.fp16_clipped = []     # this step's counts of dense fp16 values clipped (device)
 
     def density(self):
         return self.schedule(self.step, self.epoch) if is_sparse(self.compression) else 1.0

@@ -35,6 +35,7 @@ from horovod.torch.mpi_ops import Average, Sum
 
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.costmodel import DENSE, HIERARCHICAL, REGION, SPARSE
+from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.torch.collective import EXCHANGE, HorovodComm
 from hvd_dgc.torch.compression import INDEX_BYTES, Selected, Selection, on_accelerator
@@ -114,19 +115,31 @@ class _Path:
 
 class DensePath(_Path):
     """Ring allreduce of the whole velocity (grouped: one Horovod fusion per launch).
-    fp16 on the wire keeps its rounding error in the residual."""
+    fp16 on the wire (hvd_dgc/fp16wire.py) keeps its rounding error, and what lies
+    beyond fp16's range, in the residual."""
 
     name = DENSE
 
     def take(self, job):
         d, v = self.dgc, job.v
-        payload = v.to(torch.float16) if d.dense_fp16 else v.clone()
         if d.dense_fp16:
-            v.sub_(payload.to(v.dtype))
+            payload = self._half(v)
         else:
+            payload = v.clone()
             d.memory.sent_all(job.key)
         d.stats.record(job.name, DENSE, v.numel(), v.numel(),
                        payload.numel() * payload.element_size(), job.density)
+        return payload
+
+    def _half(self, v):
+        """fp16wire.fp16_payload, in place on the memory's ``v``: at most the bound on the
+        wire, the rest stays; the count of clipped values is read once per step
+        (optimizer.py ``_report_fp16``), not here (a GPU would wait)."""
+        bound = fp16_bound(self.wire.world(), self.wire.pre())
+        finite = torch.isfinite(v)
+        self.dgc.fp16_clipped.append(torch.count_nonzero(finite & (v.abs() > bound)))
+        payload = torch.where(finite, v.clamp(-bound, bound), v).to(torch.float16)
+        v.copy_(torch.where(finite, v - payload.to(v.dtype), 0.0))
         return payload
 
     def placeholder(self, job, value):

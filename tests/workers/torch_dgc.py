@@ -667,6 +667,11 @@ def with_process_sets(names):
     return _run(names)
 
 
+def fp16_outlier():  # in the gloo launch of tests/test_torch_optimizer.py
+    from tests.workers.fp16_wire import torch_outlier
+    return torch_outlier()
+
+
 def suite(names, module=None):
     """Run scenarios by name (from ``module``, default this one) after ``hvd.init()``."""
     hvd.init()

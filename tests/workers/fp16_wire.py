@@ -1,0 +1,89 @@
+"""fp16 on the dense wire with a gradient beyond fp16's range (hvd_dgc/fp16wire.py), the
+same steps through the PyTorch optimizer and the TF tape, 2 ranks: every step's weights
+go back to the test, which compares them with the NumPy reference (tests/test_fp16_wire.py).
+"""
+
+import warnings
+
+import numpy as np
+
+#: per step, per rank: the gradient of a 4-element weight (dense: below min_compress_size).
+#: Step 0 carries values beyond fp16's range (65504) on both ranks and beyond what two
+#: ranks may sum in fp16; the zeros after it let the residual drain.
+GRADS = [
+    [[1e5, 1.0, -7e4, 0.5], [3.0, 2.0, -7e4, 0.25]],
+    [[0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.125]],
+    [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+    [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+    [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+]
+
+
+def torch_outlier():
+    """SGD(lr=1), no momentum: the weight is minus the sum of the averages applied."""
+    import torch
+    import hvd_dgc.torch as hvd
+    rank = hvd.rank()
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("fw", w)],
+                                   compression=hvd.Compression.fp16)
+    weights = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for grads in GRADS:
+            opt.zero_grad()
+            (w * torch.tensor(grads[rank])).sum().backward()
+            opt.step()
+            weights.append(w.detach().numpy().copy())
+    stats = opt.compression_stats()
+    return {"weights": np.stack(weights), "clipped": stats["fp16_clipped"],
+            "skipped": stats["nonfinite_steps"],
+            "warnings": [str(x.message) for x in caught if "fp16" in str(x.message)]}
+
+
+def tf_outlier():
+    """The same steps through hvd_dgc's DistributedGradientTape inside tf.function."""
+    import tensorflow as tf
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow import _EXCHANGES
+    rank = hvd.rank()
+    w = tf.Variable(tf.zeros([4]), name="fw")
+    before = set(_EXCHANGES)
+
+    @tf.function
+    def step(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * g)
+        grad = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16).gradient(
+            loss, [w])[0]
+        w.assign_sub(grad)
+
+    weights = []
+    for grads in GRADS:
+        step(tf.constant(grads[rank], tf.float32))
+        weights.append(w.numpy().copy())
+    exchange, = [e for key, e in _EXCHANGES.items() if key not in before]
+    stats = exchange.stats()
+    return {"weights": np.stack(weights), "clipped": stats["fp16_clipped"],
+            "skipped": stats["nonfinite_steps"]}
+
+
+def reference(world=2):
+    """The weights after every step of GRADS, and the values rank r clipped, from
+    hvd_dgc/fp16wire.py's NumPy reference: each rank's payload and residual; Horovod's
+    fp16 allreduce adds the payloads in fp16 and halves (Average: exact in fp16)."""
+    from hvd_dgc.fp16wire import fp16_payload
+    residual = [np.zeros(4, np.float32) for _ in range(world)]
+    w, weights, clipped = np.zeros(4, np.float32), [], [0] * world
+    for grads in GRADS:
+        payloads = []
+        for r in range(world):
+            payload, residual[r], count = fp16_payload(residual[r] + np.float32(grads[r]), world)
+            payloads.append(payload)
+            clipped[r] += count
+        total = payloads[0]
+        for payload in payloads[1:]:
+            total = (total.astype(np.float32) + payload.astype(np.float32)).astype(np.float16)
+        w = w - (total.astype(np.float32) / world).astype(np.float16).astype(np.float32)
+        weights.append(w)
+    return np.stack(weights), clipped
