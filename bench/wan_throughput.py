@@ -35,6 +35,7 @@ METHODS = ["dense", "fp16", "dgc", "dga"]
 LABELS = {"dense": "Horovod fp32", "fp16": "Horovod fp16", "dgc": "hvd_dgc DGC 0.1%",
           "dga": "hvd_dgc DGC + DGA (D=4)", "dts": "hvd_dgc DGC + DGA + period",
           "auto": "hvd_dgc DGC + delay auto + period", "local": "no communication (bound)"}
+DGA_DELAY = 4  # train_worker.py's --delay default, the "dga" method's D
 #: delay="auto" decides at the end of its second window of 20 steps (hvd_dgc/autodelay.py)
 AUTO_SETTLE = 40
 WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
@@ -52,13 +53,17 @@ def steps_for(method, rate_mbit, rtt_ms, args):
     elif method in ("dts", "auto"):  # latency hidden once the pipeline is full: periods
         return max(2 * args.dts_period, min(args.max_steps, int(args.seconds / compute)))
     else:
-        estimate = compute + 8 * rtt_ms / 1e3
+        estimate = compute + 3 * rtt_ms / 1e3  # one Horovod operation: 3 round trips
+    if method == "dga":  # time whole delays, or the pipeline's filling is what is timed
+        return max(2 * DGA_DELAY, min(args.max_steps, int(args.seconds / estimate)))
     return max(2, min(args.max_steps, int(args.seconds / estimate)))
 
 
 def measure(link, method, steps, args):
     warmup = args.warmup_steps
-    if method == "dts":  # until the first average is applied: the pipeline is full
+    if method == "dga":  # until the first average is applied: the pipeline is full
+        warmup = max(warmup, DGA_DELAY + 1)
+    if method == "dts":
         warmup = max(warmup, args.dts_period + args.dts_delay)
     if method == "auto":  # until auto's first decision has taken effect, and a period more
         warmup = max(warmup, AUTO_SETTLE + 2 * args.dts_period)
