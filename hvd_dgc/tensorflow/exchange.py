@@ -269,8 +269,7 @@ class GradientExchange(tf.Module):
     def _warn_fp16(self, before):
         """The first step that sends dense fp16 values clipped says so (as the PyTorch
         side's warning, printed from the graph); later ones are counted in stats()."""
-        template = clip_warning("tensorflow", "{}", "{}", fp16_bound(
-            self.world_size(), self._scales()[0])) + \
+        template = clip_warning("tensorflow", "{}", "{}", self._fp16_bound()) + \
             " Later ones are counted in stats()['fp16_clipped']."
         now = self.fp16_clipped.read_value()
 
@@ -408,13 +407,17 @@ class GradientExchange(tf.Module):
         if not fp16:
             self.memory.sent_all(i)
             return v
-        bound = fp16_bound(self.world_size(), self._scales()[0])
+        bound = self._fp16_bound()
         finite = tf.math.is_finite(v)
         self.fp16_clipped.assign_add(tf.math.count_nonzero(
             finite & (tf.abs(v) > bound), dtype=tf.int64))
         payload = tf.cast(tf.where(finite, tf.clip_by_value(v, -bound, bound), v), tf.float16)
         self.memory.keep(i, tf.where(finite, v - tf.cast(payload, tf.float32), 0.0))
         return payload
+
+    def _fp16_bound(self):
+        """What one rank may put on the dense path's fp16 allreduce (hvd_dgc/fp16wire.py)."""
+        return fp16_bound(self.world_size(), self._scales()[0])
 
     def _scales(self):
         """(prescale, postscale) of Horovod's Average with gradient_predivide_factor."""

@@ -76,7 +76,7 @@ from hvd_dgc import consistency
 from hvd_dgc.autodelay import AutoDelayState, as_auto_delay
 from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
     CostModel, aggregation_choices
-from hvd_dgc.fp16wire import clip_warning, fp16_bound
+from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import check_masking
@@ -730,9 +730,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not count:
             return
         if not d.stats.fp16_clipped:
-            wire = self._paths[DENSE].wire
-            warnings.warn(clip_warning("torch", d.step, count,
-                                       fp16_bound(wire.world(), wire.pre()))
+            warnings.warn(clip_warning("torch", d.step, count, self._paths[DENSE].half_bound())
                           + " Later ones are counted in compression_stats()['fp16_clipped'].",
                           RuntimeWarning)
         d.stats.add_fp16_clipped(count)

@@ -131,11 +131,15 @@ class DensePath(_Path):
                        payload.numel() * payload.element_size(), job.density)
         return payload
 
+    def half_bound(self):
+        """What one rank may put on this wire's fp16 allreduce (hvd_dgc/fp16wire.py)."""
+        return fp16_bound(self.wire.world(), self.wire.pre())
+
     def _half(self, v):
         """fp16wire.fp16_payload, in place on the memory's ``v``: at most the bound on the
         wire, the rest stays; the count of clipped values is read once per step
         (optimizer.py ``_report_fp16``), not here (a GPU would wait)."""
-        bound = fp16_bound(self.wire.world(), self.wire.pre())
+        bound = self.half_bound()
         finite = torch.isfinite(v)
         self.dgc.fp16_clipped.append(torch.count_nonzero(finite & (v.abs() > bound)))
         payload = torch.where(finite, v.clamp(-bound, bound), v).to(torch.float16)
