@@ -14,7 +14,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delay_dense_matches_formula",
         "tf_dga.tape_delay_sparse_flush_equals_synchronous", "tf_dga.delay_bad_inputs",
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
-        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
+        "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
+        "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
@@ -278,8 +279,18 @@ def test_keras_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(version,
         _assert_skipped(out)
 
 
-def test_delayed_averaging_drops_a_nonfinite_gradient_on_its_rank(tape):
-    outs = _checked(tape, "tf_dga.delayed_nonfinite_is_dropped_on_its_rank")
+@pytest.mark.parametrize("kind", ["tape", "keras"])
+def test_delayed_averaging_drops_a_nonfinite_gradient_on_its_rank(tape, kind):
+    name = "delayed_nonfinite_is_dropped_on_its_rank"
+    outs = _checked(tape, "tf_dga." + (name if kind == "tape" else "keras_" + name))
     assert [out["nonfinite_steps"] for out in outs] == [0, 1]  # counted where it happened
     for out in outs:
         assert out["memory_finite"] and out["weights_finite"] and out["identical_after_flush"]
+    assert outs[1]["momentum"] == (kind == "keras")
+    # the NaN rank's memory of that tensor did not move (v, and u with momentum), as in
+    # PyTorch (tests/reference.py), where the other rank's did; its other tensor (a
+    # dense one: v is emptied every step, u moves) went on as the other rank's
+    n = 2 if kind == "keras" else 1
+    assert outs[1]["moved"]["tensor0"] == [False] * n
+    assert outs[0]["moved"]["tensor0"] == [True] * n
+    assert outs[1]["moved"]["tensor1"] == outs[0]["moved"]["tensor1"] == [False, True][:n]

@@ -24,9 +24,10 @@ checkpointing, and at the end of training.
 import hashlib
 
 from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
-from horovod.tensorflow import Average, global_process_set
+from horovod.tensorflow import Adasum, Average, Sum, global_process_set
 import tensorflow as tf
 
+from hvd_dgc.config import DGCConfig, check_horovod_arguments
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
@@ -61,6 +62,8 @@ def _options_key(options):
     """Hashable and faithful: compressors, schedules and cost models by their config
     (two DGC compressors with different options differ), lists as tuples."""
     def key(value):
+        if isinstance(value, DGCConfig):
+            return value.key()
         config = getattr(value, "config", None)
         if callable(config):
             return config()
@@ -157,10 +160,8 @@ class _DistributedGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             compression=Compression.dgc, sparse_as_dense=False, op=Average,
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                            process_set=global_process_set, scale_local_gradients=True, *,
-                            density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
-                            min_compress_size=1024, momentum_masking="auto", clip_norm=None,
-                            cost_model=None, delay=0, skip_nonfinite=True, aggregation="auto"):
+                            process_set=global_process_set, scale_local_gradients=True,
+                            **options):
     """Horovod's DistributedGradientTape with Deep Gradient Compression.
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
@@ -168,7 +169,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     scripts pass) mean DGC with fp32 values / with an fp16 dense path (the records stay
     fp32 here); a compressor's name works too; ``density=1.0`` is dense averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
-    The DGC options are those of ``hvd_dgc.torch.DistributedOptimizer``. A tape
+    hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
+    (hvd_dgc.config.DGCConfig; ``period``, ``delay="auto"``, hierarchical aggregation,
+    ``fusion_threshold`` and ``log_every`` run in PyTorch only so far). A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).
@@ -190,18 +193,14 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     in ``compression_stats()["nonfinite_steps"]``. With ``delay`` > 0 the rank that
     has the NaN sends zeros instead (the others applied their part already).
     """
+    config = DGCConfig.from_options(options, "tensorflow", "DistributedGradientTape")
     if num_groups:
         groups = groups or num_groups
-    if groups is not None and not (isinstance(groups, list) or groups > 0):
-        raise ValueError("groups should be a non-negative integer or a list of list of "
-                         "tf.Variable.")
-    options = dict(compression=compression, density=density, warmup=warmup,
-                   warmup_unit=warmup_unit, warmup_densities=warmup_densities,
-                   min_compress_size=min_compress_size, momentum_masking=momentum_masking,
-                   clip_norm=clip_norm, cost_model=cost_model, op=op,
+    check_horovod_arguments(op, gradient_predivide_factor, 1, groups, (Average, Sum, Adasum),
+                            "tf.Variable")
+    options = dict(compression=compression, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
-                   sparse_as_dense=sparse_as_dense, process_set=process_set, delay=delay,
-                   skip_nonfinite=skip_nonfinite, aggregation=aggregation)
+                   sparse_as_dense=sparse_as_dense, process_set=process_set, config=config)
     key = _options_key(options)
     if key not in _VALIDATED:  # argument errors now, not at the first gradient
         GradientExchange(**options)

@@ -13,14 +13,16 @@ warm-up needs no retrace of the user's ``tf.function``.
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor, FP16Compressor, NoneCompressor
 
+from hvd_dgc.config import CompressorOptions
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 
 __all__ = ["Compression", "DGCCompressor", "TopKCompressor", "is_sparse"]
 
 
-class SparseCompressor(Compressor):
-    """Base of the sparse compressors. Instances are hashable by their options, as
-    Horovod's TF code keys on the compression it is given."""
+class SparseCompressor(CompressorOptions, Compressor):
+    """Base of the sparse compressors. Options, copies and identity as PyTorch's
+    (hvd_dgc/config.py): hashable by their options, as Horovod's TF code keys on the
+    compression it is given; an option a compressor does not have is refused."""
 
     name = "sparse"
     value_bytes = 4
@@ -29,23 +31,8 @@ class SparseCompressor(Compressor):
     def __init__(self, seed=0):
         self.seed = int(seed)
 
-    def __call__(self, **options):
-        """A copy with some options changed: ``Compression.dgc(sample_ratio=0.001)``."""
-        merged = dict(self._options())
-        merged.update(options)
-        return type(self)(**merged)
-
     def _options(self):
         return {"seed": self.seed}
-
-    def config(self):
-        return (type(self).__name__, tuple(sorted(self._options().items())))
-
-    def __hash__(self):
-        return hash(self.config())
-
-    def __eq__(self, other):
-        return isinstance(other, SparseCompressor) and self.config() == other.config()
 
     def __repr__(self):
         return f"hvd_dgc.tensorflow.Compression.{self.name}"
@@ -88,45 +75,73 @@ class TopKCompressor(SparseCompressor):
 
 
 class DGCCompressor(SparseCompressor):
-    """DGC's sampled threshold (Lin et al., ICLR 2018, Sec. 3.1, as its reference code):
-    estimate the k-th largest magnitude from a random sample, keep what passes it;
-    if more than ``window[1]*k`` pass, take the exact top-k of those candidates only;
-    if fewer than ``window[0]*k`` pass, fall back to an exact top-k of the tensor."""
+    """DGC's sampled threshold (Lin et al., ICLR 2018, Sec. 3.1, as its reference code),
+    the rule of PyTorch's CPU form (hvd_dgc/torch/compression.py): estimate the
+    magnitude that ``window[1]*k`` entries pass from a random sample; if more than
+    ``k`` pass, take the exact top-k of those candidates only; if fewer than
+    ``window[0]*k`` pass, lower the threshold by ``threshold_decay``, at most
+    ``max_adapt_rounds`` times, then fall back to an exact top-k. Between
+    ``window[0]*k`` and ``k`` records: never more bytes than an exact top-k."""
 
     name = "dgc"
 
-    def __init__(self, seed=0, sample_ratio=0.01, window=(0.8, 1.3), min_sample=2048):
+    def __init__(self, seed=0, sample_ratio=0.01, window=(0.8, 1.3), threshold_decay=0.8,
+                 max_adapt_rounds=10, min_sample=2048):
         super().__init__(seed)
         if not 0.0 < sample_ratio <= 1.0:
             raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio!r}")
         lo, hi = window
         if not 0.0 < lo <= 1.0 <= hi:
             raise ValueError(f"window must be (low, high) with 0 < low <= 1 <= high, got {window!r}")
+        if not 0.0 < threshold_decay < 1.0:
+            raise ValueError(f"threshold_decay must be in (0, 1), got {threshold_decay!r}")
         self.sample_ratio = float(sample_ratio)
         self.window = (float(lo), float(hi))
+        self.threshold_decay = float(threshold_decay)
+        self.max_adapt_rounds = int(max_adapt_rounds)
         self.min_sample = int(min_sample)
 
     def _options(self):
         opts = super()._options()
         opts.update(sample_ratio=self.sample_ratio, window=self.window,
-                    min_sample=self.min_sample)
+                    threshold_decay=self.threshold_decay,
+                    max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
         return opts
 
     def select(self, flat, k, seed):
         n = int(flat.shape[0])
         magnitude = tf.abs(flat)
-        num_samples = min(n, max(self.min_sample, -(-n * self.sample_ratio // 1)))
-        num_samples = int(num_samples)
+        num_samples = int(min(n, max(self.min_sample, -(-n * self.sample_ratio // 1))))
         if num_samples >= n:
             sample = magnitude
         else:
             positions = tf.random.stateless_uniform([num_samples], seed, 0, n, dtype=tf.int32)
             sample = tf.gather(magnitude, positions)
-        kf = tf.cast(k, tf.float32)
-        k_sample = tf.maximum(1, tf.cast(tf.math.ceil(num_samples * kf / n), tf.int32))
+        aim = self.window[1] * tf.cast(k, tf.float32)  # as PyTorch's: aim above k
+        k_sample = tf.clip_by_value(tf.cast(tf.math.ceil(num_samples * aim / n), tf.int32),
+                                    1, num_samples)
         threshold = tf.reduce_min(tf.math.top_k(sample, k_sample, sorted=False).values)
+        return self.adapt(magnitude, k, threshold)
+
+    def adapt(self, magnitude, k, threshold):
+        """Indices of ``|flat|`` (``magnitude``) chosen from a first ``threshold``: the
+        rounds of lowering, the window and the fallbacks of the class docstring."""
+        low = self.window[0] * tf.cast(k, tf.float32)
+
+        def passing(t):
+            return tf.reduce_sum(tf.cast(magnitude >= t, tf.int32))
+
+        def too_few(rounds, t, count):
+            return tf.logical_and(tf.cast(count, tf.float32) < low,
+                                  rounds < self.max_adapt_rounds)
+
+        def lower(rounds, t, count):
+            t = t * self.threshold_decay
+            return rounds + 1, t, passing(t)
+
+        _, threshold, count = tf.while_loop(too_few, lower,
+                                            (tf.constant(0), threshold, passing(threshold)))
         candidates = tf.cast(tf.where(magnitude >= threshold)[:, 0], tf.int32)
-        count = tf.cast(tf.shape(candidates)[0], tf.float32)
 
         def exact():
             return tf.math.top_k(magnitude, k, sorted=False).indices
@@ -135,8 +150,7 @@ class DGCCompressor(SparseCompressor):
             top = tf.math.top_k(tf.gather(magnitude, candidates), k, sorted=False).indices
             return tf.gather(candidates, top)
 
-        return tf.case([(count < self.window[0] * kf, exact),
-                        (count > self.window[1] * kf, trim)],
+        return tf.case([(count > k, trim), (tf.cast(count, tf.float32) < low, exact)],
                        default=lambda: candidates)
 
 

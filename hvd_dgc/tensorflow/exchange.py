@@ -35,14 +35,15 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import Average, Sum, global_process_set
+from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc import consistency
+from hvd_dgc.config import DGCConfig, check_horovod_arguments
 from hvd_dgc.costmodel import AGGREGATIONS, DENSE as _DENSE, HIERARCHICAL as _HIERARCHICAL, \
     REGION as _REGION, SPARSE as _SPARSE, CostModel, aggregation_choices
 from hvd_dgc.schedule import as_schedule, DensitySchedule, num_selected
 from hvd_dgc.stats import CompressionStats
-from hvd_dgc.masking import check_masking, masking_density_limit
+from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.fp16wire import clip_warning, fp16_bound
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
@@ -64,24 +65,21 @@ def variable_name(var, i):
 class GradientExchange(tf.Module):
     """DGC state and the per-step exchange for one set of variables."""
 
-    def __init__(self, compression=Compression.dgc, density=None, warmup=None,
-                 warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
-                 momentum=0.0, nesterov=False, momentum_masking="auto", clip_norm=None,
-                 cost_model=None, op=Average, gradient_predivide_factor=1.0,
-                 sparse_as_dense=False, process_set=global_process_set, delay=0,
-                 skip_nonfinite=True, aggregation="auto", name="hvd_dgc"):
+    def __init__(self, compression=Compression.dgc, momentum=0.0, nesterov=False, op=Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False,
+                 process_set=global_process_set, name="hvd_dgc", config=None, **options):
+        """``config``: a ``hvd_dgc.config.DGCConfig``, or hvd_dgc's options by keyword."""
         super().__init__(name=name)
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-            raise ValueError(f"delay must be an int >= 0 (the number of steps an average may "
-                             f"lag; 0 = synchronous), got {delay!r}")
-        if op not in (Average, Sum):
-            raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if not isinstance(min_compress_size, int) or min_compress_size < 0:
-            raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
+        if config is None:
+            config = DGCConfig.from_options(options, "tensorflow", "GradientExchange")
+        elif options:
+            raise TypeError(f"GradientExchange: pass hvd_dgc's options in config= or by "
+                            f"keyword, not both (got {sorted(options)})")
+        check_horovod_arguments(op, gradient_predivide_factor, 1, None,
+                                (Average, Sum, Adasum), "tf.Variable")
+        self.config = config
+        density, warmup, aggregation = config.density, config.warmup, config.aggregation
+        delay = config.delay
         choice = resolve_compression(compression, Compression, (SparseCompressor,),
                                      "tensorflow")
         compression = choice.compressor
@@ -89,14 +87,12 @@ class GradientExchange(tf.Module):
         self.aggregation = aggregation
         allowed = aggregation_choices(aggregation, is_sparse(compression), repr(compression),
                                       "hvd_dgc.tensorflow.Compression.dgc")
-        if aggregation == "hierarchical":
-            raise ValueError("aggregation='hierarchical' runs in hvd_dgc.torch only so far; "
-                             "use aggregation='auto' (flat methods in TensorFlow).")
         self.allowed = tuple(a for a in allowed if a != _HIERARCHICAL)
         if dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
             compression, schedule = Compression.none, as_schedule(1.0)
         else:
-            schedule = as_schedule(density, warmup, warmup_unit, warmup_densities)
+            schedule = as_schedule(density, warmup, config.warmup_unit,
+                                   config.warmup_densities)
             if not isinstance(schedule, DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
@@ -106,18 +102,18 @@ class GradientExchange(tf.Module):
         # the densities a step can have: the warm-up stages', then the final one
         self._densities = (tuple(schedule.warmup_densities) if schedule.warmup > 0
                            else ()) + (schedule.density,)
-        self.min_compress_size = min_compress_size
+        self.min_compress_size = config.min_compress_size
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
-        self.momentum_masking = check_masking(momentum_masking)
-        self._mask_limit = masking_density_limit(momentum_masking, momentum)
-        self.clip_norm = clip_norm
-        self.cost_model = cost_model or CostModel()
+        self.momentum_masking = config.momentum_masking
+        self._mask_limit = masking_density_limit(config.momentum_masking, momentum)
+        self.clip_norm = config.clip_norm
+        self.cost_model = config.cost_model or CostModel()
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.delay = delay
-        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skip_nonfinite = config.skip_nonfinite
         self.memory = None
         self.gathered = None  # steps of IndexedSlices gradients (when there are any)
         self.regioned = None  # region reduce's (steps, elements given back), when it may run
@@ -215,15 +211,15 @@ class GradientExchange(tf.Module):
         return self.process_set.size()
 
     def _config(self):
-        return {"compression": repr(getattr(self.compression, "config", lambda: self.compression)()),
-                "density": repr(self.schedule.config()), "min_compress_size":
-                self.min_compress_size, "momentum": self.momentum, "nesterov": self.nesterov,
-                "momentum_masking": self.momentum_masking, "clip_norm": self.clip_norm,
-                "cost_model": repr(self.cost_model.config()), "op": repr(self.op),
-                "delay": self.delay, "skip_nonfinite": self.skip_nonfinite,
-                "dense_fp16": self.dense_fp16, "aggregation": self.aggregation,
-                "variables": list(zip(self.names, self.numels)),
-                "indexed_slices_gradients": [n for n, k in zip(self.names, self.sliced) if k]}
+        config = self.config.to_dict(shared=True)
+        config.update({  # what the options resolved to here, and the variables
+            "compression": repr(getattr(self.compression, "config", lambda: self.compression)()),
+            "density": repr(self.schedule.config()), "momentum": self.momentum,
+            "nesterov": self.nesterov, "cost_model": repr(self.cost_model.config()),
+            "op": repr(self.op), "dense_fp16": self.dense_fp16,
+            "variables": list(zip(self.names, self.numels)),
+            "indexed_slices_gradients": [n for n, k in zip(self.names, self.sliced) if k]})
+        return config
 
     # -- per step ---------------------------------------------------------------
     def stage(self):
@@ -285,11 +281,13 @@ class GradientExchange(tf.Module):
         local_bad = tf.logical_not(tf.reduce_all(
             [tf.math.is_finite(tf.reduce_sum(tf.cast(_values(g), tf.float32))) for g in grads]))
         if self.delay:
-            # DGA: the other ranks apply their own part of this step before anyone knows;
-            # the rank that has the NaN contributes zeros and keeps it out of its memory.
+            # DGA: the other ranks apply their own part of this step before anyone knows.
+            # A tensor not finite here stays out of this rank's memory (u and v as they
+            # were) and this rank sends zeros for it, as the PyTorch side does.
             self.nonfinite.assign_add(tf.cast(local_bad, tf.int64))
-            grads = [tf.where(local_bad, tf.zeros_like(g), g) for g in grads]
-            return self._step(grads, at), tf.constant(False)
+            dropped = [tf.logical_not(tf.math.is_finite(tf.reduce_sum(
+                tf.cast(_values(g), tf.float32)))) for g in grads]
+            return self._step(grads, at, dropped), tf.constant(False)
         # No extra collective: the memory is saved, a rank with a non-finite gradient
         # sends inf, so every rank's averages show it; then every rank puts its memory back.
         self.memory.snapshot()
@@ -319,9 +317,9 @@ class GradientExchange(tf.Module):
 
         return tf.cond(bad, skip, keep), bad
 
-    def _step(self, grads, at):
+    def _step(self, grads, at, dropped=None):
         if self.delay:
-            out = self._delayed_step(grads, at)
+            out = self._delayed_step(grads, at, dropped)
         else:
             out = [self._exchange_one(i, grad, at) for i, grad in enumerate(grads)]
         self.step.assign_add(1)
@@ -357,11 +355,14 @@ class GradientExchange(tf.Module):
                 f"/ DistributedOptimizer, or delay=0.")
 
     # -- the gradient's path, shared by the synchronous and the delayed step --------
-    def _accumulate(self, i, grad, at):
-        """Clip and accumulate; ``v`` and the number of values ``k`` to select."""
+    def _accumulate(self, i, grad):
+        """Clip and accumulate: ``v``, what the memory holds to send."""
         g = local_gradient(grad, self.clip_norm, self.world_size())
-        v = self.memory.accumulate(i, g)
-        return v, tf.gather(tf.constant(self.ks[i], tf.int32), at.stage)
+        return self.memory.accumulate(i, g)
+
+    def _k(self, i, at):
+        """The number of values tensor i selects at this step's density stage."""
+        return tf.gather(tf.constant(self.ks[i], tf.int32), at.stage)
 
     def _choose(self, i, at, branches):
         """Run ``branches[path]`` for this step's path of tensor i. Every rank is at the
@@ -439,7 +440,7 @@ class GradientExchange(tf.Module):
         if isinstance(grad, tf.IndexedSlices):
             return self._gather_slices(i, grad, poison)
         numel = self.numels[i]
-        v, k = self._accumulate(i, grad, at)
+        v, k = self._accumulate(i, grad), self._k(i, at)
         name = f"hvd_dgc.{i}"
         pre, post = self._scales()
 
@@ -501,30 +502,43 @@ class GradientExchange(tf.Module):
         g = tf.reshape(tf.cast(tf.convert_to_tensor(avg), tf.float32), [-1])
         return tf.reshape(self.memory.velocity(i, g), self.shapes[i])
 
-    def _delayed_step(self, grads, at):
+    def _delayed_step(self, grads, at, dropped=None):
         """DGA (hvd_dgc/tensorflow/delayed.py): launch this step, apply own + the
-        correction of the step launched ``delay`` steps ago."""
+        correction of the step launched ``delay`` steps ago. ``dropped[i]``: tensor i
+        is not finite on this rank; it sends zeros and its memory does not move."""
         paths, payloads, owns, ks = [], [], [], []
         pre, _ = self._scales()
         for i, grad in enumerate(grads):
-            numel = self.numels[i]
-            v, k = self._accumulate(i, grad, at)
+            numel, k = self.numels[i], self._k(i, at)
 
-            def dense(i=i, v=v):
-                own = tf.cast(self._dense_payload(i, v), tf.float32)
-                return tf.constant(DENSE), tf.bitcast(own, tf.int32), own
+            def run(i=i, grad=grad, k=k, numel=numel):
+                v = self._accumulate(i, grad)
 
-            def sparse(i=i, v=v, k=k, numel=numel, path=_SPARSE, flag=SPARSE, scale=pre):
-                indices, values = self._select(i, v, k, at, path)
-                records = self.compression.pack(values * scale, indices)
-                own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
-                return tf.constant(flag), tf.reshape(records, [-1]), own
+                def dense():
+                    own = tf.cast(self._dense_payload(i, v), tf.float32)
+                    return tf.constant(DENSE), tf.bitcast(own, tf.int32), own
 
-            def region(i=i, v=v, k=k, numel=numel):  # region's values travel unscaled
-                return sparse(i, v, k, numel, _REGION, REGION, 1.0)
+                def sparse(path=_SPARSE, flag=SPARSE, scale=pre):
+                    indices, values = self._select(i, v, k, at, path)
+                    records = self.compression.pack(values * scale, indices)
+                    own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
+                    return tf.constant(flag), tf.reshape(records, [-1]), own
 
-            path, payload, own = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse,
-                                                      _REGION: region})
+                def region():  # region's values travel unscaled
+                    return sparse(_REGION, REGION, 1.0)
+
+                return self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region})
+
+            def drop(i=i, numel=numel):  # the same path as every rank, carrying nothing
+                zero = tf.zeros([numel])
+                nothing = tf.reshape(SparseCompressor.pack(tf.zeros([1]),
+                                                           tf.zeros([1], tf.int32)), [-1])
+                return self._choose(i, at, {
+                    _DENSE: lambda: (tf.constant(DENSE), tf.bitcast(zero, tf.int32), zero),
+                    _SPARSE: lambda: (tf.constant(SPARSE), nothing, zero),
+                    _REGION: lambda: (tf.constant(REGION), nothing, zero)})
+
+            path, payload, own = run() if dropped is None else tf.cond(dropped[i], drop, run)
             paths.append(path)
             payloads.append(payload)
             owns.append(own)

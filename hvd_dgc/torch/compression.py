@@ -302,8 +302,13 @@ class DGCCompressor(SparseCompressor):
         count = self.window[1] * k
         k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * count / n))))
         threshold = torch.topk(sample, k_sample, sorted=False).values.min()
-        low = self.window[0] * k
+        return self.adapt(flat, k, threshold, block_max)
 
+    def adapt(self, flat, k, threshold, block_max=None):
+        """Indices of ``flat`` (CPU) chosen from a first ``threshold``: the rounds of
+        lowering, the window and the fallbacks of the class docstring (TensorFlow's
+        ``DGCCompressor.adapt`` follows the same rule)."""
+        low = self.window[0] * k
         scan = _BlockScan(flat, block_max)
         for _ in range(self.max_adapt_rounds + 1):
             candidates = scan.at_least(threshold)

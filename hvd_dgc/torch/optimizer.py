@@ -73,13 +73,13 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
 from hvd_dgc import consistency
-from hvd_dgc.autodelay import AutoDelayState, as_auto_delay
+from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
+from hvd_dgc.autodelay import AutoDelayState
 from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
     CostModel, aggregation_choices
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.schedule import as_schedule, num_selected
 from hvd_dgc.stats import CompressionStats
-from hvd_dgc.masking import check_masking
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
 from hvd_dgc.torch.collective import EXCHANGE, ExchangeCompressor, is_exchange
 from hvd_dgc.torch.compression import Compression, SparseCompressor, is_sparse, on_accelerator
@@ -188,25 +188,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for p in group["params"] if p.requires_grad]
         shapes = {self._parameter_names[p]: list(p.shape) for group in self.param_groups
                   for p in group["params"] if p.requires_grad}
-        return {
+        config = d.config.to_dict(shared=True)
+        config.update({  # what the options resolved to here, and the model
             "compression": _describe(self._compression),
             "dense_compression": _describe(d.dense_compression),
             "density": repr(d.schedule.config()),
-            "min_compress_size": d.min_compress_size,
-            "momentum_masking": d.memory.momentum_masking,
-            "clip_norm": d.clip_norm,
             "cost_model": repr(d.cost_model.config()),
-            "aggregation": d.aggregation,
             "op": repr(self.op),
             "backward_passes_per_step": self.backward_passes_per_step,
             "gradient_predivide_factor": self.gradient_predivide_factor,
-            "delay": d.delay if d.auto is None else repr(d.auto.config),
-            "period": d.period,
-            "skip_nonfinite": d.skip_nonfinite,
             "fusion_threshold": d.fusion_threshold,
             "parameters": names,
             "shapes": shapes,
-        }
+        })
+        return config
 
     def _register_hooks(self):
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -952,28 +947,28 @@ class DGCState:
     optimizer's state so ``hvd.broadcast_optimizer_state`` (which broadcasts
     rank 0's ``state``) never overwrites a rank's own residual."""
 
-    def __init__(self, schedule, compression, dense_compression, memory, cost_model,
-                 min_compress_size, clip_norm, grad_scaler, log_every, delay=0,
-                 skip_nonfinite=True, aggregation="auto", period=1, auto_delay=None,
+    def __init__(self, config, schedule, compression, dense_compression, grad_scaler=None,
                  fusion_threshold=HOROVOD_FUSION_DEFAULT):
+        self.config = config  # the options as given (hvd_dgc/config.py); the rest is state
         self.schedule = schedule
         self.fusion_threshold = fusion_threshold
-        self.aggregation = aggregation
-        self.aggregations = AGGREGATION_OPTIONS[aggregation]
+        self.aggregation = config.aggregation
+        self.aggregations = AGGREGATION_OPTIONS[config.aggregation]
+        auto_delay = config.auto_delay
         self.auto = None if auto_delay is None else AutoDelayState(auto_delay)
-        self._delay = delay
-        self.period = period
+        self._delay = config.fixed_delay or 0
+        self.period = config.period
         self.period_delay = None    # the delay of the period under way (applied_at)
-        self.skip_nonfinite = skip_nonfinite
+        self.skip_nonfinite = config.skip_nonfinite
         self.compression = compression
         self.dense_compression = dense_compression
         self.dense_fp16 = dense_compression is Compression.fp16 or compression is Compression.fp16
-        self.memory = memory
-        self.cost_model = cost_model
-        self.min_compress_size = min_compress_size
-        self.clip_norm = clip_norm
+        self.memory = DGCMemory(config.momentum_masking)
+        self.cost_model = config.cost_model or CostModel()
+        self.min_compress_size = config.min_compress_size
+        self.clip_norm = config.clip_norm
         self.grad_scaler = grad_scaler
-        self.log_every = log_every
+        self.log_every = config.log_every
         self.stats = CompressionStats()
         self.step = 0
         self.epoch = 0.0
@@ -1183,19 +1178,20 @@ def _host_peers(dgc, process_set):
 
 
 def _fusion_threshold(value):
-    """``fusion_threshold`` in bytes: the argument, else Horovod's environment variable."""
-    if value is None:
-        raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-        if raw is None:
-            return HOROVOD_FUSION_DEFAULT
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got "
-                             f"{raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"fusion_threshold must be an int >= 0 (bytes; 0: each tensor "
-                         f"leaves from its own hook), got {value!r}")
+    """``fusion_threshold`` in bytes: the option (checked by DGCConfig), else Horovod's
+    environment variable, else Horovod's default."""
+    if value is not None:
+        return value
+    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if raw is None:
+        return HOROVOD_FUSION_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got "
+                         f"{raw!r}")
     return value
 
 
@@ -1213,12 +1209,8 @@ def _check_consistent_config(config, process_set):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.dgc,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set, *, density=None, warmup=None,
-                         warmup_unit="epoch", warmup_densities=None, min_compress_size=1024,
-                         momentum_masking="auto", clip_norm=None,
-                         dense_compression=None, cost_model=None, grad_scaler=None,
-                         log_every=0, delay=0, skip_nonfinite=True, aggregation="auto",
-                         period=1, fusion_threshold=None):
+                         process_set=global_process_set, *, dense_compression=None,
+                         grad_scaler=None, **options):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -1229,7 +1221,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     explicitly with ``density=1.0`` (through the memory, so the maths is unchanged at
     any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
     ``bf16`` run their own collectives (collective.py), with error feedback through the
-    same memory. Rank 0 prints one line at wrap time saying what runs. hvd_dgc's options:
+    same memory. Rank 0 prints one line at wrap time saying what runs. hvd_dgc's options,
+    keyword only, the same for TensorFlow and Keras (checked by hvd_dgc.config.DGCConfig;
+    an unknown one is refused, with the closest name):
 
     Args:
         density: fraction of each large tensor sent per step (default 0.001), a
@@ -1302,35 +1296,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     by the base SGD; ``sparse_as_dense=True`` densifies them first, and they then go
     through DGC like any dense gradient.
     """
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    config = DGCConfig.from_options(options, "torch", "DistributedOptimizer")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
                       "removed in v0.23.0.", DeprecationWarning)
         if groups is None:
             groups = num_groups
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step <= 0:
-        raise ValueError(f"backward_passes_per_step must be an int > 0, got "
-                         f"{backward_passes_per_step!r}")
-    if op == Adasum:
-        raise ValueError("hvd_dgc: op=Adasum is not supported (Adasum combines dense "
-                         "gradients pairwise; DGC sends sparse ones). Use op=Average.")
-    if op not in (Average, Sum):
-        raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
-    if groups is not None:
-        if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups should be a non-negative integer or a list of list of "
-                             "torch.Tensor.")
-        if isinstance(groups, list):
-            seen = set()
-            for group in groups:
-                for p in group:
-                    if not isinstance(p, torch.Tensor):
-                        raise ValueError("groups must consist of torch.Tensor.")
-                    if id(p) in seen:
-                        raise ValueError("A parameter can only appear once in groups.")
-                    seen.add(id(p))
+    check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,
+                            (Average, Sum, Adasum), "torch.Tensor")
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
     choice = resolve_compression(compression, Compression,
                                  (SparseCompressor, ExchangeCompressor), "torch")
     compression = choice.compressor
@@ -1341,38 +1323,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if dense_compression not in (Compression.none, Compression.fp16):
         raise ValueError("dense_compression must be Compression.none or Compression.fp16, got "
                          f"{dense_compression!r}")
-    if not isinstance(min_compress_size, int) or min_compress_size < 0:
-        raise ValueError(f"min_compress_size must be an int >= 0, got {min_compress_size!r}")
-    fixed_delay, auto_delay = as_auto_delay(delay)
-    delay = fixed_delay if auto_delay is None else "auto"
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-        raise ValueError(f"period must be an int >= 1 (exchange every period-th step; 1 = "
-                         f"every step), got {period!r}")
-    # what takes this rank's own steps back later, and how to turn it off
-    lagging = " and ".join([f"delay={delay}"] * bool(delay) + [f"period={period}"] * (period > 1))
-    undo = " and ".join(["delay=0"] * bool(delay) + ["period=1"] * (period > 1))
-    if lagging and not isinstance(optimizer, torch.optim.SGD):
-        raise ValueError(f"{lagging} needs torch.optim.SGD (with or without momentum): "
-                         f"the correction g_i - g_(i-D) + avg_(i-D) (own steps replaced by the "
-                         f"average) is exact only for an update linear in the gradient, and "
-                         f"{type(optimizer).__name__} is not. Use {undo}.")
+    check_linear_update(config, isinstance(optimizer, torch.optim.SGD),
+                        type(optimizer).__name__, "torch")
+    lagging, undo = config.lagging, config.undo_lagging
     if lagging and grad_scaler is not None:
         raise ValueError(f"{lagging} with grad_scaler is not supported: an overflow seen "
                          f"steps later cannot be undone. Use {undo} with mixed precision.")
-    if not isinstance(skip_nonfinite, bool):
-        raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
-    if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"clip_norm must be > 0 (or None to disable), got {clip_norm!r}")
-    aggregation_choices(aggregation, is_sparse(compression), _describe(compression),
+    aggregation_choices(config.aggregation, is_sparse(compression), _describe(compression),
                         "hvd_dgc.torch.Compression.dgc")
+    density, warmup = config.density, config.warmup
     if is_sparse(compression) and dense_requested(density, warmup) \
-            and aggregation not in ("allgather", "region", "hierarchical"):
+            and config.aggregation not in ("allgather", "region", "hierarchical"):
         compression, schedule = Compression.none, as_schedule(1.0)
     elif is_sparse(compression):
         # A copy per optimizer: the sampler's RNG state belongs to one optimizer's
         # checkpoint, not to the shared Compression.dgc default.
         compression = compression()
-        schedule = as_schedule(density, warmup, warmup_unit, warmup_densities,
+        schedule = as_schedule(density, warmup, config.warmup_unit, config.warmup_densities,
                                adaptive=not isinstance(optimizer, torch.optim.SGD))
     else:
         if density is not None or warmup:
@@ -1387,11 +1354,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              f"and a later correction needs it at once. Use {undo}, or a "
                              f"one-round compressor (Compression.sign, qsgd, bf16, dgc).")
         compression = compression()  # a copy per optimizer: Q, RNG state (checkpointed)
-    check_masking(momentum_masking)
-    dgc = DGCState(schedule, compression, dense_compression, DGCMemory(momentum_masking),
-                   cost_model or CostModel(), min_compress_size, clip_norm, grad_scaler,
-                   int(log_every), fixed_delay or 0, skip_nonfinite, aggregation, period,
-                   auto_delay, _fusion_threshold(fusion_threshold))
+    dgc = DGCState(config, schedule, compression, dense_compression, grad_scaler,
+                   _fusion_threshold(config.fusion_threshold))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,

@@ -1,9 +1,5 @@
-"""What every hvd_dgc compressor shares: options, identity, and its own random generators.
-
-``Compression.dgc`` and friends are ready instances; calling one returns a copy
-with some options changed (``Compression.qsgd(levels=15)``). Two compressors
-with the same class and options are equal and hash alike (TensorFlow keys
-caches on them; the optimizer compares configurations across ranks).
+"""What every PyTorch compressor shares: options and identity (hvd_dgc/config.py's
+CompressorOptions, as TensorFlow's), and its own random generators.
 
 Randomness never touches the global RNG: each compressor owns a
 ``torch.Generator`` per device, seeded ``seed + 1000003 * rank`` (ranks draw
@@ -12,40 +8,14 @@ different streams), saved in the optimizer's checkpoint.
 
 import torch
 
+from hvd_dgc.config import CompressorOptions
+
 __all__ = ["Options"]
 
 
-class Options:
-    """Mixin: ``name`` (the attribute of ``Compression``), ``_options()`` (a dict
-    that the constructor accepts back), and ``self.seed``."""
-
-    name = "compressor"
-
-    def _options(self):
-        raise NotImplementedError
-
-    def __call__(self, **options):
-        """A copy with some options changed: ``Compression.dgc(fp16_values=True)``."""
-        merged = self._options()
-        unknown = set(options) - set(merged)
-        if unknown:
-            raise TypeError(f"Compression.{self.name} has no option(s) {sorted(unknown)}; "
-                            f"options are {sorted(merged)}")
-        merged.update(options)
-        return type(self)(**merged)
-
-    def config(self):
-        return (type(self).__name__, tuple(sorted(self._options().items())))
-
-    def __repr__(self):
-        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self._options().items()))
-        return f"Compression.{self.name}({opts})"
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self.config() == other.config()
-
-    def __hash__(self):
-        return hash(self.config())
+class Options(CompressorOptions):
+    """hvd_dgc/config.py's CompressorOptions (options, copies, identity) plus
+    ``self.seed``'s generators."""
 
     # -- randomness (never the global RNG) --------------------------------
     def generator(self, device, rank=0):

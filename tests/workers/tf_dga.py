@@ -253,35 +253,72 @@ def keras_nonfinite_skips_the_step():
     return nonfinite_skips_the_step("keras")
 
 
-def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05):
-    """delay=2: rank 1's NaN at step 3 is replaced by zeros there (the others applied
-    their part of step 3 already); its memory stays finite, and after the flush every
-    rank holds the same finite weights."""
+def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05, kind="tape"):
+    """delay=2: rank 1's NaN at step 3 (in tensor 0) is kept out of its memory, which
+    does not move for that tensor (u and v as before the step: the PyTorch side's rule,
+    tests/reference.py), and rank 1 sends zeros for it (the others applied their part of
+    step 3 already); its other tensors go on. After the flush every rank holds the same
+    finite weights. ``kind``: the tape (no momentum) or the Keras optimizer (SGD momentum
+    0.9, taken over by the memory: u moves too)."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
+    import hvd_dgc.tensorflow.keras as hvd_keras
     rank = hvd.rank()
-    variables = _init(tf, 7)
-    opt = tf.keras.optimizers.SGD(lr)
+    variables = _init(tf, 7 if kind == "tape" else 8)
+    options = dict(density=0.05, min_compress_size=64, delay=delay)
+    if kind == "tape":
+        opt = tf.keras.optimizers.SGD(lr)
 
-    @tf.function
-    def train_step(grads):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
-        tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64,
-                                           delay=delay)
-        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        @tf.function
+        def train_step(grads):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+            tape = hvd.DistributedGradientTape(tape, **options)
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    else:
+        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=0.9),
+                                             **options)
 
+        @tf.function
+        def train_step(grads):
+            opt.apply_gradients(zip(grads, variables))
+
+    def memory():
+        if kind != "tape":
+            return opt._hvd_dgc.memory
+        from hvd_dgc.tensorflow import _EXCHANGES
+        return list(_EXCHANGES.values())[-1].memory  # not the other scenarios' memories
+
+    def tensor(i):  # tensor i's memory: v, and u where momentum is taken over
+        mem = memory()
+        return [mem.v[i].numpy().copy()] + ([mem.u[i].numpy().copy()] if mem.u else [])
+
+    moved = {}
     for i in range(steps):
         grads = _fixed_grads(i, rank)
-        if i == 3 and rank == 1:
-            grads[0][3, 4] = np.nan
+        if i == 3:
+            before = [tensor(0), tensor(1)]
+            if rank == 1:
+                grads[0][3, 4] = np.nan
         train_step([tf.constant(g) for g in grads])
-    hvd.flush(opt)
-    stats = hvd.compression_stats()
-    stats = stats[-1] if isinstance(stats, list) else stats  # this process's newest exchange
-    from hvd_dgc.tensorflow import _EXCHANGES
-    newest = list(_EXCHANGES.values())[-1].memory  # not the other scenarios' memories
-    return {"nonfinite_steps": stats["nonfinite_steps"],
-            "memory_finite": all(bool(np.all(np.isfinite(v.numpy()))) for v in newest.variables),
+        if i == 3:
+            after = [tensor(0), tensor(1)]
+            moved = {f"tensor{j}": [not np.array_equal(x, y) for x, y in zip(b, a)]
+                     for j, (b, a) in enumerate(zip(before, after))}
+    if kind == "tape":
+        hvd.flush(opt)
+        stats = hvd.compression_stats()
+        stats = stats[-1] if isinstance(stats, list) else stats  # this process's newest
+    else:
+        opt.flush()
+        stats = opt.compression_stats()
+    return {"nonfinite_steps": stats["nonfinite_steps"], "moved": moved,
+            "momentum": bool(memory().u),
+            "memory_finite": all(bool(np.all(np.isfinite(v.numpy())))
+                                 for v in memory().variables),
             "weights_finite": bool(np.all(np.isfinite(_flat(tf, variables).numpy()))),
-            "identical_after_flush": _identical(tf, hvd, variables, "nfd.flushed")}
+            "identical_after_flush": _identical(tf, hvd, variables, f"nfd.{kind}.flushed")}
+
+
+def keras_delayed_nonfinite_is_dropped_on_its_rank():
+    return delayed_nonfinite_is_dropped_on_its_rank(kind="keras")

@@ -24,8 +24,9 @@ import importlib
 import tensorflow as tf
 
 from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
-from horovod.tensorflow import Average, global_process_set
+from horovod.tensorflow import Adasum, Average, Sum, global_process_set
 
+from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.schedule import ADAPTIVE_SENDS, DensitySchedule
 from hvd_dgc.tensorflow.exchange import GradientExchange
@@ -125,14 +126,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          compression=Compression.dgc, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True, *,
-                         density=None, warmup=None, warmup_unit="epoch", warmup_densities=None,
-                         min_compress_size=1024, momentum_masking="auto", clip_norm=None,
-                         cost_model=None, delay=0, skip_nonfinite=True, aggregation="auto"):
+                         process_set=global_process_set, scale_local_gradients=True,
+                         **options):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
-    (as Horovod does). DGC options as in ``hvd_dgc.torch.DistributedOptimizer``;
+    (as Horovod does). hvd_dgc's options, by keyword, as in
+    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``period``,
+    ``delay="auto"``, hierarchical aggregation, ``fusion_threshold`` and ``log_every``
+    run in PyTorch only so far);
     Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / an fp16 dense
     path; the records stay fp32 here), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
@@ -154,31 +156,29 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     allgathered, no DGC, no residual; ``sparse_as_dense=True`` densifies them first
     (then DGC). They need ``delay=0``.
     """
+    config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
+    check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,
+                            (Average, Sum, Adasum), "tf.Variable")
     if backward_passes_per_step != 1:
         raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
                          f"backward_passes_per_step=1 only (got {backward_passes_per_step}); "
                          f"use a larger batch, or hvd_dgc.torch for gradient accumulation.")
-    if delay and type(optimizer).__name__ != "SGD":
-        raise ValueError(f"delay={delay} needs a Keras SGD optimizer (with or without "
-                         f"momentum): the DGA correction g_i - g_(i-D) + avg_(i-D) is exact "
-                         f"only for an update linear in the gradient, and "
-                         f"{type(optimizer).__name__} is not. Use delay=0.")
-    if density is None and warmup is None and type(optimizer).__name__ != "SGD":
+    is_sgd = type(optimizer).__name__ == "SGD"
+    check_linear_update(config, is_sgd, type(optimizer).__name__, "tensorflow")
+    if config.density is None and config.warmup is None and not is_sgd:
         # the one-line default for an adaptive optimizer (hvd_dgc.schedule.ADAPTIVE_SENDS)
-        density = DensitySchedule.coverage(0.001, ADAPTIVE_SENDS, warmup_densities)
-    config = optimizer.get_config()
+        config = config.replace(density=DensitySchedule.coverage(
+            0.001, ADAPTIVE_SENDS, config.warmup_densities))
+    keras_config = optimizer.get_config()
     momentum, nesterov = 0.0, False
-    if type(optimizer).__name__ == "SGD" and config.get("momentum"):
-        momentum, nesterov = float(config["momentum"]), bool(config.get("nesterov", False))
-        config.update(momentum=0.0, nesterov=False)
+    if is_sgd and keras_config.get("momentum"):
+        momentum = float(keras_config["momentum"])
+        nesterov = bool(keras_config.get("nesterov", False))
+        keras_config.update(momentum=0.0, nesterov=False)
     exchange = GradientExchange(
-        compression=compression, density=density, warmup=warmup, warmup_unit=warmup_unit,
-        warmup_densities=warmup_densities, min_compress_size=min_compress_size,
-        momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
-        clip_norm=clip_norm, cost_model=cost_model, op=op,
+        compression=compression, momentum=momentum, nesterov=nesterov, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, delay=delay, skip_nonfinite=skip_nonfinite,
-        aggregation=aggregation)
+        process_set=process_set, config=config)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer)}
@@ -188,8 +188,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         methods["apply_gradients"] = _apply_gradients
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     if name is not None:
-        config["name"] = name
-    new = cls.from_config(config)
+        keras_config["name"] = name
+    new = cls.from_config(keras_config)
     if is_keras3(optimizer):
         object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
     else:

@@ -1,0 +1,283 @@
+"""hvd_dgc's options, once for every framework: defaults, validation, messages.
+
+The PyTorch ``DistributedOptimizer``, TensorFlow's ``DistributedGradientTape`` and
+the Keras ``DistributedOptimizer`` take Horovod's arguments by name, and hvd_dgc's
+own as keyword options, which all three hand to ``DGCConfig.from_options``: one
+list of options, one check of each, one message per mistake naming the argument
+and the fix, whichever framework the script uses. The config is frozen (captured
+once at wrap time, as optax captures hyper-parameters); what changes while
+training (step, epoch, memory, the delay chosen by ``delay="auto"``) is state,
+kept by each framework's optimizer.
+
+``to_dict()`` is what every rank compares at wrap time (hvd_dgc/consistency.py):
+ranks that disagree would join different collectives and hang.
+"""
+
+import difflib
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
+
+from hvd_dgc.autodelay import AutoDelay, as_auto_delay
+from hvd_dgc.costmodel import AGGREGATION_OPTIONS, CostModel
+from hvd_dgc.masking import check_masking
+from hvd_dgc.schedule import as_schedule
+
+__all__ = ["DGCConfig", "CompressorOptions", "check_horovod_arguments",
+           "check_linear_update", "unsupported_message"]
+
+
+@dataclass(frozen=True)
+class DGCConfig:
+    """hvd_dgc's options (Lin et al., "Deep Gradient Compression", ICLR 2018; Zhu et
+    al., "Delayed Gradient Averaging", NeurIPS 2021).
+
+    Attributes:
+        density: fraction of each large tensor sent per step (default 0.001), a
+            ``hvd_dgc.DensitySchedule``, or (PyTorch) a callable ``f(step, epoch)``.
+            1.0 without a warm-up: dense averaging, said explicitly.
+        warmup: warm-up length in ``warmup_unit`` ("epoch", driven by ``set_epoch``,
+            or "step"); densities fall through ``warmup_densities`` (default the
+            paper's 25%, 6.25%, 1.5625%, 0.4%). Neither ``density`` nor ``warmup``:
+            the paper's stages by steps (hvd_dgc/schedule.py); ``warmup=0``: none.
+        min_compress_size: tensors with fewer elements always go dense (biases, norm
+            layers: the paper sends them dense).
+        momentum_masking: zero the momentum of sent coordinates: True (the paper),
+            False, or "auto" (where the tail it drops is small; hvd_dgc/masking.py).
+        clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)``
+            (DGC Sec. 3.3); None: off.
+        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` choosing each tensor's
+            path (dense allreduce, sparse allgather, region reduce).
+        delay: delayed gradient averaging: step i applies
+            ``own_i - own_(i-D) + avg_(i-D)``; 0 is synchronous; "auto" or
+            ``hvd_dgc.AutoDelay`` (PyTorch) chooses D from measured times.
+        period: exchange every ``period``-th step only (PyTorch).
+        skip_nonfinite: a NaN/Inf gradient never enters the memory; synchronous
+            steps are skipped on every rank, delayed ones send zeros from that rank.
+        aggregation: "auto", "allgather", "region", "hierarchical" (PyTorch),
+            "flat" or "dense" (hvd_dgc/costmodel.py).
+        fusion_threshold: bytes on the wire of one launch (PyTorch); None: Horovod's
+            ``HOROVOD_FUSION_THRESHOLD``.
+        log_every: print compression statistics on rank 0 every N steps (PyTorch).
+    """
+
+    density: Any = None
+    warmup: Optional[float] = None
+    warmup_unit: str = "epoch"
+    warmup_densities: Optional[tuple] = None
+    min_compress_size: int = 1024
+    momentum_masking: Any = "auto"
+    clip_norm: Optional[float] = None
+    cost_model: Optional[CostModel] = None
+    delay: Any = 0
+    period: int = 1
+    skip_nonfinite: bool = True
+    aggregation: str = "auto"
+    fusion_threshold: Optional[int] = None
+    log_every: int = 0
+
+    def __post_init__(self):
+        if self.warmup_densities is not None:
+            object.__setattr__(self, "warmup_densities", tuple(self.warmup_densities))
+        if self.warmup_unit not in ("epoch", "step"):  # checked even where unused
+            raise ValueError(f"warmup unit must be 'epoch' or 'step', got "
+                             f"{self.warmup_unit!r}")
+        as_schedule(self.density, self.warmup, self.warmup_unit, self.warmup_densities)
+        _check_int("min_compress_size", self.min_compress_size, 0,
+                   "tensors with fewer elements go dense")
+        check_masking(self.momentum_masking)
+        if self.clip_norm is not None and (isinstance(self.clip_norm, bool) or not isinstance(
+                self.clip_norm, (int, float)) or not self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be a number > 0 (or None to disable), got "
+                             f"{self.clip_norm!r}")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(f"cost_model must be a hvd_dgc.CostModel(alpha=..., "
+                            f"bandwidth=...), got {self.cost_model!r}")
+        as_auto_delay(self.delay)
+        _check_int("period", self.period, 1,
+                   "exchange every period-th step; 1 = every step")
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(f"skip_nonfinite must be True or False, got "
+                             f"{self.skip_nonfinite!r}")
+        if not isinstance(self.aggregation, str) or self.aggregation not in AGGREGATION_OPTIONS:
+            raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
+                             f"{self.aggregation!r}")
+        if self.fusion_threshold is not None:
+            _check_int("fusion_threshold", self.fusion_threshold, 0,
+                       "bytes; 0: each tensor leaves from its own hook")
+        _check_int("log_every", self.log_every, 0, "steps between statistics; 0: never")
+
+    @classmethod
+    def names(cls):
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_options(cls, options, framework, caller):
+        """The config of a call's keyword ``options``; ``caller`` names the function in
+        messages. Unknown options and those ``framework`` does not run are refused."""
+        known = cls.names()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{caller}() got unexpected keyword argument(s) "
+                            f"{', '.join(hints)}; hvd_dgc's options are {', '.join(known)} "
+                            f"(hvd_dgc.config.DGCConfig)")
+        config = cls(**options)
+        problem = unsupported_message(config, framework)
+        if problem:
+            raise ValueError(problem)
+        return config
+
+    def replace(self, **changes):
+        return replace(self, **changes)
+
+    @property
+    def fixed_delay(self):
+        """The int delay, or None with ``delay="auto"``."""
+        return as_auto_delay(self.delay)[0]
+
+    @property
+    def auto_delay(self):
+        """The ``AutoDelay`` settings, or None with a fixed delay."""
+        return as_auto_delay(self.delay)[1]
+
+    @property
+    def lagging(self):
+        """The options that make a rank step with its own contribution before the
+        average comes, in words ("" when none): they need an update linear in the
+        gradient."""
+        delay = "auto" if self.auto_delay is not None else self.delay
+        return " and ".join([f"delay={delay}"] * bool(delay)
+                            + [f"period={self.period}"] * (self.period > 1))
+
+    @property
+    def undo_lagging(self):
+        return " and ".join(["delay=0"] * bool(self.delay) + ["period=1"] * (self.period > 1))
+
+    def to_dict(self, shared=False):
+        """JSON-able and equal on every rank that passed the same options (a callable's
+        name, not its address; a schedule or cost model by its settings). ``shared``:
+        only what must agree across ranks (``log_every`` may differ: rank 0 prints)."""
+        out = {}
+        for f in fields(self):
+            if shared and f.name in _PER_RANK:
+                continue
+            value = getattr(self, f.name)
+            config = getattr(value, "config", None)
+            if isinstance(value, AutoDelay):
+                value = repr(value)
+            elif callable(config):
+                value = repr(config())
+            elif callable(value):
+                value = getattr(value, "__qualname__", repr(value))
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def key(self):
+        """Hashable and faithful: what TensorFlow's registry of exchanges is keyed on."""
+        return repr(sorted(self.to_dict().items()))
+
+
+class CompressorOptions:
+    """Mixin of every hvd_dgc compressor, PyTorch's and TensorFlow's: ``name`` (the
+    attribute of ``Compression``) and ``_options()`` (a dict the constructor accepts
+    back). ``Compression.dgc`` and friends are ready instances; calling one returns a
+    copy with some options changed, and an option it does not have is refused. Equal
+    options, equal compressors, hashing alike (TensorFlow keys caches on them; the
+    optimizers compare configurations across ranks)."""
+
+    name = "compressor"
+
+    def _options(self):
+        raise NotImplementedError
+
+    def __call__(self, **options):
+        """A copy with some options changed: ``Compression.dgc(sample_ratio=0.001)``."""
+        merged = self._options()
+        unknown = set(options) - set(merged)
+        if unknown:
+            raise TypeError(f"Compression.{self.name} has no option(s) {sorted(unknown)}; "
+                            f"options are {sorted(merged)}")
+        merged.update(options)
+        return type(self)(**merged)
+
+    def config(self):
+        return (type(self).__name__, tuple(sorted(self._options().items())))
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self._options().items()))
+        return f"Compression.{self.name}({opts})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.config() == other.config()
+
+    def __hash__(self):
+        return hash(self.config())
+
+
+#: Options a rank may set alone: they change no collective.
+_PER_RANK = ("log_every",)
+
+#: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere.
+_TORCH_ONLY = (
+    ("period", lambda c: c.period > 1, "period=1"),
+    ("delay", lambda c: c.auto_delay is not None, "an int delay (e.g. delay=4)"),
+    ("aggregation", lambda c: c.aggregation == "hierarchical",
+     "aggregation='auto' (flat methods)"),
+    ("fusion_threshold", lambda c: c.fusion_threshold is not None,
+     "no fusion_threshold (each tensor is its own collective)"),
+    ("log_every", lambda c: c.log_every != 0, "log_every=0 and print compression_stats()"),
+)
+
+
+def unsupported_message(config, framework):
+    """Why ``framework`` cannot run ``config``, or None."""
+    if framework == "torch":
+        return None
+    for name, used, instead in _TORCH_ONLY:
+        if used(config):
+            return (f"{name}={getattr(config, name)!r} runs in hvd_dgc.torch only so far; "
+                    f"in hvd_dgc.{framework} use {instead}.")
+    return None
+
+
+def check_linear_update(config, is_sgd, optimizer_name, framework):
+    """Delayed averaging and period > 1 replace this rank's own steps by the average
+    later: exact only for an update linear in the gradient (SGD)."""
+    if config.lagging and not is_sgd:
+        kind = "torch.optim.SGD" if framework == "torch" else "a Keras SGD optimizer"
+        raise ValueError(f"{config.lagging} needs {kind} (with or without momentum): the "
+                         f"correction g_i - g_(i-D) + avg_(i-D) (own steps replaced by the "
+                         f"average) is exact only for an update linear in the gradient, "
+                         f"and {optimizer_name} is not. Use {config.undo_lagging}.")
+
+
+def check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,
+                            ops, tensor_kind):
+    """Horovod's own arguments, checked as Horovod checks them, plus what DGC cannot do.
+    ``ops``: the framework's (Average, Sum, Adasum); ``tensor_kind`` names group members."""
+    average, summed, adasum = ops
+    if gradient_predivide_factor != 1.0 and op != average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(
+            backward_passes_per_step, int) or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be an int > 0, got "
+                         f"{backward_passes_per_step!r}")
+    if op == adasum:
+        raise ValueError("hvd_dgc: op=Adasum is not supported (Adasum combines dense "
+                         "gradients pairwise; DGC sends sparse ones). Use op=Average.")
+    if op not in (average, summed):
+        raise ValueError(f"hvd_dgc: op must be hvd.Average or hvd.Sum, got {op!r}")
+    if groups is not None and not (isinstance(groups, list) or (
+            isinstance(groups, int) and not isinstance(groups, bool) and groups > 0)):
+        raise ValueError(f"groups should be a non-negative integer or a list of list of "
+                         f"{tensor_kind}.")
+
+
+def _check_int(name, value, low, meaning):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low} ({meaning}), got {value!r}")

@@ -1,0 +1,152 @@
+"""One specification of hvd_dgc's options (hvd_dgc/config.py) for the PyTorch optimizer,
+the TensorFlow tape and the Keras optimizer: the same mistake gets the same message in
+each, an unknown option is refused everywhere, and what TensorFlow does not run yet is
+said, not ignored."""
+
+import dataclasses
+import json
+
+import pytest
+import tensorflow as tf
+import torch
+
+import hvd_dgc.tensorflow as hvd_tf
+import hvd_dgc.tensorflow.keras as hvd_keras
+import hvd_dgc.torch as hvd_torch
+from hvd_dgc import CostModel, DensitySchedule, consistency
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.tensorflow.compression import Compression as TFCompression
+from hvd_dgc.torch.compression import Compression as TorchCompression
+
+
+def _torch(**options):
+    model = torch.nn.Linear(4, 2)
+    return hvd_torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          named_parameters=model.named_parameters(), **options)
+
+
+def _tape(**options):
+    return hvd_tf.DistributedGradientTape(tf.GradientTape(), **options)
+
+
+def _keras(**options):
+    return hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), **options)
+
+
+WRAPPERS = {"torch": _torch, "tape": _tape, "keras": _keras}
+
+BAD = {  # option -> (value, what the message must say)
+    "min_compress_size": (-1, "min_compress_size must be an int >= 0"),
+    "clip_norm": (0, "clip_norm must be a number > 0"),
+    "momentum_masking": ("sometimes", "momentum_masking must be True"),
+    "delay": (-2, "delay must be an int >= 0"),
+    "period": (0, "period must be an int >= 1"),
+    "skip_nonfinite": ("yes", "skip_nonfinite must be True or False"),
+    "aggregation": ("ring", "aggregation must be one of"),
+    "fusion_threshold": (-5, "fusion_threshold must be an int >= 0"),
+    "log_every": (-1, "log_every must be an int >= 0"),
+    "density": (1.5, "density must be in (0, 1]"),
+    "warmup_unit": ("hour", "warmup unit must be 'epoch' or 'step'"),
+    "cost_model": ("fast", "cost_model must be a hvd_dgc.CostModel"),
+}
+
+
+def _error(wrap, **options):
+    with pytest.raises((TypeError, ValueError)) as info:
+        wrap(**options)
+    return info.type, str(info.value)
+
+
+@pytest.mark.parametrize("option", sorted(BAD))
+def test_the_same_mistake_gets_the_same_message_in_every_framework(option):
+    value, says = BAD[option]
+    errors = {name: _error(wrap, **{option: value}) for name, wrap in WRAPPERS.items()}
+    assert says in errors["torch"][1] and repr(value) in errors["torch"][1], errors
+    assert len(set(errors.values())) == 1, errors
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_an_unknown_option_is_refused_with_the_closest_name(name):
+    kind, message = _error(WRAPPERS[name], densty=0.01)
+    assert kind is TypeError
+    assert "'densty' (did you mean 'density'?)" in message
+    assert "DistributedGradientTape()" in message if name == "tape" else \
+        "DistributedOptimizer()" in message
+    assert "min_compress_size" in message  # the list of options
+
+
+@pytest.mark.parametrize("option,value,instead", [
+    ("period", 4, "use period=1"), ("delay", "auto", "use an int delay"),
+    ("aggregation", "hierarchical", "aggregation='auto'"),
+    ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0")])
+def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
+    for wrap in (_tape, _keras):
+        kind, message = _error(wrap, **{option: value})
+        assert kind is ValueError
+        assert f"{option}={value!r} runs in hvd_dgc.torch only so far" in message, message
+        assert instead in message, message
+
+
+def test_delayed_averaging_needs_sgd_in_torch_and_keras_alike():
+    model = torch.nn.Linear(4, 2)
+    _, in_torch = _error(lambda **o: hvd_torch.DistributedOptimizer(
+        torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(), **o),
+        delay=2)
+    _, in_keras = _error(lambda **o: hvd_keras.DistributedOptimizer(
+        tf.keras.optimizers.Adam(0.1), **o), delay=2)
+    for message, kind in ((in_torch, "torch.optim.SGD"), (in_keras, "a Keras SGD optimizer")):
+        assert message.startswith(f"delay=2 needs {kind}"), message
+        assert "Adam is not. Use delay=0." in message, message
+
+
+def test_horovod_arguments_are_checked_alike():
+    for wrap in WRAPPERS.values():
+        assert "op must be hvd.Average or hvd.Sum" in _error(wrap, op=7)[1]
+        assert "gradient_predivide_factor not supported" in _error(
+            wrap, op=hvd_torch.Sum, gradient_predivide_factor=2.0)[1]
+    assert "backward_passes_per_step must be an int > 0" in _error(
+        _torch, backward_passes_per_step=0)[1]
+    assert "backward_passes_per_step must be an int > 0" in _error(
+        _keras, backward_passes_per_step=0)[1]
+
+
+def test_config_is_frozen_and_serialises_equal_options_equally():
+    def schedule(step, epoch):
+        return 0.01
+
+    a = DGCConfig(density=schedule, warmup_densities=[0.5], cost_model=CostModel(alpha=0.1))
+    b = DGCConfig(density=schedule, warmup_densities=(0.5,), cost_model=CostModel(alpha=0.1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.delay = 3
+    assert a.to_dict() == b.to_dict() and a.key() == b.key()
+    assert json.loads(json.dumps(a.to_dict())) == a.to_dict()  # what ranks exchange
+    assert a.to_dict()["density"].endswith("schedule")  # a callable's name, not its address
+    assert a.to_dict()["warmup_densities"] == [0.5]
+    assert a.replace(delay=3).delay == 3 and a.delay == 0
+    # log_every may differ per rank (rank 0 prints); the rest must agree
+    assert "log_every" not in a.replace(log_every=5).to_dict(shared=True)
+    assert a.replace(log_every=5).to_dict(shared=True) == a.to_dict(shared=True)
+    with pytest.raises(ValueError, match=r"density: rank 0=0\.01, rank 1=0\.02"):
+        consistency.check_same([DGCConfig(density=0.01).to_dict(shared=True),
+                                DGCConfig(density=0.02).to_dict(shared=True)], [0, 1], "x")
+    schedule_cfg = DGCConfig(density=DensitySchedule(0.01, warmup=2, unit="step"))
+    assert "DensitySchedule" in schedule_cfg.to_dict()["density"]
+
+
+def test_lagging_options_in_words():
+    assert DGCConfig().lagging == ""
+    assert DGCConfig(delay=4, period=2).lagging == "delay=4 and period=2"
+    assert DGCConfig(delay=4, period=2).undo_lagging == "delay=0 and period=1"
+    assert DGCConfig(delay="auto").lagging == "delay=auto"
+    assert DGCConfig(delay="auto").fixed_delay is None
+    assert DGCConfig(delay="auto").auto_delay.max_delay == 8
+
+
+@pytest.mark.parametrize("compression", [TorchCompression.dgc, TFCompression.dgc])
+def test_compressors_refuse_options_they_do_not_have(compression):
+    with pytest.raises(TypeError, match=r"Compression.dgc has no option\(s\) \['windw'\]"):
+        compression(windw=(0.5, 2.0))
+    copy = compression(sample_ratio=0.05)
+    assert copy.sample_ratio == 0.05 and copy != compression
+    assert copy == compression(sample_ratio=0.05) and hash(copy) == hash(
+        compression(sample_ratio=0.05))
