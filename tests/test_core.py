@@ -1,4 +1,4 @@
-"""Single-process tests: ALGORITHMS.md test vectors, schedule, cost model, packing, stats."""
+"""Single-process tests: tests/test_reference.py's vectors, schedule, cost model, packing, stats."""
 
 import math
 import re

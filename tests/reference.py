@@ -1,0 +1,228 @@
+"""A framework-free NumPy reference of DGC's per-tensor maths, for the parity tests.
+
+Why: hvd_dgc implements the same maths twice (hvd_dgc/torch/memory.py and
+hvd_dgc/tensorflow/memory.py, plus a C++ kernel); checking each against the other
+would let a shared mistake through. This module states the maths once, as the
+papers write it, in plain float32 NumPy, and tests/test_reference.py checks it
+against hand-derived vectors and then each framework against it.
+
+Papers:
+  [DGC] Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
+        Communication Bandwidth for Distributed Training", ICLR 2018.
+        Sec. 3.1 gradient sparsification (send the largest |v|, keep the rest
+        locally); Sec. 3.2 momentum correction (Eq. 5-6: accumulate the velocity
+        u, not the gradient) and momentum factor masking; Sec. 3.3 local gradient
+        clipping (each of N workers clips at clip_norm / sqrt(N)).
+  [DGA] Zhu, Lin, Lu, Han, "Delayed Gradient Averaging: Tolerate the
+        Communication Latency for Federated Learning", NeurIPS 2021:
+        update_i = own_i - own_(i-D) + avg_(i-D).
+
+Every function computes in float32 (the frameworks' buffer dtype), in the order
+written in its docstring, so where a framework does the same operations in the same
+order the results agree bit for bit. Functions return new arrays; they never modify
+their arguments.
+"""
+
+import math
+from typing import List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+F32 = np.float32
+EPS = F32(1e-6)  # added to the norm before dividing (both frameworks' local_gradient)
+
+
+def f32(x):
+    """A flat float32 copy."""
+    return np.array(x, dtype=F32).reshape(-1)
+
+
+# -- DGC Sec. 3.3: local gradient clipping ---------------------------------------------
+def clip_scale(g, clip_norm, world=1):
+    """min(1, (clip_norm / sqrt(N)) / (||g|| + 1e-6)) in float32: each worker holds 1/N
+    of the summed gradient's variance, so the global threshold shrinks by N^-1/2 [DGC 3.3].
+    ||g|| is summed pairwise (NumPy), so it may differ from a framework's in the last bit."""
+    g = f32(g)
+    limit = F32(clip_norm / math.sqrt(world))  # the frameworks: a Python float, then float32
+    norm = np.sqrt(np.sum(g * g, dtype=F32))
+    return min(F32(1.0), limit / (norm + EPS))
+
+
+def local_gradient(g, clip_norm=None, world=1, weight_decay=0.0, param=None):
+    """The gradient a worker feeds into its memory: flat float32, clipped per tensor when
+    ``clip_norm`` is given, then ``+ weight_decay * param`` (the PyTorch side folds SGD's
+    weight decay in after clipping, as clip_grad_norm_ then SGD(weight_decay) would;
+    TensorFlow's local_gradient has no weight decay)."""
+    g = f32(g)
+    if clip_norm is not None:
+        g = g * clip_scale(g, clip_norm, world)
+    if weight_decay:
+        g = g + F32(weight_decay) * f32(param)
+    return g
+
+
+# -- DGC Sec. 3.2: momentum correction, error feedback -------------------------------
+def accumulate(u, v, g, momentum=0.0, nesterov=False):
+    """Fold one gradient into the memory; returns (u, v).
+
+    Momentum correction [DGC Eq. 5-6] accumulates the velocity, so momentum survives
+    sparsification:  u = m u + g;  v = v + u.  Nesterov:  u = m (u + g);  v = v + (u + g).
+    Momentum 0 is plain error feedback:  v = v + g  (u unchanged).
+    """
+    u, v, g = f32(u), f32(v), f32(g)
+    if not momentum:
+        return u, v + g
+    m = F32(momentum)
+    if nesterov:
+        u = m * (u + g)
+        return u, v + (u + g)
+    u = m * u + g
+    return u, v + u
+
+
+def sent(u, v, indices, masking=True):
+    """The coordinates at ``indices`` left (sparse path): they leave v; with momentum factor
+    masking [DGC 3.2] their momentum goes too (it would keep pushing a coordinate whose
+    accumulated value was just applied). Returns (u, v)."""
+    u, v = f32(u), f32(v)
+    v[indices] = 0
+    if masking:
+        u[indices] = 0
+    return u, v
+
+
+def sent_all(u, v):
+    """Dense path: every coordinate left, so v clears and u is kept: nothing is stale, and
+    masking here would turn momentum SGD into plain SGD. Returns (u, v)."""
+    return f32(u), np.zeros_like(f32(v))
+
+
+# -- DGC Sec. 3.1: sparsification -------------------------------------------------------
+def num_selected(numel, density):
+    """k = ceil(numel * density), at least 1 and at most numel (hvd_dgc/schedule.py)."""
+    return max(1, min(numel, int(math.ceil(numel * density))))
+
+
+def top_k(v, k):
+    """Indices of the k largest |v|, largest first. Ties go to the lower index (a stable
+    sort); the frameworks' top-k may break ties otherwise, so test vectors avoid ties."""
+    return np.argsort(-np.abs(f32(v)), kind="stable")[:k]
+
+
+def dgc_adapt(flat, k, threshold, window=(0.8, 1.3), decay=0.8, rounds=10):
+    """DGC's selection from a first ``threshold`` (the sampled estimate of the magnitude
+    ``window[1] * k`` entries pass; [DGC] Sec. 3.1 and the window and rounds of its
+    reference code), the rule both frameworks follow: the coordinates with |v| >= t;
+    more than k: the exact top-k of those; fewer than window[0] * k: lower t by
+    ``decay`` and look again, at most ``rounds`` times, then the exact top-k of the whole
+    tensor. Never more than k records: an exact top-k's bytes. Sorted indices; t stays
+    in float32, as in the frameworks."""
+    magnitude = np.abs(f32(flat))
+    low, t = window[0] * k, F32(threshold)
+    for _ in range(rounds + 1):
+        candidates = np.flatnonzero(magnitude >= t)
+        if candidates.size > k:
+            return np.sort(candidates[np.argsort(-magnitude[candidates], kind="stable")[:k]])
+        if candidates.size >= low:
+            return candidates
+        t = F32(t * F32(decay))
+    return np.sort(top_k(magnitude, k))
+
+
+def scatter(indices, values, numel):
+    """The dense tensor a worker's records stand for (zeros elsewhere)."""
+    out = np.zeros(numel, F32)
+    out[indices] = values
+    return out
+
+
+# -- one tensor through several steps ----------------------------------------------------
+class Record(NamedTuple):
+    """One step of one tensor: what was sent, and the memory after sending it."""
+    indices: np.ndarray  # sent coordinates, largest |v| first
+    values: np.ndarray   # v at those coordinates (what goes on the wire)
+    u: np.ndarray        # velocity after the step (zeros without momentum)
+    v: np.ndarray        # residual after the step
+
+
+def step(u, v, g, k, momentum=0.0, nesterov=False, masking=True):
+    """accumulate, select the top k, sent: one step of the sparse path -> (Record)."""
+    u, v = accumulate(u, v, g, momentum, nesterov)
+    idx = top_k(v, k)
+    values = v[idx].copy()
+    u, v = sent(u, v, idx, masking)
+    return Record(idx, values, u, v)
+
+
+def run(grads: Sequence, k, momentum=0.0, nesterov=False, masking=True, clip_norm=None,
+        world=1) -> List[Record]:
+    """One tensor's memory through ``len(grads)`` steps from zeros; a Record per step."""
+    numel = f32(grads[0]).size
+    u, v, out = np.zeros(numel, F32), np.zeros(numel, F32), []
+    for g in grads:
+        rec = step(u, v, local_gradient(g, clip_norm, world), k, momentum, nesterov, masking)
+        u, v = rec.u, rec.v
+        out.append(rec)
+    return out
+
+
+# -- [DGA] delayed gradient averaging ---------------------------------------------------
+def dga_update(own_history, avg_history, i, delay):
+    """What a worker applies at step i with delay D [DGA]: its own contribution now, and
+    the average of step i-D replacing its own part of that step:
+        update_i = own_i - own_(i-D) + avg_(i-D)      (own_i alone while i < D).
+    Summed over steps it telescopes: every step's average, except the last D steps, for
+    which the worker's own contribution stands in until they arrive (flush)."""
+    own_i = f32(own_history[i])
+    if i < delay:
+        return own_i
+    return own_i - f32(own_history[i - delay]) + f32(avg_history[i - delay])
+
+
+# -- skip_nonfinite ----------------------------------------------------------------------
+class Memory(NamedTuple):
+    """One rank's memory of one tensor."""
+    u: np.ndarray
+    v: np.ndarray
+
+
+class GuardedStep(NamedTuple):
+    """Every rank's memory after a step, what each rank sent (None: the step was skipped
+    everywhere) and whether it was skipped."""
+    memories: List[Memory]
+    owns: Optional[List[np.ndarray]]
+    skipped: bool
+
+
+def nonfinite_sync_step(memories: Sequence[Memory], grads, k, momentum=0.0, nesterov=False,
+                        masking=True, delay=0) -> GuardedStep:
+    """One step of every rank with skip_nonfinite. A NaN/Inf must never enter a memory:
+    it would stay there (error feedback keeps what is not sent) and come out later.
+
+    delay == 0: one rank's non-finite gradient skips the step on every rank: memories
+    (u, v) and the step unchanged, nothing applied.
+    delay > 0: the other ranks have applied their own part of this step already [DGA],
+    so the step cannot be undone: the rank that has it keeps it out of its memory (u and v
+    unchanged) and sends zeros (own = 0); the others step as usual.
+    """
+    finite = [bool(np.all(np.isfinite(f32(g)))) for g in grads]
+    if delay == 0 and not all(finite):
+        return GuardedStep(list(memories), None, True)
+    out, owns = [], []
+    for mem, g, ok in zip(memories, grads, finite):
+        if not ok:
+            out.append(mem)
+            owns.append(np.zeros_like(f32(mem.v)))
+            continue
+        rec = step(mem.u, mem.v, g, k, momentum, nesterov, masking)
+        out.append(Memory(rec.u, rec.v))
+        owns.append(scatter(rec.indices, rec.values, rec.v.size))
+    return GuardedStep(out, owns, False)
+
+
+def average(owns):
+    """The average of every rank's contribution (float32, summed in rank order)."""
+    total = np.zeros_like(f32(owns[0]))
+    for own in owns:
+        total = total + f32(own)
+    return total / F32(len(owns))

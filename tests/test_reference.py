@@ -1,0 +1,444 @@
+"""The NumPy reference (tests/reference.py) against hand-derived vectors, then PyTorch's and
+TensorFlow's memories against the reference, step by step, on the same inputs.
+
+Tolerances. Exact (assert_array_equal) wherever a framework does the reference's float32
+operations in the same order. Otherwise ``assert_close``: |a - b| <= 1e-6 |b| + 1e-6 max|b|,
+about 8 float32 ulps of the tensor's largest value, against differences measured at
+<= 3.2e-7 max|b| over 8 steps; a wrong formula (a missing u, an unmasked momentum) is off
+by O(1). The reasons a framework is not exact are at ``exact_for``. Hand vectors are
+decimals that float32 cannot hold, so they are compared at rtol 1e-6.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from hvd_dgc.schedule import num_selected
+from hvd_dgc.tensorflow.compression import Compression as TFCompression
+from hvd_dgc.tensorflow.memory import DGCMemory as TFMemory
+from hvd_dgc.tensorflow.memory import local_gradient as tf_local_gradient
+from hvd_dgc.torch.compression import Compression as TorchCompression
+from hvd_dgc.torch.memory import DGCMemory as TorchMemory
+from hvd_dgc.torch.memory import local_gradient as torch_local_gradient
+from tests import reference as ref
+from tests.hvdrun import REPO, worker_env
+from tests.workers import reference_guard as guard
+
+G = [0.5, -2.0, 0.1, 1.0]
+
+
+def assert_close(actual, expected, err_msg=""):
+    """Equal up to float32 rounding (module docstring): rtol 1e-6 plus 1e-6 of the largest
+    |expected|, as values that cancel towards 0 keep the absolute error of their inputs."""
+    expected = np.asarray(expected, np.float32)
+    scale = float(np.abs(expected).max()) if expected.size else 0.0
+    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6 * scale, err_msg=err_msg)
+
+
+def assert_hand(records, sent, u=None, v=None):
+    """A trace against hand-derived (index, value) pairs and final buffers (decimals)."""
+    assert [int(r.indices[0]) for r in records] == [i for i, _ in sent]
+    np.testing.assert_allclose([float(r.values[0]) for r in records], [x for _, x in sent],
+                               rtol=1e-6)
+    if u is not None:
+        np.testing.assert_allclose(records[-1].u, u, rtol=1e-6, atol=1e-7)
+    if v is not None:
+        np.testing.assert_allclose(records[-1].v, v, rtol=1e-6, atol=1e-7)
+
+
+# -- hand-derived test vectors -----------------------------------------------------------
+# G = [0.5, -2.0, 0.1, 1.0] every step, m = 0.9, k = 1 (the largest |v| is sent).
+def test_vector_momentum_with_masking():
+    # step 1: u = 0.9*0 + G             = [0.5,   -2.0, 0.1,   1.0]
+    #         v = 0 + u                 = [0.5,   -2.0, 0.1,   1.0]    send (1, -2.0)
+    #         mask: u[1] = v[1] = 0  ->  u = [0.5, 0, 0.1, 1.0], v = [0.5, 0, 0.1, 1.0]
+    # step 2: u = 0.9*u + G             = [0.95,  -2.0, 0.19,  1.9]
+    #         v = v + u                 = [1.45,  -2.0, 0.29,  2.9]    send (3, 2.9)
+    #         mask: u = [0.95, -2.0, 0.19, 0], v = [1.45, -2.0, 0.29, 0]
+    # step 3: u = 0.9*u + G             = [1.355, -3.8, 0.271, 1.0]
+    #         v = v + u                 = [2.805, -5.8, 0.561, 1.0]    send (1, -5.8)
+    #         mask: u = [1.355, 0, 0.271, 1.0], v = [2.805, 0, 0.561, 1.0]
+    records = ref.run([G] * 3, k=1, momentum=0.9, masking=True)
+    assert_hand(records, [(1, -2.0), (3, 2.9), (1, -5.8)],
+                u=[1.355, 0, 0.271, 1.0], v=[2.805, 0, 0.561, 1.0])
+    np.testing.assert_allclose(records[1].u, [0.95, -2.0, 0.19, 0], rtol=1e-6)
+    np.testing.assert_allclose(records[1].v, [1.45, -2.0, 0.29, 0], rtol=1e-6)
+
+
+def test_vector_momentum_without_masking():
+    # step 1: u = [0.5, -2.0, 0.1, 1.0]; v = u; send (1, -2.0); v[1] = 0 (u kept)
+    #         u = [0.5, -2.0, 0.1, 1.0], v = [0.5, 0, 0.1, 1.0]
+    # step 2: u = 0.9*u + G = [0.95, -3.8, 0.19, 1.9]
+    #         v = v + u     = [1.45, -3.8, 0.29, 2.9]       send (1, -3.8): |-3.8| > 2.9
+    #         v = [1.45, 0, 0.29, 2.9]
+    # step 3: u = 0.9*u + G = [1.355, -5.42, 0.271, 2.71]
+    #         v = v + u     = [2.805, -5.42, 0.561, 5.61]   send (3, 5.61)
+    #         v = [2.805, -5.42, 0.561, 0]
+    records = ref.run([G] * 3, k=1, momentum=0.9, masking=False)
+    assert_hand(records, [(1, -2.0), (1, -3.8), (3, 5.61)],
+                u=[1.355, -5.42, 0.271, 2.71], v=[2.805, -5.42, 0.561, 0])
+
+
+def test_vector_nesterov_with_masking():
+    # Nesterov: u = m (u + g); v = v + (u + g).
+    # step 1: u = 0.9*G              = [0.45,   -1.8,  0.09,   0.9]
+    #         v = u + G              = [0.95,   -3.8,  0.19,   1.9]    send (1, -3.8)
+    #         mask: u = [0.45, 0, 0.09, 0.9], v = [0.95, 0, 0.19, 1.9]
+    # step 2: u + G                  = [0.95,   -2.0,  0.19,   1.9]
+    #         u = 0.9*(u + G)        = [0.855,  -1.8,  0.171,  1.71]
+    #         v = v + (u + G)        = [2.305,  -3.8,  0.461,  4.61]   send (3, 4.61)
+    #         mask: u = [0.855, -1.8, 0.171, 0], v = [2.305, -3.8, 0.461, 0]
+    # step 3: u + G                  = [1.355,  -3.8,  0.271,  1.0]
+    #         u = 0.9*(u + G)        = [1.2195, -3.42, 0.2439, 0.9]
+    #         v = v + (u + G)        = [4.0245, -9.22, 0.8049, 1.9]    send (1, -9.22)
+    #         mask: u = [1.2195, 0, 0.2439, 0.9], v = [4.0245, 0, 0.8049, 1.9]
+    records = ref.run([G] * 3, k=1, momentum=0.9, nesterov=True, masking=True)
+    assert_hand(records, [(1, -3.8), (3, 4.61), (1, -9.22)],
+                u=[1.2195, 0, 0.2439, 0.9], v=[4.0245, 0, 0.8049, 1.9])
+
+
+def test_vector_error_feedback_loses_nothing():
+    # m = 0: v = v + g. G2 = [0.5, -2.0, 0.1, 1.5] (1.5, not 1.0: no tie at step 2).
+    # step 1: v = [0.5, -2.0, 0.1, 1.5]   send (1, -2.0)  -> v = [0.5, 0, 0.1, 1.5]
+    # step 2: v = [1.0, -2.0, 0.2, 3.0]   send (3, 3.0)   -> v = [1.0, -2.0, 0.2, 0]
+    # step 3: v = [1.5, -4.0, 0.3, 1.5]   send (1, -4.0)  -> v = [1.5, 0, 0.3, 1.5]
+    # sent (-2 + 3 - 4 = -3 at their places) + residual == 3 * G2: nothing lost.
+    g2 = [0.5, -2.0, 0.1, 1.5]
+    records = ref.run([g2] * 3, k=1)
+    assert_hand(records, [(1, -2.0), (3, 3.0), (1, -4.0)], u=[0, 0, 0, 0], v=[1.5, 0, 0.3, 1.5])
+    total = sum(ref.scatter(r.indices, r.values, 4) for r in records) + records[-1].v
+    np.testing.assert_allclose(total, 3 * np.float32(g2), rtol=1e-6)
+
+
+def test_vector_clipping_is_exact_in_every_framework():
+    # g = [30, 40]: ||g|| = sqrt(900 + 1600) = 50, and 50 + 1e-6 rounds to 50 in float32
+    # (half an ulp of 50 is 1.9e-6), so every step below is exact in float32.
+    # N = 4, clip_norm = 50: limit = 50 / sqrt(4) = 25; scale = min(1, 25 / 50) = 0.5
+    #   -> [15, 20].  Weight decay 0.25, p = [2, -4] (PyTorch): [15 + 0.5, 20 - 1] = [15.5, 19].
+    # N = 1, clip_norm = 100: scale = min(1, 100 / 50) = 1 -> unchanged.
+    g, p = [30.0, 40.0], [2.0, -4.0]
+    cases = [(50.0, 4, [15.0, 20.0]), (100.0, 1, [30.0, 40.0]), (None, 1, [30.0, 40.0])]
+    for clip, world, expected in cases:
+        np.testing.assert_array_equal(ref.local_gradient(g, clip, world), expected)
+        np.testing.assert_array_equal(
+            torch_local_gradient(torch.tensor(g), torch.tensor(p), 0.0, clip, world).numpy(),
+            expected)
+        np.testing.assert_array_equal(tf_local_gradient(tf.constant(g), clip, world).numpy(),
+                                      expected)
+    np.testing.assert_array_equal(ref.local_gradient(g, 50.0, 4, 0.25, p), [15.5, 19.0])
+    np.testing.assert_array_equal(
+        torch_local_gradient(torch.tensor(g), torch.tensor(p), 0.25, 50.0, 4).numpy(),
+        [15.5, 19.0])
+
+
+def test_vector_delayed_averaging():
+    # D = 2, two ranks. own (one number per step): rank 0 [1, 2, 3, 4, 5], rank 1
+    # [3, 1, 4, 1, 5]; avg = [2, 1.5, 3.5, 2.5, 5].  update_i = own_i - own_(i-2) + avg_(i-2):
+    #   rank 0: 1, 2, 3-1+2 = 4, 4-2+1.5 = 3.5, 5-3+3.5 = 5.5      (sum 16)
+    #   rank 1: 3, 1, 4-3+2 = 3, 1-1+1.5 = 1.5, 5-4+3.5 = 4.5      (sum 13)
+    # Sums telescope to avg_0..2 (7) + own_3 + own_4: 7 + 9 = 16, 7 + 6 = 13. The flush
+    # then adds avg_i - own_i for i = 3, 4: rank 0 16 - 1.5 + 0 = 14.5, rank 1 13 + 1.5 + 0
+    # = 14.5 = sum(avg): both ranks end where synchronous averaging does.
+    own = [[1, 2, 3, 4, 5], [3, 1, 4, 1, 5]]
+    avg = [ref.average([[own[0][i]], [own[1][i]]]) for i in range(5)]
+    np.testing.assert_array_equal(np.concatenate(avg), [2, 1.5, 3.5, 2.5, 5])
+    expected = [[1, 2, 4, 3.5, 5.5], [3, 1, 3, 1.5, 4.5]]
+    for rank in range(2):
+        history = [[x] for x in own[rank]]
+        updates = [float(ref.dga_update(history, avg, i, 2)[0]) for i in range(5)]
+        assert updates == expected[rank]
+        flushed = sum(updates) + sum(float(avg[i][0]) - own[rank][i] for i in (3, 4))
+        assert flushed == 14.5
+
+
+def test_num_selected_rule_is_hvd_dgcs():
+    # ceil(numel * density), at least 1, at most numel
+    assert [ref.num_selected(n, d) for n, d in
+            [(100, 0.001), (1000, 0.001), (1001, 0.001), (64, 0.0625), (5, 1.0)]] == \
+        [1, 1, 2, 4, 5]
+    for numel in (1, 7, 100, 1001, 123457):
+        for density in (0.0001, 0.001, 0.0625, 0.25, 0.5, 1.0):
+            assert ref.num_selected(numel, density) == num_selected(numel, density)
+
+
+def test_top_k_breaks_ties_by_lower_index_and_frameworks_pick_the_same_set():
+    np.testing.assert_array_equal(ref.top_k([1.0, -3.0, 3.0, 2.0], 2), [1, 2])
+    np.testing.assert_array_equal(ref.top_k([0.5, -2.0, 0.1, 1.0], 3), [1, 3, 0])
+    v = np.random.RandomState(3).randn(1000).astype(np.float32)  # no ties
+    for k in (1, 10, 100):
+        expected = sorted(ref.top_k(v, k).tolist())
+        assert sorted(TorchCompression.topk.select(torch.tensor(v), k).tolist()) == expected
+        assert sorted(TFCompression.topk.select(tf.constant(v), k, None).numpy().tolist()) \
+            == expected
+
+
+# -- parity: the same gradients through the reference, PyTorch and TensorFlow ------------
+NUMEL, STEPS, DENSITY, CLIP = 100, 8, 0.05, 15.0
+
+
+def exact_for(subject, momentum, nesterov, clip_norm):
+    """Does ``subject`` do the reference's float32 operations in the same order?"""
+    if clip_norm is not None:
+        return False  # ||g|| is summed in another order: the clip scale's last bits differ
+    if subject == "tf" or not momentum:
+        return True
+    if subject == "torch":
+        return False  # torch.add(g, u, alpha=m) is one fused multiply-add (one rounding)
+    return not nesterov  # the C++ kernel (and eager torch) add v + u + g as (v + u) + g
+
+
+def parity_grads(seed=1):
+    """Per-step gradients of varying norm (5 to 20), so clip_norm=15 clips some steps."""
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(NUMEL) * rng.uniform(0.5, 2.0)).astype(np.float32)
+            for _ in range(STEPS)]
+
+
+class TorchSubject:
+    """hvd_dgc.torch: local_gradient, then DGCMemory (eager, or the fused C++ kernel)."""
+
+    def __init__(self, momentum, nesterov, masking, fused):
+        self.mem, self.fused = TorchMemory(masking), fused
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def local_gradient(self, g, clip_norm, world):
+        return torch_local_gradient(torch.tensor(g), torch.zeros(len(g)), 0.0, clip_norm, world)
+
+    def accumulate(self, g):
+        """-> (v, block maxima or None)"""
+        if self.fused:
+            v, block_max = self.mem.accumulate("w", g, self.momentum, self.nesterov,
+                                               with_block_max=True)
+            return v.numpy().copy(), block_max.numpy()
+        return self.mem.accumulate("w", g, self.momentum, self.nesterov).numpy().copy(), None
+
+    def sent(self, indices):
+        self.mem.sent("w", torch.tensor(indices))
+
+    def sent_all(self):
+        self.mem.sent_all("w")
+
+    def state(self):
+        buf = self.mem.buffers["w"]
+        u = np.zeros(len(buf["v"]), np.float32) if buf["u"] is None else buf["u"].numpy()
+        return u.copy(), buf["v"].numpy().copy()
+
+
+class TFSubject:
+    """hvd_dgc.tensorflow: local_gradient, then DGCMemory."""
+
+    def __init__(self, momentum, nesterov, masking, numel=NUMEL):
+        self.mem = TFMemory([numel], momentum, nesterov, masking)
+        self.numel = numel
+
+    def local_gradient(self, g, clip_norm, world):
+        return tf_local_gradient(tf.constant(g), clip_norm, world)
+
+    def accumulate(self, g):
+        return self.mem.accumulate(0, g).numpy().copy(), None
+
+    def sent(self, indices):
+        self.mem.sent(0, tf.constant(indices, tf.int32))
+
+    def sent_all(self):
+        self.mem.sent_all(0)
+
+    def state(self):
+        u = self.mem.u[0].numpy() if self.mem.u else np.zeros(self.numel, np.float32)
+        return u.copy(), self.mem.v[0].numpy().copy()
+
+
+def make_subject(subject, momentum, nesterov, masking):
+    if subject == "tf":
+        return TFSubject(momentum, nesterov, masking)
+    return TorchSubject(momentum, nesterov, masking, fused=subject == "torch_fused")
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("clip_norm", [None, CLIP])
+@pytest.mark.parametrize("masking", [True, False])
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("subject", ["torch", "torch_fused", "tf"])
+def test_memory_parity_every_step(subject, momentum, nesterov, masking, clip_norm, world):
+    """Selection is the reference's top-k (selection is not compared here); each framework
+    gets its own local_gradient of the same raw gradient, then accumulate, then sent."""
+    grads = parity_grads()
+    k = ref.num_selected(NUMEL, DENSITY)
+    records = ref.run(grads, k, momentum, nesterov, masking, clip_norm, world)
+    fw = make_subject(subject, momentum, nesterov, masking)
+    exact = exact_for(subject, momentum, nesterov, clip_norm)
+    check = np.testing.assert_array_equal if exact else assert_close
+    clipped = 0
+    for i, (g, rec) in enumerate(zip(grads, records)):
+        at = f"{subject} step {i}"
+        expected_g = ref.local_gradient(g, clip_norm, world)
+        clipped += clip_norm is not None and ref.clip_scale(g, clip_norm, world) < 1
+        fg = fw.local_gradient(g, clip_norm, world)
+        # no clipping: a reshape and a cast, exact everywhere
+        (check if clip_norm is not None else np.testing.assert_array_equal)(
+            fg.numpy(), expected_g, err_msg=f"{at}: local gradient")
+        v, block_max = fw.accumulate(fg)
+        check(v[rec.indices], rec.values, err_msg=f"{at}: values sent")
+        if block_max is not None:  # the fused kernel's block maxima of |v| (max is exact)
+            whole = v[:NUMEL // 32 * 32].reshape(-1, 32)
+            np.testing.assert_array_equal(block_max, np.abs(whole).max(axis=1))
+        fw.sent(rec.indices)
+        u, v = fw.state()
+        check(u, rec.u, err_msg=f"{at}: u")
+        check(v, rec.v, err_msg=f"{at}: v")
+    if clip_norm is not None:  # the inputs clip some steps and not others, as intended
+        assert 0 < clipped < STEPS
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("subject", ["reference", "torch", "torch_fused", "tf"])
+def test_dense_path_at_density_one_is_momentum_sgd(subject, nesterov):
+    """sent_all keeps u: what each step sends is torch.optim.SGD's momentum step
+    (buf = m buf + g; Nesterov: g + m buf, which the memory forms as u + g, u = m buf)."""
+    m, grads = 0.9, parity_grads(seed=2)[:5]
+    p = torch.nn.Parameter(torch.zeros(NUMEL))
+    sgd = torch.optim.SGD([p], lr=1.0, momentum=m, nesterov=nesterov)
+    fw = None if subject == "reference" else make_subject(subject, m, nesterov, True)
+    u, v = np.zeros(NUMEL, np.float32), np.zeros(NUMEL, np.float32)
+    for g in grads:
+        p.grad = torch.tensor(g)
+        sgd.step()
+        buf = sgd.state[p]["momentum_buffer"]
+        expected = (p.grad + m * buf if nesterov else buf).numpy()
+        if fw is None:
+            u, v = ref.accumulate(u, v, g, m, nesterov)
+            sent = v.copy()
+            u, v = ref.sent_all(u, v)
+        else:
+            sent, _ = fw.accumulate(fw.local_gradient(g, None, 1))
+            fw.sent_all()
+            u, v = fw.state()
+        # Plain momentum: SGD computes buf = (m * buf) + g as the reference does, so exact
+        # but for eager PyTorch's fused multiply-add. Nesterov: g + m * buf against
+        # (m * (u + g)) + g: equal as real numbers, not in float32.
+        if not nesterov and subject in ("reference", "torch_fused", "tf"):
+            np.testing.assert_array_equal(sent, expected)
+        else:
+            assert_close(sent, expected)
+        np.testing.assert_array_equal(v, np.zeros(NUMEL))  # everything left
+        assert_close(u, (m * buf if nesterov else buf).numpy())  # u kept: SGD's buffer
+
+
+def test_delayed_averaging_update_equals_direct_simulation():
+    """Weights after step i with update_i = own_i - own_(i-D) + avg_(i-D) [DGA] equal, on
+    every rank, the weights a direct simulation gives: each step's average once it is D
+    steps old, and the rank's own contribution for the last D steps, which are in flight;
+    after a flush every rank holds synchronous SGD's weights."""
+    ranks, steps, delay, lr = 3, 9, 2, 0.1
+    rng = np.random.RandomState(5)
+    own = rng.randn(ranks, steps, 6).astype(np.float32)
+    avg = [ref.average(own[:, i]) for i in range(steps)]
+    for r in range(ranks):
+        w = np.zeros(6, np.float32)
+        for i in range(steps):
+            w = w - np.float32(lr) * ref.dga_update(own[r], avg, i, delay)
+            arrived = sum((avg[j] for j in range(i + 1 - delay)), np.zeros(6))
+            in_flight = sum((own[r, j] for j in range(max(0, i + 1 - delay), i + 1)),
+                            np.zeros(6))
+            assert_close(w, -lr * (arrived + in_flight), err_msg=f"rank {r} step {i}")
+        for j in range(steps - delay, steps):  # flush: the last D averages arrive
+            w = w - np.float32(lr) * (avg[j] - own[r, j])
+        assert_close(w, -lr * np.sum(avg, axis=0))
+
+
+# -- skip_nonfinite ----------------------------------------------------------------------
+def test_nonfinite_reference_semantics_on_two_ranks():
+    k, g = 1, np.float32(G)
+    bad = np.float32([0.5, np.nan, 0.1, 1.0])
+    start = [ref.Memory(np.float32([0.1, 0, 0, 0.2]), np.float32([0.3, 0, 0, -0.4]))] * 2
+    # delay 0: one rank's NaN skips the step on both: memories as they were, nothing sent
+    res = ref.nonfinite_sync_step(start, [g, bad], k, momentum=0.9, delay=0)
+    assert res.skipped and res.owns is None
+    for before, after in zip(start, res.memories):
+        np.testing.assert_array_equal(after.u, before.u)
+        np.testing.assert_array_equal(after.v, before.v)
+    # delay 2: rank 0 steps as usual; rank 1 keeps its memory and sends zeros
+    res = ref.nonfinite_sync_step(start, [g, bad], k, momentum=0.9, delay=2)
+    normal = ref.step(start[0].u, start[0].v, g, k, momentum=0.9)
+    assert not res.skipped
+    np.testing.assert_array_equal(res.memories[0].v, normal.v)
+    np.testing.assert_array_equal(res.owns[0], ref.scatter(normal.indices, normal.values, 4))
+    np.testing.assert_array_equal(res.memories[1].u, start[1].u)
+    np.testing.assert_array_equal(res.memories[1].v, start[1].v)
+    np.testing.assert_array_equal(res.owns[1], np.zeros(4))
+
+
+def guard_reference(delay):
+    """tests/workers/reference_guard.py's run on one rank (avg == own): per step the
+    memory, the update (None: skipped) and the step counter."""
+    k = ref.num_selected(guard.NUMEL, guard.DENSITY)
+    zeros = np.zeros(guard.NUMEL, np.float32)
+    mem, owns, out = [ref.Memory(zeros, zeros)], [], []
+    for g in guard.grads():
+        res = ref.nonfinite_sync_step(mem, [g], k, momentum=guard.MOMENTUM,
+                                     masking=True, delay=delay)
+        mem, update = res.memories, None
+        if not res.skipped:
+            owns.append(res.owns[0])
+            update = ref.dga_update(owns, owns, len(owns) - 1, delay)
+        out.append((mem[0], update, len(owns)))
+    return out
+
+
+def run_guard(framework):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.pkl")
+        proc = subprocess.run([sys.executable, "-m", "tests.workers.reference_guard",
+                               framework, path], cwd=REPO, env=worker_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def torch_guard():
+    return run_guard("torch")
+
+
+@pytest.fixture(scope="module")
+def tf_guard():
+    return run_guard("tf")
+
+
+def check_guard(runs, delay, skipped_update):
+    """One framework's world-1 run (tests/workers/reference_guard.py) against the reference.
+    ``skipped_update``: what a skipped step returns (PyTorch leaves the weights, so 0;
+    TensorFlow's tape returns NaN for the caller to check)."""
+    steps, expected = runs[delay], guard_reference(delay)
+    for i, (got, (mem, update, counter)) in enumerate(zip(steps, expected)):
+        at = f"delay={delay} step {i}"
+        if i == guard.BAD_STEP:  # the NaN: the memory must be bit-for-bit as it was
+            before = steps[i - 1]
+            np.testing.assert_array_equal(got["u"], before["u"], err_msg=f"{at}: u changed")
+            np.testing.assert_array_equal(got["v"], before["v"], err_msg=f"{at}: v changed")
+        assert_close(got["u"], mem.u, err_msg=f"{at}: u")
+        assert_close(got["v"], mem.v, err_msg=f"{at}: v")
+        assert got["step"] == counter, at
+        if update is None:
+            np.testing.assert_array_equal(got["update"], skipped_update(guard.NUMEL), at)
+        else:  # with delay, the NaN step's own is 0, so is its update on one rank
+            assert_close(got["update"], update, err_msg=f"{at}: update")
+
+
+@pytest.mark.parametrize("delay", guard.DELAYS)
+def test_torch_nonfinite_gradient_matches_reference(torch_guard, delay):
+    check_guard(torch_guard, delay, lambda n: np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("delay", guard.DELAYS)
+def test_tf_nonfinite_gradient_matches_reference(tf_guard, delay):
+    check_guard(tf_guard, delay, lambda n: np.full(n, np.nan, np.float32))

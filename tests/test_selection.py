@@ -1,0 +1,94 @@
+"""DGC's selection rule, one reference for both frameworks (tests/reference.py
+``dgc_adapt``): from the same first threshold, PyTorch's and TensorFlow's
+``DGCCompressor.adapt`` choose the same coordinates as the NumPy reference, in each
+branch of the rule (in the window, too many, too few then lowered, exact fallback).
+Before issue 18 TensorFlow sent up to 1.3 k records and never lowered a threshold."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from hvd_dgc.tensorflow.compression import Compression as TFCompression
+from hvd_dgc.torch.compression import Compression as TorchCompression
+from tests.reference import dgc_adapt
+
+N, K = 20_000, 200
+
+
+def _flat(seed):
+    return np.random.RandomState(seed).randn(N).astype(np.float32)
+
+
+def _kth(flat, j):
+    return np.sort(np.abs(flat))[-j]  # the j-th largest magnitude
+
+
+# first threshold (as a function of the data) -> the branch of the rule it exercises
+CASES = {
+    "in_window": lambda f: _kth(f, 190),        # 190 pass: 0.8 k <= 190 <= k, kept as is
+    "too_many": lambda f: _kth(f, 260),         # 260 pass (the 1.3 k aim): trimmed to k
+    # few pass (the 180th largest / 0.8), one lowering by 0.8 brings ~180: in the window
+    "too_few": lambda f: np.float32(_kth(f, 180)) / np.float32(0.8),
+    "too_few_thrice": lambda f: np.float32(_kth(f, 180)) / np.float32(0.8) ** 3,
+    "fallback": lambda f: np.float32(1e6),      # nothing passes after 10 rounds: exact top-k
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_both_frameworks_choose_what_the_reference_chooses(case, seed):
+    flat = _flat(seed)
+    threshold = np.float32(CASES[case](flat))
+    expected = dgc_adapt(flat, K, threshold)
+    in_torch = TorchCompression.dgc.adapt(torch.from_numpy(flat), K,
+                                          torch.tensor(threshold)).numpy()
+    in_tf = TFCompression.dgc.adapt(tf.abs(tf.constant(flat)), tf.constant(K),
+                                    tf.constant(threshold)).numpy()
+    np.testing.assert_array_equal(np.sort(in_torch), expected)
+    np.testing.assert_array_equal(np.sort(in_tf), expected)
+    assert 0.8 * K <= expected.size <= K
+    if case in ("too_many", "fallback"):
+        assert expected.size == K  # an exact top-k
+        np.testing.assert_array_equal(expected, np.sort(np.argsort(-np.abs(flat))[:K]))
+    if case.startswith("too_few"):
+        assert (np.abs(flat) >= threshold).sum() < 0.8 * K  # too few at first
+        assert 160 <= expected.size < K  # lowered into the window, kept as is
+
+
+@pytest.mark.parametrize("n,density", [(100_000, 0.001), (50_000, 0.01)])
+def test_sampled_selection_sends_at_most_k_in_both_frameworks(n, density):
+    k = int(np.ceil(n * density))
+    for seed in range(3):
+        flat = np.random.RandomState(seed).randn(n).astype(np.float32)
+        torch_idx = TorchCompression.dgc.select(torch.from_numpy(flat), k).numpy()
+        tf_idx = TFCompression.dgc.select(tf.constant(flat), tf.constant(k),
+                                          tf.constant([seed, 0])).numpy()
+        for idx in (torch_idx, tf_idx):
+            assert 0.8 * k <= idx.size <= k and np.unique(idx).size == idx.size
+            # a top set: nothing left behind is larger than what was chosen
+            chosen = np.zeros(n, bool)
+            chosen[idx] = True
+            assert np.abs(flat[chosen]).min() >= np.abs(flat[~chosen]).max()
+
+
+def test_reference_rule_by_hand():
+    # |v| = 5, 4, 3, 2, 1, 0.5; k = 3, so the window's low end is 0.8 * 3 = 2.4 records
+    v = np.array([5, -4, 3, 2, 1, 0.5], np.float32)
+    # t = 4.5 passes 1 (< 2.4): t = 3.6 passes 2 (< 2.4): t = 2.88 passes 3: kept
+    np.testing.assert_array_equal(dgc_adapt(v, 3, 4.5), [0, 1, 2])
+    # t = 1.5 passes 4 (> k): the exact top-3 of those four
+    np.testing.assert_array_equal(dgc_adapt(v, 3, 1.5), [0, 1, 2])
+    # window low end 0.5 * 3 = 1.5: t = 3.6's 2 records are enough (fewer than k)
+    np.testing.assert_array_equal(dgc_adapt(v, 3, 4.5, window=(0.5, 1.3)), [0, 1])
+    # one round only: 4.5 (1 record), 3.6 (2 records), then the exact top-3
+    np.testing.assert_array_equal(dgc_adapt(v, 3, 4.5, window=(0.9, 1.3), rounds=1),
+                                  [0, 1, 2])
+    # nothing passes 100 * 0.8^10 = 10.7: the exact top-3
+    np.testing.assert_array_equal(dgc_adapt(v, 3, 100.0), [0, 1, 2])
+    # and the frameworks agree on the short window
+    in_torch = TorchCompression.dgc(window=(0.5, 1.3)).adapt(torch.from_numpy(v), 3,
+                                                             torch.tensor(4.5))
+    in_tf = TFCompression.dgc(window=(0.5, 1.3)).adapt(tf.abs(tf.constant(v)),
+                                                       tf.constant(3), tf.constant(4.5))
+    assert sorted(in_torch.tolist()) == sorted(in_tf.numpy().tolist()) == [0, 1]
