@@ -16,7 +16,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
-        "tape_keras3_model", "fp16_wire.tf_outlier"]
+        "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -44,7 +44,7 @@ def tape(ckdir):
 def keras2(ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, env=KERAS2, timeout=900, kwargs={
         "names": ["keras_dense_equivalence", "checkpoint_keras", "keras_fit_digits",
-                  "tf_dga.keras_delay_dense_matches_formula",
+                  "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
                   "tf_dga.keras_nonfinite_skips_the_step"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT}})
 
@@ -156,6 +156,18 @@ def test_tape_trains_a_keras3_model(tape):
 def test_tape_inconsistent_config_is_named_not_hung(tape):
     for out in _checked(tape, "tape_inconsistent_config"):
         assert "density" in out and "rank 0=" in out and "rank 1=" in out, out
+
+
+@pytest.mark.parametrize("version", ["keras3", "keras2"])
+def test_keras_backward_passes_per_step_sums_passes_as_horovod(version, tape, keras2):
+    for out in _checked(tape if version == "keras3" else keras2, "keras_backward_passes"):
+        for how in ("sum", "mean"):
+            got = out[how]
+            # every 2nd call: bit for bit the run fed the two calls' sum (or mean)
+            assert got["max_diff"] == 0.0, got
+            assert got["moved_between"] == [False, False, False], got
+            assert got["iterations"] == 8 and got["summed_iterations"] == 4, got
+            assert got["exchanges"] == 4 and got["identical"], got
 
 
 def test_keras2_optimizer_at_density_one_equals_horovods(keras2):

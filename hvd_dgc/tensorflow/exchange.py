@@ -278,16 +278,15 @@ class GradientExchange(tf.Module):
     def _exchange_guarded(self, grads, at):
         if not self.skip_nonfinite:
             return self._step(grads, at), tf.constant(False)
-        local_bad = tf.logical_not(tf.reduce_all(
-            [tf.math.is_finite(tf.reduce_sum(tf.cast(_values(g), tf.float32))) for g in grads]))
+        bad_here = [tf.logical_not(tf.math.is_finite(tf.reduce_sum(
+            tf.cast(_values(g), tf.float32)))) for g in grads]
+        local_bad = tf.reduce_any(bad_here)
         if self.delay:
             # DGA: the other ranks apply their own part of this step before anyone knows.
             # A tensor not finite here stays out of this rank's memory (u and v as they
             # were) and this rank sends zeros for it, as the PyTorch side does.
             self.nonfinite.assign_add(tf.cast(local_bad, tf.int64))
-            dropped = [tf.logical_not(tf.math.is_finite(tf.reduce_sum(
-                tf.cast(_values(g), tf.float32)))) for g in grads]
-            return self._step(grads, at, dropped), tf.constant(False)
+            return self._step(grads, at, dropped=bad_here), tf.constant(False)
         # No extra collective: the memory is saved, a rank with a non-finite gradient
         # sends inf, so every rank's averages show it; then every rank puts its memory back.
         self.memory.snapshot()

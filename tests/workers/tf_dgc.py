@@ -188,6 +188,65 @@ def keras_dense_equivalence(steps=10):
     return out
 
 
+def keras_backward_passes(passes=2, calls=8):
+    """backward_passes_per_step=P (Keras 2 or 3 by env): DGC 5% with SGD momentum, P
+    calls per exchange, equals the same optimizer with P=1 fed each P calls' summed
+    gradients (their mean with average_aggregated_gradients) bit for bit; the calls
+    between exchanges leave the weights alone and only count in ``iterations``
+    (Horovod's LocalGradientAggregationHelper). Ranks stay identical."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank = hvd.rank()
+    out = {}
+    for average in (False, True):
+        grads = [[g.numpy() for g in _grads_at(tf, c, rank)] for c in range(calls)]
+        summed = [[sum(grads[c + j][i] for j in range(passes)) for i in range(len(grads[0]))]
+                  for c in range(0, calls, passes)]
+        if average:
+            summed = [[g / np.float32(passes) for g in group] for group in summed]
+        runs = {}
+        for name, feed, kw in (("passes", grads, dict(backward_passes_per_step=passes,
+                                                       average_aggregated_gradients=average)),
+                               ("summed", summed, {})):
+            variables = _vars(tf, seed=4)
+            opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9),
+                                           density=0.05, warmup=0, min_compress_size=64, **kw)
+
+            @tf.function
+            def step(gs):
+                opt.apply_gradients(zip(gs, variables))
+
+            history = []
+            for gs in feed:
+                step([tf.constant(g) for g in gs])
+                history.append(_flat(tf, variables).numpy())
+            runs[name] = (history, int(opt.iterations.numpy()),
+                          opt.compression_stats()["steps"],
+                          _identical(tf, hvd, variables, f"bpp.{name}.{average}"))
+        passes_hist, summed_hist = runs["passes"][0], runs["summed"][0]
+        key = "mean" if average else "sum"
+        out[key] = {
+            # after every P-th call: the same weights as the summed run's step
+            "max_diff": max(float(np.abs(passes_hist[c * passes + passes - 1] - w).max())
+                            for c, w in enumerate(summed_hist)),
+            # between: nothing applied yet
+            "moved_between": [bool(np.any(passes_hist[c] != passes_hist[c - 1]))
+                              for c in range(1, calls) if (c + 1) % passes],
+            "iterations": runs["passes"][1], "exchanges": runs["passes"][2],
+            "summed_iterations": runs["summed"][1],
+            "identical": runs["passes"][3] and runs["summed"][3]}
+    return out
+
+
+def _grads_at(tf, call, rank):
+    """Gradients of the test model at a fixed point, on a batch of this call and rank."""
+    variables = _vars(tf, seed=9)
+    x, y = _batch(call, rank)
+    with tf.GradientTape() as tape:
+        loss = _loss(tf, variables, x, y)
+    return tape.gradient(loss, variables)
+
+
 def digits(rank, size):
     from sklearn.datasets import load_digits
     x, y = load_digits(return_X_y=True)

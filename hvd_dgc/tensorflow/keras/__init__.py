@@ -29,7 +29,7 @@ from horovod.tensorflow import Adasum, Average, Sum, global_process_set
 from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.schedule import ADAPTIVE_SENDS, DensitySchedule
-from hvd_dgc.tensorflow.exchange import GradientExchange
+from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
 
@@ -44,7 +44,73 @@ def is_legacy(optimizer):
     return hasattr(optimizer, "_create_all_weights") and not hasattr(optimizer, "build")
 
 
+class _Accumulation:
+    """``backward_passes_per_step=P`` as Horovod's Keras optimizer does it
+    (LocalGradientAggregationHelper): each call adds its gradients to a local sum;
+    every P-th call exchanges the sum (divided by P with
+    ``average_aggregated_gradients``) and applies it; the calls between only count
+    in ``optimizer.iterations``. DGC's memory sees one gradient per exchange."""
+
+    def __init__(self, passes, average, sparse_as_dense):
+        self.passes, self.average, self.sparse_as_dense = passes, average, sparse_as_dense
+        self.sums = None
+
+    def build(self, variables):
+        if self.sums is None:
+            with tf.init_scope():
+                self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+                self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                             for v in variables]
+
+    def add(self, grads, names):
+        """Add this pass's gradients; whether the sum is complete (a bool tensor)."""
+        for s, g, name in zip(self.sums, grads, names):
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    raise ValueError(
+                        f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient "
+                        f"and backward_passes_per_step={self.passes}: its passes are summed "
+                        f"densely. Pass sparse_as_dense=True, as Horovod requires.")
+                g = tf.convert_to_tensor(g)
+            if g is not None:
+                s.assign_add(tf.cast(g, s.dtype))
+        return tf.equal(self.count.assign_add(1), self.passes)
+
+    def take(self):
+        """The complete sum (over P if averaged), and a fresh start."""
+        out = [s.read_value() / self.passes if self.average else s.read_value()
+               for s in self.sums]
+        with tf.control_dependencies(out):
+            for s in self.sums:
+                s.assign(tf.zeros_like(s))
+            self.count.assign(0)
+        return [tf.identity(g) for g in out]
+
+
 def _exchange_grads(self, grads, variables, apply):
+    """With ``backward_passes_per_step=P``: sum P passes locally, then exchange and
+    apply (every rank counts alike, so every rank takes the same branch and joins the
+    same collectives); ``iterations`` counts every pass, as in Horovod."""
+    accumulation = self._hvd_dgc_passes
+    if accumulation is None:
+        return _exchange_and_apply(self, grads, variables, apply)
+    accumulation.build(variables)
+    self._hvd_dgc.build(variables)  # variables born outside the cond below
+    _create_optimizer_variables(self, variables)
+    names = [variable_name(v, i) for i, v in enumerate(variables)]
+    complete = accumulation.add(grads, names)
+
+    def exchange():
+        _exchange_and_apply(self, accumulation.take(), variables, apply)
+        return tf.constant(True)
+
+    def count_only():
+        self.iterations.assign_add(1)
+        return tf.constant(False)
+    return tf.cond(complete, exchange, count_only)
+
+
+def _exchange_and_apply(self, grads, variables, apply):
     """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
     every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
     optimizer's step, built first so no variable is created inside the cond)."""
@@ -155,14 +221,19 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     IndexedSlices gradients (an Embedding) travel as in Horovod: rows and indices
     allgathered, no DGC, no residual; ``sparse_as_dense=True`` densifies them first
     (then DGC). They need ``delay=0``.
+
+    ``backward_passes_per_step=P`` (and ``average_aggregated_gradients``) as in
+    Horovod: P calls' gradients are summed locally (their mean with
+    ``average_aggregated_gradients=True``), then exchanged through DGC and applied
+    once; ``iterations`` counts every call. Needs ``delay=0``.
     """
     config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
     check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,
                             (Average, Sum, Adasum), "tf.Variable")
-    if backward_passes_per_step != 1:
-        raise ValueError(f"hvd_dgc's Keras DistributedOptimizer supports "
-                         f"backward_passes_per_step=1 only (got {backward_passes_per_step}); "
-                         f"use a larger batch, or hvd_dgc.torch for gradient accumulation.")
+    if backward_passes_per_step > 1 and config.delay:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} with "
+                         f"delay={config.delay} runs in hvd_dgc.torch only so far; in Keras "
+                         f"use one of them (delay=0, or backward_passes_per_step=1).")
     is_sgd = type(optimizer).__name__ == "SGD"
     check_linear_update(config, is_sgd, type(optimizer).__name__, "tensorflow")
     if config.density is None and config.warmup is None and not is_sgd:
@@ -181,7 +252,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         process_set=process_set, config=config)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
-               "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer)}
+               "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),
+               "_hvd_dgc_passes": _Accumulation(
+                   backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
+               if backward_passes_per_step > 1 else None}
     if is_keras3(optimizer):
         methods["apply"] = _apply
     else:
