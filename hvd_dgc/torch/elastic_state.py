@@ -30,10 +30,9 @@ class DGCOptimizerStateHandler(_state.OptimizerStateHandler):
     def sync(self):
         super().sync()
         dgc = self.value._dgc
-        dgc.step, dgc.epoch, dgc.delay = broadcast_object(
+        dgc.step, dgc.epoch, delay = broadcast_object(
             (dgc.step, dgc.epoch, dgc.delay), root_rank=0, name="hvd_dgc.elastic.counters")
-        if dgc.auto is not None:  # delay="auto": every rank from rank 0's D, a fresh window
-            dgc.auto.reset_window()
+        dgc.resume_delay(delay)  # delay="auto": every rank from rank 0's D, a fresh window
 
 
 def register():

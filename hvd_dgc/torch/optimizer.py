@@ -1057,7 +1057,14 @@ class DGCState:
         self.overflow_steps = state.get("overflow_steps", 0)
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         if self.auto is not None:  # delay="auto" goes on from the D it had reached
-            self.delay = int(state.get("delay", self.delay))
+            self.resume_delay(int(state.get("delay", self.delay)))
+
+    def resume_delay(self, delay):
+        """Go on from ``delay`` (a checkpoint's, or rank 0's after an elastic reset); with
+        delay="auto", from a fresh window of measurements (the old ones were another run's
+        or another world's)."""
+        self.delay = delay
+        if self.auto is not None:
             self.auto.reset_window()
 
 
