@@ -24,11 +24,16 @@ def called_from_horovod_allreduce(depth=2):
     return any(module == m or module.startswith(m + ".") for m in _ALLREDUCE_CALLERS)
 
 
+def _ours(framework):
+    """hvd_dgc's optimizer and module for ``framework``, for the messages."""
+    if framework == "torch":
+        return "hvd_dgc.torch.DistributedOptimizer", "hvd_dgc.torch"
+    return ("hvd_dgc.tensorflow.DistributedGradientTape / "
+            "hvd_dgc.tensorflow.keras.DistributedOptimizer"), "hvd_dgc.tensorflow"
+
+
 def sparse_under_allreduce_error(compressor_name, framework):
-    opt = ("hvd_dgc.torch.DistributedOptimizer" if framework == "torch"
-           else "hvd_dgc.tensorflow.DistributedGradientTape / "
-                "hvd_dgc.tensorflow.keras.DistributedOptimizer")
-    mod = "hvd_dgc.torch" if framework == "torch" else "hvd_dgc.tensorflow"
+    opt, mod = _ours(framework)
     return TypeError(
         f"{compressor_name} is a sparse compressor: each rank sends different "
         f"(index, value) pairs, which Horovod's allreduce cannot sum. Horovod's own "
@@ -37,10 +42,11 @@ def sparse_under_allreduce_error(compressor_name, framework):
         f"with allgather.")
 
 
-def not_summable_error(compressor_name, why):
+def not_summable_error(compressor_name, why, framework="torch"):
     """The same refusal for compressors whose payload Horovod's compress -> allreduce ->
     decompress contract cannot carry (``why`` says what it would need)."""
+    opt, mod = _ours(framework)
     return TypeError(
         f"{compressor_name} cannot run inside Horovod's own DistributedOptimizer/allreduce: "
-        f"{why}. Use hvd_dgc.torch.DistributedOptimizer with compression={compressor_name} "
-        f"(or `import hvd_dgc.torch as hvd`), which runs its collectives.")
+        f"{why}. Use {opt} with compression={compressor_name} "
+        f"(or `import {mod} as hvd`), which runs its collectives.")

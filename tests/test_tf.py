@@ -16,7 +16,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
-        "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes"]
+        "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
+        "fp16_wire.tf_sparse_records", "tape_quantizers"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -51,8 +52,9 @@ def keras2(ckdir):
 
 @pytest.fixture(scope="module")
 def keras3():
-    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS3,
-               kwargs={"names": ["keras_fit_digits"], "kwargs": FIT}, timeout=900)
+    fit = {"keras_fit_digits": dict(FIT["keras_fit_digits"], compressors=["sign"])}
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS3, timeout=900,
+               kwargs={"names": ["keras_fit_digits"], "kwargs": fit})
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,81 @@ def test_tape_dense_fp16_beyond_its_range_matches_the_reference(tape):
         assert out["skipped"] == 0
         np.testing.assert_array_equal(out["weights"], weights)
         assert out["clipped"] == clipped[rank] > 0
+
+
+def test_tape_fp16_records_match_the_reference(tape):
+    from tests.workers.fp16_wire import record_reference
+    expected = record_reference()
+    for out in _checked(tape, "fp16_wire.tf_sparse_records"):
+        # every step's average: the float32 sum of everyone's fp16 values, bit for bit
+        np.testing.assert_array_equal(out["averages"], expected)
+        assert out["record_bytes"] == out["delayed_record_bytes"] == 6.0  # as PyTorch's
+        # delayed averaging then flush ends where synchronous training does (only if its
+        # own is the fp16 value the others read; fp16's rounding is ~5e-4 of the weights)
+        assert out["delayed_vs_sync"] <= 1e-6 * out["weights_scale"], out
+        assert out["switch_fp16_values"] and out["switch_name"] == "dgc"
+
+
+def test_tape_powersgd_sends_one_approximation_and_keeps_the_rest(tape):
+    """PowerSGD rank 2 on a 60 x 50 weight, 2 ranks: what each rank's memory gave up is
+    the averaged approximation P Q^T, the same on both ranks and equal to the average
+    returned; the residual keeps the rest; 4 (60 + 50) 2 bytes a step, not 4 * 3000."""
+    ranks = [out["powersgd"] for out in _checked(tape, "tape_quantizers")]
+    for step in range(3):
+        rows = [r["steps"][step] for r in ranks]
+        np.testing.assert_array_equal(rows[0]["avg"], rows[1]["avg"])
+        for row in rows:
+            sent = row["v"] - row["residual"]
+            np.testing.assert_allclose(sent, row["avg"], rtol=1e-5,
+                                       atol=1e-6 * np.abs(row["avg"]).max())
+        # a rank-2 approximation of the mean, not the mean: the rest waits in the memories
+        mean = (rows[0]["v"] + rows[1]["v"]) / 2
+        assert 0.05 < np.linalg.norm(rows[0]["avg"] - mean) / np.linalg.norm(mean) < 1
+    for r in ranks:
+        assert r["bytes"] == 3 * (4 * (60 + 50) * 2 + 8 * 4)
+        assert r["paths"] == {"exchange": 3, "dense": 3} and r["identical"]
+
+
+@pytest.mark.parametrize("name", ["sign", "bf16", "qsgd"])
+def test_tape_quantizers_average_what_pytorchs_codecs_decode(tape, name):
+    """TF's quantisers send PyTorch's payloads: the average of 2 ranks equals the mean of
+    PyTorch's decode(encode(v)) of each rank's v (bf16 bit for bit; sign within its
+    scale's last bit: the L1 mean is summed in another order); error feedback keeps the
+    rest; QSGD (its own noise stream) within its quantisation bound."""
+    import torch
+    from hvd_dgc.packing import qsgd_payload_bytes, sign_payload_bytes
+    from hvd_dgc.torch.compression import Compression as TorchCompression
+    codec = getattr(TorchCompression, name)
+    ranks = [out[name] for out in _checked(tape, "tape_quantizers")]
+    numel, steps = 3000, 3
+    for step in range(steps):
+        rows = [r["steps"][step] for r in ranks]
+        sent = [row["v"] - row["residual"] for row in rows]  # what error feedback took
+        np.testing.assert_array_equal(rows[0]["avg"], rows[1]["avg"])  # the same everywhere
+        if name == "qsgd":
+            np.testing.assert_allclose(rows[0]["avg"], (sent[0] + sent[1]) / 2, rtol=1e-5,
+                                       atol=1e-6 * np.abs(rows[0]["avg"]).max())
+            for row, s in zip(rows, sent):  # |error| < one level of its bucket's norm
+                norms = np.linalg.norm(row["v"][:2944].reshape(-1, 128), axis=1)
+                assert np.all(np.abs(s - row["v"])[:2944].reshape(-1, 128)
+                              <= norms[:, None] / 7 * 1.0001)
+                assert not np.array_equal(s, row["v"])  # it did quantise
+            continue
+        decoded = [codec.decode(codec.encode(torch.from_numpy(row["v"].astype(np.float32))),
+                                numel, torch.float32).numpy() for row in rows]
+        expected = (decoded[0] + decoded[1]) / 2
+        if name == "bf16":
+            np.testing.assert_array_equal(rows[0]["avg"], expected)
+        else:
+            np.testing.assert_allclose(rows[0]["avg"], expected, rtol=0,  # ~2 ulps of scale
+                                       atol=2.5e-7 * np.abs(expected).max())
+        for s, d in zip(sent, decoded):
+            np.testing.assert_allclose(s, d, rtol=1e-6, atol=1e-6 * np.abs(d).max())
+    payload = {"sign": sign_payload_bytes(numel), "bf16": 2 * numel,
+               "qsgd": qsgd_payload_bytes(numel, 7, 128)}[name]
+    for r in ranks:
+        assert r["bytes"] == steps * (payload + 8 * 4)  # + the 8-element bias, dense fp32
+        assert r["paths"] == {"exchange": steps, "dense": steps} and r["identical"]
 
 
 def test_tape_memory_checkpoint_resumes_bit_identically(tape, resumed3):
@@ -136,7 +213,7 @@ def test_tape_reads_horovods_compression_as_dgc_and_says_so(tape):
             fp16 = out["fp16"]["printed"]
             assert fp16.count("[hvd_dgc] tensorflow: DGC at density 0.001, warm-up 0.25 "
                               "to step 160, 0.0625 to step 640") == 1, fp16
-            assert "fp32 records" in fp16 and "fp16 allreduce" in fp16
+            assert "fp16 records" in fp16 and "fp16 allreduce" in fp16  # as PyTorch
             assert "topk at density 0.001" in out["name"]["printed"]
             assert "dense averaging (density=1.0), fp32 values" in out["dense"]["printed"]
         else:
@@ -214,6 +291,11 @@ def test_keras3_fit_digits_dgc_within_one_point_of_dense(keras3, keras2):
         assert not out["legacy"] and out["keras"].startswith("3.")
         _assert_fit(out)
         assert out["dgc"]["accuracy"] >= horovod_dense - 0.01
+        # EF-SignSGD (hvd_dgc/tensorflow/quantize.py), 1 bit an element, with momentum
+        # correction: within 2 points of dense, every rank identical
+        sign = out["sign"]
+        assert sign["identical"] and sign["stats"]["paths"]["exchange"] > 0, sign
+        assert sign["accuracy"] >= out["dense"]["accuracy"] - 0.02, (sign, out["dense"])
     _assert_metrics_averaged(_checked(keras3, "keras_fit_digits"))
 
 

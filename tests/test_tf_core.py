@@ -91,3 +91,125 @@ def test_tape_memory_is_not_shared_between_different_compressor_options():
     assert a != b
     assert a == hvd._options_key({"compression": Compression.dgc(),
                                   "warmup_densities": [0.25]})
+
+
+def test_fp16_records_are_six_bytes_and_keep_every_index():
+    comp = Compression.dgc(fp16_values=True)
+    assert comp.record_bytes == 6 and Compression.dgc.record_bytes == 8
+    indices = tf.constant([0, 1, 65535, 65536, 70001, 2 ** 31 - 1], tf.int32)
+    values = tf.constant([1.0, -2.5, 0.1, 65504.0, -3e-5, 1234.567], tf.float32)
+    wire = comp.to_wire(comp.pack(values, indices))
+    assert wire.dtype == tf.int16 and wire.shape == (6, 3)  # 6 bytes a record
+    back = comp.from_wire(wire)
+    np.testing.assert_array_equal(back[:, 0].numpy(), indices.numpy())
+    expected = values.numpy().astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(tf.bitcast(back[:, 1], tf.float32).numpy(), expected)
+    np.testing.assert_array_equal(comp.wire_values(values).numpy(), expected)
+    plain = Compression.dgc.pack(values, indices)  # fp32 records travel as they are
+    assert Compression.dgc.to_wire(plain) is plain and Compression.dgc.wire_values(values) is values
+
+
+@pytest.mark.parametrize("name", ["sign", "bf16", "qsgd"])
+@pytest.mark.parametrize("n", [1, 13, 1001])
+def test_quantizer_payloads_are_pytorchs_byte_for_byte(name, n):
+    import torch
+    from hvd_dgc.torch.compression import Compression as TorchCompression
+    ours, theirs = getattr(Compression, name), getattr(TorchCompression, name)
+    x = np.random.RandomState(n).randn(n).astype(np.float32)
+    mine = ours.encode(tf.constant(x), tf.constant([3, 0])).numpy()
+    assert mine.dtype == np.uint8 and mine.size == ours.payload_bytes(n) == \
+        theirs.payload_bytes(n)
+    # either framework decodes the other's payload to the same values
+    np.testing.assert_array_equal(
+        ours.decode(tf.constant(mine), n).numpy(),
+        theirs.decode(torch.from_numpy(mine), n, torch.float32).numpy())
+    if name != "qsgd":  # deterministic: the same bytes (sign's scale: within its last bit)
+        other = theirs.encode(torch.from_numpy(x)).numpy()
+        skip = 4 if name == "sign" else 0
+        np.testing.assert_array_equal(mine[skip:], other[skip:])
+        np.testing.assert_allclose(mine[:skip].view(np.float32), other[:skip].view(np.float32),
+                                   rtol=2.5e-7)
+    if name == "sign":  # scale * sign, scale = mean |x|
+        np.testing.assert_allclose(ours.decode(tf.constant(mine), n).numpy(),
+                                   np.where(x >= 0, 1, -1) * np.abs(x).mean(), rtol=1e-6)
+
+
+def test_qsgd_is_unbiased_and_quantizers_refuse_horovods_allreduce():
+    x = tf.constant(np.random.RandomState(0).randn(256).astype(np.float32))
+    q = Compression.qsgd
+    mean = tf.add_n([q.decode(q.encode(x, tf.constant([s, 1])), 256) for s in range(400)]) / 400
+    # E[decode] = x: the mean of 400 draws within 4 standard errors (level step / 2 / 20)
+    step = np.linalg.norm(x.numpy().reshape(2, 128), axis=1).repeat(128) / 7
+    assert np.all(np.abs(mean.numpy() - x.numpy()) <= 4 * step / 2 / 20)
+    assert Compression.qsgd(levels=15).levels == 15
+    with pytest.raises(TypeError, match="no option"):
+        Compression.sign(levels=3)
+    with pytest.raises(TypeError, match="hvd_dgc.tensorflow's DistributedGradientTape"):
+        Compression.sign.compress(x)  # Horovod's compress/allreduce cannot carry it
+
+
+class _OneRank:
+    """A world of one process for a compressor's own collectives (each returns its input)."""
+
+    def size(self):
+        return 1
+
+    def allgather(self, tensor, tag):
+        return tensor
+
+    def allreduce(self, tensor, tag, op):
+        return tensor
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_powersgd_follows_pytorchs_from_the_same_q(rank):
+    """Three steps of error feedback through PyTorch's PowerSGD (world of one) and
+    TensorFlow's, from the same first Q: the same averages and residuals up to float32
+    rounding (matmuls summed in other orders; r = 4 orthogonalises by QR, whose column
+    signs may differ, which P Q^T cancels)."""
+    import torch
+    from hvd_dgc.torch.collective import LocalComm
+    from hvd_dgc.torch.compression import Compression as TorchCompression
+    from hvd_dgc.tensorflow.exchange import _At
+    shape, key = (24, 3, 5), "layer.weight"
+    q0 = np.random.RandomState(1).randn(15, rank).astype(np.float32)
+    theirs = TorchCompression.powersgd(rank=rank, start_iter=0)
+    theirs._q[key] = torch.from_numpy(q0.copy())
+    ours = Compression.powersgd(rank=rank, start_iter=0)
+    slot = ours.slot(shape, key)
+    slot.q.assign(q0)
+    residual_torch = torch.zeros(shape)
+    residual_tf = np.zeros(24 * 15, np.float32)
+    for step in range(3):
+        g = np.random.RandomState(10 + step).randn(*shape).astype(np.float32)
+        residual_torch += torch.from_numpy(g)
+        ex = theirs.launch([residual_torch], [key], "p", LocalComm())
+        (avg_torch,) = theirs.collect(ex)  # takes what was sent out of residual_torch
+        v = residual_tf + g.reshape(-1)
+        at = _At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64))
+        res = ours.exchange(tf.constant(v), shape, slot, _OneRank(), at)
+        residual_tf = v - res.sent.numpy()
+        scale = np.abs(avg_torch.numpy()).max()
+        np.testing.assert_allclose(res.mean.numpy(), avg_torch.numpy(), rtol=1e-4,
+                                   atol=1e-5 * scale)
+        np.testing.assert_allclose(residual_tf, residual_torch.numpy().reshape(-1), rtol=1e-4,
+                                   atol=1e-5 * scale)
+        assert int(res.bytes) == 4 * (24 + 15) * rank  # P and Q, float32
+    # the warm start: Q is the last averaged one
+    np.testing.assert_allclose(slot.q.numpy(), theirs._q[key].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_powersgd_compresses_only_where_it_saves_and_starts_dense():
+    from hvd_dgc.tensorflow.exchange import _At
+    comp = Compression.powersgd(rank=2, start_iter=2)
+    assert comp.compressible((64, 64)) and not comp.compressible((64,))
+    assert not comp.compressible((4, 3))  # (4 + 3) * 2 * 2 >= 12: no saving
+    slot = comp.slot((64, 64), "w")
+    v = tf.constant(np.random.RandomState(0).randn(64 * 64).astype(np.float32))
+    for step, dense in ((0, True), (1, True), (2, False)):
+        res = comp.exchange(v, (64, 64), slot, _OneRank(),
+                            _At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64)))
+        assert int(res.bytes) == (4 * 64 * 64 if dense else 4 * 128 * 2)
+        assert np.array_equal(res.sent.numpy(), v.numpy()) == dense
+    with pytest.raises(ValueError, match="PowerSGD rank must be an int >= 1"):
+        Compression.powersgd(rank=0)

@@ -166,8 +166,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
 
     Horovod's arguments keep their meaning; ``compression`` defaults to
     ``Compression.dgc``; Horovod's ``Compression.none`` / ``fp16`` (which its example
-    scripts pass) mean DGC with fp32 values / with an fp16 dense path (the records stay
-    fp32 here); a compressor's name works too; ``density=1.0`` is dense averaging
+    scripts pass) mean DGC with fp32 values / fp16 values (6-byte records and an fp16
+    dense path, as in PyTorch); a compressor's name works too; ``density=1.0`` is dense
+    averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
     (hvd_dgc.config.DGCConfig; ``period``, ``delay="auto"``, hierarchical aggregation,

@@ -4,7 +4,10 @@ The same choices as the PyTorch side (hvd_dgc/torch/compression.py): DGC's
 sampled-threshold top-k and an exact top-k, each tensor packed into one
 buffer so it costs one allgather. Records are int32 pairs ``[index,
 bitcast(value)]``: an int32 tensor carries any float's bits untouched (a
-float tensor carrying indices could see them flushed as denormals).
+float tensor carrying indices could see them flushed as denormals). With
+``fp16_values`` (Horovod's ``Compression.fp16`` sets it, as in PyTorch) a record
+travels as three int16s ``[index low, index high, fp16 bits]``: 6 bytes, as
+PyTorch's; ``to_wire`` / ``from_wire`` convert around the allgather.
 
 Written in TF ops with a dynamic ``k`` so a density that changes during
 warm-up needs no retrace of the user's ``tf.function``.
@@ -15,8 +18,11 @@ from horovod.tensorflow.compression import Compressor, FP16Compressor, NoneCompr
 
 from hvd_dgc.config import CompressorOptions
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
+from hvd_dgc.tensorflow.powersgd import PowerSGDCompressor
+from hvd_dgc.tensorflow.quantize import BF16Compressor, QSGDCompressor, SignCompressor
 
-__all__ = ["Compression", "DGCCompressor", "TopKCompressor", "is_sparse"]
+__all__ = ["Compression", "DGCCompressor", "TopKCompressor", "PowerSGDCompressor",
+           "SignCompressor", "QSGDCompressor", "BF16Compressor", "is_sparse"]
 
 
 class SparseCompressor(CompressorOptions, Compressor):
@@ -25,14 +31,47 @@ class SparseCompressor(CompressorOptions, Compressor):
     compression it is given; an option a compressor does not have is refused."""
 
     name = "sparse"
-    value_bytes = 4
-    record_bytes = 8
+    INDEX_BYTES = 4
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, fp16_values=False):
         self.seed = int(seed)
+        self.fp16_values = bool(fp16_values)
 
     def _options(self):
-        return {"seed": self.seed}
+        return {"seed": self.seed, "fp16_values": self.fp16_values}
+
+    @property
+    def value_bytes(self):
+        return 2 if self.fp16_values else 4
+
+    @property
+    def record_bytes(self):
+        return self.INDEX_BYTES + self.value_bytes
+
+    def wire_values(self, values):
+        """``values`` as the others will read them (float32): rounded to fp16 with
+        ``fp16_values``, so what a rank counts as sent (delayed averaging's own) is
+        what arrives."""
+        if not self.fp16_values:
+            return values
+        return tf.cast(tf.cast(values, tf.float16), tf.float32)
+
+    def to_wire(self, records):
+        """Packed records as they travel: as they are, or [k, 3] int16 (fp16 values)."""
+        if not self.fp16_values:
+            return records
+        index = tf.bitcast(records[:, 0], tf.int16)  # [k, 2]
+        value = tf.bitcast(tf.cast(tf.bitcast(records[:, 1], tf.float32), tf.float16),
+                           tf.int16)
+        return tf.concat([index, value[:, None]], axis=1)
+
+    def from_wire(self, wire):
+        """Inverse of ``to_wire``: int32 [m, 2] records with float32 value bits."""
+        if not self.fp16_values:
+            return wire
+        index = tf.bitcast(wire[:, :2], tf.int32)
+        value = tf.cast(tf.bitcast(wire[:, 2], tf.float16), tf.float32)
+        return tf.stack([index, tf.bitcast(value, tf.int32)], axis=1)
 
     def __repr__(self):
         return f"hvd_dgc.tensorflow.Compression.{self.name}"
@@ -86,8 +125,8 @@ class DGCCompressor(SparseCompressor):
     name = "dgc"
 
     def __init__(self, seed=0, sample_ratio=0.01, window=(0.8, 1.3), threshold_decay=0.8,
-                 max_adapt_rounds=10, min_sample=2048):
-        super().__init__(seed)
+                 max_adapt_rounds=10, min_sample=2048, fp16_values=False):
+        super().__init__(seed, fp16_values)
         if not 0.0 < sample_ratio <= 1.0:
             raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio!r}")
         lo, hi = window
@@ -159,9 +198,14 @@ def is_sparse(compression):
 
 
 class Compression:
-    """Horovod's ``none`` and ``fp16``, plus DGC's sparse compressors."""
+    """Horovod's ``none`` and ``fp16``, DGC's sparse compressors, PowerSGD and the
+    quantisers (hvd_dgc/tensorflow/collective.py: their own collectives, error feedback)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     dgc = DGCCompressor()
     topk = TopKCompressor()
+    powersgd = PowerSGDCompressor()
+    sign = SignCompressor()
+    qsgd = QSGDCompressor()
+    bf16 = BF16Compressor()

@@ -112,9 +112,11 @@ class DelayedAveraging:
         ex = self.exchange
         pre, scale = ex._scales()[0], ex._gathered_scale()
         mine = [arrays[i].reshape(-1, 2) for i in chosen]
+        comp = ex.compression  # records travel as comp.to_wire makes them (fp16 values)
         gather = self._function(name + ".sparse", len(mine), tf.TensorSpec([None, 2], tf.int32),
-                                lambda t, n: _hvd.grouped_allgather(
-                                    t, name=n, process_set=ex.process_set))
+                                lambda t, n: [comp.from_wire(g) for g in _hvd.grouped_allgather(
+                                    [comp.to_wire(x) for x in t], name=n,
+                                    process_set=ex.process_set)])
         gathered = gather(*mine)
         # avg - own as records: everyone's scaled, then this rank's negated
         return {i: _Correction(np.concatenate([_scaled(everyone.numpy(), scale),

@@ -49,12 +49,20 @@ from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, s
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
 from hvd_dgc.tensorflow.delayed import DENSE, REGION, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
+from hvd_dgc.tensorflow.collective import Comm, ExchangeCompressor, is_exchange
 from hvd_dgc.tensorflow.region import region_reduce
 
 __all__ = ["GradientExchange", "variable_name", "SPARSE_GRAD"]
 
 #: The statistics' name for an IndexedSlices gradient's path (as hvd_dgc.torch's).
 SPARSE_GRAD = "sparse_grad"
+
+#: Region reduce's records: int32 index and float32 value, whatever ``fp16_values``.
+REGION_RECORD_BYTES = 8
+
+#: A quantiser's path (hvd_dgc/tensorflow/quantize.py), after the cost model's methods.
+_EXCHANGE = "exchange"
+_PATHS = AGGREGATIONS + (_EXCHANGE,)
 
 
 def variable_name(var, i):
@@ -80,15 +88,27 @@ class GradientExchange(tf.Module):
         self.config = config
         density, warmup, aggregation = config.density, config.warmup, config.aggregation
         delay = config.delay
-        choice = resolve_compression(compression, Compression, (SparseCompressor,),
-                                     "tensorflow")
+        choice = resolve_compression(compression, Compression,
+                                     (SparseCompressor, ExchangeCompressor), "tensorflow")
         compression = choice.compressor
-        self.dense_fp16 = choice.fp16  # Compression.fp16: fp16 on the dense path
+        if choice.fp16 and is_sparse(compression):  # Horovod's Compression.fp16, as torch
+            compression = compression(fp16_values=True)
+        self.dense_fp16 = choice.fp16  # Compression.fp16: fp16 on the dense path too
         self.aggregation = aggregation
         allowed = aggregation_choices(aggregation, is_sparse(compression), repr(compression),
                                       "hvd_dgc.tensorflow.Compression.dgc")
         self.allowed = tuple(a for a in allowed if a != _HIERARCHICAL)
-        if dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
+        if is_exchange(compression):  # a quantiser or PowerSGD: its own collectives
+            if density is not None or warmup:
+                raise ValueError(f"density/warmup apply to sparse compressors, but "
+                                 f"compression={compression!r} quantises every element. Use "
+                                 f"compression=hvd_dgc.tensorflow.Compression.dgc to sparsify.")
+            if delay:
+                raise ValueError(f"compression={compression!r} with delay={delay} runs in "
+                                 f"hvd_dgc.torch only so far; in TensorFlow use delay=0, or "
+                                 f"Compression.dgc with delay.")
+            schedule = as_schedule(1.0)
+        elif dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
             compression, schedule = Compression.none, as_schedule(1.0)
         else:
             schedule = as_schedule(density, warmup, config.warmup_unit,
@@ -117,6 +137,8 @@ class GradientExchange(tf.Module):
         self.memory = None
         self.gathered = None  # steps of IndexedSlices gradients (when there are any)
         self.regioned = None  # region reduce's (steps, elements given back), when it may run
+        self.exchanged = None  # steps of a compressor's own path (collective.py), if any
+        self.slots = None
         self._dga = None
         self._epoch = 0.0
 
@@ -151,8 +173,8 @@ class GradientExchange(tf.Module):
             self.names = list(names)
             # per tensor and density stage: k, and the path the cost model chooses for it
             self.ks = [tuple(num_selected(n, d) for d in self._densities) for n in self.numels]
-            self.methods = [self._methods(n, ks, sliced)
-                            for n, ks, sliced in zip(self.numels, self.ks, self.sliced)]
+            self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
+                            in zip(self.numels, self.ks, self.sliced, self.shapes)]
             _check_consistent_config(self._config(), self.process_set)
             self._announce()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -168,6 +190,12 @@ class GradientExchange(tf.Module):
             if any(self.sliced):  # only then: other checkpoints keep their layout
                 self.gathered = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="sparse_grad_steps")
+            if any(_EXCHANGE in m for m in self.methods):  # a compressor's own collectives
+                self.exchanged = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                             name="exchange_steps")
+                # its per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
+                self.slots = [self.compression.slot(shape, name) if _EXCHANGE in m else None
+                              for shape, name, m in zip(self.shapes, names, self.methods)]
             if any(_REGION in m for m in self.methods):  # (steps, elements given back)
                 self.regioned = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
                                             name="region_counters")
@@ -178,8 +206,11 @@ class GradientExchange(tf.Module):
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
 
-    def _methods(self, numel, ks, sliced):
+    def _methods(self, numel, ks, sliced, shape):
         """The path of one tensor at each density stage (same inputs on every rank)."""
+        if is_exchange(self.compression) and numel >= self.min_compress_size and not sliced:
+            if self.compression.compressible(shape):
+                return (_EXCHANGE,) * len(ks)
         if not is_sparse(self.compression) or numel < self.min_compress_size or sliced:
             return (_DENSE,) * len(ks)
         return tuple(self.cost_model.choose_aggregation(
@@ -192,7 +223,7 @@ class GradientExchange(tf.Module):
         sparse = is_sparse(self.compression)
         large = [n for n, k in zip(self.numels, self.sliced)
                  if n >= self.min_compress_size and not k]
-        kind = self.compression.name if sparse else "dense"
+        kind = self.compression.name if sparse or is_exchange(self.compression) else "dense"
         final = self.schedule.density if sparse else 1.0
         if sparse:
             sparse_at_final = any(m[-1] != _DENSE for m in self.methods)
@@ -200,6 +231,9 @@ class GradientExchange(tf.Module):
                                    final, self.world_size())
             if message:
                 warnings.warn(message, UserWarning)
+        elif is_exchange(self.compression) and not large:  # a compressor with nothing to do
+            warnings.warn(idle_warning(kind, self.min_compress_size, False, True, 1.0,
+                                       self.world_size()), UserWarning)
         if _hvd.rank() == 0:
             warm = self.schedule.describe() if sparse else ""
             print(summary(kind, final, warm, self.min_compress_size, self.dense_fp16,
@@ -249,9 +283,9 @@ class GradientExchange(tf.Module):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
         a non-finite gradient on some rank made every rank skip this step."""
         stage = self.stage()
-        base = self.compression.seed if is_sparse(self.compression) else 0
+        base = getattr(self.compression, "seed", 0)
         at = _At(stage, self.density(stage),
-                 tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]))
+                 tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]), self.step)
         grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
         if self.dense_fp16:
             clipped_before = self.fp16_clipped.read_value()
@@ -294,6 +328,7 @@ class GradientExchange(tf.Module):
         clipped = self.fp16_clipped.read_value()
         gathered = self.gathered.read_value() if self.gathered is not None else None
         regioned = self.regioned.read_value() if self.regioned is not None else None
+        exchanged = self.exchanged.read_value() if self.exchanged is not None else None
         out = [self._exchange_one(i, grad, at, poison=local_bad)
                for i, grad in enumerate(grads)]
         bad = tf.logical_not(tf.reduce_all(
@@ -307,6 +342,8 @@ class GradientExchange(tf.Module):
                 self.gathered.assign(gathered)
             if regioned is not None:
                 self.regioned.assign(regioned)
+            if exchanged is not None:
+                self.exchanged.assign(exchanged)
             self.nonfinite.assign_add(1)
             return [_nan_like(a) for a in out]
 
@@ -367,7 +404,7 @@ class GradientExchange(tf.Module):
         """Run ``branches[path]`` for this step's path of tensor i. Every rank is at the
         same stage, so every rank takes the same branch and joins the same collective."""
         methods = self.methods[i]
-        used = sorted(set(methods), key=AGGREGATIONS.index)
+        used = sorted(set(methods), key=_PATHS.index)
         if len(used) == 1:
             return branches[used[0]]()
         codes = tf.constant([used.index(m) for m in methods], tf.int32)
@@ -380,7 +417,8 @@ class GradientExchange(tf.Module):
         self.memory.sent(i, indices, mask_momentum=at.density <= self._mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
         numel = self.numels[i]
-        self.counters.assign_add(tf.stack([self.compression.record_bytes * sent,
+        record = self.compression.record_bytes if path == _SPARSE else REGION_RECORD_BYTES
+        self.counters.assign_add(tf.stack([record * sent,
                                            4 * numel, sent, numel,
                                            1 if path == _SPARSE else 0, 0]))
         if path == _REGION:
@@ -391,8 +429,7 @@ class GradientExchange(tf.Module):
         """Region reduce's owner part: its unsent sums back into its residual (error
         feedback), and the kept records it sent on counted as bytes sent."""
         self.memory.give_back(i, returned_indices, returned_values)
-        self.counters.assign_add(tf.stack([self.compression.record_bytes * kept, 0, 0, 0, 0,
-                                           0]))
+        self.counters.assign_add(tf.stack([REGION_RECORD_BYTES * kept, 0, 0, 0, 0, 0]))
         self.regioned.assign_add(tf.stack([tf.constant(0, tf.int64),
                                            tf.size(returned_indices, out_type=tf.int64)]))
 
@@ -455,10 +492,11 @@ class GradientExchange(tf.Module):
             indices, values = self._select(i, v, k, at, _SPARSE)
             if poison is not None:
                 values = tf.where(poison, float("inf"), values)
-            records = self.compression.pack(values * pre, indices)
-            gathered = _hvd.allgather(records, name=name + ".sparse",
-                                      process_set=self.process_set)
-            return self.compression.scatter_sum(gathered, numel) * self._gathered_scale()
+            comp = self.compression
+            records = comp.to_wire(comp.pack(values * pre, indices))
+            gathered = comp.from_wire(_hvd.allgather(records, name=name + ".sparse",
+                                                     process_set=self.process_set))
+            return comp.scatter_sum(gathered, numel) * self._gathered_scale()
 
         def region():
             indices, values = self._select(i, v, k, at, _REGION)
@@ -468,7 +506,18 @@ class GradientExchange(tf.Module):
             self._region_done(i, res.kept, res.returned_indices, res.returned_values)
             return res.total * self._region_scale()
 
-        out = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region})
+        def exchanged():  # a compressor running its own collectives (collective.py)
+            send = v if poison is None else tf.where(poison, np.inf, v)
+            res = self.compression.exchange(send, self.shapes[i], self.slots[i],
+                                            Comm(self.process_set, name), at)
+            self.memory.keep(i, v - res.sent)  # error feedback
+            self.counters.assign_add(tf.stack([res.bytes, tf.constant(4 * numel, tf.int64),
+                                               numel, numel, 0, 0]))
+            self.exchanged.assign_add(1)
+            return res.mean if self.op == Average else res.mean * self.world_size()
+
+        out = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region,
+                                   _EXCHANGE: exchanged})
         return tf.reshape(out, tf.shape(grad))
 
     def _gather_slices(self, i, grad, poison=None):
@@ -519,6 +568,8 @@ class GradientExchange(tf.Module):
 
                 def sparse(path=_SPARSE, flag=SPARSE, scale=pre):
                     indices, values = self._select(i, v, k, at, path)
+                    if path == _SPARSE:  # own: what the others will read (fp16_values)
+                        values = self.compression.wire_values(values * scale) / scale
                     records = self.compression.pack(values * scale, indices)
                     own = tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
                     return tf.constant(flag), tf.reshape(records, [-1]), own
@@ -564,7 +615,7 @@ class GradientExchange(tf.Module):
                 self._region_done(i, tf.constant(0, tf.int64), returned[:, 0],
                                   tf.bitcast(returned[:, 1], tf.float32))
         if self.regioned is not None:
-            self.counters.assign_add(tf.stack([self.compression.record_bytes * parts[-1],
+            self.counters.assign_add(tf.stack([REGION_RECORD_BYTES * parts[-1],
                                                0, 0, 0, 0, 0]))
         return out
 
@@ -602,8 +653,9 @@ class GradientExchange(tf.Module):
         regioned = [int(x) for x in self.regioned.numpy()] if self.regioned is not None \
             else [0, 0]
         stats = CompressionStats()
+        exchanged = int(self.exchanged.numpy()) if self.exchanged is not None else 0
         paths = (("sparse", c[4]), ("dense", c[5]), (SPARSE_GRAD, gathered),
-                 (_REGION, regioned[0]))
+                 (_REGION, regioned[0]), (_EXCHANGE, exchanged))
         stats.load_state_dict({"steps": int(self.step.numpy()), "bytes_sent": c[0],
                                "dense_bytes": c[1], "elements_sent": c[2],
                                "elements_total": c[3], "returned_elements": regioned[1],
@@ -619,11 +671,13 @@ class GradientExchange(tf.Module):
 
 class _At(NamedTuple):
     """Where a step is: its density stage (k and the path are looked up by it), the
-    density (momentum masking depends on it) and the selection's random seed."""
+    density (momentum masking depends on it), the random seed (selection, QSGD) and the
+    step (PowerSGD's start_iter)."""
 
     stage: tf.Tensor
     density: tf.Tensor
     seed: tf.Tensor
+    step: tf.Tensor
 
 
 def _values(grad):

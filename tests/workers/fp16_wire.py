@@ -87,3 +87,71 @@ def reference(world=2):
         w = w - (total.astype(np.float32) / world).astype(np.float16).astype(np.float32)
         weights.append(w)
     return np.stack(weights), clipped
+
+
+#: fp16 values in sparse records (TF): a 4096-element weight, top-k 1%, 3 steps.
+RECORD_NUMEL, RECORD_K, RECORD_STEPS = 4096, 41, 3
+
+
+def record_grads(step, rank):
+    """Random magnitudes (no top-k ties, also in the residual's sums), most of them
+    values fp16 does not hold exactly."""
+    rng = np.random.RandomState(100 * step + rank)
+    return rng.uniform(1.0, 4000.0, RECORD_NUMEL).astype(np.float32)
+
+
+def record_reference(world=2, steps=RECORD_STEPS):
+    """Per step the average a tape returns with top-k and fp16 values, no momentum: each
+    rank's residual v accumulates g, sends fp16(v) at its top-k (the rounding is lost
+    with the sent coordinates, as in PyTorch), and the average is the float32 sum of
+    everyone's fp16 values over N."""
+    residual = [np.zeros(RECORD_NUMEL, np.float32) for _ in range(world)]
+    averages = []
+    for step in range(steps):
+        total = np.zeros(RECORD_NUMEL, np.float32)
+        for rank in range(world):
+            v = residual[rank] + record_grads(step, rank)
+            top = np.argsort(-np.abs(v), kind="stable")[:RECORD_K]
+            total[top] += v[top].astype(np.float16).astype(np.float32)
+            v[top] = 0.0
+            residual[rank] = v
+        averages.append(total * np.float32(1.0 / world))
+    return np.stack(averages)
+
+
+def tf_sparse_records():
+    """The tape with fp16 records (``Compression.topk(fp16_values=True)``): every step's
+    average, the bytes per record, and delay=1 + flush against the synchronous run (equal
+    only if the delayed path's own is what the others read: the fp16 value). Also:
+    Horovod's Compression.fp16 turns fp16 records on, as in PyTorch."""
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    comp = hvd.Compression.topk(fp16_values=True)
+    density = RECORD_K / RECORD_NUMEL
+    out = {}
+    for delay in (0, 1):
+        w = tf.Variable(tf.zeros([RECORD_NUMEL]), name=f"rec{delay}")
+        averages = []
+        for step in range(RECORD_STEPS):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * tf.constant(record_grads(step, rank)))
+            tape = hvd.DistributedGradientTape(tape, compression=comp, density=density,
+                                               warmup=0, delay=delay)
+            (g,) = tape.gradient(loss, [w])
+            averages.append(g.numpy())
+            w.assign_sub(g)
+        opt = tf.keras.optimizers.SGD(1.0)
+        hvd.flush(opt)
+        stats = hvd.compression_stats()
+        stats = stats[-1] if isinstance(stats, list) else stats
+        out[delay] = {"averages": np.stack(averages), "weights": w.numpy(),
+                      "record_bytes": stats["bytes_sent"] / (RECORD_K * RECORD_STEPS)}
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    switched = GradientExchange(compression=hvd.Compression.fp16).compression
+    return {"averages": out[0]["averages"], "record_bytes": out[0]["record_bytes"],
+            "delayed_record_bytes": out[1]["record_bytes"],
+            "delayed_vs_sync": float(np.abs(out[1]["weights"] - out[0]["weights"]).max()),
+            "weights_scale": float(np.abs(out[0]["weights"]).max()),
+            "switch_fp16_values": switched.fp16_values, "switch_name": switched.name}

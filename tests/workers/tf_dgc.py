@@ -247,6 +247,46 @@ def _grads_at(tf, call, rank):
     return tape.gradient(loss, variables)
 
 
+def tape_quantizers(steps=3, shape=(60, 50)):
+    """Compression.sign / qsgd / bf16 / powersgd (rank 2 from step 0) through the tape on 2
+    ranks (eager, no momentum): per step this rank's v (residual + gradient), its residual
+    after the step (so what it sent is v - residual: error feedback) and the averaged
+    gradient; the bytes counted and whether the ranks end identical. The test checks them
+    against PyTorch's codecs, which TensorFlow's payloads equal byte for byte."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow import _EXCHANGES
+    rank = hvd.rank()
+    numel = int(np.prod(shape))
+    out = {}
+    compressors = {"sign": hvd.Compression.sign, "qsgd": hvd.Compression.qsgd,
+                   "bf16": hvd.Compression.bf16,
+                   "powersgd": hvd.Compression.powersgd(rank=2, start_iter=0)}
+    for name, comp in compressors.items():
+        w = tf.Variable(tf.zeros(shape), name=f"q_{name}")
+        b = tf.Variable(tf.zeros([8]), name=f"qb_{name}")  # small: dense
+
+        def exchange():
+            return next((e for e in _EXCHANGES.values()
+                         if e.memory is not None and e.names[0].startswith(f"q_{name}")), None)
+        rows = []
+        for step in range(steps):
+            g = np.random.RandomState(50 * step + rank).randn(*shape).astype(np.float32)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * g) + tf.reduce_sum(b)
+            tape = hvd.DistributedGradientTape(tape, compression=comp)
+            before = exchange().memory.v[0].numpy() if exchange() else np.zeros(numel)
+            avg, _ = tape.gradient(loss, [w, b])
+            rows.append({"v": before + g.reshape(-1),
+                         "residual": exchange().memory.v[0].numpy(),
+                         "avg": avg.numpy().reshape(-1)})
+            w.assign_sub(0.1 * avg)
+        stats = exchange().stats()
+        out[name] = {"steps": rows, "bytes": stats["bytes_sent"], "paths": stats["paths"],
+                     "identical": _identical(tf, hvd, [w, b], f"q.{name}")}
+    return out
+
+
 def digits(rank, size):
     from sklearn.datasets import load_digits
     x, y = load_digits(return_X_y=True)
@@ -257,9 +297,10 @@ def digits(rank, size):
     return (x[shard], y[shard]), (x[test], y[test])
 
 
-def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0):
+def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0, compressors=()):
     """model.fit on digits: dense baseline vs DGC 0.1% with warm-up (Keras 2 or 3 by env),
-    and with ``delay`` also DGC + delayed averaging."""
+    with ``delay`` also DGC + delayed averaging, and each of ``compressors`` (names of
+    hvd.Compression's quantisers)."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     keras = tf.keras
@@ -271,6 +312,8 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0):
     runs = {"dgc": dict(compression=hvd.Compression.dgc, density=0.001, warmup=4)}
     if delay:  # delayed averaging on top; DGCCallback flushes when fit ends
         runs["dga"] = dict(runs["dgc"], delay=delay)
+    for name in compressors:
+        runs[name] = dict(compression=getattr(hvd.Compression, name))
     if legacy:
         import horovod.tensorflow.keras as hvd_stock
         runs = {"dense": "horovod", **runs}

@@ -201,8 +201,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``period``,
     ``delay="auto"``, hierarchical aggregation, ``fusion_threshold`` and ``log_every``
     run in PyTorch only so far);
-    Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / an fp16 dense
-    path; the records stay fp32 here), ``density=1.0`` dense averaging.
+    Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / fp16 values in
+    the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
     collectives have no XLA kernels here.
 

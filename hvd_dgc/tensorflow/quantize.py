@@ -1,0 +1,166 @@
+"""Quantising compressors for TensorFlow: EF-SignSGD, QSGD and bfloat16.
+
+The payloads are byte for byte PyTorch's (hvd_dgc/torch/quantize.py; layouts and
+sizes in hvd_dgc/packing.py), so either framework decodes the other's. Each rank's
+payload is allgathered (Horovod 0.28.1 cannot sum them: sign and QSGD carry
+per-rank scales, and it has no bfloat16 allreduce) and every rank decodes and
+averages them all in rank order: every rank gets the same average, bit for bit.
+Error feedback as in PyTorch: the memory keeps ``v - decode(encode(v))``
+(hvd_dgc/tensorflow/exchange.py, the "exchange" path), momentum correction
+included with the Keras SGD.
+"""
+
+import tensorflow as tf
+from hvd_dgc.packing import SCALE_BYTES, level_bits, num_buckets, plane_bytes, \
+    qsgd_payload_bytes, sign_payload_bytes
+from hvd_dgc.tensorflow.collective import ExchangeCompressor, Step
+
+__all__ = ["GatherCompressor", "SignCompressor", "QSGDCompressor", "BF16Compressor",
+           "pack_planes", "unpack_planes"]
+
+
+
+def _shifts():
+    """0..7, made when used: a tensor made at import would start TF's runtime before the
+    script sets its threading."""
+    return tf.range(8, dtype=tf.int32)
+
+
+def pack_planes(codes, width):
+    """Codes of ``width`` bits (an integer tensor) -> ``width`` bit planes of
+    ceil(n/8) uint8 each (plane j holds bit j of every code, 8 codes a byte)."""
+    n = int(codes.shape[0])
+    padded = tf.pad(tf.cast(codes, tf.int32), [[0, plane_bytes(n) * 8 - n]])
+    groups = tf.reshape(padded, [-1, 8])
+    planes = [tf.reduce_sum(tf.bitwise.left_shift(tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(groups, j), 1), _shifts()), axis=1) for j in range(width)]
+    return tf.cast(tf.concat(planes, 0), tf.uint8)
+
+
+def unpack_planes(packed, width, n):
+    """Inverse of ``pack_planes``: the first ``n`` codes as int32."""
+    bits = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.reshape(tf.cast(packed, tf.int32), [width, -1, 1]), _shifts()),
+        1)
+    bits = tf.reshape(bits, [width, -1])[:, :n]
+    return tf.add_n([tf.bitwise.left_shift(bits[j], j) for j in range(width)])
+
+
+def _float_bytes(t):
+    return tf.reshape(tf.bitcast(tf.reshape(tf.cast(t, tf.float32), [-1, 1]), tf.uint8), [-1])
+
+
+def _floats(raw):
+    return tf.bitcast(tf.reshape(raw, [-1, SCALE_BYTES]), tf.float32)
+
+
+class GatherCompressor(ExchangeCompressor):
+    """One allgather of per-rank uint8 payloads, decoded and averaged on every rank.
+    Subclasses give ``payload_bytes(n)``, ``encode(flat, seed)`` and ``decode(payload,
+    n)``. Horovod's own allreduce cannot carry them: a clear error if it is given one."""
+
+    summable_why = ("its payloads carry per-rank scales (or need a bfloat16 kernel), so "
+                    "summing them is meaningless; they are allgathered and decoded")
+
+    def exchange(self, v, shape, slot, comm, at):
+        n = int(v.shape[0])
+        payload = self.encode(v, at.seed)
+        mean = self.average(comm.allgather(payload, "exchange"), n, comm.size())
+        return Step(mean, self.decode(payload, n), tf.constant(self.payload_bytes(n), tf.int64))
+
+    def average(self, gathered, n, world):
+        """Mean of the decoded payloads of ``world`` ranks, allgathered (``gathered``: their
+        concatenation), in rank order."""
+        rows = tf.reshape(gathered, [world, self.payload_bytes(n)])
+        total = self.decode(rows[0], n)
+        for r in range(1, world):
+            total = total + self.decode(rows[r], n)
+        return total / world
+
+
+class SignCompressor(GatherCompressor):
+    """EF-SignSGD / 1-bit SGD (Seide et al. 2014; Karimireddy et al., ICML 2019): sign(p)
+    at one bit per element and the scale ||p||_1 / n; decodes to scale * sign(p). The
+    residual p - scale * sign(p) is what makes it converge."""
+
+    name = "sign"
+
+    def payload_bytes(self, n):
+        return sign_payload_bytes(n)
+
+    def encode(self, flat, seed=None):
+        scale = tf.reduce_mean(tf.abs(flat))
+        return tf.concat([_float_bytes(scale), pack_planes(tf.cast(flat >= 0, tf.int32), 1)], 0)
+
+    def decode(self, payload, n):
+        scale = _floats(payload[:SCALE_BYTES])[0]
+        signs = tf.cast(unpack_planes(payload[SCALE_BYTES:], 1, n), tf.float32) * 2.0 - 1.0
+        return signs * scale
+
+
+class QSGDCompressor(GatherCompressor):
+    """QSGD (Alistarh et al., NeurIPS 2017): per bucket of ``bucket_size`` elements its
+    L2 norm, and per element a sign and a level in 0..``levels`` rounded stochastically
+    (E[decoded] = v). The default 128-element buckets keep it a contraction, which
+    error feedback needs (hvd_dgc/torch/quantize.py). The noise is TF's stateless
+    generator, seeded by (seed + step, rank): its own stream, not PyTorch's."""
+
+    name = "qsgd"
+
+    def __init__(self, levels=7, bucket_size=128, seed=0):
+        if not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"QSGD levels must be an int in 1..127, got {levels!r}")
+        if not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"QSGD bucket_size must be an int >= 1, got {bucket_size!r}")
+        super().__init__(seed)
+        self.levels, self.bucket_size = levels, bucket_size
+
+    def _options(self):
+        return {"levels": self.levels, "bucket_size": self.bucket_size, "seed": self.seed}
+
+    def payload_bytes(self, n):
+        return qsgd_payload_bytes(n, self.levels, self.bucket_size)
+
+    def encode(self, flat, seed, noise=None):
+        """``noise``: uniform [0, 1) of the buckets' shape (tests); else drawn from ``seed``."""
+        n = int(flat.shape[0])
+        rows = num_buckets(n, self.bucket_size)
+        x = tf.reshape(tf.pad(flat, [[0, rows * self.bucket_size - n]]), [rows, -1])
+        norms = tf.norm(x, axis=1)
+        safe = tf.where(norms > 0, norms, 1.0)
+        per_level = tf.where(norms > 0, self.levels / safe, 0.0)
+        if noise is None:
+            noise = tf.random.stateless_uniform(tf.shape(x), seed)
+        level = tf.clip_by_value(tf.floor(tf.abs(x) * per_level[:, None] + noise), 0,
+                                 self.levels)
+        bits = level_bits(self.levels)
+        codes = tf.bitwise.bitwise_or(tf.cast(level, tf.int32),
+                                      tf.bitwise.left_shift(tf.cast(x < 0, tf.int32), bits))
+        return tf.concat([_float_bytes(norms),
+                          pack_planes(tf.reshape(codes, [-1])[:n], 1 + bits)], 0)
+
+    def decode(self, payload, n):
+        rows = num_buckets(n, self.bucket_size)
+        norms = _floats(payload[:rows * SCALE_BYTES])
+        bits = level_bits(self.levels)
+        codes = unpack_planes(payload[rows * SCALE_BYTES:], 1 + bits, n)
+        level = tf.cast(tf.bitwise.bitwise_and(codes, (1 << bits) - 1), tf.float32)
+        sign = 1.0 - 2.0 * tf.cast(tf.bitwise.right_shift(codes, bits), tf.float32)
+        step = tf.repeat(norms / self.levels, self.bucket_size)[:n]
+        return level * sign * step
+
+
+class BF16Compressor(GatherCompressor):
+    """bfloat16: fp32's range, 8 bits of mantissa, 2 bytes an element; its rounding error
+    stays in the residual. Allgathered (Horovod 0.28.1 has no bfloat16 allreduce)."""
+
+    name = "bf16"
+
+    def payload_bytes(self, n):
+        return 2 * n
+
+    def encode(self, flat, seed=None):
+        return tf.reshape(tf.bitcast(tf.cast(flat, tf.bfloat16), tf.uint8), [-1])
+
+    def decode(self, payload, n):
+        return tf.cast(tf.bitcast(tf.reshape(payload, [n, 2]), tf.bfloat16), tf.float32)
