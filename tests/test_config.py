@@ -157,3 +157,27 @@ def test_keras_backward_passes_with_delay_is_refused_naming_both():
     assert kind is ValueError
     assert "backward_passes_per_step=2 with delay=2 runs in hvd_dgc.torch only" in message
     assert _keras(backward_passes_per_step=2)._hvd_dgc_passes.passes == 2
+
+
+@pytest.mark.parametrize("name", ["sign", "qsgd", "bf16", "powersgd"])
+def test_tensorflow_compressors_running_their_own_collectives_refuse_what_they_cannot(name):
+    compression = getattr(TFCompression, name)
+    for wrap in (_tape, _keras):
+        kind, message = _error(wrap, compression=compression, delay=2)
+        assert kind is ValueError and "with delay=2 runs in hvd_dgc.torch only" in message
+        kind, message = _error(wrap, compression=compression, density=0.01)
+        assert kind is ValueError and "density/warmup apply to sparse compressors" in message
+
+
+def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers_none():
+    from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS
+    adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))
+    sgd = _keras()
+    assert adam._hvd_dgc.schedule.config() == DensitySchedule.coverage(
+        0.001, ADAPTIVE_SENDS).config()
+    assert sgd._hvd_dgc.schedule.config() == DensitySchedule.coverage(
+        0.001, DEFAULT_SENDS).config()
+    # a quantiser has no density: Adam with Compression.sign is not refused for one
+    signed = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
+                                            compression=TFCompression.sign)
+    assert signed._hvd_dgc.schedule.density == 1.0

@@ -13,6 +13,10 @@ Keras DistributedOptimizer:
             sum, unsent = region_reduce(idx, v[idx]); memory.give_back(i, unsent)
             avg = sum / N
     dense:  avg = allreduce(v, Average);  memory.sent_all(i)
+    exchange (Compression.sign, qsgd, bf16, powersgd: they run their own collectives,
+            hvd_dgc/tensorflow/collective.py):
+            step = compressor.exchange(v, ...); memory.keep(i, v - step.sent)
+            avg = step.mean
 
 Every rank computes the same stage and the same path, so every rank joins the same
 collective inside the same ``tf.switch_case`` branch.
@@ -60,7 +64,8 @@ SPARSE_GRAD = "sparse_grad"
 #: Region reduce's records: int32 index and float32 value, whatever ``fp16_values``.
 REGION_RECORD_BYTES = 8
 
-#: A quantiser's path (hvd_dgc/tensorflow/quantize.py), after the cost model's methods.
+#: The path of a compressor running its own collectives (collective.py), after the cost
+#: model's methods.
 _EXCHANGE = "exchange"
 _PATHS = AGGREGATIONS + (_EXCHANGE,)
 
@@ -75,8 +80,11 @@ class GradientExchange(tf.Module):
 
     def __init__(self, compression=Compression.dgc, momentum=0.0, nesterov=False, op=Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
-                 process_set=global_process_set, name="hvd_dgc", config=None, **options):
-        """``config``: a ``hvd_dgc.config.DGCConfig``, or hvd_dgc's options by keyword."""
+                 process_set=global_process_set, name="hvd_dgc", config=None, adaptive=False,
+                 **options):
+        """``config``: a ``hvd_dgc.config.DGCConfig``, or hvd_dgc's options by keyword;
+        ``adaptive``: the optimizer is not SGD (Adam...), whose default warm-up is longer
+        (hvd_dgc.schedule.ADAPTIVE_SENDS)."""
         super().__init__(name=name)
         if config is None:
             config = DGCConfig.from_options(options, "tensorflow", "GradientExchange")
@@ -101,8 +109,9 @@ class GradientExchange(tf.Module):
         if is_exchange(compression):  # a quantiser or PowerSGD: its own collectives
             if density is not None or warmup:
                 raise ValueError(f"density/warmup apply to sparse compressors, but "
-                                 f"compression={compression!r} quantises every element. Use "
-                                 f"compression=hvd_dgc.tensorflow.Compression.dgc to sparsify.")
+                                 f"compression={compression!r} compresses every element of "
+                                 f"each large tensor. Use compression="
+                                 f"hvd_dgc.tensorflow.Compression.dgc to sparsify.")
             if delay:
                 raise ValueError(f"compression={compression!r} with delay={delay} runs in "
                                  f"hvd_dgc.torch only so far; in TensorFlow use delay=0, or "
@@ -112,7 +121,7 @@ class GradientExchange(tf.Module):
             compression, schedule = Compression.none, as_schedule(1.0)
         else:
             schedule = as_schedule(density, warmup, config.warmup_unit,
-                                   config.warmup_densities)
+                                   config.warmup_densities, adaptive=adaptive)
             if not isinstance(schedule, DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "

@@ -28,7 +28,6 @@ from horovod.tensorflow import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
 from hvd_dgc.tensorflow.compression import Compression
-from hvd_dgc.schedule import ADAPTIVE_SENDS, DensitySchedule
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
@@ -236,10 +235,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          f"use one of them (delay=0, or backward_passes_per_step=1).")
     is_sgd = type(optimizer).__name__ == "SGD"
     check_linear_update(config, is_sgd, type(optimizer).__name__, "tensorflow")
-    if config.density is None and config.warmup is None and not is_sgd:
-        # the one-line default for an adaptive optimizer (hvd_dgc.schedule.ADAPTIVE_SENDS)
-        config = config.replace(density=DensitySchedule.coverage(
-            0.001, ADAPTIVE_SENDS, config.warmup_densities))
     keras_config = optimizer.get_config()
     momentum, nesterov = 0.0, False
     if is_sgd and keras_config.get("momentum"):
@@ -249,7 +244,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     exchange = GradientExchange(
         compression=compression, momentum=momentum, nesterov=nesterov, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, config=config)
+        process_set=process_set, config=config, adaptive=not is_sgd)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),
