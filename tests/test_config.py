@@ -163,8 +163,11 @@ def test_keras_backward_passes_with_delay_is_refused_naming_both():
 def test_tensorflow_compressors_running_their_own_collectives_refuse_what_they_cannot(name):
     compression = getattr(TFCompression, name)
     for wrap in (_tape, _keras):
-        kind, message = _error(wrap, compression=compression, delay=2)
-        assert kind is ValueError and "with delay=2 runs in hvd_dgc.torch only" in message
+        if name == "powersgd":  # two rounds: its own contribution is known too late
+            kind, message = _error(wrap, compression=compression, delay=2)
+            assert kind is ValueError and "known only after its first collective" in message
+        else:  # one round: delayed averaging takes it
+            wrap(compression=compression, delay=2)
         kind, message = _error(wrap, compression=compression, density=0.01)
         assert kind is ValueError and "density/warmup apply to sparse compressors" in message
 

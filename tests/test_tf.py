@@ -17,7 +17,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
-        "fp16_wire.tf_sparse_records", "tape_quantizers"]
+        "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -120,6 +120,14 @@ def test_tape_powersgd_sends_one_approximation_and_keeps_the_rest(tape):
     for r in ranks:
         assert r["bytes"] == 3 * (4 * (60 + 50) * 2 + 8 * 4)
         assert r["paths"] == {"exchange": 3, "dense": 3} and r["identical"]
+
+
+@pytest.mark.parametrize("name", ["sign", "bf16", "qsgd"])
+def test_tape_quantizers_with_delay_then_flush_end_where_synchronous_training_does(tape, name):
+    for out in _checked(tape, "tape_quantizers_delayed"):
+        got = out[name]
+        assert got["in_flight_before_flush"] == 2 and got["identical"], got
+        assert got["max_diff"] <= 1e-6 * got["scale"], got
 
 
 @pytest.mark.parametrize("name", ["sign", "bf16", "qsgd"])

@@ -59,6 +59,10 @@ class ExchangeCompressor(CompressorOptions, Compressor):
 
     exchanges = True
     summable_why = "it runs its own collectives"
+    #: One round, so what this rank sent is known at launch: delayed averaging's own.
+    #: Such compressors also give ``launch(v, at) -> (uint8 payload, sent)`` and
+    #: ``finish(gathered, n, world) -> mean``, which delay=D runs on its threads.
+    sent_at_launch = False
 
     def __init__(self, seed=0):
         self.seed = int(seed)

@@ -37,12 +37,15 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.tensorflow.region import region_reduce
 
-__all__ = ["DelayedAveraging", "SPARSE", "DENSE", "REGION"]
+__all__ = ["DelayedAveraging", "SPARSE", "DENSE", "REGION", "GATHER"]
 
-DENSE, SPARSE, REGION = 0, 1, 2  # path flags carried next to each payload
+# path flags carried next to each payload (GATHER: a one-round compressor's payload,
+# hvd_dgc/tensorflow/collective.py)
+DENSE, SPARSE, REGION, GATHER = 0, 1, 2, 3
 
 
 class _Correction(NamedTuple):
@@ -83,7 +86,7 @@ class DelayedAveraging:
         name = f"hvd_dgc.dga{step % (self.exchange.delay + 1)}"
         futures = []
         for path, collective in ((SPARSE, self._gather), (REGION, self._region),
-                                 (DENSE, self._reduce)):
+                                 (DENSE, self._reduce), (GATHER, self._exchange)):
             chosen = [i for i, p in enumerate(paths) if p == path]
             if chosen:
                 futures.append(self._pool.submit(collective, name, chosen, arrays, ks))
@@ -164,6 +167,26 @@ class DelayedAveraging:
         reduced = reduce(*[v.astype(np.float16) if fp16 else v for v in own])
         return {i: _Correction(_NO_RECORDS, avg.numpy().astype(np.float32, copy=False) - mine,
                                _NO_RECORDS) for i, mine, avg in zip(chosen, own, reduced)}
+
+    def _exchange(self, name, chosen, arrays, ks):
+        """A one-round compressor's payloads (sign, QSGD, bf16), allgathered; every rank
+        decodes them in rank order; avg - own as a dense part (own: this rank's payload
+        decoded, as the graph did)."""
+        ex = self.exchange
+        comp, world = ex.compression, ex.world_size()
+        mine = [arrays[i].view(np.uint8)[:comp.payload_bytes(ex.numels[i])] for i in chosen]
+        gather = self._function(name + ".exchange", len(mine), tf.TensorSpec([None], tf.uint8),
+                                lambda t, n: _hvd.grouped_allgather(
+                                    t, name=n, process_set=ex.process_set))
+        out = {}
+        for i, own, everyone in zip(chosen, mine, gather(*mine)):
+            n = ex.numels[i]
+            mean = comp.finish(everyone, n, world)
+            if ex.op != Average:
+                mean = mean * world
+            correction = mean - comp.decode(tf.constant(own), n)
+            out[i] = _Correction(_NO_RECORDS, correction.numpy(), _NO_RECORDS)
+        return out
 
     def _function(self, name, count, spec, collective):
         """``collective(tensors, name)`` as a tf.function with its own graph node. Eager

@@ -51,7 +51,7 @@ from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.fp16wire import clip_warning, fp16_bound
 from hvd_dgc.switch import dense_requested, idle_warning, resolve_compression, summary
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor, is_sparse
-from hvd_dgc.tensorflow.delayed import DENSE, REGION, SPARSE, DelayedAveraging
+from hvd_dgc.tensorflow.delayed import DENSE, GATHER, REGION, SPARSE, DelayedAveraging
 from hvd_dgc.tensorflow.memory import DGCMemory, local_gradient
 from hvd_dgc.tensorflow.collective import Comm, ExchangeCompressor, is_exchange
 from hvd_dgc.tensorflow.region import region_reduce
@@ -112,10 +112,11 @@ class GradientExchange(tf.Module):
                                  f"compression={compression!r} compresses every element of "
                                  f"each large tensor. Use compression="
                                  f"hvd_dgc.tensorflow.Compression.dgc to sparsify.")
-            if delay:
-                raise ValueError(f"compression={compression!r} with delay={delay} runs in "
-                                 f"hvd_dgc.torch only so far; in TensorFlow use delay=0, or "
-                                 f"Compression.dgc with delay.")
+            if delay and not compression.sent_at_launch:
+                raise ValueError(f"compression={compression!r} with delay={delay}: what this "
+                                 f"rank sent is known only after its first collective, and a "
+                                 f"later correction needs it at once. Use delay=0, or a "
+                                 f"one-round compressor (Compression.sign, qsgd, bf16, dgc).")
             schedule = as_schedule(1.0)
         elif dense_requested(density, warmup) and aggregation not in ("allgather", "region"):
             compression, schedule = Compression.none, as_schedule(1.0)
@@ -461,6 +462,13 @@ class GradientExchange(tf.Module):
         self.memory.keep(i, tf.where(finite, v - tf.cast(payload, tf.float32), 0.0))
         return payload
 
+    def _count_exchange(self, numel, sent_bytes):
+        """Statistics of the exchange path (a compressor's own collectives)."""
+        self.counters.assign_add(tf.stack([tf.cast(sent_bytes, tf.int64),
+                                           tf.constant(4 * numel, tf.int64), numel, numel,
+                                           0, 0]))
+        self.exchanged.assign_add(1)
+
     def _fp16_bound(self):
         """What one rank may put on the dense path's fp16 allreduce (hvd_dgc/fp16wire.py)."""
         return fp16_bound(self.world_size(), self._scales()[0])
@@ -520,9 +528,7 @@ class GradientExchange(tf.Module):
             res = self.compression.exchange(send, self.shapes[i], self.slots[i],
                                             Comm(self.process_set, name), at)
             self.memory.keep(i, v - res.sent)  # error feedback
-            self.counters.assign_add(tf.stack([res.bytes, tf.constant(4 * numel, tf.int64),
-                                               numel, numel, 0, 0]))
-            self.exchanged.assign_add(1)
+            self._count_exchange(numel, res.bytes)
             return res.mean if self.op == Average else res.mean * self.world_size()
 
         out = self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region,
@@ -586,7 +592,14 @@ class GradientExchange(tf.Module):
                 def region():  # region's values travel unscaled
                     return sparse(_REGION, REGION, 1.0)
 
-                return self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region})
+                def exchanged():  # a one-round compressor's payload, as int32 words
+                    payload, own = self.compression.launch(v, at)
+                    self.memory.keep(i, v - own)  # error feedback
+                    self._count_exchange(numel, self.compression.payload_bytes(numel))
+                    return tf.constant(GATHER), _words(payload), own
+
+                return self._choose(i, at, {_DENSE: dense, _SPARSE: sparse, _REGION: region,
+                                            _EXCHANGE: exchanged})
 
             def drop(i=i, numel=numel):  # the same path as every rank, carrying nothing
                 zero = tf.zeros([numel])
@@ -595,7 +608,9 @@ class GradientExchange(tf.Module):
                 return self._choose(i, at, {
                     _DENSE: lambda: (tf.constant(DENSE), tf.bitcast(zero, tf.int32), zero),
                     _SPARSE: lambda: (tf.constant(SPARSE), nothing, zero),
-                    _REGION: lambda: (tf.constant(REGION), nothing, zero)})
+                    _REGION: lambda: (tf.constant(REGION), nothing, zero),
+                    _EXCHANGE: lambda: (tf.constant(GATHER),
+                                        _words(self.compression.launch(zero, at)[0]), zero)})
 
             path, payload, own = run() if dropped is None else tf.cond(dropped[i], drop, run)
             paths.append(path)
@@ -687,6 +702,12 @@ class _At(NamedTuple):
     density: tf.Tensor
     seed: tf.Tensor
     step: tf.Tensor
+
+
+def _words(payload):
+    """A uint8 payload as int32 words (zero-padded): one dtype for every delayed payload."""
+    pad = -int(payload.shape[0]) % 4
+    return tf.bitcast(tf.reshape(tf.pad(payload, [[0, pad]]), [-1, 4]), tf.int32)
 
 
 def _values(grad):

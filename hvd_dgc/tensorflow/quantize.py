@@ -62,13 +62,20 @@ class GatherCompressor(ExchangeCompressor):
     summable_why = ("its payloads carry per-rank scales (or need a bfloat16 kernel), so "
                     "summing them is meaningless; they are allgathered and decoded")
 
+    sent_at_launch = True
+
     def exchange(self, v, shape, slot, comm, at):
         n = int(v.shape[0])
-        payload = self.encode(v, at.seed)
-        mean = self.average(comm.allgather(payload, "exchange"), n, comm.size())
-        return Step(mean, self.decode(payload, n), tf.constant(self.payload_bytes(n), tf.int64))
+        payload, sent = self.launch(v, at)
+        mean = self.finish(comm.allgather(payload, "exchange"), n, comm.size())
+        return Step(mean, sent, tf.constant(self.payload_bytes(n), tf.int64))
 
-    def average(self, gathered, n, world):
+    def launch(self, v, at):
+        """This rank's payload and what it stands for (the memory keeps ``v - sent``)."""
+        payload = self.encode(v, at.seed)
+        return payload, self.decode(payload, int(v.shape[0]))
+
+    def finish(self, gathered, n, world):
         """Mean of the decoded payloads of ``world`` ranks, allgathered (``gathered``: their
         concatenation), in rank order."""
         rows = tf.reshape(gathered, [world, self.payload_bytes(n)])

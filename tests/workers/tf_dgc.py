@@ -287,6 +287,44 @@ def tape_quantizers(steps=3, shape=(60, 50)):
     return out
 
 
+def tape_quantizers_delayed(steps=5, delay=2, shape=(60, 50), lr=0.1):
+    """sign / qsgd / bf16 with delay=2 (one round: what a rank sent is known at launch),
+    then hvd.flush, against the synchronous run of the same compressor: SGD, so both end
+    at w0 - lr * (sum of the averages), and the payloads are the same in both (the memory
+    moves alike), so the weights agree to float32 rounding; the ranks are identical."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank = hvd.rank()
+    out = {}
+    for name in ("sign", "qsgd", "bf16"):
+        comp = getattr(hvd.Compression, name)
+        final = {}
+        for d in (0, delay):
+            w = tf.Variable(tf.zeros(shape), name=f"qd{d}_{name}")
+            opt = tf.keras.optimizers.SGD(lr)
+
+            @tf.function
+            def step(g):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(w * g)
+                tape = hvd.DistributedGradientTape(tape, compression=comp, delay=d)
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+            for i in range(steps):
+                step(tf.constant(np.random.RandomState(70 * i + rank).randn(*shape)
+                                 .astype(np.float32)))
+            in_flight = hvd.in_flight()
+            hvd.flush(opt)
+            final[d] = (w.numpy().copy(), in_flight,
+                        _identical(tf, hvd, [w], f"qd.{name}.{d}"))
+        sync, delayed = final[0], final[delay]
+        out[name] = {"max_diff": float(np.abs(sync[0] - delayed[0]).max()),
+                     "scale": float(np.abs(sync[0]).max()),
+                     "in_flight_before_flush": delayed[1],
+                     "identical": sync[2] and delayed[2]}
+    return out
+
+
 def digits(rank, size):
     from sklearn.datasets import load_digits
     x, y = load_digits(return_X_y=True)
