@@ -17,7 +17,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
-        "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed"]
+        "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
+        "tape_world_guard"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -170,6 +171,16 @@ def test_tape_quantizers_average_what_pytorchs_codecs_decode(tape, name):
     for r in ranks:
         assert r["bytes"] == steps * (payload + 8 * 4)  # + the 8-element bias, dense fp32
         assert r["paths"] == {"exchange": steps, "dense": steps} and r["identical"]
+
+
+def test_a_step_in_another_world_than_planned_stops_with_a_clear_error(tape):
+    """Elastic Horovod with TF is not supported yet (issue 18): a reset that changes the
+    world would leave the traced plan (paths, 1/N scales) wrong, so the next step stops
+    before any collective, eagerly and in tf.function, instead of averaging wrongly."""
+    for out in _checked(tape, "tape_world_guard"):
+        for mode in ("eager", "function"):
+            assert "hvd_dgc: this exchange was planned for 3 ranks" in out[mode], out
+            assert "does not support elastic Horovod yet" in out[mode], out
 
 
 def test_tape_memory_checkpoint_resumes_bit_identically(tape, resumed3):

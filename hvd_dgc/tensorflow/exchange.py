@@ -32,6 +32,7 @@ unless ``sparse_as_dense=True``: its rows and their indices, allgathered, no DGC
 gradient).
 """
 
+import os
 import sys
 import warnings
 from typing import NamedTuple
@@ -185,6 +186,13 @@ class GradientExchange(tf.Module):
             self.ks = [tuple(num_selected(n, d) for d in self._densities) for n in self.numels]
             self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
                             in zip(self.numels, self.ks, self.sliced, self.shapes)]
+            self.built_world = self.world_size()  # what the plan below is made for
+            if os.environ.get("HOROVOD_ELASTIC") == "1":
+                warnings.warn("hvd_dgc: elastic Horovod with hvd_dgc.tensorflow is not "
+                              "supported yet: its plan (each tensor's path, 1/N scales) is "
+                              "made for the world it was built in, so a reset that changes "
+                              "the number of ranks stops the next step with an error. "
+                              "hvd_dgc.torch supports elastic Horovod.", UserWarning)
             _check_consistent_config(self._config(), self.process_set)
             self._announce()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -292,11 +300,14 @@ class GradientExchange(tf.Module):
     def exchange(self, grads):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
         a non-finite gradient on some rank made every rank skip this step."""
+        checked = self._check_world()
         stage = self.stage()
         base = getattr(self.compression, "seed", 0)
         at = _At(stage, self.density(stage),
                  tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]), self.step)
-        grads = [self._local_grad(i, g) for i, g in enumerate(grads)]
+        with tf.control_dependencies([checked] if checked is not None else []):
+            # in a graph, nothing that leads to a collective starts before the check
+            grads = [_after_check(self._local_grad(i, g)) for i, g in enumerate(grads)]
         if self.dense_fp16:
             clipped_before = self.fp16_clipped.read_value()
             with tf.control_dependencies([clipped_before]):
@@ -305,6 +316,18 @@ class GradientExchange(tf.Module):
                 self._warn_fp16(clipped_before)
             return out, bad
         return self._exchange_guarded(grads, at)
+
+    def _check_world(self):
+        """Stop, before any collective, a step running in another world than the plan
+        was made for (an elastic reset): its paths, 1/N scales and bounds would be
+        wrong, and ranks that planned differently would wait for each other forever."""
+        return tf.debugging.assert_equal(
+            _hvd.size_op(process_set_id=self.process_set.process_set_id),
+            self.built_world,
+            message=f"hvd_dgc: this exchange was planned for {self.built_world} ranks and "
+                    f"runs in a world of another size (an elastic Horovod reset?); "
+                    f"hvd_dgc.tensorflow does not support elastic Horovod yet "
+                    f"(hvd_dgc.torch does)")
 
     def _warn_fp16(self, before):
         """The first step that sends dense fp16 values clipped says so (as the PyTorch
@@ -702,6 +725,13 @@ class _At(NamedTuple):
     density: tf.Tensor
     seed: tf.Tensor
     step: tf.Tensor
+
+
+def _after_check(grad):
+    """``grad`` through an identity, so it depends on the control context it is made in."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values), grad.indices, grad.dense_shape)
+    return tf.identity(grad)
 
 
 def _words(payload):

@@ -325,6 +325,36 @@ def tape_quantizers_delayed(steps=5, delay=2, shape=(60, 50), lr=0.1):
     return out
 
 
+def tape_world_guard():
+    """A step that runs in a world of another size than its exchange was planned for
+    (what an elastic reset would do) stops with a clear error before any collective,
+    eagerly and inside tf.function, on every rank alike."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow import _EXCHANGES
+    w = tf.Variable(tf.ones([3000]), name="guard_w")
+    out = {}
+    for mode in ("eager", "function"):
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w)
+            return hvd.DistributedGradientTape(tape, density=0.01, warmup=0).gradient(loss, [w])
+        run = tf.function(step) if mode == "function" else step
+        run()  # planned and run in this world: fine
+        exchange = next(e for e in _EXCHANGES.values()
+                        if e.memory is not None and e.names == ["guard_w:0"])
+        planned = exchange.built_world
+        exchange.built_world = planned + 1  # as if the world had changed since
+        try:
+            (tf.function(step) if mode == "function" else step)()
+            out[mode] = "no error"
+        except tf.errors.InvalidArgumentError as error:
+            out[mode] = next((line.strip() for line in str(error.message).splitlines()
+                              if "hvd_dgc:" in line), str(error.message))
+        exchange.built_world = planned
+    return out
+
+
 def digits(rank, size):
     from sklearn.datasets import load_digits
     x, y = load_digits(return_X_y=True)
