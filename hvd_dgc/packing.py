@@ -9,7 +9,7 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 import math
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
-           "qsgd_payload_bytes", "SCALE_BYTES"]
+           "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -36,3 +36,12 @@ def sign_payload_bytes(n):
 def qsgd_payload_bytes(n, levels, bucket_size):
     """QSGD: a float32 norm per bucket, then sign + level bits per element."""
     return num_buckets(n, bucket_size) * SCALE_BYTES + plane_bytes(n, 1 + level_bits(levels))
+
+
+def check_qsgd(levels, bucket_size):
+    """QSGD's options, as both frameworks' compressors accept them: a level fits in 7
+    bits beside the sign bit; a bucket holds at least one element."""
+    if not isinstance(levels, int) or not 1 <= levels <= 127:
+        raise ValueError(f"QSGD levels must be an int in 1..127, got {levels!r}")
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"QSGD bucket_size must be an int >= 1, got {bucket_size!r}")

@@ -12,11 +12,11 @@ keeps M - P Q^T. Dense allreduce before ``start_iter``; a tensor is compressed o
 where (n + m) r min_rate < n m (1-D tensors never).
 """
 
-import math
 import zlib
 
 import tensorflow as tf
 
+from hvd_dgc.lowrank import LowRankPlan
 from hvd_dgc.tensorflow.collective import Average, ExchangeCompressor, Step, Sum
 
 __all__ = ["PowerSGDCompressor", "orthogonalize"]
@@ -36,42 +36,19 @@ def orthogonalize(matrix, epsilon=0.0):
     return tf.concat(cols, axis=1)
 
 
-class PowerSGDCompressor(ExchangeCompressor):
+class PowerSGDCompressor(LowRankPlan, ExchangeCompressor):
     """PowerSGD with error feedback and warm start; the options of PyTorch's
     ``Compression.powersgd`` (rank, start_iter, min_rate, warm_start, epsilon, seed)."""
 
     name = "powersgd"
-    summable_why = ("it needs two allreduces per step (P, then Q computed from the "
-                    "orthogonalised sum of P) and a per-tensor Q and residual, which "
-                    "Horovod's one compress -> allreduce -> decompress per tensor cannot give")
 
     def __init__(self, rank=1, start_iter=1000, min_rate=2.0, warm_start=True, epsilon=1e-8,
                  seed=0):
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"PowerSGD start_iter must be an int >= 0, got {start_iter!r}")
         super().__init__(seed)
-        self.rank, self.start_iter, self.min_rate = rank, start_iter, float(min_rate)
-        self.warm_start, self.epsilon = bool(warm_start), float(epsilon)
+        self._set_plan(rank, start_iter, min_rate, warm_start, epsilon)
 
-    def _options(self):
-        return {"rank": self.rank, "start_iter": self.start_iter, "min_rate": self.min_rate,
-                "warm_start": self.warm_start, "epsilon": self.epsilon, "seed": self.seed}
-
-    @staticmethod
-    def matrix_shape(shape):
-        return int(shape[0]), math.prod(int(s) for s in shape[1:])
-
-    def effective_rank(self, shape):
-        n, m = self.matrix_shape(shape)
-        return min(n, m, self.rank)
-
-    def compressible(self, shape):
-        if len(shape) < 2:
-            return False
-        n, m = self.matrix_shape(shape)
-        return (n + m) * self.effective_rank(shape) * self.min_rate < n * m
+    def compressible(self, shape):  # the start is decided in the graph (exchange)
+        return self.saves(shape)
 
     def _seed(self, name):
         return [self.seed, zlib.crc32(name.encode()) & 0x7FFFFFFF]
@@ -103,7 +80,7 @@ class PowerSGDCompressor(ExchangeCompressor):
             if self.warm_start:  # an overflowed step keeps the last Q
                 slot.q.assign(tf.where(tf.reduce_all(tf.math.is_finite(q)), q, slot.q))
             approx = tf.reshape(tf.matmul(p, q, transpose_b=True), [-1])
-            return Step(approx, approx, tf.constant(4 * (n + m) * r, tf.int64))
+            return Step(approx, approx, tf.constant(self.wire_bytes(shape), tf.int64))
 
         if self.start_iter == 0:
             return power()

@@ -11,7 +11,7 @@ included with the Keras SGD.
 """
 
 import tensorflow as tf
-from hvd_dgc.packing import SCALE_BYTES, level_bits, num_buckets, plane_bytes, \
+from hvd_dgc.packing import SCALE_BYTES, check_qsgd, level_bits, num_buckets, plane_bytes, \
     qsgd_payload_bytes, sign_payload_bytes
 from hvd_dgc.tensorflow.collective import ExchangeCompressor, Step
 
@@ -115,10 +115,7 @@ class QSGDCompressor(GatherCompressor):
     name = "qsgd"
 
     def __init__(self, levels=7, bucket_size=128, seed=0):
-        if not isinstance(levels, int) or not 1 <= levels <= 127:
-            raise ValueError(f"QSGD levels must be an int in 1..127, got {levels!r}")
-        if not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"QSGD bucket_size must be an int >= 1, got {bucket_size!r}")
+        check_qsgd(levels, bucket_size)
         super().__init__(seed)
         self.levels, self.bucket_size = levels, bucket_size
 

@@ -18,11 +18,11 @@ training is sensitive to compression). Same numbers as torch's hook for the
 same gradients, rank and initial Q (tests/test_compressors.py).
 """
 
-import math
 import zlib
 
 import torch
 
+from hvd_dgc.lowrank import LowRankPlan
 from hvd_dgc.torch.collective import Average, Exchange, ExchangeCompressor, Sum
 
 __all__ = ["PowerSGDCompressor", "orthogonalize"]
@@ -44,7 +44,7 @@ def orthogonalize(matrix, epsilon=0.0):
     return matrix
 
 
-class PowerSGDCompressor(ExchangeCompressor):
+class PowerSGDCompressor(LowRankPlan, ExchangeCompressor):
     """PowerSGD with error feedback and warm start (see the module doc).
 
     Args:
@@ -62,43 +62,17 @@ class PowerSGDCompressor(ExchangeCompressor):
 
     name = "powersgd"
     sent_at_launch = False
-    summable_why = ("it needs two allreduces per step (P, then Q computed from the "
-                    "orthogonalised sum of P) and a per-tensor Q and residual, which "
-                    "Horovod's one compress -> allreduce -> decompress per tensor cannot give")
 
     def __init__(self, rank=1, start_iter=1000, min_rate=2.0, warm_start=True, epsilon=1e-8,
                  seed=0):
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"PowerSGD start_iter must be an int >= 0, got {start_iter!r}")
-        self.rank, self.start_iter, self.min_rate = rank, start_iter, float(min_rate)
-        self.warm_start, self.epsilon, self.seed = bool(warm_start), float(epsilon), int(seed)
+        self._set_plan(rank, start_iter, min_rate, warm_start, epsilon)
+        self.seed = int(seed)
         self._q = {}         # key -> Q (m x r), the warm start
         self._q_gens = {}    # key -> generator of fresh Qs
 
-    def _options(self):
-        return {"rank": self.rank, "start_iter": self.start_iter, "min_rate": self.min_rate,
-                "warm_start": self.warm_start, "epsilon": self.epsilon, "seed": self.seed}
-
-    # -- which tensors, and what they cost -------------------------------------
-    @staticmethod
-    def matrix_shape(shape):
-        return int(shape[0]), math.prod(int(s) for s in shape[1:])
-
-    def effective_rank(self, shape):
-        n, m = self.matrix_shape(shape)
-        return min(n, m, self.rank)
-
+    # -- which tensors, and what they cost: hvd_dgc/lowrank.py -------------------
     def compressible(self, shape, step):
-        if step < self.start_iter or len(shape) < 2:
-            return False
-        n, m = self.matrix_shape(shape)
-        return (n + m) * self.effective_rank(shape) * self.min_rate < n * m
-
-    def wire_bytes(self, shape):
-        n, m = self.matrix_shape(shape)
-        return (n + m) * self.effective_rank(shape) * 4
+        return step >= self.start_iter and self.saves(shape)
 
     # -- Q: shared seed, warm start --------------------------------------------
     def _seeded(self, key):

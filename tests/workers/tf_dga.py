@@ -173,12 +173,24 @@ def delay_bad_inputs():
     return out
 
 
+def _keras_momentum_sgd(tf, variables, lr, options):
+    """hvd_dgc's Keras optimizer over SGD momentum 0.9 (taken over by DGC's memory) and a
+    tf.function step applying given gradients (returns True: the step ran)."""
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=0.9), **options)
+
+    @tf.function
+    def train_step(grads):
+        opt.apply_gradients(zip(grads, variables))
+        return tf.constant(True)
+    return opt, train_step
+
+
 def _nonfinite_run(tf, kind, bad_step, nan_rank, steps=6, lr=0.05, skip=True):
     """Fixed gradients through DGC 5% (tape in tf.function, or the Keras optimizer with
     SGD momentum); ``nan_rank`` puts a NaN into its gradient at ``bad_step`` (None:
     that step's batch is left out on every rank instead, the reference)."""
     import hvd_dgc.tensorflow as hvd
-    import hvd_dgc.tensorflow.keras as hvd_keras
     rank = hvd.rank()
     variables = _init(tf, 5 if kind == "tape" else 6)
     options = dict(density=0.05, min_compress_size=64, skip_nonfinite=skip)
@@ -196,13 +208,7 @@ def _nonfinite_run(tf, kind, bad_step, nan_rank, steps=6, lr=0.05, skip=True):
             return finite
         state = lambda: hvd.compression_stats()  # noqa: E731
     else:
-        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=0.9),
-                                             **options)
-
-        @tf.function
-        def train_step(grads):
-            opt.apply_gradients(zip(grads, variables))
-            return tf.constant(True)
+        opt, train_step = _keras_momentum_sgd(tf, variables, lr, options)
         state = opt.compression_stats
     finite = []
     for i in range(steps):
@@ -262,7 +268,6 @@ def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05, kind="ta
     0.9, taken over by the memory: u moves too)."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
-    import hvd_dgc.tensorflow.keras as hvd_keras
     rank = hvd.rank()
     variables = _init(tf, 7 if kind == "tape" else 8)
     options = dict(density=0.05, min_compress_size=64, delay=delay)
@@ -276,12 +281,7 @@ def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05, kind="ta
             tape = hvd.DistributedGradientTape(tape, **options)
             opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
     else:
-        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=0.9),
-                                             **options)
-
-        @tf.function
-        def train_step(grads):
-            opt.apply_gradients(zip(grads, variables))
+        opt, train_step = _keras_momentum_sgd(tf, variables, lr, options)
 
     def memory():
         if kind != "tape":
