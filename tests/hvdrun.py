@@ -105,3 +105,21 @@ def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, 
         return Job(code, elapsed, out, err, results)
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def elastic_launch(target, tmp_path, np, slots_before, slots_after, max_np=2, env=None,
+                   timeout=240):
+    """``target`` under horovodrun's elastic mode (``--min-np 1 --max-np max_np``) with a
+    discovery script offering the hosts ``slots_before`` (``"localhost:2"``, or several
+    host lines) until the worker writes the file it gets as ``flag``, then
+    ``slots_after``. ``--network-interface lo``: with one machine Horovod cannot probe
+    interfaces between hosts and would wait (its own message)."""
+    flag = tmp_path / "flag"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then printf '{slots_after}\\n'; "
+                      f"else printf '{slots_before}\\n'; fi\n")
+    script.chmod(0o755)
+    return launch(target, kwargs={"flag": str(flag)}, timeout=timeout, env=env,
+                  launcher_args=["-np", str(np), "--min-np", "1", "--max-np", str(max_np),
+                                 "--host-discovery-script", str(script), "--gloo",
+                                 "--network-interface", "lo"])

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.hvdrun import launch, run
+from tests.hvdrun import elastic_launch, launch, run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["nonfinite_skip", "nonfinite_delayed", "force_allreduce", "clip_via_synchronize",
@@ -199,21 +199,8 @@ def test_killed_rank_fails_the_job_within_bounded_time():
 
 
 def _elastic_job(tmp_path, worker, np, slots_before, slots_after, max_np=2):
-    """``tests.workers.torch_elastic:<worker>`` under horovodrun's elastic mode with a
-    discovery script offering the hosts ``slots_before`` (``"localhost:2"``, or several
-    host lines) until the worker writes its flag file, then ``slots_after``.
-    ``--network-interface lo``: with one machine Horovod cannot probe interfaces between
-    hosts and would wait (its own message)."""
-    flag = tmp_path / "flag"
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then printf '{slots_after}\\n'; "
-                      f"else printf '{slots_before}\\n'; fi\n")
-    script.chmod(0o755)
-    job = launch(f"tests.workers.torch_elastic:{worker}", kwargs={"flag": str(flag)},
-                 timeout=240, launcher_args=[
-                     "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
-                     "--host-discovery-script", str(script), "--gloo",
-                     "--network-interface", "lo"])
+    job = elastic_launch(f"tests.workers.torch_elastic:{worker}", tmp_path, np, slots_before,
+                         slots_after, max_np)
     assert job.returncode == 0, job.output()
     return job
 
