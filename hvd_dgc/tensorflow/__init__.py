@@ -22,6 +22,7 @@ checkpointing, and at the end of training.
 """
 
 import hashlib
+import importlib
 
 from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Adasum, Average, Sum, global_process_set
@@ -32,6 +33,9 @@ from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
+
+# Horovod's star import bound `elastic` to its own module; ours commits hvd_dgc's state.
+elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")
 
 _EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
 _VALIDATED = set()  # options keys whose arguments were checked

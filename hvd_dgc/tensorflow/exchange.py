@@ -152,6 +152,8 @@ class GradientExchange(tf.Module):
         self.slots = None
         self._dga = None
         self._epoch = 0.0
+        self._resumed = None  # rank 0's (step, epoch) for a build after an elastic reset
+        self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     def set_epoch(self, epoch):
         """Epoch-based warm-up: call at the start of each epoch on every rank."""
@@ -187,15 +189,14 @@ class GradientExchange(tf.Module):
             self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
                             in zip(self.numels, self.ks, self.sliced, self.shapes)]
             self.built_world = self.world_size()  # what the plan below is made for
-            if os.environ.get("HOROVOD_ELASTIC") == "1":
-                warnings.warn("hvd_dgc: elastic Horovod with hvd_dgc.tensorflow is not "
-                              "supported yet: its plan (each tensor's path, 1/N scales) is "
-                              "made for the world it was built in, so a reset that changes "
-                              "the number of ranks stops the next step with an error. "
-                              "hvd_dgc.torch supports elastic Horovod.", UserWarning)
-            _check_consistent_config(self._config(), self.process_set)
+            # Elastic: a worker added later builds alone, while the others wait in a
+            # reset; a collective here would hang it. All run the same script.
+            if os.environ.get("HOROVOD_ELASTIC") != "1":
+                _check_consistent_config(self._config(), self.process_set)
             self._announce()
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            # rank 0's step and epoch, when an elastic reset gave them before this build
+            step, self._epoch = self._resumed or (0, self._epoch)
+            self.step = tf.Variable(step, dtype=tf.int64, trainable=False, name="step")
             self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
                                      name="epoch")
             # statistics: bytes sent, dense fp32 bytes, elements sent, elements, sparse, dense
@@ -214,15 +215,58 @@ class GradientExchange(tf.Module):
                 # its per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
                 self.slots = [self.compression.slot(shape, name) if _EXCHANGE in m else None
                               for shape, name, m in zip(self.shapes, names, self.methods)]
-            if any(_REGION in m for m in self.methods):  # (steps, elements given back)
-                self.regioned = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
-                                            name="region_counters")
+            self._region_counters()
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking,
                                     snapshots=self.skip_nonfinite and not self.delay,
                                     no_residual=self.sliced)
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
+
+    def _region_counters(self):
+        """Region reduce's (steps, elements given back), when some tensor may take it."""
+        if self.regioned is None and any(_REGION in m for m in self.methods):
+            self.regioned = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
+                                        name="region_counters")
+
+    # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
+    def replan(self):
+        """After an elastic reset (Horovod re-initialised, no collective yet): each
+        tensor's path for the new number of ranks; the 1/N scales and the clipping and
+        fp16 bounds follow when the step is traced again. The memory stays: this rank's
+        residuals are still owed to the model."""
+        if self.memory is None:
+            return
+        with tf.init_scope():
+            self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
+                            in zip(self.numels, self.ks, self.sliced, self.shapes)]
+            self.built_world = self.world_size()
+            self._region_counters()
+            self._announce()
+
+    def shared_state(self):
+        """What decides every rank's density and path, so every rank must hold rank 0's
+        after an elastic reset: (step, epoch); None before the first step."""
+        if self.memory is None:
+            return None
+        return int(self.step.numpy()), float(self.epoch.numpy())
+
+    def load_shared_state(self, state):
+        """Rank 0's ``shared_state()``; kept for the build when this rank has not stepped
+        yet (a worker that joined: its residuals start empty, its step is rank 0's)."""
+        if state is None:
+            return
+        step, epoch = state
+        self._epoch = float(epoch)
+        if self.memory is None:
+            self._resumed = (int(step), float(epoch))
+        else:
+            self.step.assign(step)
+            self.epoch.assign(epoch)
+
+    def current_epoch(self):
+        """The epoch the warm-up reads (before the first step: the one it will read)."""
+        return float(self.epoch.numpy()) if self.memory is not None else self._epoch
 
     def _methods(self, numel, ks, sliced, shape):
         """The path of one tensor at each density stage (same inputs on every rank)."""
@@ -324,10 +368,12 @@ class GradientExchange(tf.Module):
         return tf.debugging.assert_equal(
             _hvd.size_op(process_set_id=self.process_set.process_set_id),
             self.built_world,
-            message=f"hvd_dgc: this exchange was planned for {self.built_world} ranks and "
-                    f"runs in a world of another size (an elastic Horovod reset?); "
-                    f"hvd_dgc.tensorflow does not support elastic Horovod yet "
-                    f"(hvd_dgc.torch does)")
+            message=f"hvd_dgc: this step was traced for {self.built_world} ranks and "
+                    f"runs in a world of another size (an elastic Horovod reset?). Under "
+                    f"elastic Horovod use hvd_dgc.tensorflow.keras's DistributedOptimizer "
+                    f"with its hvd.elastic.KerasState (model.fit then re-plans and traces "
+                    f"its step again); DistributedGradientTape does not support elastic "
+                    f"Horovod yet")
 
     def _warn_fp16(self, before):
         """The first step that sends dense fp16 values clipped says so (as the PyTorch

@@ -31,6 +31,7 @@ from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
+elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its KerasState
 
 
 

@@ -336,6 +336,8 @@ class DGCCallback(tf.keras.callbacks.Callback):
     """Drives an epoch-based sparsity warm-up, logs compression statistics and, with
     delayed averaging (``delay=D``), flushes the steps in flight before each
     evaluation (so every rank evaluates the same weights) and when ``fit`` ends.
+    After an elastic reset (``hvd.elastic.KerasState``) ``fit`` counts epochs from 0
+    again; the warm-up goes on from the epoch it had reached.
 
     Args:
         verbose: print the statistics at the end of each epoch on rank 0.
@@ -345,6 +347,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
         super().__init__()
         self.verbose = verbose
         self.history = []
+        self._offset = 0  # epochs done before this fit (elastic: hvd_dgc/tensorflow/elastic.py)
 
     def on_test_begin(self, logs=None):
         self.model.optimizer.flush()
@@ -353,7 +356,11 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self.model.optimizer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.model.optimizer.set_epoch(epoch)
+        exchange = self.model.optimizer._hvd_dgc
+        if exchange.resuming:  # fit again after an elastic reset: Keras counts from 0
+            self._offset = max(0, int(exchange.current_epoch()) - epoch)
+            exchange.resuming = False
+        self.model.optimizer.set_epoch(epoch + self._offset)
 
     def on_epoch_end(self, epoch, logs=None):
         stats = self.model.optimizer.compression_stats()

@@ -1,0 +1,112 @@
+"""Elastic Horovod with hvd_dgc.tensorflow: ``hvd.elastic.TensorFlowKerasState``
+(and Keras' ``hvd.elastic.KerasState``, hvd_dgc/tensorflow/keras/elastic.py).
+
+Horovod 0.28.1's own state cannot carry hvd_dgc's Keras optimizer: it reads
+``optimizer.variables()``, a list (not a method) under Keras 3, and it knows
+nothing of DGC's memory, which lives outside the optimizer's variables. This
+state commits and restores the model's, the optimizer's and hvd_dgc's variables
+(residuals, velocities, step, epoch), and around a reset:
+
+- ``reset`` (Horovod re-initialised, the world changed, no collective yet): the
+  exchange is planned again for the new number of ranks (each tensor's path from
+  the cost model; the 1/N scales and bounds are traced into the step, so the
+  Keras train function is dropped and ``fit`` traces it again);
+- ``sync`` (a worker joined): every rank builds its optimizer (so all hold the
+  same variables), takes rank 0's weights and optimizer variables, and rank 0's
+  DGC step and epoch, which decide every rank's density and path; residuals stay
+  per rank (a newcomer's start empty, as it has sent nothing).
+
+Use it as Horovod's: ``state = hvd.elastic.KerasState(model, batch=0, epoch=0)``.
+"""
+
+import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.common.elastic import ObjectState
+from horovod.tensorflow.elastic import TensorFlowKerasState as _HorovodKerasState
+from horovod.tensorflow.elastic import TensorFlowState, run  # noqa: F401 (Horovod's API)
+from horovod.tensorflow.functions import broadcast_object
+
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "run"]
+
+
+def _optimizer_variables(optimizer):
+    """Keras 3: a property; tf_keras (new and legacy): a method."""
+    found = getattr(optimizer, "variables", None)
+    return list(found() if callable(found) else found or [])
+
+
+def _build_optimizer(optimizer, variables):
+    """Create the optimizer's slots now, so every rank holds the same list (a worker
+    that joined has not stepped yet)."""
+    if hasattr(optimizer, "_create_all_weights") and not hasattr(optimizer, "build"):
+        optimizer._create_all_weights(variables)  # tf_keras legacy (OptimizerV2)
+    elif not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+        optimizer.build(variables)
+
+
+class TensorFlowKerasState(_HorovodKerasState):
+    """Horovod's ``TensorFlowKerasState`` for a model trained with hvd_dgc's Keras
+    ``DistributedOptimizer`` (Keras 2 and 3, eager TF 2).
+
+    Args:
+        model: the Keras model, built.
+        optimizer: hvd_dgc's DistributedOptimizer (default: ``model.optimizer``).
+        kwargs: further values to commit and sync (``batch``, ``epoch``...), as Horovod's.
+    """
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        if not tf.executing_eagerly():
+            raise ValueError("hvd_dgc's elastic state needs TF 2's eager mode (TF 1 graph "
+                             "sessions are not supported).")
+        optimizer = optimizer or getattr(model, "optimizer", None)
+        exchange = getattr(optimizer, "_hvd_dgc", None)
+        if exchange is None:
+            raise ValueError(
+                f"hvd_dgc's elastic state commits hvd_dgc's Keras DistributedOptimizer, got "
+                f"{type(optimizer).__name__}: wrap the optimizer with hvd_dgc.tensorflow."
+                f"keras.DistributedOptimizer and compile the model with it (the "
+                f"DistributedGradientTape under elastic Horovod is not supported yet).")
+        if exchange.delay:
+            raise ValueError(f"delay={exchange.delay} (delayed averaging) under elastic "
+                             f"Horovod runs in hvd_dgc.torch only so far: steps in flight "
+                             f"would be lost at a reset. Use delay=0 with KerasState.")
+        if getattr(optimizer, "_hvd_dgc_passes", None) is not None:
+            raise ValueError("backward_passes_per_step > 1 under elastic Horovod is not "
+                             "supported by hvd_dgc.tensorflow yet (a reset would drop the "
+                             "passes summed so far); use backward_passes_per_step=1.")
+        self._exchange = exchange
+        super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
+
+    def _tracked(self):
+        """Everything a restore puts back: weights, optimizer and DGC variables."""
+        return (list(self.model.variables) + _optimizer_variables(self.optimizer)
+                + list(self._exchange.variables))
+
+    def _save_model(self):
+        # by variable, not by position: the optimizer's and DGC's variables are made at
+        # the first step, after the state was
+        self._saved = [(v, tf.identity(v)) for v in self._tracked()]
+
+    def _load_model(self):
+        for var, value in self._saved:
+            var.assign(value)
+        if self._exchange.memory is not None:
+            self._exchange.set_epoch(self._exchange.current_epoch())
+
+    def reset(self):
+        """The world changed: plan the exchange for it and trace the step again."""
+        self._exchange.replan()
+        self._exchange.resuming = True  # DGCCallback: go on from this epoch
+        if hasattr(self.model, "train_function"):
+            self.model.train_function = None  # fit makes (and traces) a new one
+        super().reset()
+
+    def sync(self):
+        _build_optimizer(self.optimizer, self.model.trainable_variables)
+        for i, v in enumerate(list(self.model.variables) + _optimizer_variables(self.optimizer)):
+            v.assign(_hvd.broadcast(tf.convert_to_tensor(v), 0, name=f"hvd_dgc.elastic.{i}"))
+        self._exchange.load_shared_state(broadcast_object(
+            self._exchange.shared_state(), root_rank=0, name="hvd_dgc.elastic.shared"))
+        self._exchange.resuming = True
+        self._save_model()
+        ObjectState.sync(self)

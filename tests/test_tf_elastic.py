@@ -1,0 +1,111 @@
+"""hvd_dgc's Keras DistributedOptimizer under elastic Horovod (Keras 2 and 3):
+``hvd.elastic.KerasState`` commits and restores hvd_dgc's state with the model's and
+the optimizer's, and ``model.fit`` goes on in the new world after a worker leaves or
+joins (horovodrun's elastic mode, a host-discovery script, real ranks)."""
+
+import math
+
+import pytest
+
+from tests.hvdrun import elastic_launch, run
+
+KERAS = {"keras3": {"TF_USE_LEGACY_KERAS": "0"}, "keras2": {"TF_USE_LEGACY_KERAS": "1"}}
+
+
+def _fit_job(tmp_path, version, worker, np, before, after):
+    job = elastic_launch(f"tests.workers.tf_elastic:{worker}", tmp_path, np, before, after,
+                         env=KERAS[version], timeout=300)
+    assert job.returncode == 0, job.output()
+    return job
+
+
+def _assert_follows_the_world(log):
+    """What every step of every rank must show, whatever the world did."""
+    # hvd_dgc's step came back and went on with the optimizer's (warm-up by step)
+    assert all(e["dgc_step"] == e["step"] for e in log), [(e["step"], e["dgc_step"]) for e in log]
+    # its epoch is the elastic state's global epoch, not fit's count from 0 after a reset
+    assert all(e["dgc_epoch"] == e["epoch"] for e in log), [(e["step"], e["epoch"], e["dgc_epoch"]) for e in log]
+    # the world it planned, scaled and clipped for is the world it ran in
+    assert all(e["world_size"] == e["size"] for e in log)
+    # every rank held the same weights after every step
+    assert all(e["identical"] for e in log)
+    assert all(math.isfinite(e["loss"]) for e in log)
+
+
+@pytest.mark.parametrize("version", ["keras3", "keras2"])
+def test_keras_fit_loses_a_worker_and_goes_on_in_the_smaller_world(tmp_path, version):
+    """2 ranks, then 1 (the discovery script drops a slot after step 15, mid-epoch, in
+    a 3-epoch warm-up): the survivor re-plans the exchange for one rank, fit traces its
+    step again and trains to the last epoch from its current commit, no step lost or
+    done twice; its warm-up goes on at the epoch it had reached."""
+    out = _fit_job(tmp_path, version, "keras_drop_a_worker", 2, "localhost:2",
+                   "localhost:1").results[0]
+    log = out["log"]
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert out["size"] == 1 and out["epoch"] == 4, (out["size"], out["epoch"])
+    assert len(two) >= 15 and len(one) >= 10, [(e["step"], e["size"]) for e in log]
+    assert [e["step"] for e in log] == list(range(1, len(log) + 1))
+    _assert_follows_the_world(log)
+    # the reset came mid-warm-up: the densities of epochs 1, 2, 3 ran in the small world
+    assert {e["density"] for e in one} >= {0.0625, 0.015625, 0.01}, sorted({e["density"] for e in one})
+    assert out["stats"]["world_size"] == 1 and out["stats"]["step"] == log[-1]["step"]
+    assert all(math.isfinite(x) for x in out["final"])
+
+
+@pytest.mark.parametrize("version", ["keras3", "keras2"])
+def test_keras_fit_gains_a_worker_that_joins_in_step(tmp_path, version):
+    """1 rank, then 2 (a slot offered after step 8, in a warm-up by step): the newcomer
+    builds its optimizer alone (no wrap-time collective under elastic), takes rank 0's
+    weights, optimizer variables and DGC step, and both train to the end in lock-step."""
+    job = _fit_job(tmp_path, version, "keras_add_a_worker", 1, "localhost:1", "localhost:2")
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    joined = newcomer["log"][0]["step"]
+    assert joined > 8, joined
+    assert [e["step"] for e in first["log"]] == list(range(1, len(first["log"]) + 1))
+    assert [e["step"] for e in newcomer["log"]] == list(range(joined, first["log"][-1]["step"] + 1))
+    assert all(e["size"] == 1 for e in first["log"] if e["step"] < joined)
+    assert all(e["size"] == 2 for e in first["log"] + newcomer["log"] if e["step"] >= joined)
+    _assert_follows_the_world(first["log"] + newcomer["log"])
+    # the newcomer stepped at rank 0's density: its warm-up was where rank 0's was
+    by_step = {e["step"]: e["density"] for e in first["log"]}
+    assert all(by_step[e["step"]] == e["density"] for e in newcomer["log"])
+    assert first["epoch"] == newcomer["epoch"] == 3
+    assert first["final"] == newcomer["final"]
+
+
+@pytest.fixture(scope="module", params=["keras3", "keras2"])
+def commits(request):
+    return run("tests.workers.tf_dgc:suite", np=2, env=KERAS[request.param], timeout=300,
+               kwargs={"names": ["tf_elastic.keras_state_commit_restore_sync"]})
+
+
+def test_keras_state_restores_the_dgc_memory_with_the_weights(commits):
+    for out in commits:
+        out = out["tf_elastic.keras_state_commit_restore_sync"]
+        assert "error" not in out, out.get("error")
+        restore = out["restore"]
+        # a step after the commit moved everything; restore put back weights, iterations,
+        # residuals and velocities, step and epoch, bit for bit
+        assert restore["moved"] and restore["back"], restore
+        assert restore["residual_norm"] > 0  # there was a residual to lose
+        assert restore["python_epoch"] == 1.0
+
+
+def test_keras_state_sync_gives_rank_0s_weights_and_step_and_keeps_residuals(commits):
+    for out in commits:
+        out = out["tf_elastic.keras_state_commit_restore_sync"]
+        sync = out["sync"]
+        # rank 1 had other weights, step 11 and epoch 9: now rank 0's
+        assert sync["weights_identical"] and (sync["step"], sync["epoch"]) == (6, 1.0), sync
+        # residuals are each rank's own: kept, and different across the ranks
+        assert sync["own_memory_kept"] and sync["memories_differ"], sync
+        assert out["after"] == {"step": 12, "iterations": 12}
+
+
+def test_keras_state_refuses_what_it_cannot_carry(commits):
+    refused = commits[0]["tf_elastic.keras_state_commit_restore_sync"]["refused"]
+    assert "delay=1" in refused["delay"] and "Use delay=0" in refused["delay"]
+    assert "backward_passes_per_step" in refused["passes"]
+    assert "got SGD" in refused["plain"] and "DistributedOptimizer" in refused["plain"]

@@ -1,0 +1,167 @@
+"""hvd_dgc's Keras optimizer under elastic Horovod, written as Horovod's own
+examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py is: ``KerasState``,
+Horovod's commit / batch / epoch callbacks, ``model.fit`` inside ``@hvd.elastic.run``.
+
+Rank 0 writes ``flag`` after step ``trigger``; the host-discovery script then offers
+another number of slots and Horovod resets the workers (tests/test_tf_elastic.py)."""
+
+import os
+import time
+
+import numpy as np
+
+from tests.workers.tf_dgc import _tf
+
+BATCH, STEPS_PER_EPOCH = 16, 10
+
+
+def _fit_elastic(flag, epochs, trigger, wait, seed, **options):
+    """Train; log every step: the optimizer's step, world size, hvd_dgc's step, epoch
+    and world size, and whether every rank holds the same weights."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    hvd.init()
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.layers.Input((20,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(5)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **options)
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    model.compile(optimizer=opt, **({} if legacy else {"jit_compile": False}),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    log = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step, stats = int(opt.iterations.numpy()), opt.compression_stats()
+            flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
+            everyone = hvd.allgather(tf.expand_dims(flat, 0), name=f"el.{step}.{hvd.size()}")
+            log.append({"step": step, "size": hvd.size(), "epoch": state.epoch,
+                        "loss": float(logs["loss"]), "dgc_step": stats["step"],
+                        "dgc_epoch": stats["epoch"], "world_size": stats["world_size"],
+                        "density": stats["current_density"],
+                        "identical": all(np.array_equal(everyone[0], e)
+                                         for e in everyone.numpy())})
+            if step == trigger and hvd.rank() == 0:
+                open(flag, "w").close()
+            if step >= trigger and wait(hvd.size()):
+                time.sleep(0.3)  # let the driver see the change before training ends
+
+    callbacks = [hvd.callbacks.DGCCallback(verbose=0), Probe(),
+                 hvd.elastic.CommitStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state)]
+
+    @hvd.elastic.run
+    def train(state):
+        rng = np.random.RandomState(100 + hvd.rank())
+        x = rng.randn(BATCH * STEPS_PER_EPOCH, 20).astype(np.float32)
+        y = (np.abs(x[:, :5]).argmax(1)).astype(np.int64)
+        model.fit(x, y, batch_size=BATCH, epochs=epochs - state.epoch, shuffle=False,
+                  callbacks=callbacks, verbose=0)
+
+    train(state)
+    return {"log": log, "rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch,
+            "final": np.concatenate([np.ravel(v) for v in model.get_weights()]).tolist(),
+            "stats": opt.compression_stats()}
+
+
+def keras_drop_a_worker(flag, epochs=4, trigger=15):
+    """Two ranks, then one: an epoch-based warm-up (3 epochs) runs across the reset."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size > 1, seed=3,
+                        density=0.01, warmup=3, clip_norm=1.0)
+
+
+def keras_add_a_worker(flag, epochs=3, trigger=8):
+    """One rank, then two: the newcomer takes rank 0's weights and DGC step (a warm-up
+    by step runs across the join), its residuals start empty."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
+                        density=0.01, warmup=20, warmup_unit="step")
+
+
+def keras_state_commit_restore_sync(steps=6):
+    """KerasState without a reset, on 2 ranks: ``restore`` puts back the weights, the
+    optimizer's and hvd_dgc's variables of the last commit (residuals, velocities,
+    step, epoch); ``sync`` gives every rank rank 0's weights, optimizer variables, DGC
+    step and epoch and leaves each rank its own residuals. And the refusals."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    rank = hvd.rank()
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.layers.Input((20,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(5)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), density=0.05)
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    model.compile(optimizer=opt, **({} if legacy else {"jit_compile": False}),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(7 + rank)
+    x = rng.randn(BATCH * steps, 20).astype(np.float32)
+    y = rng.randint(0, 5, BATCH * steps)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    exchange = opt._hvd_dgc
+
+    def snapshot():
+        return {"weights": [np.array(w) for w in model.get_weights()],
+                "iterations": int(opt.iterations.numpy()),
+                "memory": [np.array(v) for v in exchange.memory.v + exchange.memory.u],
+                "step": int(exchange.step.numpy()), "epoch": float(exchange.epoch.numpy())}
+
+    def same(a, b):
+        return (all(np.array_equal(p, q) for p, q in zip(a["weights"], b["weights"]))
+                and all(np.array_equal(p, q) for p, q in zip(a["memory"], b["memory"]))
+                and (a["iterations"], a["step"], a["epoch"]) ==
+                (b["iterations"], b["step"], b["epoch"]))
+
+    out = {}
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    opt.set_epoch(1)
+    state.commit()
+    committed = snapshot()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    opt.set_epoch(2)
+    moved = snapshot()
+    state.restore()
+    back = snapshot()
+    out["restore"] = {"moved": not same(moved, committed), "back": same(back, committed),
+                      "residual_norm": float(sum(np.abs(m).sum() for m in back["memory"])),
+                      "python_epoch": exchange._epoch}
+    # ranks apart: rank 1's weights, step and epoch differ from rank 0's
+    if rank == 1:
+        for w in model.trainable_variables:
+            w.assign_add(tf.ones_like(w))
+        exchange.step.assign_add(5)
+        exchange.epoch.assign(9.0)
+    before = snapshot()
+    state.sync()
+    after = snapshot()
+    everyone = hvd.allgather(tf.expand_dims(tf.concat(
+        [tf.reshape(w, [-1]) for w in model.get_weights()], 0), 0), name="el.sync").numpy()
+    memories = hvd.allgather(tf.expand_dims(tf.concat(
+        [tf.reshape(m, [-1]) for m in after["memory"]], 0), 0), name="el.sync.m").numpy()
+    out["sync"] = {"weights_identical": all(np.array_equal(everyone[0], e) for e in everyone),
+                   "step": after["step"], "epoch": after["epoch"],
+                   "own_memory_kept": all(np.array_equal(p, q) for p, q in
+                                          zip(before["memory"], after["memory"])),
+                   "memories_differ": not np.array_equal(memories[0], memories[1])}
+    # and it trains on, in step
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    out["after"] = {"step": int(exchange.step.numpy()),
+                    "iterations": int(opt.iterations.numpy())}
+
+    refused = {}
+    for tag, make in {
+            "delay": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), delay=1),
+            "passes": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                       backward_passes_per_step=2),
+            "plain": lambda: keras.optimizers.SGD(0.1)}.items():
+        try:
+            hvd.elastic.KerasState(model, optimizer=make())
+            refused[tag] = None
+        except ValueError as e:
+            refused[tag] = str(e)
+    out["refused"] = refused
+    return out
