@@ -26,22 +26,10 @@ from horovod.tensorflow.elastic import TensorFlowKerasState as _HorovodKerasStat
 from horovod.tensorflow.elastic import TensorFlowState, run  # noqa: F401 (Horovod's API)
 from horovod.tensorflow.functions import broadcast_object
 
+from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, \
+    optimizer_variables
+
 __all__ = ["TensorFlowKerasState", "TensorFlowState", "run"]
-
-
-def _optimizer_variables(optimizer):
-    """Keras 3: a property; tf_keras (new and legacy): a method."""
-    found = getattr(optimizer, "variables", None)
-    return list(found() if callable(found) else found or [])
-
-
-def _build_optimizer(optimizer, variables):
-    """Create the optimizer's slots now, so every rank holds the same list (a worker
-    that joined has not stepped yet)."""
-    if hasattr(optimizer, "_create_all_weights") and not hasattr(optimizer, "build"):
-        optimizer._create_all_weights(variables)  # tf_keras legacy (OptimizerV2)
-    elif not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
-        optimizer.build(variables)
 
 
 class TensorFlowKerasState(_HorovodKerasState):
@@ -79,7 +67,7 @@ class TensorFlowKerasState(_HorovodKerasState):
 
     def _tracked(self):
         """Everything a restore puts back: weights, optimizer and DGC variables."""
-        return (list(self.model.variables) + _optimizer_variables(self.optimizer)
+        return (list(self.model.variables) + optimizer_variables(self.optimizer)
                 + list(self._exchange.variables))
 
     def _save_model(self):
@@ -102,8 +90,9 @@ class TensorFlowKerasState(_HorovodKerasState):
         super().reset()
 
     def sync(self):
-        _build_optimizer(self.optimizer, self.model.trainable_variables)
-        for i, v in enumerate(list(self.model.variables) + _optimizer_variables(self.optimizer)):
+        # a worker that joined has not stepped yet: its optimizer's slots are made now
+        create_optimizer_variables(self.optimizer, self.model.trainable_variables)
+        for i, v in enumerate(list(self.model.variables) + optimizer_variables(self.optimizer)):
             v.assign(_hvd.broadcast(tf.convert_to_tensor(v), 0, name=f"hvd_dgc.elastic.{i}"))
         self._exchange.load_shared_state(broadcast_object(
             self._exchange.shared_state(), root_rank=0, name="hvd_dgc.elastic.shared"))

@@ -234,10 +234,10 @@ def broadcast_local():
     opt = keras.optimizers.Adam(0.01)  # not distributed: every rank's own state
     _compile(model, opt, "mse")
     model.fit(*_dataset(rank), batch_size=16, epochs=1, verbose=0)
-    from hvd_dgc.tensorflow.keras.callbacks import _optimizer_variables
+    from hvd_dgc.tensorflow.keras_optimizers import optimizer_variables
     local = [model.layers[0].kernel, _raw(model.layers[1].bias)]
     names = ["kernel0", "bias0", "kernel1", "bias1"]
-    opt_vars = [v for v in _optimizer_variables(opt) if len(v.shape) > 0]  # Adam's slots
+    opt_vars = [v for v in optimizer_variables(opt) if len(v.shape) > 0]  # Adam's slots
 
     def snapshot():
         return {"model": dict(zip(names, [v.numpy().copy() for v in model.variables])),

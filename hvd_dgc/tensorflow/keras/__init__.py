@@ -29,6 +29,7 @@ from horovod.tensorflow import Adasum, Average, Sum, global_process_set
 from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
+from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
 elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its KerasState
@@ -37,11 +38,6 @@ elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its
 
 def is_keras3(optimizer):
     return not type(optimizer).__module__.startswith("tf_keras")
-
-
-def is_legacy(optimizer):
-    """A Keras 2 legacy optimizer (``tf_keras.optimizers.legacy.*``, OptimizerV2)."""
-    return hasattr(optimizer, "_create_all_weights") and not hasattr(optimizer, "build")
 
 
 class _Accumulation:
@@ -96,7 +92,7 @@ def _exchange_grads(self, grads, variables, apply):
         return _exchange_and_apply(self, grads, variables, apply)
     accumulation.build(variables)
     self._hvd_dgc.build(variables)  # variables born outside the cond below
-    _create_optimizer_variables(self, variables)
+    create_optimizer_variables(self, variables)
     names = [variable_name(v, i) for i, v in enumerate(variables)]
     complete = accumulation.add(grads, names)
 
@@ -119,21 +115,12 @@ def _exchange_and_apply(self, grads, variables, apply):
     grads, skipped = exchange.exchange(grads)
     if not exchange.skip_nonfinite or exchange.delay:
         return apply(grads)
-    _create_optimizer_variables(self, variables)
+    create_optimizer_variables(self, variables)
 
     def step():
         apply(grads)
         return tf.constant(True)
     return tf.cond(skipped, lambda: tf.constant(False), step)
-
-
-def _create_optimizer_variables(self, variables):
-    """Slots and hyper-parameters, outside the cond: no variable may be born in a branch."""
-    with tf.init_scope():
-        if is_legacy(self):  # tf_keras.optimizers.legacy (OptimizerV2) has no build()
-            self._create_all_weights(variables)
-        elif not (getattr(self, "built", False) or getattr(self, "_built", False)):
-            self.build(variables)  # Keras 3: .built, tf_keras: ._built
 
 
 def _apply(self, grads, trainable_variables=None):  # Keras 3

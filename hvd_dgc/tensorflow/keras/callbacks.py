@@ -14,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
 
+from hvd_dgc.tensorflow.keras_optimizers import optimizer_variables
+
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback",
            "BestModelCheckpoint", "DGCCallback"]
@@ -33,14 +35,6 @@ def _identities(var):
     """A Keras 3 Variable and the tf.Variable it wraps name the same state."""
     inner = None if isinstance(var, tf.Variable) else getattr(var, "value", None)
     return {id(var), id(inner)} if isinstance(inner, tf.Variable) else {id(var)}
-
-
-def _optimizer_variables(optimizer):
-    """Keras 3: a property; tf_keras (new and legacy): a method."""
-    if optimizer is None:
-        return []
-    found = getattr(optimizer, "variables", None)
-    return list(found() if callable(found) else found or [])
 
 
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
@@ -76,7 +70,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     def _broadcast(self):
         local = set().union(*(_identities(v) for v in self.local_variables))
         variables, seen = [], set()
-        for v in list(self.model.variables) + _optimizer_variables(
+        for v in list(self.model.variables) + optimizer_variables(
                 getattr(self.model, "optimizer", None)):
             ids = _identities(v)
             if ids & seen:
