@@ -54,6 +54,28 @@ def test_keras_fit_loses_a_worker_and_goes_on_in_the_smaller_world(tmp_path, ver
 
 
 @pytest.mark.parametrize("version", ["keras3", "keras2"])
+def test_keras_fit_survives_a_worker_that_dies_mid_step(tmp_path, version):
+    """Two hosts of one rank (``localhost``, ``127.0.0.1``), commits every 5 steps; rank 1
+    dies (os._exit) at step 13. The survivor's collective fails, hvd_dgc's
+    ``hvd.elastic.run`` sees it as a lost worker (Horovod's own returns None there, as
+    if training had ended: hvd_dgc names its collectives), the survivor restores the
+    commit of step 10 (weights, optimizer and DGC state together) and trains on alone."""
+    out = _fit_job(tmp_path, version, "keras_crash_a_worker", 2, "localhost:1\\n127.0.0.1:1",
+                   "localhost:1\\n127.0.0.1:1").results[0]
+    log = out["log"]
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert [e["step"] for e in two] == list(range(1, 14)), [(e["step"], e["size"]) for e in log]
+    # back to the commit of step 10: steps 11.. again, DGC's step with the optimizer's
+    assert [e["step"] for e in one] == list(range(11, 11 + len(one))) and len(one) >= 20
+    # the first step redone starts from the committed weights: its loss (same batch) is
+    # the one logged at step 11 before the crash, bit for bit
+    assert one[0]["loss"] == two[10]["loss"], (one[0], two[10])
+    _assert_follows_the_world(log)
+    assert out["size"] == 1 and out["epoch"] == 3 and out["stats"]["world_size"] == 1
+
+
+@pytest.mark.parametrize("version", ["keras3", "keras2"])
 def test_keras_fit_gains_a_worker_that_joins_in_step(tmp_path, version):
     """1 rank, then 2 (a slot offered after step 8, in a warm-up by step): the newcomer
     builds its optimizer alone (no wrap-time collective under elastic), takes rank 0's

@@ -16,14 +16,17 @@ state commits and restores the model's, the optimizer's and hvd_dgc's variables
   DGC step and epoch, which decide every rank's density and path; residuals stay
   per rank (a newcomer's start empty, as it has sent nothing).
 
-Use it as Horovod's: ``state = hvd.elastic.KerasState(model, batch=0, epoch=0)``.
+Use it as Horovod's: ``state = hvd.elastic.KerasState(model, batch=0, epoch=0)``,
+training in a function decorated with ``@hvd.elastic.run`` (this module's: it also
+sees a failed collective of hvd_dgc's as a lost worker, below).
 """
 
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.common.elastic import ObjectState
+from horovod.common.elastic import ObjectState, run_fn
+from horovod.common.exceptions import HorovodInternalError
 from horovod.tensorflow.elastic import TensorFlowKerasState as _HorovodKerasState
-from horovod.tensorflow.elastic import TensorFlowState, run  # noqa: F401 (Horovod's API)
+from horovod.tensorflow.elastic import TensorFlowState  # noqa: F401 (Horovod's API)
 from horovod.tensorflow.functions import broadcast_object
 
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, \
@@ -99,3 +102,32 @@ class TensorFlowKerasState(_HorovodKerasState):
         self._exchange.resuming = True
         self._save_model()
         ObjectState.sync(self)
+
+
+#: What the message of a collective that lost a peer holds: Horovod's op names (what
+#: Horovod's own ``run`` looks for), its shutdown notice, or hvd_dgc's op names.
+_LOST_PEER = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", "HorovodAlltoall",
+              "Horovod has been shut down", "hvd_dgc.")
+
+
+def run(func):
+    """Horovod's ``hvd.elastic.run``, which also recognises a failed collective of
+    hvd_dgc's. Horovod 0.28.1's TF wrapper turns an ``UnknownError`` into a reset
+    only when the message names one of its ops by their default names, and
+    otherwise returns None as if training had ended: hvd_dgc names its collectives
+    (``hvd_dgc.<i>.dense``...), so a worker lost mid-step would end the survivors'
+    training silently. Here such an error restores the last commit and resets, and
+    any other error is raised."""
+    def wrapper(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.UnknownError as error:
+            if any(mark in str(error) for mark in _LOST_PEER):
+                raise HorovodInternalError(error) from error
+            raise
+    return run_fn(wrapper, _reset)
+
+
+def _reset():
+    _hvd.shutdown()
+    _hvd.init()

@@ -15,9 +15,10 @@ from tests.workers.tf_dgc import _tf
 BATCH, STEPS_PER_EPOCH = 16, 10
 
 
-def _fit_elastic(flag, epochs, trigger, wait, seed, **options):
+def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=1, **options):
     """Train; log every step: the optimizer's step, world size, hvd_dgc's step, epoch
-    and world size, and whether every rank holds the same weights."""
+    and world size, and whether every rank holds the same weights. ``crash_at``: rank 1
+    dies there (os._exit) before that step's commit."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     keras = tf.keras
@@ -44,13 +45,15 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, **options):
                         "density": stats["current_density"],
                         "identical": all(np.array_equal(everyone[0], e)
                                          for e in everyone.numpy())})
+            if step == crash_at and hvd.rank() == 1:
+                os._exit(3)
             if step == trigger and hvd.rank() == 0:
                 open(flag, "w").close()
             if step >= trigger and wait(hvd.size()):
                 time.sleep(0.3)  # let the driver see the change before training ends
 
     callbacks = [hvd.callbacks.DGCCallback(verbose=0), Probe(),
-                 hvd.elastic.CommitStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=commit_every),
                  hvd.elastic.UpdateBatchStateCallback(state),
                  hvd.elastic.UpdateEpochStateCallback(state)]
 
@@ -72,6 +75,14 @@ def keras_drop_a_worker(flag, epochs=4, trigger=15):
     """Two ranks, then one: an epoch-based warm-up (3 epochs) runs across the reset."""
     return _fit_elastic(flag, epochs, trigger, lambda size: size > 1, seed=3,
                         density=0.01, warmup=3, clip_norm=1.0)
+
+
+def keras_crash_a_worker(flag, epochs=3, crash_at=13):
+    """Two hosts of one rank; rank 1 dies at step 13, commits every 5 steps: the
+    survivor's collective fails, it restores the commit of step 10 (weights, optimizer
+    and DGC state together) and goes on alone from step 11."""
+    return _fit_elastic(flag, epochs, 0, lambda size: False, seed=5, crash_at=crash_at,
+                        commit_every=5, density=0.01, warmup=20, warmup_unit="step")
 
 
 def keras_add_a_worker(flag, epochs=3, trigger=8):

@@ -3,9 +3,9 @@ Keras API, with a ``KerasState`` that commits and restores hvd_dgc's DGC memory 
 re-plans the exchange after a reset (hvd_dgc/tensorflow/elastic.py)."""
 
 from horovod.tensorflow.keras.elastic import (  # noqa: F401 (Horovod's API, unchanged)
-    CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback, run)
+    CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)
 
-from hvd_dgc.tensorflow.elastic import TensorFlowKerasState
+from hvd_dgc.tensorflow.elastic import TensorFlowKerasState, run
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run"]
