@@ -12,9 +12,9 @@ from tests.hvdrun import elastic_launch, run
 KERAS = {"keras3": {"TF_USE_LEGACY_KERAS": "0"}, "keras2": {"TF_USE_LEGACY_KERAS": "1"}}
 
 
-def _fit_job(tmp_path, version, worker, np, before, after):
+def _fit_job(tmp_path, version, worker, np, before, after, max_np=2):
     job = elastic_launch(f"tests.workers.tf_elastic:{worker}", tmp_path, np, before, after,
-                         env=KERAS[version], timeout=300)
+                         max_np=max_np, env=KERAS[version], timeout=300)
     assert job.returncode == 0, job.output()
     return job
 
@@ -51,6 +51,30 @@ def test_keras_fit_loses_a_worker_and_goes_on_in_the_smaller_world(tmp_path, ver
     assert {e["density"] for e in one} >= {0.0625, 0.015625, 0.01}, sorted({e["density"] for e in one})
     assert out["stats"]["world_size"] == 1 and out["stats"]["step"] == log[-1]["step"]
     assert all(math.isfinite(x) for x in out["final"])
+
+
+def test_keras_fit_loses_a_whole_host(tmp_path):
+    """Two hosts of two ranks (``localhost``, ``127.0.0.1``), then the discovery script
+    drops the second after step 12: both its ranks go at once; the two survivors, on
+    one host now, re-plan for 2 ranks and train to the end, bit-identical after every
+    step before and after (Keras 3)."""
+    job = _fit_job(tmp_path, "keras3", "keras_drop_a_host", 4, "localhost:2\\n127.0.0.1:2",
+                   "localhost:2", max_np=4)
+    # which host's ranks start as 0 and 1 is Horovod's choice (it varies): the survivors
+    # are the localhost ranks, whatever they started as, ranks 0 and 1 after the reset
+    finals = {out["rank"]: out for out in job.results.values()}
+    assert len(job.results) == 2 and sorted(finals) == [0, 1], job.output()
+    for out in finals.values():
+        log = out["log"]
+        four = [e for e in log if e["size"] == 4]
+        two = [e for e in log if e["size"] == 2]
+        assert len(four) >= 12 and len(two) >= 10, [(e["step"], e["size"]) for e in log]
+        assert all(e["hosts"] == 2 and e["local_size"] == 2 for e in four)
+        assert all(e["hosts"] == 1 and e["local_size"] == 2 for e in two)
+        assert [e["step"] for e in log] == list(range(1, len(log) + 1))
+        _assert_follows_the_world(log)
+        assert out["size"] == 2 and out["epoch"] == 3
+    assert finals[0]["final"] == finals[1]["final"]
 
 
 @pytest.mark.parametrize("version", ["keras3", "keras2"])

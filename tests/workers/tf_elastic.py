@@ -17,8 +17,10 @@ BATCH, STEPS_PER_EPOCH = 16, 10
 
 def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=1, **options):
     """Train; log every step: the optimizer's step, world size, hvd_dgc's step, epoch
-    and world size, and whether every rank holds the same weights. ``crash_at``: rank 1
-    dies there (os._exit) before that step's commit."""
+    and world size, and whether every rank holds the same weights. From step
+    ``trigger`` on, while ``wait(size)``, each step sleeps a little (the driver sees the
+    discovery script's change before training ends); ``crash_at``: rank 1 dies there
+    (os._exit) before that step's commit."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     keras = tf.keras
@@ -42,11 +44,14 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=
             log.append({"step": step, "size": hvd.size(), "epoch": state.epoch,
                         "loss": float(logs["loss"]), "dgc_step": stats["step"],
                         "dgc_epoch": stats["epoch"], "world_size": stats["world_size"],
-                        "density": stats["current_density"],
+                        "density": stats["current_density"], "hosts": hvd.cross_size(),
+                        "local_size": hvd.local_size(),
                         "identical": all(np.array_equal(everyone[0], e)
                                          for e in everyone.numpy())})
             if step == crash_at and hvd.rank() == 1:
                 os._exit(3)
+            if trigger is None:
+                return
             if step == trigger and hvd.rank() == 0:
                 open(flag, "w").close()
             if step >= trigger and wait(hvd.size()):
@@ -77,11 +82,17 @@ def keras_drop_a_worker(flag, epochs=4, trigger=15):
                         density=0.01, warmup=3, clip_norm=1.0)
 
 
+def keras_drop_a_host(flag, epochs=3, trigger=12):
+    """Two hosts of two ranks, then one host: both ranks of the other host go at once."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size > 2, seed=6,
+                        density=0.01, warmup=2, clip_norm=1.0)
+
+
 def keras_crash_a_worker(flag, epochs=3, crash_at=13):
     """Two hosts of one rank; rank 1 dies at step 13, commits every 5 steps: the
     survivor's collective fails, it restores the commit of step 10 (weights, optimizer
     and DGC state together) and goes on alone from step 11."""
-    return _fit_elastic(flag, epochs, 0, lambda size: False, seed=5, crash_at=crash_at,
+    return _fit_elastic(flag, epochs, None, None, seed=5, crash_at=crash_at,
                         commit_every=5, density=0.01, warmup=20, warmup_unit="step")
 
 
