@@ -121,6 +121,26 @@ def test_keras_fit_gains_a_worker_that_joins_in_step(tmp_path, version):
     assert first["final"] == newcomer["final"]
 
 
+def test_keras_fit_gains_a_worker_in_horovods_example_pattern(tmp_path):
+    """Horovod's elastic Keras example fits one step before making its state and one in a
+    reset callback, before the sync: the newcomer's first step is at DGC step 0 (here
+    a dense warm-up stage) while the others are past it (sparse). The first step after a
+    build or reset agrees on the largest step and epoch, so both take the same paths;
+    without it this job hung (measured: killed at the 150 s limit)."""
+    job = _fit_job(tmp_path, "keras3", "keras_add_a_worker_horovod_pattern", 1,
+                   "localhost:1", "localhost:2")
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    joined = newcomer["log"][0]["step"]
+    assert joined > 25, joined
+    # the others were past the dense stage (density 1.0) when the newcomer came
+    assert all(e["density"] == (1.0 if e["epoch"] < 2 else 0.01) for e in first["log"])
+    assert all(e["density"] == 0.01 for e in newcomer["log"])
+    _assert_follows_the_world([e for e in first["log"] + newcomer["log"] if e["size"] == 2])
+    assert first["epoch"] == newcomer["epoch"] == 4
+    assert first["final"] == newcomer["final"]
+
+
 @pytest.fixture(scope="module", params=["keras3", "keras2"])
 def commits(request):
     return run("tests.workers.tf_dgc:suite", np=2, env=KERAS[request.param], timeout=300,

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, global_process_set
+from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, check_horovod_arguments
@@ -191,7 +191,8 @@ class GradientExchange(tf.Module):
             self.built_world = self.world_size()  # what the plan below is made for
             # Elastic: a worker added later builds alone, while the others wait in a
             # reset; a collective here would hang it. All run the same script.
-            if os.environ.get("HOROVOD_ELASTIC") != "1":
+            self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+            if not self.elastic:
                 _check_consistent_config(self._config(), self.process_set)
             self._announce()
             # rank 0's step and epoch, when an elastic reset gave them before this build
@@ -203,6 +204,9 @@ class GradientExchange(tf.Module):
             self.counters = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
                                         name="counters")
             self.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite")
+            # elastic: the next step first agrees on step and epoch (scratch, see _agree)
+            object.__setattr__(self, "agreeing", tf.Variable(
+                self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))
             # dense fp16 values sent clipped (hvd_dgc/fp16wire.py): scratch, not checkpointed
             object.__setattr__(self, "fp16_clipped", tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="fp16_clipped"))
@@ -243,6 +247,7 @@ class GradientExchange(tf.Module):
             self.built_world = self.world_size()
             self._region_counters()
             self._announce()
+            self.agreeing.assign(True)
 
     def shared_state(self):
         """What decides every rank's density and path, so every rank must hold rank 0's
@@ -345,7 +350,12 @@ class GradientExchange(tf.Module):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
         a non-finite gradient on some rank made every rank skip this step."""
         checked = self._check_world()
-        stage = self.stage()
+        if self.elastic:
+            with tf.control_dependencies([checked]):
+                agreed = self._agree()
+            checked = tf.group(checked, agreed)
+        with tf.control_dependencies([checked]):
+            stage = self.stage()
         base = getattr(self.compression, "seed", 0)
         at = _At(stage, self.density(stage),
                  tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]), self.step)
@@ -374,6 +384,24 @@ class GradientExchange(tf.Module):
                     f"with its hvd.elastic.KerasState (model.fit then re-plans and traces "
                     f"its step again); DistributedGradientTape does not support elastic "
                     f"Horovod yet")
+
+    def _agree(self):
+        """Under elastic Horovod, the first step after a build or a reset takes the
+        largest step and epoch of all ranks (one small allreduce), before they decide
+        anyone's density and path. A worker that joined may step before the state's
+        sync gives it rank 0's (Horovod's elastic Keras example fits a step before
+        making its state, and another in a reset callback): at step 0 of a warm-up its
+        path could differ from the others' and the collectives would not match."""
+        def agree():
+            both = _hvd.allreduce(tf.stack([tf.cast(self.step, tf.float64),
+                                            tf.cast(self.epoch, tf.float64)]),
+                                  op=Max, name="hvd_dgc.elastic.agree",
+                                  process_set=self.process_set)
+            with tf.control_dependencies([self.step.assign(tf.cast(both[0], tf.int64)),
+                                          self.epoch.assign(tf.cast(both[1], tf.float32)),
+                                          self.agreeing.assign(False)]):
+                return tf.constant(True)
+        return tf.cond(self.agreeing, agree, lambda: tf.constant(False))
 
     def _warn_fp16(self, before):
         """The first step that sends dense fp16 values clipped says so (as the PyTorch

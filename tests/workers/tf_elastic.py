@@ -15,7 +15,8 @@ from tests.workers.tf_dgc import _tf
 BATCH, STEPS_PER_EPOCH = 16, 10
 
 
-def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=1, **options):
+def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=1,
+                 horovod_pattern=False, **options):
     """Train; log every step: the optimizer's step, world size, hvd_dgc's step, epoch
     and world size, and whether every rank holds the same weights. From step
     ``trigger`` on, while ``wait(size)``, each step sleeps a little (the driver sees the
@@ -33,7 +34,15 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     model.compile(optimizer=opt, **({} if legacy else {"jit_compile": False}),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(100 + hvd.rank())
+    x0 = rng.randn(BATCH * STEPS_PER_EPOCH, 20).astype(np.float32)
+    y0 = (np.abs(x0[:, :5]).argmax(1)).astype(np.int64)
+    if horovod_pattern:  # Horovod's example: one step "to initialise the optimizer state"
+        model.fit(x0[:BATCH], y0[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    if horovod_pattern:  # ... and one more in a reset callback, "to join new ranks"
+        state.register_reset_callbacks([lambda: model.fit(
+            x0[:BATCH], y0[:BATCH], batch_size=BATCH, epochs=1, verbose=0)])
     log = []
 
     class Probe(keras.callbacks.Callback):
@@ -187,3 +196,13 @@ def keras_state_commit_restore_sync(steps=6):
             refused[tag] = str(e)
     out["refused"] = refused
     return out
+
+
+def keras_add_a_worker_horovod_pattern(flag, epochs=4, trigger=25):
+    """As Horovod's elastic Keras example: a step before the state is made and one in a
+    reset callback, both before the sync. The warm-up sends everything densely (density
+    1.0) for 2 epochs, then sparsely: the newcomer's first step is at epoch 0, the
+    others' at epoch 2, so without agreeing first their collectives would differ."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=7,
+                        horovod_pattern=True, density=0.01, warmup=2,
+                        warmup_densities=(1.0,))
