@@ -152,7 +152,7 @@ class GradientExchange(tf.Module):
         self.slots = None
         self._dga = None
         self._epoch = 0.0
-        self._resumed = None  # rank 0's (step, epoch) for a build after an elastic reset
+        self._first_step = 0  # rank 0's, for a build after an elastic reset
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     def set_epoch(self, epoch):
@@ -186,18 +186,16 @@ class GradientExchange(tf.Module):
             self.names = list(names)
             # per tensor and density stage: k, and the path the cost model chooses for it
             self.ks = [tuple(num_selected(n, d) for d in self._densities) for n in self.numels]
-            self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
-                            in zip(self.numels, self.ks, self.sliced, self.shapes)]
-            self.built_world = self.world_size()  # what the plan below is made for
+            self._plan()
             # Elastic: a worker added later builds alone, while the others wait in a
             # reset; a collective here would hang it. All run the same script.
             self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
             if not self.elastic:
                 _check_consistent_config(self._config(), self.process_set)
             self._announce()
-            # rank 0's step and epoch, when an elastic reset gave them before this build
-            step, self._epoch = self._resumed or (0, self._epoch)
-            self.step = tf.Variable(step, dtype=tf.int64, trainable=False, name="step")
+            # rank 0's step, when an elastic reset gave it before this build
+            self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
+                                    name="step")
             self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
                                      name="epoch")
             # statistics: bytes sent, dense fp32 bytes, elements sent, elements, sparse, dense
@@ -219,7 +217,6 @@ class GradientExchange(tf.Module):
                 # its per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
                 self.slots = [self.compression.slot(shape, name) if _EXCHANGE in m else None
                               for shape, name, m in zip(self.shapes, names, self.methods)]
-            self._region_counters()
             self.memory = DGCMemory(self.numels, self.momentum, self.nesterov,
                                     self.momentum_masking,
                                     snapshots=self.skip_nonfinite and not self.delay,
@@ -227,8 +224,13 @@ class GradientExchange(tf.Module):
             if self.delay:
                 self._dga = DelayedAveraging(self, variables)
 
-    def _region_counters(self):
-        """Region reduce's (steps, elements given back), when some tensor may take it."""
+    def _plan(self):
+        """Each tensor's path at each density stage for this world (the cost model's
+        choice: the same inputs on every rank), and region reduce's counters (steps,
+        elements given back) when some tensor may take it."""
+        self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
+                        in zip(self.numels, self.ks, self.sliced, self.shapes)]
+        self.built_world = self.world_size()  # what the traced step is made for
         if self.regioned is None and any(_REGION in m for m in self.methods):
             self.regioned = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
                                         name="region_counters")
@@ -242,10 +244,7 @@ class GradientExchange(tf.Module):
         if self.memory is None:
             return
         with tf.init_scope():
-            self.methods = [self._methods(n, ks, sliced, shape) for n, ks, sliced, shape
-                            in zip(self.numels, self.ks, self.sliced, self.shapes)]
-            self.built_world = self.world_size()
-            self._region_counters()
+            self._plan()
             self._announce()
             self.agreeing.assign(True)
 
@@ -264,7 +263,7 @@ class GradientExchange(tf.Module):
         step, epoch = state
         self._epoch = float(epoch)
         if self.memory is None:
-            self._resumed = (int(step), float(epoch))
+            self._first_step = int(step)
         else:
             self.step.assign(step)
             self.epoch.assign(epoch)
@@ -359,7 +358,7 @@ class GradientExchange(tf.Module):
         base = getattr(self.compression, "seed", 0)
         at = _At(stage, self.density(stage),
                  tf.stack([tf.cast(self.step, tf.int32) + base, _hvd.rank()]), self.step)
-        with tf.control_dependencies([checked] if checked is not None else []):
+        with tf.control_dependencies([checked]):  # eagerly: None, and no-op
             # in a graph, nothing that leads to a collective starts before the check
             grads = [_after_check(self._local_grad(i, g)) for i, g in enumerate(grads)]
         if self.dense_fp16:
