@@ -30,7 +30,7 @@ def fused_kernel():
                 print(f"hvd_dgc: fused kernel not built ({exc}); eager PyTorch will be used")
 
     ext = CppExtension("hvd_dgc.torch._fused_memory", ["hvd_dgc/torch/csrc/fused_memory.cpp"],
-                       extra_compile_args=["-O3"])
+                       extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": OptionalBuild.with_options(use_ninja=False)}
 
 

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.dgc_compression import timed_side_by_side  # noqa: E402
-from bench.resnet50_shapes import numel, resnet50_shapes  # noqa: E402
+from harness.shapes import numel, resnet50_shapes  # noqa: E402
 from hvd_dgc.schedule import num_selected  # noqa: E402
 from hvd_dgc.torch.collective import LocalComm, is_exchange  # noqa: E402
 from hvd_dgc.torch.compression import Compression, is_sparse  # noqa: E402

@@ -12,7 +12,7 @@ than one round trip after its launch (for 2 ranks a ring allreduce and an
 allgather both cost about one round trip of messages). Waiting for a handle
 sleeps until then, so the sleep overlaps whatever compute ran since the
 launch, exactly as a slow link would. No packet is delayed; for that, use the
-WAN emulator (bench/wan) with the throughput benchmark.
+WAN emulator (harness/wan.py) with the throughput benchmark.
 
 The model is an MLP whose forward+backward is calibrated to ``--compute-ms``
 on this machine, so at 200 ms the compute per step is about the round trip:

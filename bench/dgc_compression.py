@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.resnet50_shapes import numel, resnet50_shapes  # noqa: E402
+from harness.shapes import numel, resnet50_shapes  # noqa: E402
 from hvd_dgc.schedule import num_selected  # noqa: E402
 from hvd_dgc.torch.compression import Compression  # noqa: E402
 from hvd_dgc.torch.memory import DGCMemory, fused_kernel_available  # noqa: E402

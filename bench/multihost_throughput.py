@@ -4,8 +4,8 @@
     python bench/multihost_throughput.py --links 100:0 --workloads cnn --steps 4 --out /tmp/x.md
 
 Each measurement is one launch of Horovod's own, unmodified ``horovodrun -np 4 -H
-h1:2,h2:2 --gloo`` on emulated hosts (bench/wan/hosts.py: network namespaces with
-real sshd, every pair joined by the emulated link of bench/wan/emulator.py). The
+h1:2,h2:2 --gloo`` on emulated hosts (harness/hosts.py: network namespaces with
+real sshd, every pair joined by the emulated link of harness/wan.py). The
 two ranks of a host talk over its loopback; only traffic between hosts crosses
 the link. Methods (bench/wan/multihost_worker.py runs them):
 
@@ -57,7 +57,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench.wan.hosts import EmulatedHosts, HostsError, available  # noqa: E402
+from harness.hosts import EmulatedHosts, HostsError, available  # noqa: E402
 
 WORKER = os.path.join(REPO, "bench", "wan", "multihost_worker.py")
 HOSTS = ["h1:2", "h2:2"]
@@ -366,8 +366,8 @@ def write_outputs(rows, meta, args):
     L.append(f"Software: Python {platform.python_version()}, torch {meta['torch']}, "
              f"Horovod {meta['horovod']} (Gloo controller), hvd_dgc from this repository.  ")
     L.append(f"Launch: Horovod's own `horovodrun -np 4 -H h1:2,h2:2 --gloo` through "
-             f"`bench/wan/hosts.py` EmulatedHosts (network namespaces with real sshd; "
-             f"bench/wan/emulator.py between the hosts, each way its own bottleneck). "
+             f"`harness/hosts.py` EmulatedHosts (network namespaces with real sshd; "
+             f"harness/wan.py between the hosts, each way its own bottleneck). "
              f"{args.warmup_steps} warm-up steps, then {args.steps} timed steps per launch; "
              f"one launch per cell; DGC density {args.density}, no warm-up.")
     L.append("")

@@ -16,8 +16,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench.wan.emulator import WanLink, available  # noqa: E402
-from bench.wan.launch import run_job  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
+from harness.launch import run_job  # noqa: E402
 from bench.wan_throughput import MODEL, WORKER, local_rate  # noqa: E402
 
 

@@ -23,12 +23,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def worker(seeds, epochs):
-    """One launch: both aggregations, every seed (runs on each rank)."""
-    import hvd_dgc.torch as hvd
-    from tests.workers import torch_aggregation
-    hvd.init()
-    return torch_aggregation.digits(epochs=epochs, seeds=tuple(seeds))
+# One launch runs both aggregations for every seed: the test worker's function, by name
+# (not imported: benchmarks do not import the tests), after each rank's hvd.init().
+WORKER = "tests.workers.torch_aggregation:digits"
+INIT = {"HVD_DGC_RANK_SETUP": "hvd_dgc.torch:init"}  # harness/hvdrun_worker.py calls it first
 
 
 def main():
@@ -38,12 +36,13 @@ def main():
     parser.add_argument("--deterministic", action="store_true",
                         help="HOROVOD_FUSION_THRESHOLD=0 (runs repeat bit for bit)")
     args = parser.parse_args()
-    from tests.hvdrun import run
+    from harness.hvdrun import run
     env = {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "1"} \
         if args.deterministic else {}
     start = time.time()
-    results = run("bench.region_accuracy:worker", np=4, controller="gloo",
-                  kwargs={"seeds": args.seeds, "epochs": args.epochs}, timeout=3600, env=env)
+    results = run(WORKER, np=4, controller="gloo",
+                  kwargs={"seeds": tuple(args.seeds), "epochs": args.epochs}, timeout=3600,
+                  env={**env, **INIT})
     out = results[0]
     gather, region = out["allgather"]["accuracy"], out["region"]["accuracy"]
     gaps = [100 * (a - r) for a, r in zip(gather, region)]

@@ -7,7 +7,7 @@ buckets (issue 17), beside Horovod's floor, in one run.
 
 A step's latency on a slow link is the number of round trips it waits for times the
 RTT. Each setting runs at RTT 0 and at the given RTT over the same link emulator
-(bench/wan/emulator.py; bandwidth high enough that the records' bytes do not count),
+(harness/wan.py; bandwidth high enough that the records' bytes do not count),
 and round trips per step = (step time at RTT - step time at 0) / RTT: the round trips
 on the step's critical path, as the link sees them, whatever Horovod does inside.
 
@@ -33,8 +33,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench.wan.emulator import WanLink, available  # noqa: E402
-from bench.wan.launch import run_job  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
+from harness.launch import run_job  # noqa: E402
 from bench.wan_throughput import WORKER  # noqa: E402
 
 SETTINGS = {

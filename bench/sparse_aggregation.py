@@ -1,6 +1,6 @@
 """Sparse aggregation, measured: allgather (today's sparse path) vs region reduce
 (hvd_dgc/torch/region.py) on N = 2, 4, 8 real Horovod ranks of this host, one run, side
-by side; the simulator's prediction (bench/sparse_aggregation_sim.py, the same formulas
+by side; the simulator's prediction (harness/aggregation_sim.py, the same formulas
 as the cost model) next to each measured number.
 
 Bytes: ResNet-50's tensors of >= 1024 elements at density 0.001, each rank's top-k of a
@@ -27,7 +27,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "bench"))
 
 DENSITY = 0.001
 MIN_COMPRESS_SIZE = 1024
@@ -35,7 +34,7 @@ TIMED_SHAPES = [(256, 1024)] * 3
 
 
 def _sparse_shapes():
-    from resnet50_shapes import numel, resnet50_shapes
+    from harness.shapes import numel, resnet50_shapes
     return [(name, shape) for name, shape in resnet50_shapes() if numel(shape) >= MIN_COMPRESS_SIZE]
 
 
@@ -50,7 +49,7 @@ def worker(out_path, steps, timed_steps):
     """Under horovodrun: every method on the same records; rank 0 writes the results."""
     import torch
     import horovod.torch as hvd
-    from resnet50_shapes import numel
+    from harness.shapes import numel
     from hvd_dgc.torch.region import pack_records, region_reduce
     hvd.init()
     torch.set_num_threads(1)
@@ -125,8 +124,8 @@ def main():
     if args.worker:
         return worker(args.worker, args.steps, args.timed_steps)
 
-    from resnet50_shapes import numel
-    from sparse_aggregation_sim import simulate
+    from harness.shapes import numel
+    from harness.aggregation_sim import simulate
     shapes = _sparse_shapes()
     predicted = {row["world"]: row for row in simulate([s for _, s in shapes], DENSITY,
                                                         worlds=args.worlds,

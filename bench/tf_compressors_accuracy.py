@@ -14,7 +14,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.hvdrun import run  # noqa: E402
+from harness.hvdrun import run  # noqa: E402
 
 
 def main():

@@ -3,7 +3,7 @@
     python bench/tf_dga_wan.py [--rate 100] [--rtts 0 50 200] [--delays 0 2 4]
 
 2 ranks of bench/wan/tf_train_worker.py (Keras SGD momentum, DGC 0.1%, a 6.3M
-parameter MLP, one thread each) across bench/wan's emulator, one rank per
+parameter MLP, one thread each) across the emulator of harness/wan.py, one rank per
 network namespace; for each round-trip time, samples/s for every delay, side
 by side in one run, and the speed-up of each delay over synchronous DGC.
 """
@@ -16,8 +16,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.wan.emulator import WanLink, available  # noqa: E402
-from bench.wan.launch import run_job  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
+from harness.launch import run_job  # noqa: E402
 
 
 def measure(link, delay, args):

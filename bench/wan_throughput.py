@@ -4,7 +4,7 @@
     python bench/wan_throughput.py --rates 100 --rtts 0 50   # a part of it
 
 Two workers, one CPU thread each, in two network namespaces joined by the
-user-space link of bench/wan/emulator.py (rate cap, one-way delay). The same
+user-space link of harness/wan.py (rate cap, one-way delay). The same
 training for every method (bench/wan/train_worker.py: an MLP with 6.3M
 parameters, 25 MB of fp32 gradient, batch 128): Horovod dense fp32, Horovod
 fp16, hvd_dgc DGC 0.1%, DGC + delayed averaging (D=4), DGC + DGA + temporally
@@ -28,8 +28,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench.wan.emulator import WanLink, available  # noqa: E402
-from bench.wan.launch import run_job  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
+from harness.launch import run_job  # noqa: E402
 
 METHODS = ["dense", "fp16", "dgc", "dga"]
 LABELS = {"dense": "Horovod fp32", "fp16": "Horovod fp16", "dgc": "hvd_dgc DGC 0.1%",

@@ -15,15 +15,18 @@ ranks that disagree would join different collectives and hang.
 
 import difflib
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
-from hvd_dgc.costmodel import AGGREGATION_OPTIONS, CostModel
+from hvd_dgc.costmodel import CostModel
 from hvd_dgc.masking import check_masking
-from hvd_dgc.schedule import as_schedule
+from hvd_dgc.paths import AGGREGATION_OPTIONS, PathKind, compressor_kind
+from hvd_dgc.schedule import DensitySchedule, as_schedule
+from hvd_dgc.switch import dense_requested, resolve_compression
 
-__all__ = ["DGCConfig", "CompressorOptions", "check_horovod_arguments",
-           "check_linear_update", "unsupported_message"]
+__all__ = ["DGCConfig", "CompressorOptions", "Framework", "HorovodArguments", "Resolved",
+           "check_horovod_arguments", "check_linear_update", "unsupported_message",
+           "aggregation_choices", "describe"]
 
 
 @dataclass(frozen=True)
@@ -32,32 +35,66 @@ class DGCConfig:
     al., "Delayed Gradient Averaging", NeurIPS 2021).
 
     Attributes:
-        density: fraction of each large tensor sent per step (default 0.001), a
+        density: fraction of each large tensor sent per step (the paper: 0.001), a
             ``hvd_dgc.DensitySchedule``, or (PyTorch) a callable ``f(step, epoch)``.
-            1.0 without a warm-up: dense averaging, said explicitly.
-        warmup: warm-up length in ``warmup_unit`` ("epoch", driven by ``set_epoch``,
-            or "step"); densities fall through ``warmup_densities`` (default the
-            paper's 25%, 6.25%, 1.5625%, 0.4%). Neither ``density`` nor ``warmup``:
-            the paper's stages by steps (hvd_dgc/schedule.py); ``warmup=0``: none.
+            None (the default, with no ``warmup``): the paper's densities 25%, 6.25%,
+            1.5625%, 0.4%, then 0.1%, by optimizer steps, each stage as long as every
+            coordinate could have travelled 10 times (0.1% from step 10,000; with an
+            optimizer other than SGD, whose steps error feedback shrinks, 40 times:
+            0.1% from step 40,000; hvd_dgc/schedule.py). 1.0 without a warm-up: dense
+            averaging, said explicitly.
+        warmup: warm-up length in ``warmup_unit``s; the densities fall through
+            ``warmup_densities``, one equal stage each, then ``density``. 0: none.
+        warmup_unit: "epoch" (driven by ``set_epoch(e)``, or Keras'
+            ``callbacks.DGCCallback``; the paper's choice) or "step" (the optimizer's
+            step count).
+        warmup_densities: the warm-up stages' densities (default the paper's 0.25,
+            0.0625, 0.015625, 0.004); values below ``density`` are raised to it.
         min_compress_size: tensors with fewer elements always go dense (biases, norm
             layers: the paper sends them dense).
-        momentum_masking: zero the momentum of sent coordinates: True (the paper),
-            False, or "auto" (where the tail it drops is small; hvd_dgc/masking.py).
-        clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)``
-            (DGC Sec. 3.3); None: off.
-        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth)`` choosing each tensor's
-            path (dense allreduce, sparse allgather, region reduce).
-        delay: delayed gradient averaging: step i applies
-            ``own_i - own_(i-D) + avg_(i-D)``; 0 is synchronous; "auto" or
-            ``hvd_dgc.AutoDelay`` (PyTorch) chooses D from measured times.
-        period: exchange every ``period``-th step only (PyTorch).
-        skip_nonfinite: a NaN/Inf gradient never enters the memory; synchronous
-            steps are skipped on every rank, delayed ones send zeros from that rank.
-        aggregation: "auto", "allgather", "region", "hierarchical" (PyTorch),
-            "flat" or "dense" (hvd_dgc/costmodel.py).
-        fusion_threshold: bytes on the wire of one launch (PyTorch); None: Horovod's
-            ``HOROVOD_FUSION_THRESHOLD``.
-        log_every: print compression statistics on rank 0 every N steps (PyTorch).
+        momentum_masking: zero the momentum of the coordinates just sent: True (always,
+            as the paper), False (never), or "auto" (default: only at densities where
+            the momentum tail it drops is small, ``density <= 0.1 (1 - m) / m``, 1.1% at
+            momentum 0.9: the final densities, not the warm-up's first stages;
+            hvd_dgc/masking.py).
+        clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)`` before
+            the memory (DGC Sec. 3.3); None: off.
+        cost_model: ``hvd_dgc.CostModel(alpha, bandwidth, local_alpha,
+            local_bandwidth)`` choosing each tensor's path (dense allreduce, sparse
+            allgather, region reduce, hierarchical) per density stage. None: 1 Gbit/s
+            and 50 us per message between hosts, 10 GB/s and 5 us inside a host.
+        delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
+            avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
+            "auto" (PyTorch) chooses D from measured compute and waits, the same on every
+            rank (at most 8; ``hvd_dgc.AutoDelay(max_delay=..., window=20)`` to change
+            that). Needs SGD (an update linear in the gradient); call ``flush()`` before
+            evaluating or checkpointing; not with PowerSGD or TernGrad (what they sent is
+            known only after a first round), with a GradScaler, or with sparse gradients
+            (``sparse_as_dense=True``).
+        period: exchange every ``period``-th step only (PyTorch); in between each rank
+            steps with its own velocity and the exchange's average then replaces those
+            steps. Needs SGD and ``flush()`` as ``delay`` does; no GradScaler; with it
+            hierarchical DGC falls back to flat methods.
+        skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory:
+            synchronous steps are skipped on every rank (weights, memory, step count
+            unchanged; that rank sends inf, so every rank sees it), delayed ones send
+            zeros from that rank. Costs the memory's update written beside the old one
+            (no copy) and, where the kernel is not built, a pass over the gradients.
+        aggregation: how sparse tensors are summed: "auto" (the cost model's choice
+            among all), "allgather" (every rank's records to every rank: k(N-1) per
+            worker), "region" (region reduce, after Ok-Topk: about 3k(N-1)/N, flat in
+            N), "hierarchical" (PyTorch; several hosts of several ranks: summed densely
+            inside each host, about k/L records per rank across hosts), "flat" (the cost
+            model's choice without hierarchical) or "dense". A forced method runs even
+            at density 1 (the equivalence with dense averaging).
+        fusion_threshold: bytes on the wire of one launch (PyTorch): tensors ready one
+            after another in backward leave together up to this size, so a step takes
+            as few of Horovod's negotiation rounds as it can (each costs round trips on
+            a slow link). None: Horovod's ``HOROVOD_FUSION_THRESHOLD``
+            (``horovodrun --fusion-threshold-mb``), 64 MiB if unset; 0: each tensor
+            leaves from its own hook.
+        log_every: print compression statistics on rank 0 every N steps (PyTorch); 0:
+            never.
     """
 
     density: Any = None
@@ -180,6 +217,165 @@ class DGCConfig:
     def key(self):
         """Hashable and faithful: what TensorFlow's registry of exchanges is keyed on."""
         return repr(sorted(self.to_dict().items()))
+
+    def resolve(self, framework, compression, horovod, optimizer=None, *,
+                dense_compression=None, grad_scaler=None):
+        """What these options and a wrapper's arguments come to, checked: every wrap-time
+        check and message of the PyTorch optimizer, the TensorFlow tape and the Keras
+        optimizer, in one place (so the same mistake reads the same everywhere).
+
+        ``framework``: a ``Framework``; ``compression``: the wrapper's argument;
+        ``horovod``: ``HorovodArguments``; ``optimizer``: ``(is_sgd, class name)`` of the
+        wrapped optimizer, or None (a tape does not know it). ``dense_compression`` and
+        ``grad_scaler``: PyTorch's. Returns ``Resolved``."""
+        fw = framework.name
+        horovod.check(framework)
+        if optimizer is not None:
+            check_linear_update(self, optimizer[0], optimizer[1], fw)
+        lagging, undo = self.lagging, self.undo_lagging
+        if fw == "tensorflow" and horovod.backward_passes_per_step > 1 and self.delay:
+            raise ValueError(f"backward_passes_per_step={horovod.backward_passes_per_step} "
+                             f"with delay={self.delay} runs in hvd_dgc.torch only so far; in "
+                             f"Keras use one of them (delay=0, or backward_passes_per_step=1).")
+        if lagging and grad_scaler is not None:
+            raise ValueError(f"{lagging} with grad_scaler is not supported: an overflow seen "
+                             f"steps later cannot be undone. Use {undo} with mixed precision.")
+        choice = resolve_compression(compression, framework.compression, framework.ours, fw)
+        compressor = choice.compressor
+        if choice.fp16:  # Horovod's Compression.fp16: fp16 records (and dense path)
+            compressor = compressor(fp16_values=True)
+        namespace = framework.compression
+        if dense_compression is not None and dense_compression not in (namespace.none,
+                                                                       namespace.fp16):
+            raise ValueError(f"dense_compression must be Compression.none or Compression.fp16, "
+                             f"got {dense_compression!r}")
+        dense_fp16 = choice.fp16 or dense_compression is namespace.fp16
+        kind = compressor_kind(compressor)
+        aggregations = aggregation_choices(self.aggregation, kind == "sparse",
+                                           repr(compressor), framework.sparse_default)
+        density, warmup = self.density, self.warmup
+        if kind == "exchange":
+            if density is not None or warmup:
+                raise ValueError(f"density/warmup apply to sparse compressors, but compression="
+                                 f"{compressor!r} compresses every element of each "
+                                 f"large tensor. Use compression={framework.sparse_default} "
+                                 f"to sparsify.")
+            if lagging and not compressor.sent_at_launch:
+                raise ValueError(f"{lagging} does not work with compression={compressor!r}: "
+                                 f"what this rank sent is known only after its first "
+                                 f"collective, and a later correction needs it at once. Use "
+                                 f"{undo}, or a one-round compressor (Compression.sign, qsgd, "
+                                 f"bf16, dgc).")
+            schedule = as_schedule(1.0)
+        elif dense_requested(density, warmup) and self.aggregation not in (
+                "allgather", "region", "hierarchical"):
+            compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
+        else:
+            adaptive = optimizer is not None and not optimizer[0]
+            schedule = as_schedule(density, warmup, self.warmup_unit, self.warmup_densities,
+                                   adaptive=adaptive)
+            if fw == "tensorflow" and not isinstance(schedule, DensitySchedule):
+                raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
+                                "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
+                                "Python callable")
+        if kind != "dense":
+            # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
+            # optimizer's checkpoint, not to the shared Compression.dgc default.
+            compressor = compressor()
+        return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
+                        aggregations)
+
+
+class Framework(NamedTuple):
+    """What ``DGCConfig.resolve`` needs to know of a framework: its name ("torch" or
+    "tensorflow"), its ``Compression`` namespace (Horovod's ``none``/``fp16`` beside
+    hvd_dgc's), the base classes of hvd_dgc's compressors there, and its tensor class
+    (members of Horovod's ``groups``)."""
+
+    name: str
+    compression: object
+    ours: tuple
+    tensor: type = object
+    tensor_name: str = "tf.Variable"
+
+    @property
+    def sparse_default(self):
+        return f"hvd_dgc.{self.name}.Compression.dgc"
+
+
+class HorovodArguments(NamedTuple):
+    """Horovod's own arguments to a wrapper, checked as Horovod checks them, plus what
+    DGC cannot do with them. ``ops``: the framework's (Average, Sum, Adasum)."""
+
+    op: object
+    gradient_predivide_factor: float
+    backward_passes_per_step: int
+    groups: object
+    ops: tuple
+
+    def check(self, framework):
+        check_horovod_arguments(self.op, self.gradient_predivide_factor,
+                                self.backward_passes_per_step, self.groups, self.ops,
+                                framework.tensor_name)
+        if isinstance(self.groups, list) and framework.tensor is not object:
+            seen = set()
+            for group in self.groups:
+                for p in group:
+                    if not isinstance(p, framework.tensor):
+                        raise ValueError(f"groups must consist of {framework.tensor_name}.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+
+
+class Resolved(NamedTuple):
+    """A wrapper's options and arguments, resolved and checked (``DGCConfig.resolve``):
+    what the planner and each framework's parts are built from. Configuration only: what
+    changes while training is state, kept elsewhere."""
+
+    config: DGCConfig
+    framework: str
+    compressor: object     # this optimizer's own (a copy); Compression.none when dense
+    kind: str              # "sparse", "exchange" or "dense" (paths.compressor_kind)
+    fp16_values: bool      # Horovod's Compression.fp16: fp16 in the records
+    dense_fp16: bool       # fp16 on the dense path
+    schedule: object       # DensitySchedule, or (PyTorch) a callable f(step, epoch)
+    aggregations: tuple    # the PathKinds the cost model may choose among
+
+    @property
+    def sparse(self):
+        return self.kind == "sparse"
+
+    @property
+    def exchange(self):
+        return self.kind == "exchange"
+
+    def final_density(self):
+        """The density after the warm-up (None: a callable schedule)."""
+        if not self.sparse:
+            return 1.0
+        return getattr(self.schedule, "density", None)
+
+
+def describe(compression):
+    """A compressor as the consistency check and the messages name it."""
+    if hasattr(compression, "config"):
+        return repr(compression.config())
+    return getattr(compression, "__name__", type(compression).__name__)
+
+
+def aggregation_choices(aggregation, sparse, compression, sparse_default):
+    """The validated ``aggregation=`` option, as the cost model's allowed paths.
+    ``sparse``: the compressor sends records; ``compression`` and ``sparse_default``
+    name the user's compressor and the fix in the error."""
+    if not isinstance(aggregation, str) or aggregation not in AGGREGATION_OPTIONS:
+        raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
+                         f"{aggregation!r}")
+    if aggregation in ("allgather", "region", "hierarchical") and not sparse:
+        raise ValueError(f"aggregation={aggregation!r} sums sparse records, but compression="
+                         f"{compression} is not a sparse compressor. Use compression="
+                         f"{sparse_default}, or aggregation='auto'.")
+    return AGGREGATION_OPTIONS[aggregation]
 
 
 class CompressorOptions:

@@ -41,34 +41,12 @@ round trips (bench/results/round_trips.md: 3 round trips for one, 5 for two)::
 from dataclasses import dataclass
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
+from hvd_dgc.paths import AGGREGATIONS, PathKind
 
-__all__ = ["CostModel", "DENSE", "SPARSE", "REGION", "HIERARCHICAL", "AGGREGATIONS",
-           "AGGREGATION_OPTIONS", "aggregation_choices"]
+__all__ = ["CostModel"]
 
-DENSE = "dense"
-SPARSE = "sparse"
-REGION = "region"
-HIERARCHICAL = "hierarchical"
-#: also the order of preference on equal cost
-AGGREGATIONS = (SPARSE, REGION, HIERARCHICAL, DENSE)
-#: the optimizers' ``aggregation=`` -> the methods the cost model may choose among
-AGGREGATION_OPTIONS = {"auto": (DENSE, SPARSE, REGION, HIERARCHICAL), "allgather": (SPARSE,),
-                       "region": (REGION,), "hierarchical": (HIERARCHICAL,), "dense": (DENSE,),
-                       "flat": (DENSE, SPARSE, REGION)}
-
-
-def aggregation_choices(aggregation, sparse, compression, sparse_default):
-    """The validated ``aggregation=`` option of the torch and TF optimizers, as the
-    cost model's ``allowed``. ``sparse``: the compressor sends records; ``compression``
-    and ``sparse_default`` name the user's compressor and the fix in the error."""
-    if not isinstance(aggregation, str) or aggregation not in AGGREGATION_OPTIONS:
-        raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
-                         f"{aggregation!r}")
-    if aggregation in ("allgather", "region", "hierarchical") and not sparse:
-        raise ValueError(f"aggregation={aggregation!r} sums sparse records, but compression="
-                         f"{compression} is not a sparse compressor. Use compression="
-                         f"{sparse_default}, or aggregation='auto'.")
-    return AGGREGATION_OPTIONS[aggregation]
+DENSE, ALLGATHER, REGION, HIERARCHICAL = (PathKind.DENSE, PathKind.ALLGATHER, PathKind.REGION,
+                                          PathKind.HIERARCHICAL)
 
 
 @dataclass(frozen=True)
@@ -108,13 +86,13 @@ class CostModel:
 
     def choose(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                index_bytes=4):
-        """DENSE or SPARSE for one tensor. Selecting everything is dense; ties go sparse,
+        """DENSE or ALLGATHER for one tensor. Selecting everything is dense; ties go sparse,
         so np=1 (where both cost nothing) runs the same algorithm as np=2."""
         if k >= numel:
             return DENSE
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
         sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes)
-        return SPARSE if sparse <= dense else DENSE
+        return ALLGATHER if sparse <= dense else DENSE
 
     def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
         """Carry ``numel`` dense elements (a launch's dense tensors together) inside the
@@ -128,13 +106,13 @@ class CostModel:
 
     def max_sparse_k(self, numel, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                      index_bytes=4):
-        """Largest k for which ``choose`` picks SPARSE (0: never). Sparse cost grows with
+        """Largest k for which ``choose`` picks ALLGATHER (0: never). Sparse cost grows with
         k, so a graph (TensorFlow) can decide with one comparison ``k <= max_sparse_k``."""
         lo, hi = 0, numel - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.choose(numel, mid, world_size, dense_value_bytes, sparse_value_bytes,
-                           index_bytes) == SPARSE:
+                           index_bytes) == ALLGATHER:
                 lo = mid
             else:
                 hi = mid - 1
@@ -159,13 +137,13 @@ class CostModel:
 
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
-                           allowed=(DENSE, SPARSE, REGION), local_size=1):
-        """Cheapest of ``allowed`` (DENSE, SPARSE, REGION, HIERARCHICAL) for one tensor.
+                           allowed=(DENSE, ALLGATHER, REGION), local_size=1):
+        """Cheapest of ``allowed`` (DENSE, ALLGATHER, REGION, HIERARCHICAL) for one tensor.
 
         Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
-        go SPARSE, then REGION, then HIERARCHICAL, then DENSE: np=1 (all free) and np=2
+        go ALLGATHER, then REGION, then HIERARCHICAL, then DENSE: np=1 (all free) and np=2
         (region moves at least allgather's k records, in twice the messages) keep
-        allgather, and with ``allowed=(DENSE, SPARSE)`` this is exactly ``choose``. A
+        allgather, and with ``allowed=(DENSE, ALLGATHER)`` this is exactly ``choose``. A
         single name forces it. HIERARCHICAL is a candidate only where ranks share hosts
         and there are several hosts (1 < ``local_size`` < ``world_size``).
         """
@@ -183,7 +161,7 @@ class CostModel:
             HIERARCHICAL: lambda: self.hierarchical_seconds(
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
                 index_bytes),
-            SPARSE: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes),
+            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes),
             REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes, index_bytes),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
         }

@@ -34,6 +34,7 @@ class CompressionStats:
         self._current_launches = 0
 
     def record(self, name, path, numel, elements_sent, bytes_sent, density):
+        path = getattr(path, "value", path)  # a PathKind counts under its plain name
         self.bytes_sent += bytes_sent
         self.dense_bytes += 4 * numel
         self.elements_sent += elements_sent

@@ -21,6 +21,8 @@ its own ``Compression`` namespace and the base classes of its compressors.
 
 from typing import NamedTuple
 
+from hvd_dgc.paths import SUMS
+
 __all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning", "summary"]
 
 class Choice(NamedTuple):
@@ -72,9 +74,7 @@ def resolve_compression(compression, namespace, ours, framework):
 
 def _sums(methods):
     """How the sparse tensors are summed, in words."""
-    words = {"sparse": "allgather", "region": "region reduce",
-             "hierarchical": "hierarchical: summed inside each host, records across hosts"}
-    named = [words[m] for m in words if m in methods]
+    named = [words for path, words in SUMS.items() if path in methods]
     return " / ".join(named) if named else "allgather"
 
 
@@ -106,7 +106,7 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
     the warm-up in words (DensitySchedule.describe) or ""; ``compressed``/``total``: how
     many trainable tensors are large enough to be sparsified, of how many; ``sums``: the
-    cost model's methods for them at the final density (costmodel.SPARSE, REGION)."""
+    paths for them at the final density (hvd_dgc.paths.PathKind)."""
     values = "fp16" if sparse_fp16 else "fp32"
     dense_values = "fp16" if dense_fp16 else "fp32"
     if kind == "dense":

@@ -8,14 +8,17 @@ import zlib
 import numpy as np
 import pytest
 
-from bench.resnet50_shapes import numel, resnet50_shapes
-from bench.sparse_aggregation_sim import simulate
+from harness.aggregation_sim import simulate
+from harness.shapes import numel, resnet50_shapes
 from hvd_dgc import CostModel
 from hvd_dgc.aggregation import (KEEP, allgather_bytes, bytes_per_worker, hierarchical_bytes,
                                  slice_k, quota, region_of, region_reduce_reference,
                                  slices)
-from hvd_dgc.costmodel import AGGREGATION_OPTIONS, DENSE, HIERARCHICAL, REGION, SPARSE, \
-    aggregation_choices
+from hvd_dgc.config import aggregation_choices
+from hvd_dgc.paths import AGGREGATION_OPTIONS, PathKind
+
+DENSE, HIERARCHICAL, REGION, SPARSE = (PathKind.DENSE, PathKind.HIERARCHICAL, PathKind.REGION,
+                                       PathKind.ALLGATHER)
 from hvd_dgc.schedule import num_selected
 
 WORLDS = (1, 2, 3, 4, 8)

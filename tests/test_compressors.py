@@ -14,9 +14,9 @@ import torch
 from hvd_dgc.packing import SCALE_BYTES, level_bits, qsgd_payload_bytes
 from hvd_dgc.torch import Compression
 from hvd_dgc.torch.collective import LocalComm
-from hvd_dgc.torch.memory import DGCMemory
+from tests.flatmem import Tensors
 from hvd_dgc.torch.quantize import pack_planes, unpack_planes
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 from tests.workers.torch_compressors import compare_with_torch_hook
 
@@ -120,13 +120,12 @@ EF_COMPRESSORS = {
 def test_error_feedback_residual_identity(name):
     comp = EF_COMPRESSORS[name]()
     gen = torch.Generator().manual_seed(3)
-    memory = DGCMemory()
     shapes = [(32, 48), (16, 4, 3, 3)]
+    memory = Tensors([math.prod(s) for s in shapes])
     old = [torch.randn(s, generator=gen) for s in shapes]
     for step in range(3):
         grads = [torch.randn(s, generator=gen) for s in shapes]
-        residuals = [memory.accumulate(i, g.reshape(-1)).view(s)
-                     for i, (g, s) in enumerate(zip(grads, shapes))]
+        residuals = [v.view(s) for v, s in zip(memory.accumulate(grads), shapes)]
         if step == 0:
             for v, o in zip(residuals, old):
                 v.add_(o)  # an old residual: input + old residual, as after earlier steps

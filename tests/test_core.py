@@ -7,23 +7,26 @@ import pytest
 import torch
 
 from hvd_dgc import CompressionStats, CostModel, DensitySchedule
-from hvd_dgc.costmodel import DENSE, SPARSE
+from hvd_dgc.paths import PathKind
+
+DENSE, SPARSE = PathKind.DENSE, PathKind.ALLGATHER
 from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS, as_schedule, num_selected
 from hvd_dgc.torch.compression import Compression, DGCCompressor
 from hvd_dgc.torch.gpu_select import select_many
-from hvd_dgc.torch.memory import DGCMemory, local_gradient
+from hvd_dgc.torch.memory import local_gradient
+from tests.flatmem import OneTensor
 
 G = [0.5, -2.0, 0.1, 1.0]
 
 
 def trace(masking, nesterov, steps=3):
-    mem, sent = DGCMemory(masking), []
+    mem, sent = OneTensor(4, masking, 0.9, nesterov), []
     for _ in range(steps):
-        v = mem.accumulate("w", torch.tensor(G), momentum=0.9, nesterov=nesterov)
+        v = mem.accumulate(torch.tensor(G))
         idx = Compression.topk.select(v, 1)
         sent.append((int(idx), round(float(v[idx]), 5)))
-        mem.sent("w", idx)
-    return sent, mem.buffers["w"]
+        mem.sent(idx)
+    return sent, {"u": mem.u, "v": mem.v}
 
 
 def test_memory_trace_with_masking():
@@ -44,24 +47,24 @@ def test_memory_trace_nesterov_with_masking():
 
 
 def test_error_feedback_without_momentum_keeps_every_unsent_value():
-    mem = DGCMemory()
+    mem = OneTensor(4)
     total_sent = torch.zeros(4)
     for _ in range(5):
-        v = mem.accumulate("w", torch.tensor(G))
+        v = mem.accumulate(torch.tensor(G))
         idx = Compression.topk.select(v, 1)
         total_sent[idx] += v[idx]
-        mem.sent("w", idx)
+        mem.sent(idx)
     # sent + residual == everything ever fed in: nothing lost
-    assert torch.allclose(total_sent + mem.residual("w"), 5 * torch.tensor(G))
+    assert torch.allclose(total_sent + mem.v, 5 * torch.tensor(G))
 
 
 def test_dense_path_keeps_momentum_so_density_one_is_momentum_sgd():
-    mem, buf = DGCMemory(), torch.zeros(4)
+    mem, buf = OneTensor(4, momentum=0.9), torch.zeros(4)
     for step in range(4):
         g = torch.tensor(G) * (step + 1)
-        v = mem.accumulate("w", g, momentum=0.9)
+        v = mem.accumulate(g)
         sent = v.clone()
-        mem.sent_all("w")
+        mem.sent_all()
         buf = 0.9 * buf + g  # torch.optim.SGD's momentum buffer
         assert torch.allclose(sent, buf)
 
@@ -122,8 +125,8 @@ def test_sampled_threshold_falls_back_when_sample_misleads():
 
 def _gpu_form(comp, flats, ks, seed=0):
     """The accelerator's selection (gpu_select.select_many), run here on CPU tensors."""
-    return select_many(flats, ks, torch.Generator().manual_seed(seed), comp.sample_ratio,
-                       comp.min_sample)
+    draws = torch.rand(len(flats), generator=torch.Generator().manual_seed(seed)).tolist()
+    return select_many(flats, ks, draws, comp.sample_ratio, comp.min_sample)
 
 
 def _check_gpu_form(flats, ks, sel):
@@ -319,36 +322,113 @@ def test_fused_kernel_is_built():
 
 @pytest.mark.parametrize("momentum,nesterov", [(0.9, False), (0.9, True), (0.0, False)])
 @pytest.mark.parametrize("n", [4096, 1000 * 32 + 7])
-def test_fused_memory_update_matches_eager(momentum, nesterov, n):
-    from hvd_dgc.torch.memory import block_abs_max
+@pytest.mark.parametrize("direct", [False, True])
+def test_fused_memory_update_matches_eager(momentum, nesterov, n, direct):
+    """The kernel (from a flat gradient, or read from the tensors with weight decay:
+    ``direct``) against eager PyTorch, over a block of three tensors with the zeros
+    between them; and the same block written beside the old one (a guarded step)."""
+    from hvd_dgc.torch import memory as M
     gen = torch.Generator().manual_seed(n)
-    fused, eager = DGCMemory(), DGCMemory()
+    numels = (n, 100, 33)
+    decays = (0.0, 1e-2, 0.0)
+    params = [torch.randn(k, generator=gen) for k in numels]
+    mems = {}
+    for name in ("fused", "eager", "guarded"):
+        mem = M.FlatMemory()
+        mems[name] = (mem, mem.block((0, 1, 2), numels, 3))
+    total = mems["fused"][1].total
+    runs = [M.Run(0, total, momentum, nesterov)]
     for step in range(4):
-        g = torch.randn(n, generator=gen) * (step + 1)
-        v_f, bmax = fused.accumulate("w", g, momentum, nesterov, with_block_max=True)
-        v_e = eager.accumulate("w", g, momentum, nesterov)
+        grads = [torch.randn(k, generator=gen) * (step + 1) for k in numels]
+        g = torch.zeros(total)
+        for o, gr, p, d in zip(mems["fused"][1].offsets, grads, params, decays):
+            g[o:o + gr.numel()] = gr + d * p
+        mem, block = mems["fused"]
+        if direct:
+            v_f = mem.accumulate(block, g, runs, True, sources=(grads, params, decays))
+        else:
+            v_f = mem.accumulate(block, g, runs, True)
+        mem_e, block_e = mems["eager"]
+        saved, M._fused_memory = M._fused_memory, None
+        try:
+            v_e = mem_e.accumulate(block_e, g, runs, True)
+        finally:
+            M._fused_memory = saved
+        mem_g, block_g = mems["guarded"]
+        mem_g.snapshot(block_g)
+        v_g = mem_g.accumulate(block_g, g, runs, True)
+        mem_g.commit()
         # a few ulps of the values (|v| ~ 10): torch's vector kernels may use FMA
         torch.testing.assert_close(v_f, v_e, rtol=1e-5, atol=1e-5)
+        assert torch.equal(v_g, v_f) and (momentum == 0 or torch.equal(block_g.u, block.u))
         if momentum:
-            torch.testing.assert_close(fused.buffers["w"]["u"], eager.buffers["w"]["u"],
-                                       rtol=1e-5, atol=1e-5)
-        assert bmax.shape == (n // 32,) and torch.equal(bmax, block_abs_max(v_f))
+            torch.testing.assert_close(block.u, block_e.u, rtol=1e-5, atol=1e-5)
+        assert torch.equal(block.block_max, M.block_abs_max(v_f))
+        assert torch.equal(block.v[n:block.offsets[1]], torch.zeros(block.offsets[1] - n))
         idx = Compression.topk.select(v_f, 10)
-        fused.sent("w", idx)
-        eager.sent("w", idx)
+        for m, b in mems.values():
+            m.sent(b, idx, idx)
+
+
+def test_a_skipped_step_leaves_the_memory_exactly_as_it_was():
+    """snapshot + rollback: the step written beside the old buffers, which come back."""
+    from hvd_dgc.torch import memory as M
+    mem = M.FlatMemory()
+    block = mem.block(("a", "b"), (70, 40), 2)
+    runs = [M.Run(0, block.total, 0.9, False)]
+    g = torch.randn(block.total)
+    mem.accumulate(block, g, runs, True)
+    before = (block.u.clone(), block.v.clone())
+    mem.snapshot(block)
+    mem.accumulate(block, torch.full((block.total,), float("nan")), runs, True)
+    mem.sent(block, torch.tensor([3, 5]), torch.tensor([3]))
+    assert not bool(torch.isfinite(block.block_max).all())  # NaN shows in the maxima
+    mem.rollback()
+    assert torch.equal(block.u, before[0]) and torch.equal(block.v, before[1])
+    mem.snapshot(block)  # and a kept step goes on from the old buffers
+    mem.accumulate(block, g, runs)
+    mem.commit()
+    torch.testing.assert_close(block.u, 0.9 * before[0] + g, rtol=1e-6, atol=1e-6)
+
+
+def test_blocks_move_tensors_between_them_and_checkpoints_stay_per_tensor():
+    """A tensor's u and v follow it into a new block (its launch's layout changed), and
+    the checkpoint format is one entry per tensor whatever the blocks."""
+    from hvd_dgc.torch import memory as M
+    mem = M.FlatMemory()
+    first = mem.block(("a", "b"), (50, 30), 2)
+    mem.accumulate(first, torch.randn(first.total), [M.Run(0, first.total, 0.5, False)])
+    a, b = mem.residual("a").clone(), mem.residual("b").clone()
+    second = mem.block(("b", "c", "a"), (30, 10, 50), 1)
+    assert torch.equal(mem.residual("a"), a) and torch.equal(mem.residual("b"), b)
+    assert mem.residual("c").abs().sum() == 0 and ("a", "b") not in [k for k, _ in mem.blocks]
+    state = mem.state_dict()
+    assert set(state) == {"a", "b", "c"} and torch.equal(state["a"]["v"], a)
+    fresh = M.FlatMemory()
+    fresh.load_state_dict(state)
+    placed = fresh.block(("a",), (50,), 1)
+    assert torch.equal(fresh.residual("a"), a) and placed.total == 64
+    assert second.total == 32 + 10 + 50
 
 
 @pytest.mark.parametrize("n", [32 * 500, 32 * 500 + 19])
-def test_fused_scan_finds_exactly_the_coordinates_at_or_above_threshold(n):
-    from hvd_dgc.torch.compression import _BlockScan
-    from hvd_dgc.torch.memory import _fused_memory, block_abs_max
+def test_kernel_scan_finds_exactly_the_coordinates_at_or_above_threshold(n):
+    from hvd_dgc.torch.memory import block_abs_max
     x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    padded = torch.zeros(-(-n // 32) * 32)
+    padded[:n] = x
     for threshold in (2.5, 3.0, 10.0):
         expected = torch.nonzero(x.abs() >= threshold).view(-1)
-        got = _fused_memory.indices_at_least(x, block_abs_max(x), threshold)
-        assert torch.equal(got, expected)
-        scan = _BlockScan(x.double())  # float64: the eager scan
-        assert torch.equal(torch.sort(scan.at_least(threshold)).values, expected)
+        got, values, counts = torch.ops.hvd_dgc.scan(
+            padded, block_abs_max(padded), torch.tensor([0]), torch.tensor([n]),
+            torch.tensor([threshold]), torch.tensor([n]))
+        assert torch.equal(got, expected) and counts.tolist() == [expected.numel()]
+        assert torch.equal(values, x[expected].abs())
+        top, _, counts = torch.ops.hvd_dgc.scan(  # more than k: the k largest of them
+            padded, block_abs_max(padded), torch.tensor([0]), torch.tensor([n]),
+            torch.tensor([threshold]), torch.tensor([3]))
+        exact = torch.topk(x.abs(), min(3, expected.numel())).indices
+        assert torch.equal(top, torch.sort(exact).values) and counts.tolist() == [top.numel()]
 
 
 def test_horovod_compression_names_resolve_to_dgc_with_their_value_format():

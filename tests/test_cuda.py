@@ -9,7 +9,7 @@ suite on CUDA tensors (HVD_DGC_TEST_DEVICE=cuda).
 import pytest
 import torch
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 

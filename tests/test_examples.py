@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.hvdrun import REPO, horovodrun_path, worker_env
+from harness.hvdrun import REPO, horovodrun_path, worker_env
 
 
 def launch(script, *args, env=None, timeout=600):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.hvdrun import REPO
+from harness.hvdrun import REPO
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "horovodrun_configs", "*.yaml")))
 

@@ -1,4 +1,4 @@
-"""Emulated hosts (bench/wan/hosts.py): Horovod's own horovodrun reaches them over real
+"""Emulated hosts (harness/hosts.py): Horovod's own horovodrun reaches them over real
 ssh, ranks land on the host they were given, traffic between hosts crosses the
 emulated link, and nothing is left behind.
 
@@ -19,10 +19,10 @@ from contextlib import nullcontext
 
 import pytest
 
-from tests.hvdrun import REPO, worker_env
+from harness.hvdrun import REPO, worker_env
 
 sys.path.insert(0, REPO)
-from bench.wan.hosts import MAX_HOSTS, EmulatedHosts, HostsError, available  # noqa: E402
+from harness.hosts import MAX_HOSTS, EmulatedHosts, HostsError, available  # noqa: E402
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated hosts unavailable here: {WHY}")
@@ -179,7 +179,7 @@ def test_everything_is_removed_when_the_context_exits(how):
 
 def test_everything_is_removed_when_the_process_gets_sigterm():
     before = machine_state()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.wan.hosts", "up", "--hosts", "b1,b2"],
+    proc = subprocess.Popen([sys.executable, "-m", "harness.hosts", "up", "--hosts", "b1,b2"],
                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     lines = []
@@ -198,7 +198,7 @@ def test_everything_is_removed_when_the_process_gets_sigterm():
 def test_everything_is_removed_at_interpreter_exit_without_close():
     before = machine_state()
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from bench.wan.hosts import EmulatedHosts\n"
+            "from harness.hosts import EmulatedHosts\n"
             "h = EmulatedHosts(['f1', 'f2']).__enter__()\n"
             "print(' '.join(h.namespaces.values()), h.tmpdir, flush=True)\n" % REPO)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -220,7 +220,7 @@ def test_three_hosts_reach_each_other_over_the_mesh():
 
 def test_one_command_sets_up_runs_horovodrun_and_tears_down():
     before = machine_state()
-    done = subprocess.run([sys.executable, "-m", "bench.wan.hosts", "run", "--hosts", "c1:1,c2:1",
+    done = subprocess.run([sys.executable, "-m", "harness.hosts", "run", "--hosts", "c1:1,c2:1",
                            "--rtt-ms", "10", "--", "--gloo", "hostname"], cwd=REPO,
                           env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

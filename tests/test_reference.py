@@ -25,10 +25,11 @@ from hvd_dgc.tensorflow.compression import Compression as TFCompression
 from hvd_dgc.tensorflow.memory import DGCMemory as TFMemory
 from hvd_dgc.tensorflow.memory import local_gradient as tf_local_gradient
 from hvd_dgc.torch.compression import Compression as TorchCompression
-from hvd_dgc.torch.memory import DGCMemory as TorchMemory
+from hvd_dgc.torch import memory as memory_module
 from hvd_dgc.torch.memory import local_gradient as torch_local_gradient
+from tests.flatmem import OneTensor
 from tests import reference as ref
-from tests.hvdrun import REPO, worker_env
+from harness.hvdrun import REPO, worker_env
 from tests.workers import reference_guard as guard
 
 G = [0.5, -2.0, 0.1, 1.0]
@@ -205,30 +206,31 @@ class TorchSubject:
     """hvd_dgc.torch: local_gradient, then DGCMemory (eager, or the fused C++ kernel)."""
 
     def __init__(self, momentum, nesterov, masking, fused):
-        self.mem, self.fused = TorchMemory(masking), fused
-        self.momentum, self.nesterov = momentum, nesterov
+        self.mem = OneTensor(NUMEL, masking, momentum, nesterov)
+        self.fused = fused
 
     def local_gradient(self, g, clip_norm, world):
         return torch_local_gradient(torch.tensor(g), torch.zeros(len(g)), 0.0, clip_norm, world)
 
     def accumulate(self, g):
-        """-> (v, block maxima or None)"""
+        """-> (v, block maxima or None): the kernel, or eager PyTorch without it"""
         if self.fused:
-            v, block_max = self.mem.accumulate("w", g, self.momentum, self.nesterov,
-                                               with_block_max=True)
+            v, block_max = self.mem.accumulate(g, with_block_max=True)
             return v.numpy().copy(), block_max.numpy()
-        return self.mem.accumulate("w", g, self.momentum, self.nesterov).numpy().copy(), None
+        saved, memory_module._fused_memory = memory_module._fused_memory, None
+        try:
+            return self.mem.accumulate(g).numpy().copy(), None
+        finally:
+            memory_module._fused_memory = saved
 
     def sent(self, indices):
-        self.mem.sent("w", torch.tensor(indices))
+        self.mem.sent(torch.tensor(indices))
 
     def sent_all(self):
-        self.mem.sent_all("w")
+        self.mem.sent_all()
 
     def state(self):
-        buf = self.mem.buffers["w"]
-        u = np.zeros(len(buf["v"]), np.float32) if buf["u"] is None else buf["u"].numpy()
-        return u.copy(), buf["v"].numpy().copy()
+        return self.mem.u.numpy().copy(), self.mem.v.numpy().copy()
 
 
 class TFSubject:

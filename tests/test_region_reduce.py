@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hvd_dgc.aggregation import region_reduce_reference
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.workers.torch_region import CASES, selections
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs",

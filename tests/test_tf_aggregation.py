@@ -4,7 +4,7 @@ against "allgather" and against Horovod's own tape (issue 15)."""
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_parity", "density_one", "conservation", "delayed_conservation",

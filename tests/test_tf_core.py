@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 from hvd_dgc import CostModel, DensitySchedule
-from hvd_dgc.costmodel import SPARSE
+from hvd_dgc.paths import PathKind
+
+SPARSE = PathKind.ALLGATHER
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.exchange import GradientExchange
 from hvd_dgc.tensorflow.memory import DGCMemory

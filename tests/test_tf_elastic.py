@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.hvdrun import elastic_launch, run
+from harness.hvdrun import elastic_launch, run
 
 KERAS = {"keras3": {"TF_USE_LEGACY_KERAS": "0"}, "keras2": {"TF_USE_LEGACY_KERAS": "1"}}
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.workers.tf_callbacks import STEPS_PER_EPOCH as SPE
 
 SIZE = 2

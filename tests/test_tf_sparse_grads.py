@@ -9,7 +9,7 @@ allreduce by hand: Horovod's Keras optimizer does not run there) and Keras 2
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 STEPS = 4  # tape_equivalence / tape_dgc_rows default steps

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["density_one", "sparse_steps", "conservation", "nonfinite_skip", "delayed"]

@@ -4,7 +4,7 @@ so does delayed gradient averaging (delay=4), dense and with DGC."""
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 
 
 @pytest.fixture(scope="module")

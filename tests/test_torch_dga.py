@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",

@@ -4,7 +4,7 @@ horovodrun (Gloo)."""
 
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["bundled_equals_per_tensor", "unused_parameter_on_one_rank",

@@ -5,7 +5,7 @@ everything, N = 8 (2 x 4) for the equivalences."""
 
 import pytest
 
-from tests.hvdrun import launch
+from harness.hvdrun import launch
 from tests.test_torch_optimizer import _checked
 
 WORKER = "tests.workers.torch_hierarchical:suite"
@@ -124,7 +124,7 @@ def test_forced_hierarchical_that_cannot_run_says_why(two_by_two, one_host):
     assert "several hosts of several ranks" in single and "local_size=2" in single, single
 
 
-# -- over real ssh: emulated hosts (bench/wan/hosts.py), Gloo and MPI ----------------------
+# -- over real ssh: emulated hosts (harness/hosts.py), Gloo and MPI -------------------------
 def _on_emulated_hosts(controller, names):
     """The worker on 2 emulated hosts x 2 ranks, horovodrun over ssh (mpirun's own
     topology detection, by host name, decides local_size under MPI)."""
@@ -133,9 +133,9 @@ def _on_emulated_hosts(controller, names):
     import shutil
     import sys
     import tempfile
-    from tests.hvdrun import REPO, worker_env
+    from harness.hvdrun import REPO, worker_env
     sys.path.insert(0, REPO)
-    from bench.wan.hosts import EmulatedHosts, available
+    from harness.hosts import EmulatedHosts, available
     ok, why = available()
     if not ok:
         pytest.skip(f"emulated hosts unavailable here: {why}")
@@ -146,7 +146,7 @@ def _on_emulated_hosts(controller, names):
         with EmulatedHosts(["h1:2", "h2:2"], rate_mbit=1000, rtt_ms=1) as hosts:
             done = hosts.horovodrun(
                 ["-np", "4", "-H", "h1:2,h2:2", f"--{controller}", sys.executable, "-m",
-                 "tests.hvdrun_worker", WORKER, outdir],
+                 "harness.hvdrun_worker", WORKER, outdir],
                 env=worker_env(), cwd=REPO, timeout=600)
         results = {}
         for name in os.listdir(outdir):

@@ -6,7 +6,7 @@ Scenarios run in a few launches (module fixtures); each test asserts on one resu
 import numpy as np
 import pytest
 
-from tests.hvdrun import run
+from harness.hvdrun import run
 from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",

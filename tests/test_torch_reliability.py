@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.hvdrun import elastic_launch, launch, run
+from harness.hvdrun import elastic_launch, launch, run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["nonfinite_skip", "nonfinite_delayed", "force_allreduce", "clip_via_synchronize",
@@ -56,7 +56,9 @@ def test_new_launch_resumes_bit_identically(killed_and_resumed, variant):
         res = out[variant]
         assert res["saved_step"] == 5 and res["step"] == 10
         assert res["saved_rank"] == rank
-        assert res["saved_generators"] == 1  # the DGC sampler's RNG is in the checkpoint
+        # DGC draws its sampling starts from (seed, rank, step, tensor): no random stream
+        # to keep (the resumed run is still bit-identical, below)
+        assert res["saved_generators"] == 0
         assert res["saved_residual"] > 1.0, "no residual to lose: the test would prove nothing"
         assert res["moved"] > 1e-2
         assert res["resumed_max_diff"] == 0.0, res

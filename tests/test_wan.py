@@ -1,4 +1,4 @@
-"""The WAN emulator (bench/wan): the link has the rate and delay asked, it cleans up
+"""The WAN emulator (harness/wan.py): the link has the rate and delay asked, it cleans up
 after itself, and a real 2-rank Horovod job runs across it.
 
 Speed-ups are the benchmark's business (bench/wan_throughput.py), not a test's.
@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from tests.hvdrun import REPO
+from harness.hvdrun import REPO
 
 sys.path.insert(0, REPO)
-from bench.wan.emulator import WanLink, available  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"WAN emulator unavailable here: {WHY}")
@@ -27,7 +27,7 @@ def namespaces():
 
 @pytest.mark.parametrize("rate_mbit,rtt_ms", [(10, 50), (100, 200)])
 def test_link_has_the_rate_and_round_trip_asked_within_10_percent(rate_mbit, rtt_ms):
-    from bench.wan.selftest import check
+    from harness.wan_check import check
     ok, report = check(rate_mbit, rtt_ms, tolerance=0.10)
     assert ok, report
     assert abs(report["rtt_error"]) <= 0.10 and abs(report["rate_error"]) <= 0.10, report
@@ -46,7 +46,7 @@ def test_link_removes_what_it_made_even_on_error():
 
 def test_link_removed_when_its_process_is_killed():
     code = ("import sys, time; sys.path.insert(0, %r)\n"
-            "from bench.wan.emulator import WanLink\n"
+            "from harness.wan import WanLink\n"
             "with WanLink(rate_mbit=50, rtt_ms=10) as link:\n"
             "    print(' '.join(link.namespaces), flush=True); time.sleep(60)\n" % REPO)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -59,7 +59,7 @@ def test_link_removed_when_its_process_is_killed():
 
 @pytest.mark.parametrize("method", ["dense", "dgc"])
 def test_two_rank_horovod_job_runs_across_the_link(method):
-    from bench.wan.launch import run_job
+    from harness.launch import run_job
     argv = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py"),
             "--method", method, "--steps", "3", "--warmup-steps", "1", "--width", "256"]
     with WanLink(rate_mbit=100, rtt_ms=20) as link:

@@ -1,6 +1,6 @@
 """One rank of the multi-host throughput benchmark (bench/multihost_throughput.py).
 
-Launched by Horovod's own horovodrun across emulated hosts (bench/wan/hosts.py),
+Launched by Horovod's own horovodrun across emulated hosts (harness/hosts.py),
 2 hosts x 2 ranks. The same training for every method; each rank prints one line
 
     MHRESULT {"rank": .., "seconds": .., "wan_tx_bytes": .., ...}

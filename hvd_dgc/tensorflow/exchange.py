@@ -44,8 +44,11 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process
 
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, check_horovod_arguments
-from hvd_dgc.costmodel import AGGREGATIONS, DENSE as _DENSE, HIERARCHICAL as _HIERARCHICAL, \
-    REGION as _REGION, SPARSE as _SPARSE, CostModel, aggregation_choices
+from hvd_dgc.config import aggregation_choices
+from hvd_dgc.costmodel import CostModel
+from hvd_dgc.paths import AGGREGATIONS, PathKind
+_DENSE, _HIERARCHICAL, _REGION, _SPARSE = (PathKind.DENSE, PathKind.HIERARCHICAL,
+                                           PathKind.REGION, PathKind.ALLGATHER)
 from hvd_dgc.schedule import as_schedule, DensitySchedule, num_selected
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.masking import masking_density_limit

@@ -13,11 +13,12 @@ use them (it would sum the payloads); that is detected and refused with the fix.
 ready instances; call one to change its options, e.g.
 ``Compression.dgc(sample_ratio=0.001, fp16_values=True)``.
 
-On a GPU nothing on this path may wait for the device, and kernel launches, not
-bytes, bound the work: there a step's tensors are selected together
-(``sparsify_many``, gpu_select.py), always exactly ``k`` records per tensor,
-decided on the device; slots that no coordinate fills repeat a sent index with
-value 0, which adds nothing.
+The optimizer asks once per launch (``pick``), for all of its sparse tensors over
+their flat memory: a fixed number of operations whatever the number of tensors
+(cpu_select.py). On a GPU nothing on this path may wait for the device either:
+there the selection is decided on the device (gpu_select.py), always exactly ``k``
+records per tensor; slots that no coordinate fills repeat a sent index with value
+0, which adds nothing.
 """
 
 import math
@@ -28,15 +29,15 @@ from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.schedule import check_density, num_selected
-from hvd_dgc.torch.gpu_select import RUN as _RUN, Selection, prime_at_least as _prime_at_least, \
-    select_many, slot_offsets
-from hvd_dgc.torch.memory import BLOCK, _fused, _fused_memory, block_abs_max
+from hvd_dgc.torch.cpu_select import Picked, adapt_block, draw, select_block
+from hvd_dgc.torch.gpu_select import Selection, select_many, slot_offsets, slot_starts
+from hvd_dgc.torch.memory import aligned_size, block_abs_max
 from hvd_dgc.torch.options import Options
 from hvd_dgc.torch.powersgd import PowerSGDCompressor
 from hvd_dgc.torch.quantize import BF16Compressor, QSGDCompressor, SignCompressor, \
     TernGradCompressor
 
-__all__ = ["Compression", "Selected", "Selection", "SparseCompressor", "DGCCompressor",
+__all__ = ["Compression", "Picked", "Selected", "Selection", "SparseCompressor", "DGCCompressor",
            "TopKCompressor", "RandomKCompressor", "PowerSGDCompressor", "SignCompressor",
            "TernGradCompressor", "QSGDCompressor", "BF16Compressor"]
 
@@ -91,33 +92,28 @@ class SparseCompressor(Options, Compressor):
         return INDEX_BYTES + self.value_bytes
 
     def wants_block_max(self, device):
-        """Does ``sparsify`` on ``device`` use ``memory.block_abs_max`` (CPU DGC only)?"""
+        """Does ``pick`` on ``device`` scan the memory's block maxima (CPU DGC only)?"""
         return self.uses_block_max and device.type == "cpu"
 
     # -- the three steps of the sparse path -------------------------------
-    def select(self, flat, k, rank=0, block_max=None):
-        """Indices (int64, distinct) of the ``k`` coordinates to send from a flat tensor.
+    def pick(self, v, block_max, offsets, numels, ks, keys, rank, step):
+        """``Picked``: what a launch's sparse tensors send of the flat memory ``v``, whose
+        tensors start at ``offsets`` (``numels`` long, ``ks[i]`` records at most; ``keys``
+        name them). ``block_max``: max |v| of every memory.BLOCK elements, if computed.
+        Here one tensor after the other (top-k and random-k, the baselines)."""
+        parts = [self.select(v[o:o + n], k, rank) + o
+                 for o, n, k in zip(offsets, numels, ks)]
+        positions = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return Picked(positions, None, tuple(p.numel() for p in parts))
 
-        ``block_max``: ``memory.block_abs_max(flat)`` if the caller already has it
-        (the fused memory update computes it on the way); only DGC's selection uses it.
-        """
+    def select(self, flat, k, rank=0, block_max=None):
+        """Indices (int64, distinct) of the ``k`` coordinates to send from a flat tensor."""
         raise NotImplementedError
 
     def sparsify(self, flat, k, rank=0, block_max=None):
-        """``Selected(indices, values)``: what the optimizer sends of ``flat``."""
+        """``Selected(indices, values)``: what is sent of one flat tensor."""
         indices = self.select(flat, k, rank, block_max)
         return Selected(indices, flat.index_select(0, indices))
-
-    def sparsify_many(self, flats, ks, rank=0, block_maxes=None):
-        """``Selection`` of ``ks[i]`` records (at most) from each of ``flats``, concatenated
-        in order: what one launch sends. Here one tensor after the other."""
-        block_maxes = block_maxes or [None] * len(flats)
-        picked = [self.sparsify(f, k, rank, b) for f, k, b in zip(flats, ks, block_maxes)]
-        ks = tuple(sel.indices.numel() for sel in picked)
-        if len(picked) == 1:
-            return Selection(picked[0].indices, picked[0].values, ks)
-        return Selection(torch.cat([sel.indices for sel in picked]),
-                         torch.cat([sel.values for sel in picked]), ks)
 
     def pack(self, values, indices):
         """One uint8 buffer of records ``[int32 index | value]``, shape ``(k, record_bytes)``."""
@@ -142,6 +138,20 @@ class SparseCompressor(Options, Compressor):
         offsets = slot_offsets(sizes, ks, str(records.device))
         indices = (indices.view(-1, sum(ks)) + offsets).view(-1)
         return list(self._sum_records(values, indices, sum(sizes), dtype, scale).split(sizes))
+
+    def scatter_into(self, out, records, offsets, ks, scale=1.0):
+        """Add ``scale`` x the sum of every rank's records into ``out`` (flat): each
+        rank's block holds ``ks[i]`` records of tensor ``i``, whose index ``j`` lands at
+        ``offsets[i] + j``. One scatter for every tensor of a launch."""
+        values, indices = self.unpack(records)
+        starts = slot_starts(tuple(offsets), tuple(ks), str(records.device))
+        positions = (indices.view(-1, sum(ks)).long() + starts).view(-1)
+        values = values.to(out.dtype)
+        if scale != 1.0:
+            values = values * scale
+        if on_accelerator(out):  # in record order on every rank (see _sum_records)
+            return out.index_put_((positions,), values, accumulate=True)
+        return out.index_add_(0, positions, values)
 
     def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
         """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates
@@ -196,6 +206,7 @@ class RandomKCompressor(SparseCompressor):
     which error feedback makes unnecessary)."""
 
     name = "randomk"
+    random = True
 
     def select(self, flat, k, rank=0, block_max=None):
         n = flat.numel()
@@ -261,95 +272,45 @@ class DGCCompressor(SparseCompressor):
                     max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
         return opts
 
-    def _sample(self, flat, num_samples, rank):
-        """|flat| at about ``num_samples`` places spread over the whole tensor.
-
-        Runs of RUN consecutive elements (one cache line) at a strided distance from
-        a random start: a random gather costs as much as a pass over the whole tensor,
-        and even one element per line reads 1/RUN of it. The stride is prime so the
-        runs walk through every residue of the tensor's inner dimensions (3x3 kernels,
-        power-of-two channels) instead of aliasing onto one of them."""
-        n = flat.numel()
-        if num_samples >= n or n < 8 * _RUN:
-            return flat.abs()
-        runs = flat[:n // _RUN * _RUN].view(-1, _RUN)
-        stride = _prime_at_least(runs.shape[0] * _RUN // num_samples)
-        start = int(torch.randint(0, min(stride, runs.shape[0]), (1,),
-                                  generator=self.generator("cpu", rank)))
-        return runs[start::stride].abs().view(-1)
-
-    def sparsify(self, flat, k, rank=0, block_max=None):
-        if on_accelerator(flat) and k < flat.numel():
-            indices, values, _ = self.sparsify_many([flat], [k], rank)
-            return Selected(indices, values)
-        return super().sparsify(flat, k, rank, block_max)
-
-    def sparsify_many(self, flats, ks, rank=0, block_maxes=None):
-        if not on_accelerator(flats[0]):
-            return super().sparsify_many(flats, ks, rank, block_maxes)
-        return select_many(flats, ks, self.generator("cpu", rank), self.sample_ratio,
-                           self.min_sample)
+    def pick(self, v, block_max, offsets, numels, ks, keys, rank, step):
+        """On a CPU, cpu_select.py: the rule above for every tensor at once over the flat
+        memory. On an accelerator, gpu_select.py: exactly ``k`` records per tensor,
+        decided on the device."""
+        if v.device.type == "cpu":
+            return select_block(v, block_max, offsets, numels, ks, keys, self, rank, step)
+        draws = [draw(self.seed, rank, step, key) for key in keys]
+        sel = select_many([v[o:o + n] for o, n in zip(offsets, numels)], ks, draws,
+                          self.sample_ratio, self.min_sample)
+        start = torch.tensor(list(offsets), dtype=torch.long).repeat_interleave(
+            torch.tensor(list(ks))).to(v.device)
+        return Picked(sel.indices + start, sel.values, tuple(ks))
 
     def select(self, flat, k, rank=0, block_max=None):
+        """One tensor (standalone use): its indices, as ``pick`` chooses them."""
         n = flat.numel()
         if k >= n:
             return torch.arange(n, device=flat.device)
-        if on_accelerator(flat):  # distinct indices: one count read back (not the hot path)
-            sel = self.sparsify(flat, k, rank)
-            return torch.unique(sel.indices[sel.values != 0])
-        num_samples = min(n, max(self.min_sample, int(math.ceil(n * self.sample_ratio))))
-        sample = self._sample(flat, num_samples, rank)
-        count = self.window[1] * k
-        k_sample = min(sample.numel(), max(1, int(math.ceil(sample.numel() * count / n))))
-        threshold = torch.topk(sample, k_sample, sorted=False).values.min()
-        return self.adapt(flat, k, threshold, block_max)
+        step = self.__dict__.get("_calls", 0)
+        self.__dict__["_calls"] = step + 1
+        v = _padded(flat)
+        return self.pick(v, block_abs_max(v), (0,), (n,), (k,), (0,), rank, step).positions
 
     def adapt(self, flat, k, threshold, block_max=None):
         """Indices of ``flat`` (CPU) chosen from a first ``threshold``: the rounds of
         lowering, the window and the fallbacks of the class docstring (TensorFlow's
         ``DGCCompressor.adapt`` follows the same rule)."""
-        low = self.window[0] * k
-        scan = _BlockScan(flat, block_max)
-        for _ in range(self.max_adapt_rounds + 1):
-            candidates = scan.at_least(threshold)
-            count = candidates.numel()
-            if count > k:
-                # Too many: exact top-k among the candidates only (a small set).
-                top = torch.topk(flat.index_select(0, candidates).abs(), k, sorted=False).indices
-                return candidates[top]
-            if count >= low:
-                return candidates
-            threshold = threshold * self.threshold_decay
-        return torch.topk(flat.abs(), k, sorted=False).indices
+        v = _padded(flat)
+        positions, _ = adapt_block(v, block_abs_max(v), (0,), (flat.numel(),), (k,),
+                                   torch.as_tensor(threshold).reshape(1), self.window,
+                                   self.threshold_decay, self.max_adapt_rounds)
+        return positions
 
 
-class _BlockScan:
-    """Indices where ``|flat| >= threshold``, for thresholds that pass ~0.1% of it.
-
-    A full ``nonzero`` over a boolean mask is the slowest step of selection. Block
-    maxima of ``|flat|`` are computed once (or come from the fused memory update);
-    each threshold tried then scans only them and the few blocks that pass, so the
-    adaptation rounds cost almost nothing.
-    """
-
-    BLOCK = BLOCK
-
-    def __init__(self, flat, block_max=None):
-        self.flat = flat
-        self.full = flat.numel() // self.BLOCK * self.BLOCK
-        self.blocks = flat[:self.full].view(-1, self.BLOCK)
-        self.block_max = block_abs_max(flat) if block_max is None else block_max
-
-    def at_least(self, threshold):
-        if _fused(self.flat, self.block_max):
-            return _fused_memory.indices_at_least(self.flat, self.block_max, float(threshold))
-        hit = torch.nonzero(self.block_max >= threshold).view(-1)
-        inside = torch.nonzero(self.blocks.index_select(0, hit).abs() >= threshold)
-        found = hit[inside[:, 0]] * self.BLOCK + inside[:, 1]
-        if self.full < self.flat.numel():
-            tail = self.flat[self.full:].abs()
-            found = torch.cat([found, torch.nonzero(tail >= threshold).view(-1) + self.full])
-        return found
+def _padded(flat):
+    """``flat`` in a buffer of whole memory blocks (zeros after it), as the memory's."""
+    out = flat.new_zeros(aligned_size(flat.numel()))
+    out[:flat.numel()] = flat
+    return out
 
 
 class Compression:

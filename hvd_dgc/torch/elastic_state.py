@@ -29,10 +29,8 @@ class DGCOptimizerType(abc.ABC):
 class DGCOptimizerStateHandler(_state.OptimizerStateHandler):
     def sync(self):
         super().sync()
-        dgc = self.value._dgc
-        dgc.step, dgc.epoch, delay = broadcast_object(
-            (dgc.step, dgc.epoch, dgc.delay), root_rank=0, name="hvd_dgc.elastic.counters")
-        dgc.resume_delay(delay)  # delay="auto": every rank from rank 0's D, a fresh window
+        self.value.load_shared_state(broadcast_object(
+            self.value.shared_state(), root_rank=0, name="hvd_dgc.elastic.counters"))
 
 
 def register():

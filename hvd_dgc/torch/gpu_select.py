@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Selection", "select_many", "slot_offsets", "counts_on", "prime_at_least", "AIM",
+__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "prime_at_least", "AIM",
            "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
 
 RUN = 16       # sampled elements read together: 64 bytes of float32
@@ -140,10 +140,10 @@ def _plan(sizes, ks, device, sample_ratio, min_sample):
     return _Plan(sizes, ks, device, sample_ratio, min_sample)
 
 
-def select_many(flats, ks, generator, sample_ratio=0.001, min_sample=1000):
+def select_many(flats, ks, draws, sample_ratio=0.001, min_sample=1000):
     """``Selection`` of ``ks[i]`` records from each flat tensor of ``flats`` (one device,
-    one dtype). ``generator``: a CPU generator for the sampling starts (checkpointed with
-    the compressor, as on the CPU path)."""
+    one dtype). ``draws``: per tensor a number in [0, 1) placing its sampling start
+    (cpu_select.draw: from seed, rank, step and tensor, as on the CPU path)."""
     device, dtype = flats[0].device, flats[0].dtype
     sizes = tuple(int(f.numel()) for f in flats)
     ks = tuple(int(k) for k in ks)
@@ -155,7 +155,7 @@ def select_many(flats, ks, generator, sample_ratio=0.001, min_sample=1000):
     x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     # 1-2. sample and threshold per tensor
-    draw = torch.rand(len(sizes), generator=generator, dtype=torch.float64)
+    draw = torch.tensor(list(draws), dtype=torch.float64)
     shift = (draw * plan.ranges).long() * plan.steps
     if device.type != "cpu":
         shift = shift.pin_memory().to(device, non_blocking=True)
@@ -203,7 +203,15 @@ def slot_offsets(sizes, ks, device):
     return starts.repeat_interleave(ks_t).to(device)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=64)
+def slot_starts(offsets, ks, device):
+    """Per record slot of a launch, where its tensor starts in the flat buffers: local
+    indices plus these are positions there (built once, on the device)."""
+    return torch.tensor(offsets, dtype=torch.long).repeat_interleave(
+        torch.tensor(ks, dtype=torch.long)).to(device)
+
+
+@functools.lru_cache(maxsize=64)
 def counts_on(ks, device):
     """``ks`` as a tensor on ``device``, made once (a copy from the host per step would
     wait for the device)."""

@@ -15,17 +15,26 @@ On the dense path every coordinate is sent every step, so nothing is stale:
 SGD, ``avg(u)`` being the dense momentum buffer. (Masking there would zero
 the momentum every step and silently turn momentum SGD into plain SGD.)
 
-Buffers are flat and float32 (float64 for float64 parameters) whatever the
-parameter's dtype: a float16 residual would lose the small values DGC exists
-to keep.
+Flat: the tensors that leave together (one launch) keep ``u`` and ``v`` in one flat
+buffer each (a ``MemoryBlock``), every tensor's slice starting at a multiple of
+``BLOCK`` elements (zeros between, which never pass a threshold). So the memory's work
+is a fixed number of operations per launch, whatever the number of tensors: on a GPU
+each operation is a kernel launch, and per-tensor work is what doubled a ResNet-50 step
+on an H100 (bench/results/gpu_dgc.md). Views give each tensor its slice; checkpoints
+keep one entry per tensor. When the tensors that leave together change (a warm-up
+stage moves one from the dense path to the sparse one), their slices move into the new
+block, once.
+
+Buffers are float32 (float64 for float64 parameters) whatever the parameter's dtype: a
+float16 residual would lose the small values DGC exists to keep.
 
 On the sparse path the update also yields the block maxima of ``|v|`` that the
-selection scans (compression.py). On CPU float32 the optional C++ kernel
-(csrc/fused_memory.cpp) does both in one pass over the buffers instead of
-four; elsewhere eager PyTorch does the same maths (on a GPU a one-kernel Triton
-update measured slower than these two kernels: its launch costs more than the
-pass it saves, as the update is bound by launches there, not bytes).
+selection scans (cpu_select.py). On CPU float32 the optional C++ kernel
+(csrc/fused_memory.cpp) does both in one pass over the buffers instead of four;
+elsewhere eager PyTorch does the same maths.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,7 +43,8 @@ try:
 except ImportError:  # not built (no compiler at install time): eager PyTorch
     _fused_memory = None
 
-__all__ = ["DGCMemory", "local_gradient", "block_abs_max", "BLOCK", "fused_kernel_available"]
+__all__ = ["FlatMemory", "MemoryBlock", "Run", "local_gradient", "prepare_gradients",
+           "block_abs_max", "BLOCK", "fused_kernel_available", "buffer_dtype"]
 
 BLOCK = 32  # elements per block of the selection's block maxima (== the kernel's)
 
@@ -53,153 +63,348 @@ def buffer_dtype(param_dtype):
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
-def local_gradient(grad, param, weight_decay=0.0, clip_norm=None, world_size=1):
-    """The gradient a worker feeds into its memory: clipped, then weight-decayed.
+def aligned_size(numel):
+    """``numel`` rounded up to whole blocks: an aligned slice's footprint."""
+    return -(-numel // BLOCK) * BLOCK
+
+
+def prepare_gradients(views, params, clip_norm=None, world_size=1, weight_decay=()):
+    """The gradients a worker feeds into its memory, in place on ``views`` (each
+    tensor's slice of a flat buffer, shaped as its parameter): clipped, then
+    weight-decayed. A fixed number of operations for any number of tensors.
 
     Local clipping (DGC Sec. 3.3) clips each worker's gradient *before*
     accumulation, with the global threshold scaled by N^-1/2 (each worker holds
-    1/N of the summed gradient's variance). It is per tensor because the
-    gradient is handled as soon as backward produces it. Weight decay follows
+    1/N of the summed gradient's variance), per tensor. Weight decay follows
     clipping, as in ``clip_grad_norm_`` followed by ``SGD(weight_decay=...)``.
+    ``weight_decay``: ``[(decay, positions)]`` of the tensors it applies to.
     """
-    g = grad.reshape(-1).to(buffer_dtype(param.dtype))
-    if clip_norm is not None:
+    if clip_norm is not None and views:
         limit = clip_norm / (world_size ** 0.5)
-        scale = (limit / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0)
-        g = g * scale
-    if weight_decay:
-        g = g.add(param.detach().reshape(-1).to(g.dtype), alpha=weight_decay)
+        norms = torch.stack(torch._foreach_norm(views))
+        scales = (limit / (norms + 1e-6)).clamp_(max=1.0)
+        torch._foreach_mul_(views, scales.unbind())
+    for decay, positions in weight_decay:
+        torch._foreach_add_([views[i] for i in positions],
+                            [params[i].detach() for i in positions], alpha=decay)
+
+
+def local_gradient(grad, param, weight_decay=0.0, clip_norm=None, world_size=1):
+    """One tensor's ``prepare_gradients``, flat (tests and benchmarks)."""
+    g = grad.reshape(-1).to(buffer_dtype(param.dtype), copy=True)
+    prepare_gradients([g], [param.reshape(-1)], clip_norm, world_size,
+                      [(weight_decay, [0])] if weight_decay else ())
     return g
 
 
-class DGCMemory:
-    """Momentum correction, momentum factor masking and error feedback, per parameter.
+class Run(NamedTuple):
+    """A range of a block whose tensors share the memory's hyper-parameters."""
+
+    lo: int
+    hi: int
+    momentum: float
+    nesterov: bool
+
+
+class MemoryBlock:
+    """``u`` and ``v`` of the tensors of one launch, flat, in the order of ``keys``. The
+    first ``aligned`` tensors (the sparse ones: their selection scans blocks) start at
+    multiples of BLOCK, zeros between; the rest follow packed."""
+
+    def __init__(self, keys, numels, aligned, device, dtype):
+        self.keys, self.numels = tuple(keys), tuple(int(n) for n in numels)
+        self.offsets, total = [], 0
+        for i, n in enumerate(self.numels):
+            self.offsets.append(total)
+            total += aligned_size(n) if i < aligned else n
+            if i + 1 == aligned:
+                self.aligned_end = total
+        if not aligned:
+            self.aligned_end = 0
+        self.aligned = aligned
+        self.total, self.device, self.dtype = total, device, dtype
+        self.index = {key: i for i, key in enumerate(self.keys)}
+        self.v = torch.zeros(total, dtype=dtype, device=device)
+        self.u = None
+        self.block_max = None   # max |v| per BLOCK of the aligned part, after an update
+        self.previous = None    # (u, v) before a step that may be undone (snapshot)
+
+    def span(self, i):
+        return self.offsets[i], self.offsets[i] + self.numels[i]
+
+    def slice_of(self, buffer, i):
+        lo, hi = self.span(i)
+        return buffer[lo:hi]
+
+    def momentum_buffer(self):
+        if self.u is None:
+            self.u = torch.zeros_like(self.v)
+        return self.u
+
+
+class FlatMemory:
+    """Momentum correction, momentum factor masking and error feedback, per launch block.
 
     Args:
         momentum_masking: zero the momentum of sent coordinates: True (the paper's
             default), False (the momentum keeps pushing coordinates already sent), or
-            "auto" (the optimizer decides per step; hvd_dgc/masking.py).
+            "auto" (the engine decides per step; hvd_dgc/masking.py).
     """
 
     def __init__(self, momentum_masking=True):
         self.momentum_masking = momentum_masking
-        self.buffers = {}  # key -> {"u": flat tensor or None, "v": flat tensor}
-        self._snapshots = {}  # key -> the buffers before this step (None: had none)
-        self._spare = {}      # key -> buffers to copy the next snapshot into
+        self.blocks = {}      # (keys, aligned) -> MemoryBlock
+        self._where = {}      # key -> the block holding it
+        self._loaded = {}     # key -> {"u", "v"} from a checkpoint, not placed in a block yet
+        self._guarded = []    # blocks whose step may be undone (snapshot)
+        self._spare = {}      # id(block) -> (u, v) the next guarded step writes into
 
-    def accumulate(self, key, grad, momentum=0.0, nesterov=False, with_block_max=False):
-        """Fold one step's local gradient into the memory; returns ``v`` (what may be
-        sent), or ``(v, block_abs_max(v))`` when ``with_block_max``."""
-        state = self.buffers.get(key)
-        if state is None:
-            state = {"u": None, "v": torch.zeros_like(grad)}
-            self.buffers[key] = state
-        v = state["v"]
-        if momentum and state["u"] is None:
-            state["u"] = torch.zeros_like(grad)
-        u = state["u"]
-        kernel_u = u if momentum else v  # the kernel ignores u without momentum
-        if with_block_max and _fused(grad, v, kernel_u):
-            block_max = v.new_empty(v.numel() // BLOCK)
-            _fused_memory.accumulate_block_max(grad, kernel_u, v, float(momentum),
-                                               bool(nesterov), block_max)
-            return v, block_max
-        if momentum:
-            if nesterov:
-                u.add_(grad).mul_(momentum)
-                v.add_(u).add_(grad)
+    # -- blocks ---------------------------------------------------------------------
+    def block(self, keys, numels, aligned=0, device="cpu", dtype=torch.float32):
+        """The block of ``keys`` (in this order; the first ``aligned`` at block
+        boundaries), made on first use; the keys' slices move into it from wherever
+        they were (another block, a checkpoint)."""
+        keys = tuple(keys)
+        block = self.blocks.get((keys, aligned))
+        if block is not None:
+            return block
+        block = MemoryBlock(keys, numels, aligned, device, dtype)
+        for i, key in enumerate(keys):
+            old = self._where.get(key)
+            if old is not None:
+                j = old.index[key]
+                self._place(block, i, old.slice_of(old.v, j),
+                            None if old.u is None else old.slice_of(old.u, j))
+                self._where[key] = block
+                self._forget(old)
+            elif key in self._loaded:
+                saved = self._loaded.pop(key)
+                self._place(block, i, saved["v"], saved["u"])
+            self._where[key] = block
+        self.blocks[(keys, aligned)] = block
+        return block
+
+    def _place(self, block, i, v, u):
+        block.slice_of(block.v, i).copy_(v.reshape(-1))
+        if u is not None:
+            block.slice_of(block.momentum_buffer(), i).copy_(u.reshape(-1))
+
+    def _forget(self, block):
+        """A block none of whose keys is still in it goes."""
+        if all(self._where.get(k) is not block for k in block.keys):
+            self.blocks.pop((block.keys, block.aligned), None)
+            self._spare.pop(id(block), None)
+
+    # -- one step ---------------------------------------------------------------------
+    def accumulate(self, block, g, runs, with_block_max=False, sources=None):
+        """Fold one step's local gradients (``g``: flat, the block's layout) into the
+        memory over ``runs`` (which cover the block); returns ``v``. ``with_block_max``:
+        also ``block.block_max`` over the aligned part (max |v| of every BLOCK elements),
+        in the same pass where the kernel can. After ``snapshot`` the update is written
+        into other buffers, the old ones kept for ``rollback``.
+
+        ``sources``: ``(grads, params, decays)`` per tensor of the block, read where they
+        lie instead of ``g`` (the kernel: ``g_i = grad_i + decay_i * p_i``, no copy into a
+        flat buffer first; see ``direct``)."""
+        src_u, src_v = block.previous if block.previous is not None else (block.u, block.v)
+        if sources is not None:
+            return self._accumulate_from(block, sources, runs, with_block_max, src_u, src_v)
+        v = block.v
+        # the kernel wherever it is built, block maxima or not: a tensor's update is then
+        # the same arithmetic whichever launch and range it is in (eager PyTorch may fuse
+        # a multiply-add where the kernel does not)
+        fused = _fused(g, v)
+        if with_block_max:
+            size = block.aligned_end // BLOCK
+            if block.block_max is None or block.block_max.numel() != size:
+                block.block_max = v.new_empty(size)
+        for run in runs:
+            lo, hi, m = run.lo, run.hi, run.momentum
+            u = block.momentum_buffer() if m else block.u
+            su = src_u if src_u is not None else u
+            if fused:
+                maxima = block.block_max[lo // BLOCK:hi // BLOCK] \
+                    if with_block_max and hi <= block.aligned_end else None
+                torch.ops.hvd_dgc.accumulate(
+                    g[lo:hi], (su if m else src_v)[lo:hi], src_v[lo:hi],
+                    (u if m else v)[lo:hi], v[lo:hi], float(m), bool(run.nesterov), maxima)
+                if not m and u is not None and su is not u:  # a guarded step: carry u
+                    u[lo:hi].copy_(su[lo:hi])
+            elif m and run.nesterov:
+                torch.add(su[lo:hi], g[lo:hi], out=u[lo:hi])
+                u[lo:hi].mul_(m)
+                torch.add(src_v[lo:hi], u[lo:hi], out=v[lo:hi])
+                v[lo:hi].add_(g[lo:hi])
+            elif m:
+                torch.add(g[lo:hi], su[lo:hi], alpha=m, out=u[lo:hi])  # u = m u + g
+                torch.add(src_v[lo:hi], u[lo:hi], out=v[lo:hi])
             else:
-                torch.add(grad, u, alpha=momentum, out=u)  # u = m u + g, in one pass
-                v.add_(u)
-        else:
-            v.add_(grad)
-        return (v, block_abs_max(v)) if with_block_max else v
+                torch.add(src_v[lo:hi], g[lo:hi], out=v[lo:hi])
+                if u is not None and su is not u:  # a guarded step: carry u over
+                    u[lo:hi].copy_(su[lo:hi])
+        if with_block_max and not fused:
+            block.block_max = block_abs_max(v[:block.aligned_end])
+        return v
 
-    def increment(self, key, grad, nesterov=False):
-        """What the last ``accumulate(key, grad, ...)`` added to ``v`` (a copy): this
-        rank's own velocity for the step, which a step between exchanges applies
-        (``period > 1``): ``u`` (plain momentum), ``u + g`` (Nesterov), ``g`` (none)."""
-        u = self.buffers[key]["u"]
-        if u is None:
-            return grad.clone()
-        return u + grad if nesterov else u.clone()
+    def _accumulate_from(self, block, sources, runs, with_block_max, src_u, src_v):
+        grads, params, decays = sources
+        v = block.v
+        if with_block_max:
+            size = block.aligned_end // BLOCK
+            if block.block_max is None or block.block_max.numel() != size:
+                block.block_max = v.new_empty(size)
+        offsets = block.offsets
+        for run in runs:
+            m = run.momentum
+            u = block.momentum_buffer() if m else block.u
+            su = src_u if src_u is not None else u
+            members = [i for i, o in enumerate(offsets) if run.lo <= o < run.hi]
+            maxima = block.block_max if with_block_max and run.hi <= block.aligned_end \
+                else None
+            torch.ops.hvd_dgc.accumulate_from(
+                [grads[i] for i in members], [params[i] for i in members],
+                torch.tensor([offsets[i] for i in members]),
+                torch.tensor([decays[i] for i in members], dtype=torch.float32), 1.0,
+                su if m else src_v, src_v, u if m else v, v, float(m), bool(run.nesterov),
+                maxima, run.lo, run.hi)
+            if not m and u is not None and su is not u:  # a guarded step: carry u over
+                u[run.lo:run.hi].copy_(su[run.lo:run.hi])
+        return v
 
-    def sent(self, key, indices, mask_momentum=None):
-        """The coordinates at ``indices`` left this worker (sparse path). Their momentum is
-        zeroed if ``mask_momentum`` (default: the ``momentum_masking`` setting; the
-        optimizer decides per step, as "auto" depends on the density: masking.py)."""
-        state = self.buffers[key]
-        state["v"].index_fill_(0, indices, 0)
-        if mask_momentum is None:
-            mask_momentum = self.momentum_masking is not False
-        if mask_momentum and state["u"] is not None:
-            state["u"].index_fill_(0, indices, 0)
+    @staticmethod
+    def direct(block, grads, params, decays):
+        """Can ``accumulate`` read these tensors where they lie (``sources``)? The kernel
+        is built and every one is a contiguous float32 CPU tensor."""
+        return _fused_memory is not None and block.dtype == torch.float32 and \
+            block.device.type == "cpu" and all(
+                g is not None and not g.is_sparse and g.dtype == torch.float32
+                and g.is_contiguous() and g.device.type == "cpu" for g in grads) and all(
+                p.dtype == torch.float32 and p.is_contiguous()
+                for p, d in zip(params, decays) if d)
 
-    def give_back(self, key, indices, values, like):
-        """Add ``values`` at ``indices`` into ``key``'s residual: what an aggregation took
+    @staticmethod
+    def increment(block, g, runs):
+        """What the last ``accumulate`` added to ``v`` (a copy, flat): this rank's own
+        velocity for the step, which a step between exchanges applies (``period > 1``):
+        ``u`` (plain momentum), ``u + g`` (Nesterov), ``g`` (none)."""
+        if len(runs) == 1:
+            run = runs[0]
+            if not run.momentum:
+                return g.clone()
+            return block.u + g if run.nesterov else block.u.clone()
+        out = g.clone()
+        for run in runs:
+            if run.momentum:
+                us = block.u[run.lo:run.hi]
+                if run.nesterov:
+                    out[run.lo:run.hi].add_(us)
+                else:
+                    out[run.lo:run.hi].copy_(us)
+        return out
+
+    @staticmethod
+    def take(block, positions, masked=None):
+        """The values at ``positions`` (flat, the block's), which leave this worker: their
+        ``v`` is cleared, and the momentum of ``masked`` (None: none; True: all of them;
+        else those positions) too. One pass over the positions where the kernel is
+        built (they are scattered over the buffer)."""
+        if _fused(block.v) and positions.device.type == "cpu" and masked in (None, True):
+            u = block.u if masked is True else None
+            return torch.ops.hvd_dgc.take(block.v, u, positions)
+        values = block.v[positions]
+        FlatMemory.sent(block, positions, positions if masked is True else masked)
+        return values
+
+    @staticmethod
+    def sent(block, positions, masked=None):
+        """The coordinates at ``positions`` (flat, the block's) left this worker: their
+        ``v`` is cleared, and the momentum of ``masked`` (None: none) too."""
+        block.v.index_fill_(0, positions, 0)
+        if masked is not None and block.u is not None:
+            block.u.index_fill_(0, masked, 0)
+
+    @staticmethod
+    def sent_range(block, lo, hi):
+        """Every coordinate of ``[lo, hi)`` left this worker (dense path): clear ``v``,
+        keep ``u``."""
+        block.v[lo:hi].zero_()
+
+    @staticmethod
+    def give_back(block, positions, values):
+        """Add ``values`` at ``positions`` into the residual: what an aggregation took
         but did not deliver (region reduce's owner keeps what it did not send on), so
-        error feedback sends it later. ``like``: a flat tensor shaped as the buffer."""
-        state = self.buffers.get(key)
-        if state is None:
-            state = {"u": None, "v": torch.zeros_like(like)}
-            self.buffers[key] = state
-        state["v"].index_add_(0, indices, values.to(state["v"].dtype))
+        error feedback sends it later."""
+        block.v.index_add_(0, positions, values.to(block.v.dtype))
 
-    def sent_all(self, key):
-        """Every coordinate left this worker (dense path): clear ``v``, keep ``u``."""
-        self.buffers[key]["v"].zero_()
-
-    def snapshot(self, key):
-        """Keep ``key``'s buffers as they are, so a step that ends up skipped can be undone:
-        the step works on copies made into spare buffers (two copies, no allocation after
-        the first step); ``commit`` keeps the copies, ``rollback`` the originals."""
-        state = self.buffers.get(key)
-        if state is None or key in self._snapshots:
-            self._snapshots.setdefault(key, state)
+    # -- a step that may be undone (skip_nonfinite) -----------------------------------
+    def snapshot(self, block):
+        """Keep ``block`` as it is, so a step that ends up skipped can be undone. Costs
+        no copy: the step's update is written beside the old buffers (into spare ones,
+        allocated once), ``commit`` keeps the new ones, ``rollback`` the old."""
+        if block.previous is not None:
             return
-        spare = self._spare.pop(key, None)
-        work = {}
-        for name, t in state.items():
-            s = None if spare is None else spare.get(name)
-            if t is None:
-                work[name] = None
-            elif s is not None and s.shape == t.shape and s.dtype == t.dtype \
-                    and s.device == t.device:
-                work[name] = s.copy_(t)
-            else:
-                work[name] = t.clone()
-        self._snapshots[key] = state
-        self.buffers[key] = work
+        block.previous = (block.u, block.v)
+        spare = self._spare.pop(id(block), None)
+        if spare is None:
+            spare = (None if block.u is None else torch.zeros_like(block.u),
+                     torch.zeros_like(block.v))
+        u, v = spare
+        if block.u is not None and u is None:
+            u = torch.zeros_like(block.u)
+        block.u, block.v = (u if block.u is not None else None), v
+        self._guarded.append(block)
 
     def rollback(self):
         """Undo every change since the snapshots (the step was skipped)."""
-        for key, saved in self._snapshots.items():
-            changed = self.buffers.pop(key, None)
-            if saved is not None:
-                self.buffers[key] = saved
-                if changed is not None:
-                    self._spare[key] = changed
-        self._snapshots = {}
+        for block in self._guarded:
+            self._spare[id(block)] = (block.u, block.v)
+            block.u, block.v = block.previous
+            block.previous = None
+        self._guarded = []
 
     def commit(self):
-        for key, saved in self._snapshots.items():
-            if saved is not None:
-                self._spare[key] = saved
-        self._snapshots = {}
+        for block in self._guarded:
+            self._spare[id(block)] = block.previous
+            block.previous = None
+        self._guarded = []
 
+    # -- per tensor: checkpoints, tests --------------------------------------------------
     def residual(self, key):
-        state = self.buffers.get(key)
-        return None if state is None else state["v"]
+        """``key``'s residual ``v`` (a view), or None before its first step."""
+        block = self._where.get(key)
+        if block is None:
+            saved = self._loaded.get(key)
+            return None if saved is None else saved["v"]
+        return block.slice_of(block.v, block.index[key])
+
+    def velocity(self, key):
+        """``key``'s momentum ``u`` (a view), or None."""
+        block = self._where.get(key)
+        if block is None or block.u is None:
+            return None
+        return block.slice_of(block.u, block.index[key])
+
+    def keys(self):
+        return list(self._where) + [k for k in self._loaded if k not in self._where]
 
     def state_dict(self):
-        return {key: {"u": s["u"], "v": s["v"]} for key, s in self.buffers.items()}
+        """One entry per tensor, ``{key: {"u": flat or None, "v": flat}}``: the format
+        of every hvd_dgc checkpoint, whatever blocks the tensors were in."""
+        out = {key: {"u": None if self.velocity(key) is None else self.velocity(key).clone(),
+                     "v": self.residual(key).clone()} for key in self._where}
+        for key, saved in self._loaded.items():
+            out.setdefault(key, {"u": saved["u"], "v": saved["v"]})
+        return out
 
     def load_state_dict(self, state, device_of=None):
-        self.buffers, self._snapshots, self._spare = {}, {}, {}
+        """Per-tensor entries; each goes into its block when that is next used."""
+        self.blocks, self._where, self._guarded, self._spare = {}, {}, [], {}
+        self._loaded = {}
         for key, s in state.items():
-            move = (lambda t: t) if device_of is None else (lambda t, d=device_of(key): t.to(d))
-            self.buffers[key] = {"u": None if s["u"] is None else move(s["u"].clone()),
-                                 "v": move(s["v"].clone())}
+            device = None if device_of is None else device_of(key)
+            self._loaded[key] = {
+                "u": None if s["u"] is None else s["u"].to(device, copy=True),
+                "v": s["v"].to(device, copy=True)}
 
 
 def _fused(*tensors):

@@ -17,6 +17,9 @@ class Options(CompressorOptions):
     """hvd_dgc/config.py's CompressorOptions (options, copies, identity) plus
     ``self.seed``'s generators."""
 
+    #: draws from its generators (a skipped step must put them back: guard.py)
+    random = False
+
     # -- randomness (never the global RNG) --------------------------------
     def generator(self, device, rank=0):
         generators = self.__dict__.setdefault("_generators", {})

@@ -1,32 +1,28 @@
-"""How one launch's tensors travel: one protocol, one class per way (the optimizer's paths).
+"""How one launch's tensors travel: one class per way, one protocol (the engine's paths).
 
-A launch (one tensor, one Horovod group, or every tensor of a step) holds tensors
-that may travel different ways: dense allreduce, sparse allgather, region reduce,
-hierarchical DGC, a compressor's own collectives, or a sparse gradient as Horovod
-sends it. The
-optimizer (optimizer.py) prepares each tensor — clip, accumulate, choose — and
-hands it to its path; every path answers the same calls, so a new aggregation is
-one more class here, not more branches there::
+A launch (one tensor, a Horovod group, a bucket, or every tensor of a step) holds
+tensors that may travel different ways (``hvd_dgc.paths.PathKind``). The engine
+(engine.py) lays the launch out in flat buffers, one contiguous range per path (a
+``Part``), prepares the gradients and updates the memory; then every path answers the
+same three calls, so a new way to travel is one more class here, not more branches
+there::
 
-    payload = path.take(job)            what leaves the memory (the memory keeps the rest)
-    payload = path.placeholder(job, x)  a non-finite gradient's stand-in: x = inf or 0
-    launched = path.launch(items, name) start the collectives (non-blocking); with
-                                        delay > 0 or period > 1 (DGCState.keeps_own),
-                                        ``launched.sent``: what this rank sent
-    sent = path.advance(handle)         second rounds: called for every launch of a step
+    handle = path.launch(part)          take what leaves the memory (it keeps the rest),
+                                        start the collectives (non-blocking); with
+                                        ``part.own`` (delay, period), write what this
+                                        rank sent there
+    path.advance(handle)                second rounds: called for every launch of a step
                                         before any is waited on, so no rank waits on a
-                                        round another rank has not started; a path that
-                                        learns only here what it sent returns it (delay)
-    updates = path.collect(handle)      wait; each tensor's averaged update, flat, in order
+                                        round another rank has not started
+    path.collect(handle, update)        wait; write the average into ``update`` (flat,
+                                        the launch's layout) over the part's range
 
-What a tensor sent (``sent``: a flat tensor, or ``Selected`` records) is what delayed
-averaging replaces by the average D steps later (``own_of`` / ``subtract_own``); with
-``period > 1`` the steps between exchanges take no path at all (optimizer.py, LOCAL).
-
-A path whose ``reduces_first`` is set (hierarchical DGC) takes the clipped gradient
-itself: its memory accumulates what the first round returns, not this rank's own.
+The memory belongs to the engine: a part carries the launch's memory block and the
+engine's ``FlatMemory``, and a path takes from them only what leaves (``sent``) or
+gives back what an aggregation did not deliver (``give_back``).
 """
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -34,51 +30,16 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average, Sum
 
 from hvd_dgc.aggregation import slice_k, slices
-from hvd_dgc.costmodel import DENSE, HIERARCHICAL, REGION, SPARSE
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
-from hvd_dgc.torch.collective import EXCHANGE, HorovodComm
-from hvd_dgc.torch.compression import INDEX_BYTES, Selected, Selection, on_accelerator
+from hvd_dgc.paths import PathKind
+from hvd_dgc.torch.collective import HorovodComm
+from hvd_dgc.torch.compression import INDEX_BYTES
 from hvd_dgc.torch.gpu_select import counts_on
+from hvd_dgc.torch.memory import Run
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
-__all__ = ["Job", "Item", "Launched", "Wire", "make_paths", "own_of", "subtract_own",
-           "SPARSE_GRAD"]
-
-#: Horovod's path for a sparse gradient (its sparse_allreduce_async): allgather of the
-#: indices and values, no DGC (the gradient is sparse already).
-SPARSE_GRAD = "sparse_grad"
-
-
-class Job(NamedTuple):
-    """One tensor's part of a launch, as ``_prepare`` hands it to its path."""
-
-    key: object            # its memory's key
-    name: str
-    shape: torch.Size
-    v: torch.Tensor        # what may be sent (the memory's velocity, flat); or the gradient
-    k: int                 # records a sparse path selects
-    density: float
-    momentum: float = 0.0  # the memory's momentum for it (masking: hvd_dgc/masking.py)
-    block_max: object = None  # |v| block maxima from the fused CPU update
-    poison: object = None  # device flag: the gradient was not finite (GPU, skip_nonfinite)
-    fixed: object = None   # Selected: send this instead (a non-finite gradient's record)
-    nesterov: bool = False  # for a memory that accumulates after the launch (hierarchical)
-
-
-class Item(NamedTuple):
-    """One tensor of a launch, from ``_prepare`` to its update."""
-
-    path: str
-    job: Job
-    payload: object        # what its path sends
-    scale: object = None   # GradScaler's scale the update is multiplied back by
-    own: object = None     # keeps_own: what this rank sent (flat tensor or Selected)
-
-
-class Launched(NamedTuple):
-    handle: object
-    sent: list = None      # per item, what this rank sent (DGCState.keeps_own only)
+__all__ = ["Part", "Wire", "PathContext", "make_paths"]
 
 
 class Wire(NamedTuple):
@@ -101,190 +62,244 @@ class Wire(NamedTuple):
         return self.predivide / self.world() if self.op == Average else 1.0
 
 
-class _Path:
-    name = None
-    selects = False        # a sparse selection (k records from the memory)
-    reduces_first = False  # takes the gradient; the memory accumulates after a first round
+class PathContext(NamedTuple):
+    """What every path of one optimizer shares: fixed at wrap time, but ``counters``,
+    whose ``fp16_clipped`` list collects a step's device counts."""
 
-    def __init__(self, dgc, wire):
-        self.dgc, self.wire = dgc, wire
+    wire: object
+    compressor: object
+    memory: object        # the engine's FlatMemory
+    stats: object         # CompressionStats
+    masking: object       # the momentum_masking option
+    dense_fp16: bool
+    counters: object      # engine.StepCounters
+
+
+class Part(NamedTuple):
+    """One path's share of a launch: its members, a contiguous range of the flat buffers."""
+
+    kind: PathKind
+    launch: object        # engine.Launch: block, buffers, step, density, name
+    members: tuple        # engine.Member records, in flat order
+    index: tuple          # their positions in the launch's layout
+    lo: int               # [lo, hi): their range in the block's buffers
+    hi: int
+    ks: tuple             # records each may send (sparse paths)
+    own: object = None    # keeps_own: a flat buffer (the launch's layout) for what was sent
+    folded: object = None  # allgather: the launch's dense part, carried as records
+
+    @property
+    def offsets(self):
+        """Where each member starts in the launch's flat buffers."""
+        return tuple(self.launch.layout.offsets[i] for i in self.index)
+
+    @property
+    def numels(self):
+        return tuple(m.numel for m in self.members)
+
+    @property
+    def keys(self):
+        return tuple(m.key for m in self.members)
+
+
+class _Path:
+    kind = None
+
+    def __init__(self, ctx):
+        self.ctx = ctx
 
     def advance(self, handle):
-        return None
+        pass
 
 
 class DensePath(_Path):
-    """Ring allreduce of the whole velocity (grouped: one Horovod fusion per launch).
-    fp16 on the wire (hvd_dgc/fp16wire.py) keeps its rounding error, and what lies
-    beyond fp16's range, in the residual."""
+    """Ring allreduce of the part's velocity, one flat tensor. fp16 on the wire
+    (hvd_dgc/fp16wire.py) keeps its rounding error, and what lies beyond fp16's range,
+    in the residual."""
 
-    name = DENSE
+    kind = PathKind.DENSE
 
-    def take(self, job):
-        d, v = self.dgc, job.v
-        if d.dense_fp16:
+    def take(self, part):
+        """What leaves the memory: all of ``v`` over the part (stats counted)."""
+        ctx, block, launch = self.ctx, part.launch.block, part.launch
+        v = block.v[part.lo:part.hi]
+        if ctx.dense_fp16:
             payload = self._half(v)
         else:
             payload = v.clone()
-            d.memory.sent_all(job.key)
-        d.stats.record(job.name, DENSE, v.numel(), v.numel(),
-                       payload.numel() * payload.element_size(), job.density)
+            ctx.memory.sent_range(block, part.lo, part.hi)
+        size = payload.element_size()
+        for m in part.members:
+            ctx.stats.record(m.name, self.kind, m.numel, m.numel, m.numel * size,
+                             launch.density)
+        if launch.poison is not None:  # skip_nonfinite: inf where this rank's was not finite
+            bad = launch.poison[list(part.index)].repeat_interleave(
+                counts_on(part.numels, str(v.device)), output_size=v.numel())
+            payload = torch.where(bad, float("inf"), payload)
+        if part.own is not None:
+            part.own[part.lo:part.hi] = payload
         return payload
 
     def half_bound(self):
         """What one rank may put on this wire's fp16 allreduce (hvd_dgc/fp16wire.py)."""
-        return fp16_bound(self.wire.world(), self.wire.pre())
+        return fp16_bound(self.ctx.wire.world(), self.ctx.wire.pre())
 
     def _half(self, v):
         """fp16wire.fp16_payload, in place on the memory's ``v``: at most the bound on the
-        wire, the rest stays; the count of clipped values is read once per step
-        (optimizer.py ``_report_fp16``), not here (a GPU would wait)."""
+        wire, the rest stays; the count of clipped values is read once per step."""
         bound = self.half_bound()
         finite = torch.isfinite(v)
-        self.dgc.fp16_clipped.append(torch.count_nonzero(finite & (v.abs() > bound)))
+        self.ctx.counters.fp16_clipped.append(torch.count_nonzero(finite & (v.abs() > bound)))
         payload = torch.where(finite, v.clamp(-bound, bound), v).to(torch.float16)
         v.copy_(torch.where(finite, v - payload.to(v.dtype), 0.0))
         return payload
 
-    def placeholder(self, job, value):
-        payload = torch.full_like(job.v, value)
-        return payload.half() if self.dgc.dense_fp16 else payload
-
-    def launch(self, items, name):
-        # the allreduce overwrites the payloads in place: keep what was sent first
-        sent = [it.payload.to(it.job.v.dtype, copy=True) for it in items] \
-            if self.dgc.keeps_own else None
-        w = self.wire
+    def launch(self, part):
+        payload = self.take(part)
+        w = self.ctx.wire
         pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
-        handle = _hvd.grouped_allreduce_async_(
-            [it.payload for it in items], name=name + ".dense", op=w.op, prescale_factor=pre,
-            postscale_factor=post, process_set=w.process_set)
-        return Launched(handle, sent)
+        return _hvd.allreduce_async_(payload, name=part.launch.name + ".dense", op=w.op,
+                                     prescale_factor=pre, postscale_factor=post,
+                                     process_set=w.process_set), part
 
-    def collect(self, handle):
-        return [out.reshape(-1) for out in _hvd.synchronize(handle)]
+    def collect(self, handle, update):
+        handle, part = handle
+        update[part.lo:part.hi] = _hvd.synchronize(handle)
+
+
+class _Picked(NamedTuple):
+    """A sparse part's selection: positions in the block, this rank's values there, and
+    per member the records chosen and the slots it sends (k)."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    counts: tuple
+    ks: tuple
 
 
 class AllgatherPath(_Path):
     """Every rank's k records of each tensor to every rank; each sums them. Bytes per
     worker k(N-1): linear in N (hvd_dgc/aggregation.py)."""
 
-    name = SPARSE
-    selects = True
+    kind = PathKind.ALLGATHER
 
-    def take(self, job):
-        return job  # selected with the launch's other sparse tensors (select)
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.dense = DensePath(ctx)  # what a folded dense tensor leaves the memory as
 
-    def placeholder(self, job, value):
-        # at index 0: one record, or k on a GPU (there every rank sends exactly k)
-        count = job.k if on_accelerator(job.v) else 1
-        device, dtype = job.v.device, job.v.dtype
-        return job._replace(fixed=Selected(torch.zeros(count, dtype=torch.long, device=device),
-                                           torch.full((count,), value, dtype=dtype,
-                                                      device=device)))
+    def select(self, part):
+        """Choose and take out of the memory what the part's tensors send: one
+        selection for them all (the compressor's ``pick``), the memory told once."""
+        ctx, launch, block = self.ctx, part.launch, part.launch.block
+        picked = ctx.compressor.pick(block.v, block.block_max, part.offsets, part.numels,
+                                     part.ks, part.keys, launch.rank, launch.step)
+        masked = self._masked(part, picked)
+        if picked.values is None:
+            values = ctx.memory.take(block, picked.positions, masked)
+        else:
+            values = picked.values
+            ctx.memory.sent(block, picked.positions,
+                            picked.positions if masked is True else masked)
+        if part.own is not None:
+            part.own.index_put_((picked.positions,), values.to(part.own.dtype))
+        record = ctx.compressor.record_bytes  # padding to k: counted where it is added
+        for m, count in zip(part.members, picked.counts):
+            ctx.stats.record(m.name, self.kind, m.numel, count, count * record,
+                             launch.density)
+        return _Picked(picked.positions, values, picked.counts, part.ks)
 
-    def select(self, jobs, pre):
-        """Select and take out of the memory what ``jobs`` send: ``(values on the wire,
-        Selection)``. On a GPU one selection serves them all (gpu_select.py), as kernel
-        launches, not bytes, bound the work there."""
-        d, comp, rank = self.dgc, self.dgc.compression, _hvd.rank()
-        free = [job for job in jobs if job.fixed is None]
-        if free:
-            sel = comp.sparsify_many([job.v for job in free], [job.k for job in free], rank,
-                                     [job.block_max for job in free])
-        if len(free) < len(jobs):  # fixed records among them: a non-finite gradient's
-            picked = iter(sel.split() if free else ())  # placeholder, a folded dense tensor
-            parts = [job.fixed or Selected(*next(picked)) for job in jobs]
-            sel = Selection(torch.cat([part.indices for part in parts]),
-                            torch.cat([part.values for part in parts]),
-                            tuple(part.indices.numel() for part in parts))
-        wire = sel.values if pre == 1.0 else sel.values * pre
-        if any(job.poison is not None for job in jobs):  # a GPU, skip_nonfinite
-            # inf in a bad tensor's records; a folded dense tensor (fold) has no flag: its
-            # own non-finite values reach the sum as they are
-            no = torch.zeros((), dtype=torch.bool, device=wire.device)
-            poison = [no if job.poison is None else job.poison for job in jobs]
-            bad = torch.stack(poison).repeat_interleave(
-                counts_on(sel.ks, str(wire.device)), output_size=wire.numel())
-            wire = torch.where(bad, float("inf"), wire)
-        for job, (indices, _) in zip(jobs, sel.split()):
-            if job.fixed is None:
-                mask = job.density <= masking_density_limit(d.memory.momentum_masking,
-                                                             job.momentum)
-                d.memory.sent(job.key, indices, mask_momentum=mask)
-                d.stats.record(job.name, self.name, job.v.numel(), indices.numel(),
-                               indices.numel() * comp.record_bytes, job.density)
-        return wire, sel
+    def _masked(self, part, picked):
+        """Whose momentum the sent coordinates lose (hvd_dgc/masking.py): True (all),
+        None (none), or the positions of those that do."""
+        density, setting = part.launch.density, self.ctx.masking
+        masks = [density <= masking_density_limit(setting, m.momentum) for m in part.members]
+        if all(masks):
+            return True
+        if not any(masks):
+            return None
+        keep = torch.tensor(masks, device=picked.positions.device).repeat_interleave(
+            counts_on(picked.counts, str(picked.positions.device)),
+            output_size=picked.positions.numel())
+        return picked.positions[keep]
 
-    def fold(self, items):
-        """``items`` with the launch's dense tensors moved into its allgather, where the
-        cost model says so (costmodel.py ``folds``): each as records of all its indices,
-        values exactly those the dense allreduce would have summed (so the memory, the
-        stats' dense count and delayed averaging's ``own`` are unchanged). One Horovod
-        operation per launch instead of two: two round trips fewer a step over a WAN
-        (bench/results/round_trips.md). The same decision on every rank: it depends on
-        the launch's members and sizes only."""
-        dense = [i for i, it in enumerate(items) if it.path == DENSE]
-        if not dense or not any(it.path == SPARSE for it in items):
-            return items
-        comp, d = self.dgc.compression, self.dgc
-        if any(items[i].payload.dtype != comp.value_dtype for i in dense):
-            return items  # fp16 on the dense wire, fp32 records (or the reverse): leave it
-        numel = sum(items[i].payload.numel() for i in dense)
-        if not d.cost_model.folds(numel, self.wire.world(), comp.value_bytes, INDEX_BYTES):
-            return items
-        items = list(items)
-        for i in dense:
-            it = items[i]
-            n = it.payload.numel()
-            whole = Selected(torch.arange(n, device=it.payload.device), it.payload)
-            d.stats.add_bytes(it.job.name, n * INDEX_BYTES)
-            items[i] = it._replace(path=SPARSE, payload=it.job._replace(k=n, fixed=whole))
-        return items
+    def records(self, part, sel, pre):
+        """``(local indices, wire values)`` in the launch's slots: each tensor's k
+        records in order, those a CPU selection left empty as (index 0, value 0), which
+        add nothing. Padded, every rank sends the same buffer shape every step, and
+        Horovod's response cache answers the negotiation: measured over a 100 ms link
+        (bench/results/round_trips.md), an allgather whose size changes from step to
+        step waits 7 round trips, one of a fixed size 3."""
+        device = sel.positions.device
+        counts = counts_on(sel.counts, str(device))
+        starts = torch.tensor(part.offsets, dtype=torch.long, device=device)
+        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
+            counts, output_size=sel.positions.numel())
+        local = sel.positions - starts[member]
+        values = sel.values if pre == 1.0 else sel.values * pre
+        if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
+            bad = part.launch.poison[list(part.index)]
+            values = torch.where(bad[member], float("inf"), values)
+        if sel.counts == sel.ks:
+            return local, values
+        total = sum(sel.ks)
+        first = torch.tensor((0,) + tuple(accumulate(sel.counts))[:-1], dtype=torch.long,
+                             device=device)
+        slot_start = torch.tensor((0,) + tuple(accumulate(sel.ks))[:-1], dtype=torch.long,
+                                  device=device)
+        slot = slot_start[member] + torch.arange(local.numel(), device=device) - first[member]
+        indices = torch.zeros(total, dtype=local.dtype, device=device).index_copy_(
+            0, slot, local)
+        wire = torch.zeros(total, dtype=values.dtype, device=device).index_copy_(
+            0, slot, values)
+        record = self.ctx.compressor.record_bytes
+        for m, count, k in zip(part.members, sel.counts, sel.ks):
+            if count < k:
+                self.ctx.stats.add_bytes(m.name, (k - count) * record)
+        return indices, wire
 
-    @staticmethod
-    def _sent(sel):
-        return [Selected(indices, values) for indices, values in sel.split()]
+    def _fold(self, part):
+        """The launch's dense tensors as records of every index (``part.folded``): each
+        value exactly what the dense allreduce would have summed, so the memory, the
+        statistics and delayed averaging's own are unchanged; one Horovod operation per
+        launch instead of two (bench/results/round_trips.md)."""
+        dense = part.folded
+        payload = self.dense.take(dense)  # the dense path's own bookkeeping
+        device = payload.device
+        local = torch.cat([torch.arange(n, device=device) for n in dense.numels])
+        for m in dense.members:
+            self.ctx.stats.add_bytes(m.name, m.numel * INDEX_BYTES)
+        return local, payload
 
-    def launch(self, items, name):
-        jobs = [it.payload for it in items]
-        wire, sel = self.select(jobs, self.wire.pre())
-        ks = tuple(job.k for job in jobs)
-        indices = sel.indices
-        if sel.ks != ks:
-            wire, indices = self._pad(jobs, wire, sel, ks)
-        records = self.dgc.compression.pack(wire, indices)
-        handle = _hvd.allgather_async(records, name=name + ".sparse",
-                                      process_set=self.wire.process_set)
-        layout = (tuple(job.v.numel() for job in jobs), ks)
-        return Launched((handle, layout), self._sent(sel) if self.dgc.keeps_own else None)
+    def launch(self, part):
+        sel = self.select(part)
+        local, wire = self.records(part, sel, self.ctx.wire.pre())
+        layout = (part.offsets, sel.ks)
+        if part.folded is not None:
+            dense_local, dense_values = self._fold(part)
+            pre = self.ctx.wire.pre()
+            local = torch.cat([local, dense_local])
+            wire = torch.cat([wire, dense_values if pre == 1.0 else dense_values * pre])
+            layout = (part.offsets + part.folded.offsets, sel.ks + part.folded.numels)
+        records = self.ctx.compressor.pack(wire, local)
+        handle = _hvd.allgather_async(records, name=part.launch.name + ".sparse",
+                                      process_set=self.ctx.wire.process_set)
+        ranges = [(part.lo, part.hi)]
+        if part.folded is not None:
+            ranges.append((part.folded.lo, part.folded.hi))
+        return handle, layout, ranges
 
-    def _pad(self, jobs, wire, sel, ks):
-        """Each tensor's records up to its k with (index 0, value 0) records, which add
-        nothing. A CPU selection sends 0.8k to k records; padded, every rank sends the
-        same buffer shape every step, and Horovod's response cache answers the
-        negotiation: measured over a 100 ms link (bench/results/round_trips.md), an
-        allgather whose size changes from step to step waits 7 round trips, one of a
-        fixed size 3, what a single allreduce waits. Up to a quarter more record bytes
-        for four round trips fewer."""
-        values, indices, record = [], [], self.dgc.compression.record_bytes
-        for job, (idx, val), k in zip(jobs, zip(sel.indices.split(sel.ks),
-                                                wire.split(sel.ks)), ks):
-            missing = k - idx.numel()
-            values += [val, val.new_zeros(missing)]
-            indices += [idx, idx.new_zeros(missing)]
-            self.dgc.stats.add_bytes(job.name, missing * record)
-        return torch.cat(values), torch.cat(indices)
-
-    def collect(self, handle):
-        handle, (sizes, ks) = handle
-        out, comp, post = _hvd.synchronize(handle), self.dgc.compression, self.wire.post()
-        return comp.scatter_sum_many(out, sizes, ks, scale=post)
+    def collect(self, handle, update):
+        handle, (offsets, ks), ranges = handle
+        records = _hvd.synchronize(handle)
+        for lo, hi in ranges:
+            update[lo:hi].zero_()
+        self.ctx.compressor.scatter_into(update, records, offsets, ks,
+                                         scale=self.ctx.wire.post())
 
 
 class _RegionLaunch(NamedTuple):
-    jobs: list
-    chunks: list   # [(RegionReduce, positions of its jobs)]
+    part: Part
+    chunks: list   # [(RegionReduce, member positions in the part)]
 
 
 class RegionPath(AllgatherPath):
@@ -298,69 +313,71 @@ class RegionPath(AllgatherPath):
     coordinates the owners then applied measured no better (digits, N = 4, 4 seeds, one
     run: 96.53% both)."""
 
-    name = REGION
+    kind = PathKind.REGION
 
-    def launch(self, items, name):
-        jobs = [it.payload for it in items]
-        wire, sel = self.select(jobs, 1.0)
+    def launch(self, part):
+        sel = self.select(part)
+        device = sel.positions.device
+        starts = torch.tensor(part.offsets, dtype=torch.long, device=device)
+        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
+            counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
+        local = sel.positions - starts[member]
+        values = sel.values
+        if part.launch.poison is not None:  # inf is the largest sum: some owner sends it
+            values = torch.where(part.launch.poison[list(part.index)][member],
+                                 float("inf"), values)
         chunks, start, bounds = [], 0, [0]
-        for c in sel.ks:
+        for c in sel.counts:
             bounds.append(bounds[-1] + c)
-        while start < len(jobs):  # launches of more than 2**31 elements: several reduces
+        numels, n = part.numels, len(part.members)
+        while start < n:  # launches of more than 2**31 elements: several reduces
             stop, total = start, 0
-            while stop < len(jobs) and (stop == start
-                                        or total + jobs[stop].v.numel() <= MAX_ELEMENTS):
-                total += jobs[stop].v.numel()
+            while stop < n and (stop == start or total + numels[stop] <= MAX_ELEMENTS):
+                total += numels[stop]
                 stop += 1
             lo, hi = bounds[start], bounds[stop]
-            part = jobs[start:stop]
-            reduce = RegionReduce(sel.indices[lo:hi], wire[lo:hi], sel.ks[start:stop],
-                                  [job.v.numel() for job in part], [job.k for job in part],
-                                  self.dgc.compression, f"{name}.region{len(chunks)}",
-                                  self.wire.process_set)
-            chunks.append((reduce, list(range(start, stop))))
+            chunks.append((RegionReduce(local[lo:hi], values[lo:hi], sel.counts[start:stop],
+                                        numels[start:stop], part.ks[start:stop],
+                                        self.ctx.compressor,
+                                        f"{part.launch.name}.region{len(chunks)}",
+                                        self.ctx.wire.process_set),
+                           list(range(start, stop))))
             start = stop
-        sent = self._sent(sel) if self.dgc.keeps_own else None
-        return Launched(_RegionLaunch(jobs, chunks), sent)
+        return _RegionLaunch(part, chunks)
 
     def advance(self, handle):
-        comp = self.dgc.compression
+        record = self.ctx.compressor.record_bytes
         for reduce, positions in handle.chunks:
             if reduce.advanced:
                 continue
             reduce.advance()
             for position, kept in zip(positions, reduce.kept_counts):
-                job = handle.jobs[position]
-                self.dgc.stats.add_bytes(job.name, kept * comp.record_bytes)
+                self.ctx.stats.add_bytes(handle.part.members[position].name, kept * record)
 
-    def collect(self, handle):
+    def collect(self, handle, update):
         self.advance(handle)
-        post = 1.0 / self.wire.world() if self.wire.op == Average else 1.0  # no predivide
-        updates, memory = [None] * len(handle.jobs), self.dgc.memory
+        ctx, part = self.ctx, handle.part
+        post = 1.0 / ctx.wire.world() if ctx.wire.op == Average else 1.0  # no predivide
+        offsets = part.offsets
+        update[part.lo:part.hi].zero_()
         for reduce, positions in handle.chunks:
             res = reduce.collect()
+            device = res.values.device
+            starts = torch.tensor([offsets[p] for p in positions], dtype=torch.long,
+                                  device=device)
+            tensor, local = reduce.split(res.indices)
             values = res.values if post == 1.0 else res.values * post
-            total = torch.zeros(sum(reduce.numels), dtype=torch.float32, device=values.device)
-            total.index_put_((res.indices,), values)  # each index once: no order to fix
-            for position, update in zip(positions, total.split(list(reduce.numels))):
-                updates[position] = update
+            update.index_put_((starts[tensor] + local,), values.to(update.dtype))
             # error feedback: this rank's regions' unsent sums go back into its memory
             back_indices, back_values = res.returned
-            self.dgc.stats.add_returned(back_indices.numel())
+            ctx.stats.add_returned(back_indices.numel())
             tensor, local = reduce.split(back_indices)
-            counts = torch.bincount(tensor, minlength=len(positions)).tolist()
-            for position, idx, val in zip(positions, local.split(counts),
-                                          back_values.split(counts)):
-                if idx.numel():
-                    job = handle.jobs[position]
-                    memory.give_back(job.key, idx, val, like=job.v)
-        return updates
+            ctx.memory.give_back(part.launch.block, starts[tensor] + local, back_values)
 
 
 class _HierarchicalLaunch(NamedTuple):
-    jobs: list
-    name: str
-    bounds: list     # per job, its slices' (start, stop), one per rank of the host
+    part: Part
+    bounds: list     # per member, its slices' (start, stop), one per rank of the host
     local: object    # the alltoall inside the host
     gather: list     # [the allgather across hosts], once advanced
 
@@ -378,163 +395,161 @@ class HierarchicalPath(_Path):
     every rank's; every rank sums the same records in the same order (collect).
 
     Memory: the residual of slice j of a host's summed gradient lives on the host's
-    j-th rank, and only there (1/L of a tensor per rank); what a host did not send
-    stays in the memory of the rank owning that slice. A host sends about k records
-    per tensor across hosts where flat DGC's L ranks send L k (hvd_dgc/aggregation.py
-    hierarchical_bytes). At density 1 every coordinate is sent: the update is dense
-    momentum SGD's."""
+    j-th rank, and only there (1/L of a tensor per rank): a block of its own per tensor,
+    outside the launch's. What a host did not send stays in the memory of the rank
+    owning that slice. A host sends about k records per tensor across hosts where flat
+    DGC's L ranks send L k (hvd_dgc/aggregation.py hierarchical_bytes). At density 1
+    every coordinate is sent: the update is dense momentum SGD's. Per tensor, not flat:
+    it runs on several hosts only, where the link, not the launches, bounds a step."""
 
-    name = HIERARCHICAL
-    selects = True
-    reduces_first = True
+    kind = PathKind.HIERARCHICAL
 
-    def take(self, job):
-        return job  # the clipped gradient: the host's sum reaches the memory in advance
-
-    def placeholder(self, job, value):
-        return job._replace(v=torch.full_like(job.v, value))
-
-    def launch(self, items, name):
-        jobs = [it.payload for it in items]
-        peers, ps = self.wire.peers, self.wire.process_set
-        bounds = [slices(job.v.numel(), len(peers)) for job in jobs]
-        # a GPU's non-finite flag (skip_nonfinite): inf reaches the host's sums, then the wire
-        sends = [job.v if job.poison is None else torch.where(job.poison, float("inf"), job.v)
-                 for job in jobs]
-        parts = [torch.cat([v[b[j][0]:b[j][1]] for v, b in zip(sends, bounds)])
-                 for j in range(len(peers))]
+    def launch(self, part):
+        launch, peers, ps = part.launch, self.ctx.wire.peers, self.ctx.wire.process_set
+        grads = [launch.g[lo:lo + m.numel] for lo, m in zip(part.offsets, part.members)]
+        bounds = [slices(m.numel, len(peers)) for m in part.members]
+        if launch.poison is not None:  # a non-finite flag: inf reaches the host's sums
+            bad = launch.poison[list(part.index)]
+            grads = [torch.where(bad[j], float("inf"), g) for j, g in enumerate(grads)]
+        pieces = [torch.cat([g[b[j][0]:b[j][1]] for g, b in zip(grads, bounds)])
+                  for j in range(len(peers))]
         splits = torch.zeros(ps.size(), dtype=torch.int32)
         for j, rank in enumerate(peers):
-            splits[rank] = parts[j].numel()
-        local = _hvd.alltoall_async(torch.cat(parts), splits=splits, name=name + ".local",
-                                    process_set=ps)
-        return Launched(_HierarchicalLaunch(jobs, name, bounds, local, []), None)
+            splits[rank] = pieces[j].numel()
+        local = _hvd.alltoall_async(torch.cat(pieces), splits=splits,
+                                    name=launch.name + ".local", process_set=ps)
+        return _HierarchicalLaunch(part, bounds, local, [])
 
     def advance(self, handle):
-        """Returns what this rank sent, per tensor (its slice's records, unscaled): its
-        host's sum, so over all ranks they add up to N x the average, as delayed
-        averaging's ``own`` must (paths.py own_of)."""
+        """Accumulate the host's sum of this rank's slices, select, start the allgather;
+        what this rank sent (its host's sum: over all ranks they add up to N x the
+        average) is its own for delayed averaging."""
         if handle.gather:
-            return None
-        d, comp, rank = self.dgc, self.dgc.compression, _hvd.rank()
+            return
+        ctx, part = self.ctx, handle.part
+        launch, comp, rank = part.launch, ctx.compressor, _hvd.rank()
         got, _ = _hvd.synchronize(handle.local)
-        me = self.wire.peers.index(rank)
-        host = got.view(len(self.wire.peers), -1).sum(0)  # the host's ranks, in rank order
-        records, sent, start, pre = [], [], 0, self.wire.pre()
-        for job, bounds in zip(handle.jobs, handle.bounds):
+        me = ctx.wire.peers.index(rank)
+        host = got.view(len(ctx.wire.peers), -1).sum(0)  # the host's ranks, in rank order
+        records, start, pre = [], 0, ctx.wire.pre()
+        wants = comp.wants_block_max(host.device)
+        for m, bounds, k_full, offset in zip(part.members, handle.bounds, part.ks,
+                                             part.offsets):
             lo, hi = bounds[me]
-            v = d.memory.accumulate(job.key, host[start:start + hi - lo], job.momentum,
-                                    job.nesterov)
-            start += hi - lo
-            k = slice_k(job.k, job.v.numel(), hi - lo)
+            n = hi - lo
+            block = ctx.memory.block((m.key,), (n,), 1, host.device, host.dtype)
+            if launch.guarded:  # a step that may be undone (guard.py)
+                ctx.memory.snapshot(block)
+            g = host.new_zeros(block.total)
+            g[:n] = host[start:start + n]
+            start += n
+            ctx.memory.accumulate(block, g, [Run(0, block.total, m.momentum, m.nesterov)],
+                                  with_block_max=wants)
+            k = slice_k(k_full, m.numel, n)
             if not k:  # fewer elements than the host has ranks: nothing here
-                empty = v.new_zeros(0)
+                empty = block.v.new_zeros(0)
                 records.append(comp.pack(empty, empty.long()))
-                sent.append(Selected(empty.long(), empty))
                 continue
-            sel = comp.sparsify(v, k, rank, None)
-            mask = job.density <= masking_density_limit(d.memory.momentum_masking, job.momentum)
-            d.memory.sent(job.key, sel.indices, mask_momentum=mask)
-            count = sel.indices.numel()
-            d.stats.record(job.name, HIERARCHICAL, hi - lo, count, count * comp.record_bytes,
-                           job.density)
-            values = sel.values if pre == 1.0 else sel.values * pre
-            records.append(comp.pack(values, sel.indices + lo))
-            sent.append(Selected(sel.indices + lo, sel.values))
+            picked = comp.pick(block.v, block.block_max, (0,), (n,), (k,), (m.key,), rank,
+                               launch.step)
+            masked = launch.density <= masking_density_limit(ctx.masking, m.momentum)
+            if picked.values is None:
+                values = ctx.memory.take(block, picked.positions, True if masked else None)
+            else:
+                values = picked.values
+                ctx.memory.sent(block, picked.positions, picked.positions if masked else None)
+            count = picked.positions.numel()
+            ctx.stats.record(m.name, self.kind, n, count, count * comp.record_bytes,
+                             launch.density)
+            records.append(comp.pack(values if pre == 1.0 else values * pre,
+                                     picked.positions + lo))
+            if part.own is not None:
+                part.own.index_put_((picked.positions + lo + offset,),
+                                    values.to(part.own.dtype), accumulate=True)
         handle.gather.append(_hvd.grouped_allgather_async(
-            records, name=handle.name + ".cross", process_set=self.wire.process_set))
-        return sent
+            records, name=launch.name + ".cross", process_set=ctx.wire.process_set))
 
-    def collect(self, handle):
+    def collect(self, handle, update):
         self.advance(handle)
-        out, comp, post = _hvd.synchronize(handle.gather[0]), self.dgc.compression, \
-            self.wire.post()
-        return [comp.scatter_sum(records, job.v.numel(), scale=post)
-                for records, job in zip(out, handle.jobs)]
+        part, comp = handle.part, self.ctx.compressor
+        out = _hvd.synchronize(handle.gather[0])
+        post = self.ctx.wire.post()
+        for records, lo, m in zip(out, part.offsets, part.members):
+            update[lo:lo + m.numel] = comp.scatter_sum(records, m.numel, scale=post)
 
 
 class ExchangePath(_Path):
     """Compressors that run their own collectives (collective.py: PowerSGD, sign,
     TernGrad, QSGD, bf16); they take what they sent out of ``v`` (error feedback)."""
 
-    name = EXCHANGE
+    kind = PathKind.EXCHANGE
 
-    def take(self, job):
-        comp = self.dgc.compression
-        self.dgc.stats.record(job.name, comp.name, job.v.numel(), job.v.numel(),
-                              comp.wire_bytes(job.shape), job.density)
-        return job.v.view(job.shape)
-
-    def placeholder(self, job, value):  # through the compressor, from a throwaway residual
-        return torch.full(job.shape, value, dtype=job.v.dtype, device=job.v.device)
-
-    def launch(self, items, name):
-        comp = self.dgc.compression
-        ex = comp.launch([it.payload for it in items], [it.job.name for it in items],
-                         name + ".x", HorovodComm(self.wire.process_set))
-        sent = None
-        if self.dgc.keeps_own:  # one-round compressors know what they sent at launch
-            sent = [s.to(it.payload.dtype, copy=True) for s, it in zip(ex.sent, items)]
-        return Launched(ex, sent)
+    def launch(self, part):
+        ctx, launch, block = self.ctx, part.launch, part.launch.block
+        comp = ctx.compressor
+        residuals = [block.v[o:o + m.numel].view(m.shape)
+                     for o, m in zip(part.offsets, part.members)]
+        if launch.poison is not None:  # inf through the compressor from a non-finite rank
+            for j, r in enumerate(residuals):
+                r.copy_(torch.where(launch.poison[part.index[j]], float("inf"), r))
+        for m in part.members:
+            ctx.stats.record(m.name, comp.name, m.numel, m.numel, comp.wire_bytes(m.shape),
+                             launch.density)
+        ex = comp.launch(residuals, [m.name for m in part.members], launch.name + ".x",
+                         HorovodComm(ctx.wire.process_set))
+        if part.own is not None:  # one-round compressors know what they sent at launch
+            torch._foreach_copy_([part.own[o:o + m.numel] for o, m in
+                                  zip(part.offsets, part.members)],
+                                 [s.reshape(-1) for s in ex.sent])
+        return ex, part
 
     def advance(self, handle):
-        self.dgc.compression.advance(handle)
+        self.ctx.compressor.advance(handle[0])
 
-    def collect(self, handle):
-        outs = self.dgc.compression.collect(handle)  # averages
-        if self.wire.op == Sum:
-            return [out.mul_(self.wire.world()) for out in outs]
-        return outs
+    def collect(self, handle, update):
+        ex, part = handle
+        outs = self.ctx.compressor.collect(ex)  # averages
+        if self.ctx.wire.op == Sum:
+            outs = [out.mul_(self.ctx.wire.world()) for out in outs]
+        torch._foreach_copy_([update[o:o + m.numel] for o, m in
+                              zip(part.offsets, part.members)], outs)
 
 
 class SparseGradPath(_Path):
     """A sparse gradient (nn.Embedding(sparse=True)) as Horovod's sparse allreduce sends
-    it: every rank's coalesced indices and values allgathered; no DGC, no memory."""
+    it: every rank's coalesced indices and values allgathered; no DGC, no memory. Its
+    average is a sparse tensor, set as the parameter's gradient (engine.py)."""
 
-    name = SPARSE_GRAD
+    kind = PathKind.SPARSE_GRAD
 
-    def launch(self, items, name):
-        ps = self.wire.process_set
-        return Launched([
-            (_hvd.allgather_async(indices, name=f"{name}.g{i}.indices", process_set=ps),
-             _hvd.allgather_async(values, name=f"{name}.g{i}.values", process_set=ps),
-             it.job.shape)
-            for i, it in enumerate(items) for indices, values in (it.payload,)])
+    def launch(self, part):
+        ps, launch = self.ctx.wire.process_set, part.launch
+        handles = []
+        for i, (m, (indices, values)) in enumerate(zip(part.members, launch.sparse)):
+            sent = indices.numel() * indices.element_size() \
+                + values.numel() * values.element_size()
+            self.ctx.stats.record(m.name, self.kind, m.numel, values.numel(), sent,
+                                  values.numel() / max(1, m.numel))
+            handles.append((_hvd.allgather_async(indices, name=f"{launch.name}.g{i}.indices",
+                                                 process_set=ps),
+                            _hvd.allgather_async(values, name=f"{launch.name}.g{i}.values",
+                                                 process_set=ps), m))
+        return handles
 
-    def collect(self, handle):
-        """Every rank's rows, as one (uncoalesced) sparse tensor: the sum, or the average
-        (op=Average), as Horovod's sparse allreduce returns it."""
+    def collect(self, handle, update):
+        """Every rank's rows, as one (uncoalesced) sparse tensor per member: the sum, or
+        the average (op=Average), as Horovod's sparse allreduce returns it."""
         out = []
-        for indices_handle, values_handle, shape in handle:
+        for indices_handle, values_handle, m in handle:
             values = _hvd.synchronize(values_handle)  # values first, as Horovod waits
             indices = _hvd.synchronize(indices_handle)
-            if self.wire.op == Average:
-                values = values / self.wire.world()
-            out.append(torch.sparse_coo_tensor(indices.t(), values, shape))
+            if self.ctx.wire.op == Average:
+                values = values / self.ctx.wire.world()
+            out.append((m, torch.sparse_coo_tensor(indices.t(), values, m.shape)))
         return out
 
 
-#: the order a launch starts its paths in (the same on every rank)
-ORDER = (SPARSE_GRAD, EXCHANGE, SPARSE, REGION, HIERARCHICAL, DENSE)
-
-
-def make_paths(dgc, wire):
-    return {cls.name: cls(dgc, wire) for cls in (SparseGradPath, ExchangePath, AllgatherPath,
-                                                  RegionPath, HierarchicalPath, DensePath)}
-
-
-def own_of(item, dtype):
-    """This rank's contribution to a launch, as a dense flat tensor."""
-    own = item.own
-    if not isinstance(own, Selected):
-        return own.clone()  # p.grad may be changed by the user (clipping); own may not
-    dense = torch.zeros(item.job.v.numel(), dtype=dtype, device=own.values.device)
-    return dense.index_put_((own.indices,), own.values.to(dtype), accumulate=True)
-
-
-def subtract_own(update, item):
-    """``update - own`` in place: the local term a delayed average replaces."""
-    own = item.own
-    if not isinstance(own, Selected):
-        return update.sub_(own.to(update.dtype))
-    return update.index_put_((own.indices,), -own.values.to(update.dtype), accumulate=True)
+def make_paths(ctx):
+    """One instance of every path class, by kind."""
+    return {cls.kind: cls(ctx) for cls in (SparseGradPath, ExchangePath, AllgatherPath,
+                                           RegionPath, HierarchicalPath, DensePath)}

@@ -61,6 +61,7 @@ class PowerSGDCompressor(LowRankPlan, ExchangeCompressor):
     """
 
     name = "powersgd"
+    random = True  # fresh Qs without warm start: its own generators, in its state_dict
     sent_at_launch = False
 
     def __init__(self, rank=1, start_iter=1000, min_rate=2.0, warm_start=True, epsilon=1e-8,

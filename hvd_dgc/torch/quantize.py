@@ -106,6 +106,7 @@ class QSGDCompressor(GatherCompressor):
     """
 
     name = "qsgd"
+    random = True
 
     def __init__(self, levels=7, bucket_size=128, seed=0):
         check_qsgd(levels, bucket_size)
@@ -187,6 +188,7 @@ class TernGradCompressor(ExchangeCompressor):
     """
 
     name = "terngrad"
+    random = True
     sent_at_launch = False
     summable_why = ("its ternaries are summable only with one scale shared by every rank, "
                     "an allreduce(op=Max) before the sum, which compress/decompress cannot "

@@ -45,7 +45,7 @@ def torch_run():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
                 opt.step()
-            (buf,) = opt._dgc.memory.buffers.values()
+            (buf,) = opt.dgc_memory().values()
             steps.append({"u": buf["u"].numpy().copy(), "v": buf["v"].numpy().copy(),
                           "update": ((before - p.detach()) / LR).numpy(),
                           "step": opt.compression_stats()["step"]})

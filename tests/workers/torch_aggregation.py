@@ -69,7 +69,7 @@ def sparse_steps(steps=10):
 
 
 def _residuals(opt, model):
-    return [opt._dgc.memory.residual(opt._param_index[p]) for p in model.parameters()]
+    return [opt.residual(p) for p in model.parameters()]
 
 
 def conservation(steps=6):

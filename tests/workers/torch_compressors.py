@@ -10,7 +10,7 @@ import torch.nn as nn
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.torch.collective import HorovodComm
-from hvd_dgc.torch.memory import DGCMemory
+from tests.flatmem import Tensors
 from tests.workers.device import device
 from tests.workers.torch_convergence import accuracy, digits
 from tests.workers.torch_dgc import _run, expect_error, loss_of, ranks_identical, wide_mlp
@@ -68,7 +68,8 @@ def compare_with_torch_hook(comm, rank, shapes, keys, start=2, steps=6, data_ran
     comp = hvd.Compression.powersgd(rank=rank, start_iter=start, min_rate=2, epsilon=1e-8)()
     compressed = [i for i, s in enumerate(shapes) if comp.compressible(s, start)]
     qs = [comp.initial_q(keys[i], *_matrix_cols(shapes[i], rank)) for i in compressed]
-    memory, gen = DGCMemory(), torch.Generator().manual_seed(7 + 1000 * data_rank)
+    memory = Tensors([math.prod(s) for s in shapes], device=dev)
+    gen = torch.Generator().manual_seed(7 + 1000 * data_rank)
     out = {"compressed": compressed, "output": 0.0, "residual": 0.0, "moved": 0.0}
     for step in range(steps):
         grads = [torch.randn(s, generator=gen).to(dev) for s in shapes]
@@ -78,8 +79,7 @@ def compare_with_torch_hook(comm, rank, shapes, keys, start=2, steps=6, data_ran
                                                  device=dev)
             state.q_memory_dict[0] = torch.cat([q.reshape(-1) for q in qs]).to(dev)
         theirs = ph.powerSGD_hook(state, Bucket(grads)).wait()
-        residuals = [memory.accumulate(i, g.reshape(-1)).view(g.shape)
-                     for i, g in enumerate(grads)]
+        residuals = [v.view(g.shape) for v, g in zip(memory.accumulate(grads), grads)]
         chosen = [i for i, s in enumerate(shapes) if comp.compressible(s, step)]
         averages = {}
         if chosen:
@@ -158,7 +158,7 @@ def consistency():
                 "last": {k: (t["path"], t["numel"], t["bytes"])
                          for k, t in stats["last_step"]["tensors"].items()},
                 "residual": max(float(s["v"].abs().max())
-                                for s in opt._dgc.memory.buffers.values())}
+                                for s in opt.dgc_memory().values())}
     return out
 
 

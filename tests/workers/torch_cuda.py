@@ -176,7 +176,7 @@ def loss_scale_and_guard():
         after = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
         changed.append(float((after - before).abs().max()))
     memory_finite = all(bool(torch.isfinite(s["v"]).all())
-                        for s in opt._dgc.memory.buffers.values())
+                        for s in opt.dgc_memory().values())
     return {"syncs": syncs, "changed": changed, "memory_finite": memory_finite,
             "overflow_steps": opt.compression_stats()["overflow_steps"]}
 

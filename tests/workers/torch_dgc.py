@@ -164,7 +164,7 @@ def sparse_consistency(compression="dgc", steps=12):
                            "sent": t["sent"], "bytes": t["bytes"]})
     return {"identical": identical, "counts": counts, "stats": opt.compression_stats(),
             "moved": float((flat_params(model) - start).abs().max()),
-            "own_compressor": opt._dgc.compression is not comp and opt._dgc.compression == comp}
+            "own_compressor": opt.compressor is not comp and opt.compressor == comp}
 
 
 def np1_compresses():
@@ -262,14 +262,14 @@ def horovod_patterns():
         out[tag] = {
             "printed": printed.getvalue(), "ratio": stats["compression_ratio"],
             "paths": stats["paths"], "identical": ranks_identical(model, f"hp{tag}"),
-            "compressor": type(opt._dgc.compression).__name__,
+            "compressor": type(opt.compressor).__name__,
             # every rank sends k records per tensor (a CPU selection's padded to k)
             "record_bytes": sorted({t["bytes"] // num_selected(t["numel"], t["density"])
                                     for t in tensors if t["path"] == "sparse"}),
             "dense_bytes": sorted({t["bytes"] // t["numel"] for t in tensors
                                    if t["path"] == "dense"}),
             "accuracy": acc, "max_diff_vs_horovod": max_diff(ref, model),
-            "density_now": opt.density, "density_at_10000": opt._dgc.schedule(10000, 0.0),
+            "density_now": opt.density, "density_at_10000": opt.schedule(10000, 0.0),
             "max_diff_vs_none": max_diff(after_none, model)}
     m = wide_mlp(4)
 
@@ -288,7 +288,7 @@ def horovod_patterns():
         adamw = hvd.DistributedOptimizer(
             torch.optim.AdamW(m.parameters()),
             named_parameters=[("hpadamw." + n, p) for n, p in m.named_parameters()])
-    out["adamw_boundaries"] = adamw._dgc.schedule.boundaries
+    out["adamw_boundaries"] = adamw.schedule.boundaries
 
     class Custom(Compressor):
         pass
@@ -523,7 +523,7 @@ def amp_pattern():
                 before_after = float((flat_params(amp) - before).abs().max())
             diffs.append(max_diff(plain, amp))
     residual_finite = all(bool(torch.isfinite(s["v"]).all())
-                          for s in opt_a._dgc.memory.buffers.values())
+                          for s in opt_a.dgc_memory().values())
     return {"diffs": diffs, "warnings": [str(w.message) for w in caught],
             "overflow_steps": opt_a.compression_stats()["overflow_steps"],
             "skipped_step_change": before_after, "residual_finite": residual_finite,
@@ -569,9 +569,9 @@ def _broadcast_state_keeps_residual(rank):
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(o, root_rank=0)
     train(m, o, 2, rank, features=64, classes=10)
-    before = {k: s["v"].clone() for k, s in o._dgc.memory.buffers.items()}
+    before = {k: s["v"].clone() for k, s in o.dgc_memory().items()}
     hvd.broadcast_optimizer_state(o, root_rank=0)
-    after = o._dgc.memory.buffers
+    after = o.dgc_memory()
     return all(torch.equal(before[k], after[k]["v"]) for k in before)
 
 

@@ -89,7 +89,7 @@ def conservation(steps=6):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=_named("cons", model), density=0.02,
                                    aggregation="hierarchical")
-    peers = opt._paths["hierarchical"].wire.peers
+    peers = opt._wire.peers
     me = peers.index(rank)
 
     def residuals():
@@ -97,7 +97,7 @@ def conservation(steps=6):
         out = []
         for p in model.parameters():
             full = torch.zeros(p.numel())
-            r = opt._dgc.memory.residual(opt._param_index[p])
+            r = opt.residual(p)
             if r is not None and r.numel() == p.numel():  # a dense tensor: all of it here
                 full = r.reshape(-1).clone()
             elif r is not None:  # hierarchical: this rank's slice of its host's residual
@@ -135,7 +135,7 @@ def nonfinite_skip():
 
     def memory():
         return [None if r is None else r.clone() for r in (
-            opt._dgc.memory.residual(opt._param_index[p]) for p in model.parameters())]
+            opt.residual(p) for p in model.parameters())]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

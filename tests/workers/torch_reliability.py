@@ -29,7 +29,7 @@ def _train(model, opt, start, stop, rank, before_backward=None):
 
 def _memory(opt):
     """A copy of every DGC buffer (residual v, velocity u) of this rank."""
-    return {(key, name): t.clone() for key, s in opt._dgc.memory.buffers.items()
+    return {(key, name): t for key, s in opt.dgc_memory().items()
             for name, t in s.items() if t is not None}
 
 

@@ -1,126 +1,421 @@
-// One pass over a gradient for DGC's memory update and the block maxima that
-// the sampled-threshold selection scans (hvd_dgc/torch/memory.py,
-// compression.py). Eager PyTorch needs four passes for the same work
-// (u = m u + g; v += u; block max; block min); memory traffic, not
-// arithmetic, is what they cost, so one pass is ~2x faster on a CPU.
+// One pass over a flat gradient for DGC's memory update and the block maxima that
+// the sampled-threshold selection scans (hvd_dgc/torch/memory.py, cpu_select.py).
+// Eager PyTorch needs four passes for the same work (u = m u + g; v += u; block
+// max; block min); memory traffic, not arithmetic, is what they cost, so one pass is
+// ~2x faster on a CPU.
 //
-//   momentum, plain:     u = m * u + g          v = v + u
-//   momentum, Nesterov:  u = m * (u + g)        v = (v + u) + g
-//   no momentum:         v = v + g                         (error feedback)
-//   block_max[b] = max |v[32 b : 32 b + 32]|   for every full block b
+//   momentum, plain:     u' = m * u + g          v' = v + u'
+//   momentum, Nesterov:  u' = m * (u + g)        v' = (v + u') + g
+//   no momentum:         v' = v + g                          (error feedback)
+//   block_max[b] = max |v'[32 b : 32 b + 32]|   for every full block b (NaN if any is)
+//
+// u' and v' may be u and v themselves (in place), or other buffers: a step that may
+// be undone (skip_nonfinite) writes its update beside the old memory instead of
+// copying the old memory first, at no extra cost.
+//
+// Registered as the operator torch.ops.hvd_dgc.accumulate, so it dispatches (and a
+// TorchDispatchMode counts it) like any other operation.
 //
 // Rounding may differ from eager PyTorch by an ulp (its vector kernels may use
 // fused multiply-add); every rank runs the same code, so ranks stay identical.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 
+// On x86-64 each hot loop is compiled for AVX2 and for the baseline, chosen when the
+// library loads (as torch's own kernels are); elsewhere for the build's target.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HVD_DGC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HVD_DGC_CLONES
+#endif
+
+// One chunk of blocks [begin, end): each block updated, then its maximum taken while it
+// is in cache, in loops the compiler vectorizes (-fopenmp enables the pragmas). The max
+// is NaN for a block holding one: a non-finite gradient shows in the maxima (the guard
+// reads them; guard.py).
 template <int kMode>  // 0: no momentum, 1: momentum, 2: Nesterov
-void run(const float* g, float* u, float* v, float m, float* bmax, int64_t n) {
-  const int64_t blocks = n / kBlock;
-  at::parallel_for(0, blocks, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t o = b * kBlock;
-      float mx = 0.f;
-      for (int64_t j = o; j < o + kBlock; ++j) {
-        float vv;
-        if (kMode == 0) {
-          vv = v[j] + g[j];
-        } else if (kMode == 1) {
-          const float uu = m * u[j] + g[j];
-          u[j] = uu;
-          vv = v[j] + uu;
-        } else {
-          const float uu = m * (u[j] + g[j]);
-          u[j] = uu;
-          vv = (v[j] + uu) + g[j];
-        }
-        v[j] = vv;
-        mx = std::max(mx, std::fabs(vv));
-      }
-      bmax[b] = mx;
-    }
-  });
-  for (int64_t j = blocks * kBlock; j < n; ++j) {  // the tail: no block maximum
+inline void chunk(const float* g, const float* u, const float* v, float* uo, float* vo,
+                  float m, float* bmax, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t o = b * kBlock;
     if (kMode == 0) {
-      v[j] += g[j];
+#pragma omp simd
+      for (int64_t j = o; j < o + kBlock; ++j) vo[j] = v[j] + g[j];
     } else if (kMode == 1) {
-      u[j] = m * u[j] + g[j];
-      v[j] += u[j];
+#pragma omp simd
+      for (int64_t j = o; j < o + kBlock; ++j) {
+        const float uu = m * u[j] + g[j];
+        uo[j] = uu;
+        vo[j] = v[j] + uu;
+      }
     } else {
-      u[j] = m * (u[j] + g[j]);
-      v[j] = (v[j] + u[j]) + g[j];
+#pragma omp simd
+      for (int64_t j = o; j < o + kBlock; ++j) {
+        const float uu = m * (u[j] + g[j]);
+        uo[j] = uu;
+        vo[j] = (v[j] + uu) + g[j];
+      }
+    }
+    if (bmax == nullptr) continue;
+    float best = 0.f;
+    int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t j = o; j < o + kBlock; ++j) {
+      const float a = std::fabs(vo[j]);
+      best = a > best ? a : best;
+      nan |= (vo[j] != vo[j]);
+    }
+    bmax[b] = nan ? std::nanf("") : best;
+  }
+}
+
+HVD_DGC_CLONES void chunk_plain(const float* g, const float* v, float* vo, float* bmax,
+                                int64_t begin, int64_t end) {
+  chunk<0>(g, nullptr, v, nullptr, vo, 0.f, bmax, begin, end);
+}
+
+HVD_DGC_CLONES void chunk_momentum(const float* g, const float* u, const float* v, float* uo,
+                                   float* vo, float m, float* bmax, int64_t begin,
+                                   int64_t end) {
+  chunk<1>(g, u, v, uo, vo, m, bmax, begin, end);
+}
+
+HVD_DGC_CLONES void chunk_nesterov(const float* g, const float* u, const float* v, float* uo,
+                                   float* vo, float m, float* bmax, int64_t begin,
+                                   int64_t end) {
+  chunk<2>(g, u, v, uo, vo, m, bmax, begin, end);
+}
+
+void run(int mode, const float* g, const float* u, const float* v, float* uo, float* vo,
+         float m, float* bmax, int64_t n) {
+  auto go = [&](float* maxima, int64_t begin, int64_t end) {
+    if (mode == 0) {
+      chunk_plain(g, v, vo, maxima, begin, end);
+    } else if (mode == 1) {
+      chunk_momentum(g, u, v, uo, vo, m, maxima, begin, end);
+    } else {
+      chunk_nesterov(g, u, v, uo, vo, m, maxima, begin, end);
+    }
+  };
+  const int64_t blocks = n / kBlock;
+  at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) { go(bmax, begin, end); });
+  // (no maxima wanted: chunk() skips them when bmax is null)
+  for (int64_t j = blocks * kBlock; j < n; ++j) {  // the tail: no block maximum
+    if (mode == 0) {
+      vo[j] = v[j] + g[j];
+    } else if (mode == 1) {
+      const float uu = m * u[j] + g[j];
+      uo[j] = uu;
+      vo[j] = v[j] + uu;
+    } else {
+      const float uu = m * (u[j] + g[j]);
+      uo[j] = uu;
+      vo[j] = (v[j] + uu) + g[j];
     }
   }
 }
 
-void check(const torch::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+void check(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
               name, " must be a contiguous float32 CPU tensor");
   TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
 }
 
-void accumulate_block_max(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& v,
-                          double momentum, bool nesterov, const torch::Tensor& block_max) {
+void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
+                const at::Tensor& u_out, const at::Tensor& v_out, double momentum,
+                bool nesterov, const c10::optional<at::Tensor>& block_max) {
   const int64_t n = v.numel();
   check(g, "g", n);
   check(v, "v", n);
-  check(block_max, "block_max", n / kBlock);
+  check(v_out, "v_out", n);
+  float* bm = nullptr;
+  if (block_max.has_value() && block_max->defined()) {
+    check(*block_max, "block_max", n / kBlock);
+    bm = block_max->data_ptr<float>();
+  }
   const float m = static_cast<float>(momentum);
   if (momentum == 0.0) {
-    run<0>(g.data_ptr<float>(), nullptr, v.data_ptr<float>(), m, block_max.data_ptr<float>(), n);
+    run(0, g.data_ptr<float>(), nullptr, v.data_ptr<float>(), nullptr,
+        v_out.data_ptr<float>(), m, bm, n);
     return;
   }
   check(u, "u", n);
-  if (nesterov) {
-    run<2>(g.data_ptr<float>(), u.data_ptr<float>(), v.data_ptr<float>(), m,
-           block_max.data_ptr<float>(), n);
-  } else {
-    run<1>(g.data_ptr<float>(), u.data_ptr<float>(), v.data_ptr<float>(), m,
-           block_max.data_ptr<float>(), n);
-  }
+  check(u_out, "u_out", n);
+  run(nesterov ? 2 : 1, g.data_ptr<float>(), u.data_ptr<float>(), v.data_ptr<float>(),
+      u_out.data_ptr<float>(), v_out.data_ptr<float>(), m, bm, n);
 }
 
-// Indices i with |flat[i]| >= threshold, in increasing order, scanning only the
-// blocks whose maximum reaches it (what selection needs ~0.1% of the time).
-torch::Tensor indices_at_least(const torch::Tensor& flat, const torch::Tensor& block_max,
-                               double threshold) {
-  const int64_t n = flat.numel();
-  check(flat, "flat", n);
-  check(block_max, "block_max", n / kBlock);
-  const float* x = flat.data_ptr<float>();
+// DGC's scan, one round for every segment s of a flat v (it starts at offsets[s], a
+// multiple of the block, and holds numels[s] elements): the positions with
+// |v| >= thresholds[s], in increasing order, scanning only the blocks whose maximum
+// reaches it (what DGC's selection needs: ~0.1% of them), fetched a few blocks ahead
+// so the scattered loads overlap. A segment with more than ks[s] of them keeps the
+// ks[s] largest (DGC's "too many: the exact top-k of the candidates"); an infinite
+// threshold skips its segment. Returns (positions, |values| there, counts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
+    const at::Tensor& v, const at::Tensor& block_max, const at::Tensor& offsets,
+    const at::Tensor& numels, const at::Tensor& thresholds, const at::Tensor& ks) {
+  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
+              "v must be a contiguous float32 CPU tensor");
+  check(block_max, "block_max", block_max.numel());
+  const int64_t segments = offsets.numel();
+  auto off = offsets.to(at::kLong).contiguous();
+  auto num = numels.to(at::kLong).contiguous();
+  auto kk = ks.to(at::kLong).contiguous();
+  auto thr = thresholds.to(at::kFloat).contiguous();
+  const float* x = v.data_ptr<float>();
   const float* bm = block_max.data_ptr<float>();
-  const float t = static_cast<float>(threshold);
-  std::vector<int64_t> found;
-  const int64_t blocks = n / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (bm[b] >= t) {
-      for (int64_t j = b * kBlock; j < (b + 1) * kBlock; ++j) {
-        if (std::fabs(x[j]) >= t) found.push_back(j);
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t* n = num.data_ptr<int64_t>();
+  const int64_t* k = kk.data_ptr<int64_t>();
+  const float* t = thr.data_ptr<float>();
+  std::vector<std::vector<std::pair<float, int64_t>>> found(segments);
+  at::parallel_for(0, segments, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> hit;
+    for (int64_t s = begin; s < end; ++s) {
+      const float ts = t[s];
+      if (std::isinf(ts) && ts > 0) continue;
+      const int64_t lo = o[s], hi = o[s] + n[s];
+      hit.clear();  // the blocks that reach the threshold: a pass over the maxima
+      for (int64_t b = lo / kBlock; b * kBlock < hi; ++b) {
+        if (bm[b] >= ts) hit.push_back(b);
+      }
+      constexpr size_t kAhead = 8;
+      auto& f = found[s];
+      for (size_t i = 0; i < hit.size(); ++i) {
+        if (i + kAhead < hit.size()) {
+          __builtin_prefetch(x + hit[i + kAhead] * kBlock);
+          __builtin_prefetch(x + hit[i + kAhead] * kBlock + 16);
+        }
+        const int64_t start = hit[i] * kBlock, stop = std::min(hi, start + kBlock);
+        for (int64_t j = start; j < stop; ++j) {
+          const float a = std::fabs(x[j]);
+          if (a >= ts) f.emplace_back(a, j);
+        }
+      }
+      if (static_cast<int64_t>(f.size()) > k[s]) {  // the k largest, back in position order
+        std::nth_element(f.begin(), f.begin() + k[s], f.end(),
+                         [](const auto& a, const auto& b) { return a.first > b.first; });
+        f.resize(k[s]);
+        std::sort(f.begin(), f.end(),
+                  [](const auto& a, const auto& b) { return a.second < b.second; });
       }
     }
+  });
+  int64_t total = 0;
+  auto counts = at::empty({segments}, at::kLong);
+  for (int64_t s = 0; s < segments; ++s) {
+    counts.data_ptr<int64_t>()[s] = static_cast<int64_t>(found[s].size());
+    total += found[s].size();
   }
-  for (int64_t j = blocks * kBlock; j < n; ++j) {
-    if (std::fabs(x[j]) >= t) found.push_back(j);
+  auto positions = at::empty({total}, at::kLong);
+  auto values = at::empty({total}, at::kFloat);
+  int64_t* pp = positions.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  for (const auto& f : found) {
+    for (const auto& e : f) {
+      *vp++ = e.first;
+      *pp++ = e.second;
+    }
   }
-  auto out = torch::empty({static_cast<int64_t>(found.size())}, torch::kInt64);
-  std::copy(found.begin(), found.end(), out.data_ptr<int64_t>());
+  return std::make_tuple(positions, values, counts);
+}
+
+// Per segment s, the kth[s]-th largest |v| (0: the largest) of its sample: sizes[s]
+// places, base[...] (concatenated over the segments) shifted by shifts[s]. The value
+// a top-k of the sample would end at; here one partial sort per segment.
+at::Tensor thresholds(const at::Tensor& v, const at::Tensor& base, const at::Tensor& sizes,
+                      const at::Tensor& shifts, const at::Tensor& kth) {
+  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
+              "v must be a contiguous float32 CPU tensor");
+  const int64_t segments = sizes.numel();
+  auto b = base.to(at::kLong).contiguous();
+  auto sz = sizes.to(at::kLong).contiguous();
+  auto sh = shifts.to(at::kLong).contiguous();
+  auto kt = kth.to(at::kLong).contiguous();
+  const float* x = v.data_ptr<float>();
+  const int64_t* bp = b.data_ptr<int64_t>();
+  const int64_t* szp = sz.data_ptr<int64_t>();
+  std::vector<int64_t> starts(segments + 1, 0);
+  for (int64_t s = 0; s < segments; ++s) starts[s + 1] = starts[s] + szp[s];
+  auto out = at::empty({segments}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  const int64_t* shp = sh.data_ptr<int64_t>();
+  const int64_t* ktp = kt.data_ptr<int64_t>();
+  at::parallel_for(0, segments, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sample;
+    for (int64_t s = begin; s < end; ++s) {
+      sample.resize(szp[s]);
+      const int64_t* at_ = bp + starts[s];
+      for (int64_t j = 0; j < szp[s]; ++j) {
+        if (j + 64 < szp[s]) __builtin_prefetch(x + at_[j + 64] + shp[s]);
+        sample[j] = std::fabs(x[at_[j] + shp[s]]);
+      }
+      auto nth = sample.begin() + ktp[s];
+      std::nth_element(sample.begin(), nth, sample.end(), std::greater<float>());
+      op[s] = *nth;
+    }
+  });
   return out;
+}
+
+// What leaves the memory at ``positions`` (scattered over it): their values in v,
+// returned, and v there cleared, and u too where given (momentum factor masking). One
+// pass over the positions, fetched a few ahead so the loads overlap.
+at::Tensor take(const at::Tensor& v, const c10::optional<at::Tensor>& u,
+                const at::Tensor& positions) {
+  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
+              "v must be a contiguous float32 CPU tensor");
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t count = pos.numel();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  float* x = v.data_ptr<float>();
+  float* y = nullptr;
+  if (u.has_value() && u->defined()) {
+    check(*u, "u", v.numel());
+    y = u->data_ptr<float>();
+  }
+  auto out = at::empty({count}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  constexpr int64_t kAhead = 16;
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) {
+      __builtin_prefetch(x + p[i + kAhead], 1);
+      if (y != nullptr) __builtin_prefetch(y + p[i + kAhead], 1);
+    }
+    o[i] = x[p[i]];
+    x[p[i]] = 0.f;
+    if (y != nullptr) y[p[i]] = 0.f;
+  }
+  return out;
+}
+
+// accumulate, reading each tensor's gradient (and, for weight decay, its parameter)
+// where it lies instead of from one flat buffer: g_i = grad_i * scale + decay_i * p_i
+// lands at offsets[i] of the block's buffers, one pass, no staging copy. Positions
+// between the tensors (zeros) are left as they are. block_max (optional) over
+// [lo, hi), which must be whole blocks.
+void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tensor& offsets,
+                     const at::Tensor& decays, double scale, const at::Tensor& u,
+                     const at::Tensor& v, const at::Tensor& u_out, const at::Tensor& v_out,
+                     double momentum, bool nesterov, const c10::optional<at::Tensor>& block_max,
+                     int64_t lo, int64_t hi) {
+  const int64_t members = static_cast<int64_t>(grads.size());
+  auto off = offsets.to(at::kLong).contiguous();
+  auto dec = decays.to(at::kFloat).contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const float* d = dec.data_ptr<float>();
+  std::vector<const float*> gp(members), pp(members);
+  std::vector<int64_t> n(members);
+  for (int64_t i = 0; i < members; ++i) {
+    check(grads[i], "a gradient", grads[i].numel());
+    gp[i] = grads[i].data_ptr<float>();
+    n[i] = grads[i].numel();
+    pp[i] = nullptr;
+    if (d[i] != 0.f) {
+      check(params[i], "a parameter", n[i]);
+      pp[i] = params[i].data_ptr<float>();
+    }
+  }
+  check(v, "v", v.numel());
+  check(v_out, "v_out", v.numel());
+  const float m = static_cast<float>(momentum), sc = static_cast<float>(scale);
+  const float* uu = momentum != 0.0 ? u.data_ptr<float>() : nullptr;
+  float* uo = momentum != 0.0 ? u_out.data_ptr<float>() : nullptr;
+  const float* vv = v.data_ptr<float>();
+  float* vo = v_out.data_ptr<float>();
+  float* bm = nullptr;
+  if (block_max.has_value() && block_max->defined()) {
+    TORCH_CHECK(lo % kBlock == 0 && hi % kBlock == 0, "block maxima need whole blocks");
+    bm = block_max->data_ptr<float>();
+  }
+  const int mode = momentum == 0.0 ? 0 : (nesterov ? 2 : 1);
+  constexpr int64_t kChunk = 512 * kBlock;
+  at::parallel_for(0, (hi - lo + kChunk - 1) / kChunk, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<float> g(kChunk);
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t a = lo + c * kChunk, b = std::min(hi, a + kChunk);
+      // this chunk's gradients, from each tensor it overlaps (sorted by offset)
+      int64_t i = std::upper_bound(o, o + members, a) - o - 1;
+      std::fill(g.begin(), g.begin() + (b - a), 0.f);
+      for (i = std::max<int64_t>(i, 0); i < members && o[i] < b; ++i) {
+        const int64_t s = std::max(a, o[i]), e = std::min(b, o[i] + n[i]);
+        if (s >= e) continue;
+        const float* gi = gp[i] + (s - o[i]);
+        float* gd = g.data() + (s - a);
+        if (pp[i] != nullptr) {
+          const float* pi = pp[i] + (s - o[i]);
+          const float di = d[i];
+#pragma omp simd
+          for (int64_t j = 0; j < e - s; ++j) gd[j] = gi[j] * sc + di * pi[j];
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < e - s; ++j) gd[j] = gi[j] * sc;
+        }
+      }
+      // the update over the chunk, from g shifted to the chunk's start
+      const float* gs = g.data() - a;
+      if (bm != nullptr) {
+        if (mode == 0) {
+          chunk_plain(gs, vv, vo, bm, a / kBlock, b / kBlock);
+        } else if (mode == 1) {
+          chunk_momentum(gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
+        } else {
+          chunk_nesterov(gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
+        }
+      } else {
+        for (int64_t j = a; j < b; ++j) {
+          if (mode == 0) {
+            vo[j] = vv[j] + gs[j];
+          } else if (mode == 1) {
+            const float x = m * uu[j] + gs[j];
+            uo[j] = x;
+            vo[j] = vv[j] + x;
+          } else {
+            const float x = m * (uu[j] + gs[j]);
+            uo[j] = x;
+            vo[j] = (vv[j] + x) + gs[j];
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
 
+TORCH_LIBRARY(hvd_dgc, lib) {
+  lib.def("accumulate(Tensor g, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
+          "float momentum, bool nesterov, Tensor(c!)? block_max) -> ()");
+  lib.def("scan(Tensor v, Tensor block_max, Tensor offsets, Tensor numels, "
+          "Tensor thresholds, Tensor ks) -> (Tensor, Tensor, Tensor)");
+  lib.def("thresholds(Tensor v, Tensor base, Tensor sizes, Tensor shifts, Tensor kth) "
+          "-> Tensor");
+  lib.def("take(Tensor(a!) v, Tensor(b!)? u, Tensor positions) -> Tensor");
+  lib.def("accumulate_from(Tensor[] grads, Tensor[] params, Tensor offsets, Tensor decays, "
+          "float scale, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
+          "float momentum, bool nesterov, Tensor(c!)? block_max, int lo, int hi) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
+  lib.impl("accumulate", &accumulate);
+  lib.impl("scan", &scan);
+  lib.impl("thresholds", &thresholds);
+  lib.impl("take", &take);
+  lib.impl("accumulate_from", &accumulate_from);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("BLOCK") = kBlock;
-  mod.def("accumulate_block_max", &accumulate_block_max,
-          "DGC memory update and |v| block maxima in one pass (float32, CPU)");
-  mod.def("indices_at_least", &indices_at_least,
-          "indices where |flat| >= threshold, scanning only blocks that reach it");
 }

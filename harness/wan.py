@@ -12,7 +12,7 @@ with tail drop when more than ``queue_bytes`` wait for the bottleneck, and
 optional random loss. The TUN MTU is 64 KB so the forwarder, in Python, moves
 ~2k packets/s per Gbit/s; rates up to ~1 Gbit/s are faithful.
 
-With ``nodes=N > 2`` (emulated hosts, bench/wan/hosts.py) the same forwarder
+With ``nodes=N > 2`` (emulated hosts, harness/hosts.py) the same forwarder
 reads all N TUN devices and sends each IPv4 packet to the namespace that owns
 its destination address: a full mesh in which every ordered pair of namespaces
 has its own bottleneck and delay, as between sites of a WAN. Two namespaces

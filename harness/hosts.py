@@ -1,17 +1,17 @@
 """Emulated hosts that Horovod's own, unmodified ``horovodrun`` reaches over real ssh.
 
-bench/wan/launch.py stands in for horovodrun, so it cannot show that a job
+harness/launch.py stands in for horovodrun, so it cannot show that a job
 launched the way users launch it (host list, ssh, Horovod's driver and task
 services picking a common interface, Gloo rendezvous or mpirun's orted) works
 across a slow link. Here each host is a network namespace on this machine,
-the namespaces are joined by the WAN emulator (bench/wan/emulator.py, one
+the namespaces are joined by the WAN emulator (harness/wan.py, one
 bottleneck and delay per pair of hosts), and each runs a real Debian sshd:
 
     with EmulatedHosts(["h1:2", "h2:2"], rate_mbit=100, rtt_ms=50) as hosts:
         done = hosts.horovodrun(["-np", "4", "-H", "h1:2,h2:2", "--gloo",
                                  "python", "train.py"], timeout=600)
 
-    python -m bench.wan.hosts run --hosts h1:2,h2:2 --rate-mbit 100 --rtt-ms 50 \\
+    python -m harness.hosts run --hosts h1:2,h2:2 --rate-mbit 100 --rtt-ms 50 \\
         -- -np 4 -H h1:2,h2:2 --gloo python train.py
 
 Where things live, and why:
@@ -37,7 +37,7 @@ Start-up and tear-down are one object: namespaces, TUN devices (inside the
 namespaces), sshd (stopped by its pid file), every process in the namespaces,
 the per-namespace files and the temporary key directory go on normal exit, on
 an exception, on SIGTERM/SIGINT and at interpreter exit. ``python -m
-bench.wan.hosts down`` removes what a SIGKILLed run left. Needs root,
+harness.hosts down`` removes what a SIGKILLed run left. Needs root,
 /dev/net/tun and openssh-server (tools/install.sh installs it).
 """
 
@@ -53,8 +53,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.wan.emulator import ClosedOnExit, WanLink, available  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness.wan import ClosedOnExit, WanLink, available  # noqa: E402
 
 __all__ = ["EmulatedHosts", "HostsError", "parse_hosts", "available", "MAX_HOSTS"]
 
@@ -138,7 +138,7 @@ class EmulatedHosts(ClosedOnExit):
         names: host names, with optional slots ("h1:2"); the slots fill in
             horovodrun's -np and -H when a command line leaves them out.
         rate_mbit, rtt_ms, jitter_ms, loss: the link between every two hosts
-            (bench/wan/emulator.WanLink); None/0 means unlimited/none.
+            (harness/wan.WanLink); None/0 means unlimited/none.
         ssh_port: the port sshd listens on inside each host (each namespace has
             its own ports, so 22 clashes with nothing).
         sshd: the sshd binary (a path; tests point it at a missing file).
@@ -457,7 +457,7 @@ def clean_leftovers(verbose=True):
 
 def _main(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python -m bench.wan.hosts",
+        prog="python -m harness.hosts",
         description="Emulated hosts on a WAN that horovodrun reaches over real ssh.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)

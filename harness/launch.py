@@ -10,14 +10,14 @@ server runs in namespace 0, so rank 1 reaches it across the emulated link.
         outputs = run_job(link, [sys.executable, "train.py", "--steps", "20"])
 
 As a rendezvous helper (used by run_job):
-    python -m bench.wan.launch --rendezvous HOSTS NP
+    python -m harness.launch --rendezvous HOSTS NP
 """
 
 import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _serve(hosts, num_proc):
@@ -57,7 +57,7 @@ def run_job(link, argv, env=None, timeout=600):
     Returns [(returncode, stdout, stderr)] by rank; a hung job is killed at
     ``timeout`` seconds and reported with returncode None.
     """
-    helper = link.popen(0, [sys.executable, "-m", "bench.wan.launch", "--rendezvous",
+    helper = link.popen(0, [sys.executable, "-m", "harness.launch", "--rendezvous",
                             "host0:1,host1:1", "2"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, text=True, cwd=REPO,
                         env=rank_env(link, 0, 0, env))

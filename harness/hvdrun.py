@@ -1,11 +1,13 @@
 """Run a function on N real Horovod ranks under ``horovodrun`` and collect each rank's result.
 
-    results = run("tests.workers.torch_basics:collectives", np=2, controller="gloo")
+    results = run("tests.workers.smoke:torch_collectives", np=2, controller="gloo")
     results[0], results[1]   # whatever the function returned on rank 0 and rank 1
 
 The function is imported by name in every rank (so it lives in a module, not
 in the test), calls ``hvd.init()`` itself, and returns picklable data. A rank
-that raises fails the run, and the error carries both ranks' output.
+that raises fails the run, and the error carries both ranks' output. Each rank runs
+harness/hvdrun_worker.py (``python -m harness.hvdrun_worker``), which can first call a
+setup function named in the environment (HVD_DGC_RANK_SETUP: the tests' device set-up).
 """
 
 import os
@@ -80,7 +82,7 @@ def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, 
         if launcher_args is None:
             launcher_args = ["-np", str(np), "-H", f"localhost:{np}", f"--{controller}"]
         cmd = [horovodrun_path(), *launcher_args, *extra_args, sys.executable, "-m",
-               "tests.hvdrun_worker", target, outdir]
+               "harness.hvdrun_worker", target, outdir]
         start = time.monotonic()
         # A session of its own: a job past its timeout is stopped with all it started.
         proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(env), stdout=subprocess.PIPE,

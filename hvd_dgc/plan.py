@@ -1,0 +1,237 @@
+"""The planner: which way each tensor travels at each step, decided once for both
+frameworks.
+
+Every rank must join the same collectives in the same order, or Horovod waits forever.
+So every decision here depends only on what every rank knows alike: the options
+(``DGCConfig.resolve``), the tensors' names and sizes, the world size and the step's
+density. The PyTorch optimizer asks per step (its density may be any callable); the
+TensorFlow exchange asks per density stage when it builds its graph.
+
+    planner = Planner(resolved, tensors, world_size)
+    planner.path(tensor, density, step)     PathKind: cost model, hierarchical, exchange
+    planner.stage_paths(tensor)             TensorFlow: a PathKind per density stage
+    planner.buckets(density, order)         PyTorch: which tensors leave together
+    planner.summary(...), planner.idle_warning(...)   the rank-0 line, the warning
+    planner.consistency(**extra)            what every rank compares at wrap time
+"""
+
+from typing import NamedTuple
+
+from hvd_dgc.costmodel import CostModel
+from hvd_dgc.paths import SUMS, PathKind
+from hvd_dgc.schedule import num_selected
+from hvd_dgc.switch import idle_warning, summary
+
+__all__ = ["Planner", "TensorInfo", "stage_densities"]
+
+
+def stage_densities(schedule):
+    """The densities a TensorFlow step can have: the warm-up stages', then the final one
+    (a graph looks k and the path up by the stage's index). A function, as a step's
+    density is asked for before the tensors are known."""
+    warm = tuple(schedule.warmup_densities) if getattr(schedule, "warmup", 0) > 0 else ()
+    return warm + (schedule.density,)
+
+
+class TensorInfo(NamedTuple):
+    """What the planner knows of one tensor (the same on every rank)."""
+
+    key: object      # the framework's key for it (parameter or variable index)
+    name: str
+    numel: int
+    shape: tuple
+    sliced: bool = False  # its gradient is sparse and travels as Horovod sends it
+
+
+class Planner:
+    """Paths, buckets and the wrap-time words for one optimizer's tensors.
+
+    ``resolved``: ``hvd_dgc.config.Resolved``; ``tensors``: ``TensorInfo``s;
+    ``world_size`` and ``local_size`` (ranks sharing this rank's host, where
+    hierarchical DGC may run; 0 where it may not) change with an elastic reset
+    (``replan``)."""
+
+    def __init__(self, resolved, tensors, world_size, local_size=0):
+        self.resolved = resolved
+        self.config = resolved.config
+        self.compressor = resolved.compressor
+        self.cost_model = self.config.cost_model or CostModel()
+        self.tensors = list(tensors)
+        self.min_compress_size = self.config.min_compress_size
+        self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
+            or (PathKind.DENSE,)
+        self.replan(world_size, local_size)
+
+    def replan(self, world_size, local_size=None):
+        """Plan for another world (an elastic reset): every choice is made afresh."""
+        self.world_size = int(world_size)
+        if local_size is not None:
+            self.local_size = int(local_size)
+        self._paths = {}         # (numel, k, world) -> PathKind, for the cost model's choice
+        self._hierarchical = {}  # numel -> bool, decided once per tensor
+        self._buckets = {}       # the latest (density, world) -> {key: bucket}
+
+    # -- per tensor ----------------------------------------------------------------
+    @property
+    def dense_value_bytes(self):
+        return 2 if self.resolved.dense_fp16 else 4
+
+    @property
+    def record_bytes(self):
+        return getattr(self.compressor, "record_bytes", 8)
+
+    def k(self, tensor, density):
+        """Records a sparse path sends of ``tensor`` at ``density``."""
+        return num_selected(tensor.numel, density)
+
+    def large(self, tensor):
+        """Large enough for the compressor (smaller tensors always go dense)."""
+        return tensor.numel >= self.min_compress_size and not tensor.sliced
+
+    def path(self, tensor, density, step=None):
+        """The way ``tensor`` travels at ``density`` (and ``step``: a compressor may start
+        late, as PowerSGD's ``start_iter``)."""
+        if tensor.sliced:
+            return PathKind.SPARSE_GRAD
+        r = self.resolved
+        if not self.large(tensor) or r.kind == "dense":
+            return PathKind.DENSE
+        if r.kind == "exchange":
+            return PathKind.EXCHANGE if self.compressor.compressible(tensor.shape, step) \
+                else PathKind.DENSE
+        if self.hierarchical(tensor):
+            return PathKind.HIERARCHICAL
+        k = num_selected(tensor.numel, density)
+        key = (tensor.numel, k)
+        chosen = self._paths.get(key)
+        if chosen is None:
+            chosen = self.cost_model.choose_aggregation(
+                tensor.numel, k, self.world_size, self.dense_value_bytes,
+                self.compressor.value_bytes, allowed=self.flat)
+            self._paths[key] = chosen
+        return chosen
+
+    def hierarchical(self, tensor):
+        """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC
+        each rank's whole residual: a tensor cannot move between them, so the choice is
+        made once per tensor, by the cost model at the final density."""
+        aggregations = self.resolved.aggregations
+        if not self.local_size or PathKind.HIERARCHICAL not in aggregations:
+            return False
+        if aggregations == (PathKind.HIERARCHICAL,):
+            return True
+        final = self.resolved.final_density()
+        if final is None:  # a callable schedule: stay flat
+            return False
+        decided = self._hierarchical.get(tensor.numel)
+        if decided is None:
+            decided = self.cost_model.choose_aggregation(
+                tensor.numel, num_selected(tensor.numel, final), self.world_size,
+                self.dense_value_bytes, self.compressor.value_bytes, allowed=aggregations,
+                local_size=self.local_size) == PathKind.HIERARCHICAL
+            self._hierarchical[tensor.numel] = decided
+        return decided
+
+    def densities(self):
+        """The densities a TensorFlow step can have (``stage_densities``)."""
+        return stage_densities(self.resolved.schedule)
+
+    def stage_paths(self, tensor):
+        """``tensor``'s path at each of ``densities()``."""
+        return tuple(self.path(tensor, d) for d in self.densities())
+
+    # -- launches (PyTorch) ----------------------------------------------------------
+    def buckets(self, density, order, threshold):
+        """``{key: bucket}``: which tensors leave together, as tuples of keys.
+
+        Horovod's tensor fusion at hvd_dgc's level: consecutive tensors of ``order``
+        (backward order, roughly), cut where their bytes on the wire would pass
+        ``threshold``. Only tensors going dense or by allgather join: region reduce and
+        hierarchical DGC have rounds of their own. Fixed from what every rank knows,
+        so the buckets are the same on every rank."""
+        if threshold <= 0 or not self.resolved.sparse:
+            return {}
+        key = (density, self.world_size, id(order), threshold)  # order: the caller's, kept
+        plan = self._buckets.get(key)
+        if plan is not None:
+            return plan
+        buckets, members, size = [], [], 0
+        for tensor in order:
+            path = self.path(tensor, density)
+            if path == PathKind.DENSE:
+                wire = tensor.numel * self.dense_value_bytes
+            elif path == PathKind.ALLGATHER:
+                wire = self.k(tensor, density) * self.record_bytes
+            else:
+                continue
+            if members and size + wire > threshold:
+                buckets.append(tuple(members))
+                members, size = [], 0
+            members.append(tensor.key)
+            size += wire
+        if members:
+            buckets.append(tuple(members))
+        plan = {k: bucket for bucket in buckets if len(bucket) > 1 for k in bucket}
+        self._buckets = {key: plan}  # the latest only: a callable schedule may change often
+        return plan
+
+    def folds(self, numel):
+        """Carry ``numel`` dense elements inside a launch's allgather (costmodel.folds)."""
+        return self.cost_model.folds(numel, self.world_size, self.compressor.value_bytes)
+
+    # -- words -------------------------------------------------------------------
+    def kind_name(self):
+        return self.compressor.name if self.resolved.kind != "dense" else "dense"
+
+    def _final(self, density_now):
+        """The final density and the warm-up in words (a callable: its value now)."""
+        r = self.resolved
+        if not r.sparse:
+            return 1.0, ""
+        final = r.final_density()
+        if final is None:
+            return density_now, "warm-up set by a callable schedule"
+        return final, r.schedule.describe() if hasattr(r.schedule, "describe") else ""
+
+    def _sums(self, final):
+        """The paths of the large tensors at the final density."""
+        if not self.resolved.sparse:
+            return set()
+        return {self.path(t, final) for t in self.tensors if self.large(t)}
+
+    def idle_warning(self, density_now=1.0):
+        """Why DGC does nothing with this set-up (said on every rank), or None."""
+        if self.resolved.kind == "dense":
+            return None
+        final, _ = self._final(density_now)
+        large = any(self.large(t) for t in self.tensors)
+        sums = self._sums(final)
+        sparse_at_final = not self.resolved.sparse or bool(sums - {PathKind.DENSE})
+        return idle_warning(self.kind_name(), self.min_compress_size, large, sparse_at_final,
+                            final, self.world_size)
+
+    def summary(self, framework, delay, period=1, density_now=1.0):
+        """The line rank 0 prints at wrap time: what runs and how to turn it off."""
+        final, warm = self._final(density_now)
+        large = sum(1 for t in self.tensors if self.large(t))
+        sums = [p for p in SUMS if p in self._sums(final)]
+        return summary(self.kind_name(), final, warm, self.min_compress_size,
+                       self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
+                       len(self.tensors), framework, sums, period)
+
+    def consistency(self, **extra):
+        """What must agree on every rank (hvd_dgc/consistency.py compares it): the
+        options, what they resolved to, and the tensors."""
+        r = self.resolved
+        config = r.config.to_dict(shared=True)
+        config.update({
+            "compression": repr(getattr(r.compressor, "config", lambda: r.compressor)()),
+            "dense_fp16": r.dense_fp16,
+            "density": repr(r.schedule.config()) if hasattr(r.schedule, "config")
+            else getattr(r.schedule, "__qualname__", repr(r.schedule)),
+            "cost_model": repr(self.cost_model.config()),
+            "tensors": [[t.name, list(t.shape)] for t in self.tensors],
+            "sparse_gradients": [t.name for t in self.tensors if t.sliced],
+        })
+        config.update(extra)
+        return config

@@ -1,0 +1,438 @@
+"""The engine: one launch's gradients from the parameters to the collectives and back.
+
+The path of one gradient, as the optimizer runs it (optimizer.py says when):
+
+    launch(params)                    the tensors leaving together (scheduler.py)
+      grads -> g                      one copy into a flat buffer (the launch's layout)
+      g /= loss scale                 GradScaler: the memory holds unscaled gradients
+      clip (N^-1/2), weight decay     memory.prepare_gradients, per tensor, in one pass
+      guard                           non-finite: poison the payload (skip) or drop it
+      memory.accumulate(g)            u = m u + g; v += u  (+ |v| block maxima)
+      path.launch(part) per kind      each path takes what leaves the memory (paths.py)
+                                      and starts its collectives, in one order on every
+                                      rank (hvd_dgc.paths.ORDER)
+    advance(launches)                 second rounds, every launch before any wait
+    collect(launch) -> update         the average, flat, in the launch's layout
+    write(...)                        p.grad for every parameter, from flat buffers
+
+A launch's tensors lie in one flat buffer per role (gradient, memory u and v, update,
+own), each tensor's slice a view: the work above is a fixed number of operations per
+launch whatever the number of tensors, which on a GPU is the number of kernels
+(bench/results/step_overhead.md). Each path owns a contiguous range: the sparse
+tensors first (block-aligned, for the selection's scan), then the others. The engine
+is the only part that holds the memory; a path is handed its launch's block.
+"""
+
+from collections import OrderedDict
+from itertools import groupby
+from typing import NamedTuple
+
+import torch
+
+from hvd_dgc.paths import ORDER, PathKind
+from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dtype, \
+    prepare_gradients
+from hvd_dgc.torch.paths import Part, PathContext, make_paths
+
+__all__ = ["Engine", "Launch", "Member", "StepCounters"]
+
+#: where a path's tensors lie in a launch's flat buffers: the sparse ones first, aligned
+_FLAT_ORDER = (PathKind.ALLGATHER, PathKind.REGION, PathKind.EXCHANGE, PathKind.DENSE,
+               PathKind.HIERARCHICAL, PathKind.SPARSE_GRAD)
+_ALIGNED = (PathKind.ALLGATHER, PathKind.REGION)
+_IN_MEMORY = (PathKind.ALLGATHER, PathKind.REGION, PathKind.EXCHANGE, PathKind.DENSE)
+#: a model's launches (buckets, groups) times a few path assignments, with room to spare
+_LAYOUTS_KEPT = 64
+
+
+class Member(NamedTuple):
+    """One parameter of a launch as the engine sees it; the hyper-parameters the memory
+    applies for it (SGD's, taken over; else 0) are read from its param group each step."""
+
+    param: torch.Tensor
+    key: int              # its index among the optimizer's parameters
+    name: str
+    info: object          # plan.TensorInfo
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    @property
+    def numel(self):
+        return self.info.numel
+
+    @property
+    def shape(self):
+        return self.param.shape
+
+
+class StepCounters:
+    """What a step collects for the optimizer to read once at its end (one read-back
+    for the step, not one per tensor)."""
+
+    def __init__(self):
+        self.fp16_clipped = []  # device counts of dense fp16 values sent clipped
+
+
+class Layout:
+    """How one launch's tensors lie in its flat buffers, for one assignment of paths:
+    fixed, so made once and kept (the buffers with it)."""
+
+    def __init__(self, members, kinds, memory, device, dtype):
+        rank = {k: i for i, k in enumerate(_FLAT_ORDER)}
+        order = sorted(range(len(members)), key=lambda i: (
+            rank[kinds[i]], members[i].momentum, members[i].nesterov, i))
+        self.members = tuple(members[i] for i in order)
+        self.kinds = tuple(kinds[i] for i in order)
+        stored = [i for i, k in enumerate(self.kinds) if k in _IN_MEMORY]
+        aligned = sum(1 for k in self.kinds if k in _ALIGNED)
+        self.block = memory.block([self.members[i].key for i in stored],
+                                  [self.members[i].numel for i in stored], aligned,
+                                  device, dtype) if stored else None
+        offsets, end = [], self.block.total if self.block is not None else 0
+        for i, m in enumerate(self.members):
+            if i < len(stored):
+                offsets.append(self.block.offsets[i])
+            else:  # hierarchical DGC's gradients (its memory is per slice), sparse grads
+                offsets.append(end)
+                end += m.numel if self.kinds[i] != PathKind.SPARSE_GRAD else 0
+        self.offsets, self.total = tuple(offsets), end
+        self.dense_grads = [i for i, k in enumerate(self.kinds) if k != PathKind.SPARSE_GRAD]
+        self.sparse_grads = [i for i, k in enumerate(self.kinds) if k == PathKind.SPARSE_GRAD]
+        self.g = torch.zeros(self.total, dtype=dtype, device=device)
+        self.update = torch.empty(self.total, dtype=dtype, device=device)
+        self.g_views = [self.g[offsets[i]:offsets[i] + self.members[i].numel].view(
+            self.members[i].shape) for i in self.dense_grads]
+        self.update_views = [self.update[o:o + m.numel].view(m.shape)
+                             if k != PathKind.SPARSE_GRAD else None
+                             for o, m, k in zip(self.offsets, self.members, self.kinds)]
+        self.params = [m.param for m in self.members]
+        if self.block is not None and self.block.aligned:  # in block maxima (guard.py)
+            blocks = [(self.block.offsets[i] // BLOCK,
+                       (self.block.offsets[i] + aligned_size(self.members[i].numel)) // BLOCK)
+                      for i in range(self.block.aligned)]
+            self.block_spans = (torch.tensor([e for _, e in blocks], device=device),
+                                torch.tensor([b for b, _ in blocks], device=device))
+        self.decay = [(wd, [j for j, i in enumerate(self.dense_grads)
+                            if self.members[i].weight_decay == wd])
+                      for wd in sorted({self.members[i].weight_decay
+                                        for i in self.dense_grads} - {0.0})]
+        self.runs = self._runs(len(stored))
+        self.parts = [(kind, tuple(i for i, k in enumerate(self.kinds) if k == kind))
+                      for kind in ORDER if kind in self.kinds]
+
+    def _runs(self, stored):
+        """Ranges of the memory block whose tensors share (momentum, nesterov), split
+        where the aligned part ends (the kernel's block maxima stop there); together
+        they cover the block."""
+        if self.block is None:
+            return []
+        bounds = list(self.block.offsets[1:stored]) + [self.block.total]
+        runs = []
+        for i in range(stored):
+            lo, hi = self.block.offsets[i], bounds[i]
+            m = self.members[i]
+            same = runs and runs[-1].momentum == m.momentum and \
+                runs[-1].nesterov == m.nesterov and runs[-1].hi == lo and \
+                (lo != self.block.aligned_end or lo == 0)
+            if same:
+                runs[-1] = runs[-1]._replace(hi=hi)
+            else:
+                runs.append(Run(lo, hi, m.momentum, m.nesterov))
+        return runs
+
+    def range_of(self, index):
+        """The flat range the consecutive members at ``index`` cover (in the memory
+        block: up to the next member, padding included)."""
+        first, last = index[0], index[-1]
+        lo = self.offsets[first]
+        block = self.block
+        if block is not None and last < len(block.keys):
+            hi = block.offsets[last + 1] if last + 1 < len(block.keys) else block.total
+        else:
+            hi = self.offsets[last] + self.members[last].numel
+        return lo, hi
+
+
+class Launch:
+    """One launch: its layout, this step's place (step, density, names) and, once
+    started, each path's part and handle; with delay or period, what this rank sent."""
+
+    def __init__(self, layout, name, at):
+        self.layout, self.name = layout, name
+        self.block = layout.block
+        self.g = layout.g
+        self.step, self.density, self.rank = at.step, at.density, at.rank
+        self.guarded = False   # this step may be undone: memory written beside the old
+        self.ks = ()
+        self.poison = None     # per member: a device flag, this rank's was not finite
+        self.sparse = []       # per sparse-gradient member: (indices, values)
+        self.scale = at.scale  # GradScaler's scale, multiplied back into the update
+        self.own = None        # flat: what this rank sent (delay, period)
+        self.started = []      # [(path, part, handle)] in launch order
+        self.local = not at.exchanging
+
+    @property
+    def params(self):
+        return tuple(m.param for m in self.layout.members)
+
+
+class StepPlace(NamedTuple):
+    """Where a launch is: what every launch of one step shares."""
+
+    step: int
+    density: float
+    rank: int
+    exchanging: bool      # False on a step between exchanges (period > 1)
+    keeps_own: bool       # delay > 0 or period > 1: what this rank sent is kept
+    scale: object         # GradScaler's scale (a tensor), or None
+    name_suffix: str      # keeps the names of steps in flight at once apart
+
+
+class Engine:
+    """Launches, advances and collects the collectives of a step's launches, on flat
+    buffers; holds the memory (FlatMemory) and one instance of every path."""
+
+    def __init__(self, resolved, planner, wire, stats, guard, members, hyper,
+                 sparse_as_dense, world):
+        self.resolved, self.planner, self.guard = resolved, planner, guard
+        self.config = resolved.config
+        self.compressor = resolved.compressor
+        self.members = members            # {param: Member}
+        self.hyper = hyper                # param -> (momentum, nesterov, weight_decay)
+        self.sparse_as_dense = sparse_as_dense
+        self.world = world                # callable: the world size now
+        self.memory = FlatMemory(self.config.momentum_masking)
+        self.counters = StepCounters()
+        self.paths = make_paths(PathContext(wire, self.compressor, self.memory, stats,
+                                            self.config.momentum_masking,
+                                            resolved.dense_fp16, self.counters))
+        self.stats = stats
+        self._layouts = OrderedDict()  # the latest layouts (and their buffers), kept
+
+    # -- launch -----------------------------------------------------------------------
+    def launch(self, params, at, name):
+        """Start the collectives of ``params`` (one launch per device and buffer dtype
+        among them, in order); returns the ``Launch``es."""
+        launches = []
+        groups = groupby(params, key=lambda p: (p.device, buffer_dtype(p.dtype)))
+        for n, (_, group) in enumerate(groups):
+            launches.append(self._launch(tuple(group), at, name if not n else f"{name}.{n}"))
+        return launches
+
+    def _launch(self, params, at, name):
+        members = [self.members[p]._replace(**dict(zip(
+            ("momentum", "nesterov", "weight_decay"), self.hyper(p)))) for p in params]
+        kinds = tuple(PathKind.SPARSE_GRAD if self._sparse_grad(m.param)
+                      else self.planner.path(m.info, at.density, at.step) for m in members)
+        layout = self._layout(members, kinds, params[0])
+        launch = Launch(layout, name + at.name_suffix, at)
+        launch.ks = tuple(self.planner.k(m.info, at.density) for m in layout.members)
+        if layout.sparse_grads:
+            self._sparse_payloads(launch, at)
+        block = layout.block
+        wants = block is not None and getattr(
+            self.compressor, "wants_block_max", lambda d: False)(block.v.device) and \
+            any(k in _ALIGNED for k in layout.kinds) and not launch.local
+        sources = self._direct(launch, at, wants)
+        if sources is None:
+            self._gather(launch, at)
+        guarding = self.guard.before_accumulate(self.memory, launch)
+        if block is not None:
+            with torch.no_grad():
+                self.memory.accumulate(block, launch.g, layout.runs, with_block_max=wants,
+                                       sources=sources)
+        self.guard.accumulated(launch, guarding)
+        if launch.local:  # a step between exchanges: this rank steps with its own velocity
+            launch.own = self.memory.increment(block, launch.g, layout.runs) \
+                if block is not None else launch.g.clone()
+        else:
+            if at.keeps_own:
+                launch.own = torch.zeros_like(launch.g)
+            self._start(launch)
+        self.guard.launched(launch, guarding)
+        return launch
+
+    def _direct(self, launch, at, wants):
+        """The gradients to read where they lie (FlatMemory.accumulate's ``sources``),
+        or None to copy them into the launch's flat buffer first: reading them saves a
+        pass over them where nothing else needs them flat (no clipping, no loss scale,
+        neither a step between exchanges nor tensors whose path reads the gradient
+        itself, and the guard's flags come from the block maxima)."""
+        layout = launch.layout
+        if layout.block is None or launch.local or at.scale is not None or \
+                self.config.clip_norm is not None or self.guard.mode == "drop" or \
+                any(k not in _IN_MEMORY or k == PathKind.EXCHANGE for k in layout.kinds):
+            return None
+        if self.guard.mode == "skip" and not wants and \
+                any(k in _ALIGNED for k in layout.kinds):
+            return None
+        grads = [m.param.grad for m in layout.members]
+        params = [m.param for m in layout.members]
+        decays = [m.weight_decay for m in layout.members]
+        if not self.memory.direct(layout.block, grads, params, decays):
+            return None
+        return grads, params, decays
+
+    def _sparse_grad(self, p):
+        return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense
+
+    def _layout(self, members, kinds, first):
+        key = (tuple(m.key for m in members), kinds,
+               tuple((m.momentum, m.nesterov, m.weight_decay) for m in members))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = Layout(members, kinds, self.memory, first.device,
+                            buffer_dtype(first.dtype))
+            self._layouts[key] = layout
+            while len(self._layouts) > _LAYOUTS_KEPT:  # a hyper-parameter schedule...
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
+
+    def _gather(self, launch, at):
+        """This step's gradients into the launch's flat buffer, unscaled, clipped and
+        weight-decayed: a fixed number of operations whatever the number of tensors."""
+        layout = launch.layout
+        if not layout.dense_grads:
+            return
+        grads = []
+        for i in layout.dense_grads:
+            p = layout.members[i].param
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            # sparse_as_dense (Horovod's meaning): a dense allreduce, here through DGC
+            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        torch._foreach_copy_(layout.g_views, grads)
+        if at.scale is not None:
+            launch.g.div_(at.scale)
+        prepare_gradients(layout.g_views, [layout.members[i].param for i in layout.dense_grads],
+                          self.config.clip_norm, self.world(), layout.decay)
+
+    def _sparse_payloads(self, launch, at):
+        """A sparse gradient travels as Horovod sends it: its indices and values,
+        allgathered; DGC's memory never sees it. Coalesced first (a batch that looks a
+        row up twice sends it once)."""
+        for i in launch.layout.sparse_grads:
+            m = launch.layout.members[i]
+            if at.keeps_own:
+                raise ValueError(
+                    f"hvd_dgc: parameter '{m.name}' has a sparse gradient (e.g. "
+                    f"nn.Embedding(sparse=True)) and {self.config.lagging}: delayed "
+                    f"averaging and temporally sparse updates need dense gradients. Pass "
+                    f"sparse_as_dense=True to DistributedOptimizer, or "
+                    f"{self.config.undo_lagging}.")
+            g = m.param.grad.coalesce()
+            if at.scale is not None:
+                g = g / at.scale
+            launch.sparse.append((g.indices().t().contiguous(), g.values()))
+
+    def _start(self, launch):
+        """Each path's part, started in one order on every rank; the launch's dense
+        tensors ride in its allgather where the cost model says so (``_folds``)."""
+        layout = launch.layout
+        parts = {}
+        for kind, index in layout.parts:
+            lo, hi = layout.range_of(index)
+            parts[kind] = Part(kind, launch, tuple(layout.members[i] for i in index), index,
+                               lo, hi, tuple(launch.ks[i] for i in index), launch.own)
+        if self._folds(parts):
+            parts[PathKind.ALLGATHER] = parts[PathKind.ALLGATHER]._replace(
+                folded=parts.pop(PathKind.DENSE))
+        for kind in ORDER:
+            if kind in parts:
+                path = self.paths[kind]
+                launch.started.append((path, parts[kind], path.launch(parts[kind])))
+        self.stats.add_launches(len(launch.started))
+
+    def _folds(self, parts):
+        """A launch's dense tensors inside its allgather, as records of every index
+        (costmodel.folds: small tensors, or a link of high latency)? The same on every
+        rank: it depends on the launch's members and sizes only."""
+        if PathKind.DENSE not in parts or PathKind.ALLGATHER not in parts:
+            return False
+        if self.resolved.dense_fp16 != (self.compressor.value_bytes == 2):
+            return False  # fp16 on the dense wire, fp32 records (or the reverse)
+        return self.planner.folds(sum(parts[PathKind.DENSE].numels))
+
+    # -- advance, collect ----------------------------------------------------------------
+    @staticmethod
+    def advance(launches):
+        """Second rounds (PowerSGD's Q, region reduce's gather, hierarchical's cross-host
+        records) start on every launch before any is waited on, so no rank can wait on
+        one that another rank has not started."""
+        for launch in launches:
+            for path, _, handle in launch.started:
+                path.advance(handle)
+
+    @staticmethod
+    def collect(launch):
+        """Wait for one launch: its average, flat in its layout (``layout.update``), and
+        the sparse gradients' averages as ``[(member, sparse tensor)]``."""
+        update, sparse = launch.layout.update, []
+        for path, _, handle in launch.started:
+            out = path.collect(handle, update)
+            if out is not None:  # a sparse gradient's average replaces the flat one
+                sparse += out
+        return update, sparse
+
+    # -- gradients back ---------------------------------------------------------------
+    @staticmethod
+    def write(launch, flat, scale=None):
+        """``p.grad`` of the launch's parameters from ``flat`` (its layout), in their
+        dtype (times GradScaler's ``scale``, the space ``unscale_`` expects): one copy
+        for all of them."""
+        layout = launch.layout
+        if flat is layout.update and scale is None:
+            views = layout.update_views
+        else:
+            flat = flat if scale is None else flat * scale
+            views = [flat[o:o + m.numel].view(m.shape) if i in layout.dense_grads else None
+                     for i, (o, m) in enumerate(zip(layout.offsets, layout.members))]
+        sources, targets = [], []
+        for i in layout.dense_grads:
+            p, view = layout.params[i], views[i]
+            if p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            elif p.grad.is_sparse:  # sparse_as_dense: a sparse gradient again
+                p.grad = view.to(p.dtype).to_sparse()
+            else:
+                sources.append(view)
+                targets.append(p.grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+    @staticmethod
+    def write_sparse(sparse, scale=None):
+        """Sparse gradients' averages as the parameters' gradients; returns the
+        parameters (the base optimizer steps them on their own: no memory applied their
+        momentum)."""
+        params = set()
+        for m, avg in sparse:
+            if scale is not None:
+                avg = avg * scale
+            m.param.grad = avg.to(m.param.dtype)
+            params.add(m.param)
+        return params
+
+    def own_views(self, launch):
+        """``{param: flat view}`` of what this rank sent in ``launch`` (delay, period)."""
+        layout = launch.layout
+        return {layout.members[i].param: launch.own[layout.offsets[i]:layout.offsets[i]
+                                                   + layout.members[i].numel]
+                for i in layout.dense_grads}
+
+    def corrections(self, launch):
+        """``avg - own`` of a launch whose average is due (the delayed average replaces
+        this rank's own contribution), or ``-own`` for a step between exchanges; flat,
+        its layout."""
+        if launch.local:
+            return launch.own.neg()
+        update, _ = self.collect(launch)
+        return update.sub_(launch.own)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def residual(self, param):
+        """``param``'s residual (a flat view), or None before its first step."""
+        return self.memory.residual(self.members[param].key)

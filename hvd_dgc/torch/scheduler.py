@@ -1,0 +1,188 @@
+"""When a step's tensors leave: backward-pass counts, Horovod's groups, buckets, and
+what waits for ``synchronize``.
+
+A parameter's gradient is ready when its hook has fired ``backward_passes_per_step``
+times. Then, in this order:
+
+    Horovod ``groups``     a group leaves when all its members are ready (as Horovod)
+    batched                left for synchronize, to leave together: on an accelerator
+                           with a sparse compressor every tensor (kernel launches, not
+                           bytes, bound the selection there: one for all costs what one
+                           tensor's would), elsewhere the tensors going by region reduce
+                           this step (one alltoall and one allgather carry them all)
+    a bucket               consecutive tensors in backward order, up to
+                           ``fusion_threshold`` bytes on the wire (plan.Planner.buckets),
+                           leave when the last of them is ready: one Horovod negotiation
+                           per bucket, which costs round trips on a slow link
+    alone                  otherwise, from its own hook
+
+``finish`` (synchronize) launches what has not left: parameters whose hook has not
+fired (unused this step, or fewer backward passes) still join every collective, so the
+launches are the same on every rank.
+"""
+
+from hvd_dgc.paths import PathKind
+
+__all__ = ["LaunchScheduler"]
+
+
+class LaunchScheduler:
+    """Counts and pending launches of one optimizer's step.
+
+    ``launch(params)`` starts a launch (the optimizer's: the engine at this step's
+    place) and returns its ``Launch``es; ``density()`` is this step's density."""
+
+    def __init__(self, params, index, infos, groups, passes, planner, fusion_threshold,
+                 on_accelerator, sparse_as_dense, launch, density, step):
+        self.params = list(params)             # trainable, in parameter order
+        self.index, self.infos = index, infos  # param -> int, param -> plan.TensorInfo
+        self.passes = passes
+        self.planner, self.fusion_threshold = planner, fusion_threshold
+        self._launch, self._density, self._step = launch, density, step
+        self.sparse = planner.resolved.sparse
+        self._by_key = {index[p]: p for p in self.params}
+        self._left = {p: passes for p in self.params}   # backward passes still to come
+        self._pending = {}      # p or tuple(params) -> [Launch], or None while counting
+        self._group_of, self._group_counts = {}, {}
+        self._groups = groups is not None
+        if groups is not None:
+            self._make_groups(groups)
+        self._bucket_ready = {}  # bucket -> its parameters whose hook fired this step
+        devices = {p.device for p in self.params}
+        self._batch_all = bool(self.sparse and self.params and on_accelerator(self.params[0])
+                               and len(devices) == 1 and not self._groups)
+        self.sparse_as_dense = sparse_as_dense
+        self._order = [infos[q] for q in reversed(self.params)]  # backward order, roughly
+
+    def _make_groups(self, groups):
+        names = {p: self.infos[p].name for p in self.params}
+        order = sorted(self.params, key=names.get)
+        if isinstance(groups, list):
+            ids = {id(p) for p in self.params}
+            p_groups = [tuple(p for p in g if id(p) in ids) for g in groups]
+            grouped = {id(p) for g in p_groups for p in g}
+            p_groups += [(p,) for p in order if id(p) not in grouped]
+        else:
+            p_groups = [tuple(order[i::groups]) for i in range(groups)]
+        for g in p_groups:
+            if g:
+                self._group_counts[g] = 0
+                for p in g:
+                    self._group_of[p] = g
+
+    # -- the hook ------------------------------------------------------------------------
+    def ready(self, p):
+        """``p``'s hook fired (its gradient accumulated)."""
+        if self._left[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times "
+                "before call to step(). Increase backward_passes_per_step to "
+                "accumulate gradients locally.")
+        self._left[p] -= 1
+        if self._left[p] > 0:
+            self._pending[p] = None
+            return
+        group = self._group_of.get(p)
+        if group is not None:
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                self._group_counts[group] = 0
+                for gp in group:
+                    self._pending.pop(gp, None)
+                self._pending[group] = self._launch(group)
+            else:
+                self._pending[p] = None
+            return
+        if self._batched(p):  # launched with the others in synchronize
+            self._pending[p] = None
+            return
+        bucket = self._bucket_of(p)
+        alone = bucket is None or self._sparse_grad(p)
+        self._pending[p] = self._launch((p,)) if alone else None
+        if bucket is not None:
+            ready = self._bucket_ready.setdefault(bucket, set())
+            ready.add(p)
+            if len(ready) == len(bucket):
+                self._launch_bucket(bucket)
+
+    def _sparse_grad(self, p):
+        return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense
+
+    def _batched(self, p):
+        """Launch ``p`` with the others, in synchronize, rather than from its hook? The
+        launch's members, order and name are the same on every rank (by index)."""
+        if self._groups:
+            return False
+        if self._batch_all:
+            return True
+        if PathKind.REGION not in self.planner.resolved.aggregations or not self.sparse \
+                or self._sparse_grad(p):
+            return False
+        return self.planner.path(self.infos[p], self._density(), self._step()) == \
+            PathKind.REGION
+
+    def _bucket_of(self, p):
+        """The bucket ``p`` leaves with (a tuple of parameters), or None (alone)."""
+        if self._groups:
+            return None
+        plan = self.planner.buckets(self._density(), self._order, self.fusion_threshold)
+        keys = plan.get(self.index[p])
+        return None if keys is None else tuple(self._by_key[k] for k in keys)
+
+    def _launch_bucket(self, bucket):
+        """One launch for the bucket's parameters not launched yet this step (a sparse
+        gradient, nn.Embedding(sparse=True), leaves alone from its hook)."""
+        self._bucket_ready.pop(bucket, None)
+        members = tuple(p for p in bucket if self._pending.get(p) is None)
+        for p in members:
+            self._pending.pop(p, None)
+        if members:
+            self._pending[members] = self._launch(members)
+        return members
+
+    # -- synchronize ---------------------------------------------------------------------
+    def finish(self):
+        """Launch what has not left; every launch of the step, in launch order."""
+        launched = set()
+        for key, pending in self._pending.items():
+            if pending is not None:
+                launched.update(key if isinstance(key, tuple) else (key,))
+        rest = [p for p in self.params if p not in launched]
+        for p in rest:
+            self._pending.pop(p, None)
+        together = tuple(p for p in rest if self._batched(p))
+        if together:
+            self._pending[together] = self._launch(together)
+        done = set(together)
+        for p in rest:
+            if p in done:  # launched with its bucket just now
+                continue
+            bucket = self._bucket_of(p)
+            if bucket is None:
+                self._pending[(p,)] = self._launch((p,))
+            else:
+                done.update(self._launch_bucket(bucket))
+        launches = [launch for pending in self._pending.values() if pending is not None
+                    for launch in pending]
+        self._pending.clear()
+        return launches
+
+    @property
+    def pending(self):
+        """Whether a backward pass has run since the last synchronize."""
+        return bool(self._pending)
+
+    def restart(self, passes=None):
+        """What the hooks count within a step, back to its start: backward passes left,
+        parameters ready in each group and bucket (after a step, or a step cut short)."""
+        if passes is not None:
+            self.passes = passes
+        for p in self._left:
+            self._left[p] = self.passes
+        for g in self._group_counts:
+            self._group_counts[g] = 0
+        self._bucket_ready.clear()
+
+    def clear(self):
+        self._pending = {}
+        self.restart()

@@ -1,0 +1,89 @@
+"""SGD taken over: DGC's memory applies SGD's momentum and weight decay (momentum
+correction, Lin et al. 2018, Sec. 3.2), so the wrapped SGD steps with both off.
+
+With any other optimizer (Adam, AdamW, ...) nothing is taken over: the memory does
+error feedback on the raw gradient and the optimizer applies its own update.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["SGDTakeOver"]
+
+_TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
+
+
+def check_dampening(group):
+    if group.get("momentum", 0) and group.get("dampening", 0):
+        raise ValueError(f"hvd_dgc: SGD dampening={group['dampening']} is not supported: DGC's "
+                         f"momentum correction accumulates u = m*u + g. Use dampening=0.")
+
+
+class SGDTakeOver:
+    """The hyper-parameters the memory applies for each parameter, and the base step
+    that leaves them out."""
+
+    def __init__(self, optimizer, active):
+        self.optimizer, self.active = optimizer, active
+        self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+        if active:
+            for group in optimizer.param_groups:
+                check_dampening(group)
+
+    def hyper(self, p):
+        """``(momentum, nesterov, weight_decay)`` the memory applies for ``p`` (read each
+        step: a schedule may change them)."""
+        if not self.active:
+            return 0.0, False, 0.0
+        group = self._group_of[p]
+        check_dampening(group)
+        return group["momentum"], group["nesterov"], group["weight_decay"]
+
+    @contextmanager
+    def off(self):
+        """The memory applied momentum and weight decay already; the base SGD must not."""
+        if not self.active:
+            yield
+            return
+        groups = self.optimizer.param_groups
+        saved = [{k: g[k] for k in _TAKEN_OVER} for g in groups]
+        try:
+            for g in groups:
+                g["momentum"], g["weight_decay"], g["nesterov"] = 0.0, 0.0, False
+            yield
+        finally:
+            for g, s in zip(groups, saved):
+                g.update(s)
+
+    def step(self, base_step, closure, sparse):
+        """The wrapped optimizer's step. Parameters whose update is a sparse gradient (no
+        memory applied their momentum) step in a second call with SGD's own
+        hyper-parameters; each call sees only its own gradients."""
+        if not (self.active and sparse):
+            with self.off():
+                return base_step(closure)
+        with _grads_hidden(sparse):
+            with self.off():
+                loss = base_step(closure)
+        others = [p for p in self._group_of if p not in sparse and p.grad is not None]
+        with _grads_hidden(others):
+            base_step(None)
+        return loss
+
+
+@contextmanager
+def _grads_hidden(params):
+    """``p.grad = None`` for ``params`` meanwhile: torch's optimizers skip them."""
+    saved = {p: p.grad for p in params}
+    try:
+        for p in saved:
+            p.grad = None
+        yield
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+
+
+def is_sgd(optimizer):
+    return isinstance(optimizer, torch.optim.SGD)
