@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.shapes import numel, resnet50_shapes  # noqa: E402
 from hvd_dgc.schedule import num_selected  # noqa: E402
 from hvd_dgc.torch.compression import Compression  # noqa: E402
-from hvd_dgc.torch.memory import DGCMemory, fused_kernel_available  # noqa: E402
+from hvd_dgc.torch.memory import FlatMemory, Run, fused_kernel_available  # noqa: E402
 
 
 def sync(device):
@@ -46,23 +46,47 @@ def bytes_per_step(grads, density, min_size, fp16):
     return sent, sparse_tensors
 
 
-def dgc_step(mem, comp, grads, density, min_size, fused=True):
-    """What the optimizer's backward hook does per tensor (memory + select + pack + mask);
-    ``fused=False`` forces the eager update even where the C++ kernel is built."""
-    for i, g in enumerate(grads):
-        if g.numel() < min_size:
-            v = mem.accumulate(i, g, momentum=0.9)
-            out = v.clone()
-            mem.sent_all(i)
-        else:
-            if fused:
-                v, block_max = mem.accumulate(i, g, momentum=0.9, with_block_max=True)
-            else:
-                v, block_max = mem.accumulate(i, g, momentum=0.9), None
-            idx = comp.select(v, num_selected(g.numel(), density), 0, block_max)
-            out = comp.pack(v.index_select(0, idx), idx)
-            mem.sent(i, idx)
-    return out
+class FlatStep:
+    """What the optimizer's engine does for one launch of every tensor (engine.py): the
+    gradients into one flat buffer, the memory's update, one selection of every sparse
+    tensor, their records packed, the dense ones' values taken. ``fused=False`` runs the
+    eager update and selection even where the C++ kernel library is built."""
+
+    def __init__(self, comp, grads, density, min_size, fused=True):
+        sparse = [i for i, g in enumerate(grads) if g.numel() >= min_size]
+        dense = [i for i, g in enumerate(grads) if g.numel() < min_size]
+        self.order = sparse + dense
+        self.comp, self.fused, self.step = comp, fused, 0
+        self.memory = FlatMemory()
+        self.block = self.memory.block(self.order, [grads[i].numel() for i in self.order],
+                                       len(sparse), grads[0].device)
+        self.g = torch.zeros(self.block.total, device=grads[0].device)
+        self.views = [self.block.slice_of(self.g, j) for j in range(len(self.order))]
+        self.ks = [num_selected(grads[i].numel(), density) for i in sparse]
+        self.sparse, self.runs = len(sparse), [Run(0, self.block.total, 0.9, False)]
+        self.dense_lo = self.block.offsets[len(sparse)] if dense else self.block.total
+
+    def __call__(self, grads):
+        import hvd_dgc.torch.cpu_select as cpu_select
+        import hvd_dgc.torch.memory as memory
+        saved = memory._fused_memory, cpu_select._fused
+        if not self.fused:
+            memory._fused_memory, cpu_select._fused = None, (lambda *tensors: False)
+        try:
+            torch._foreach_copy_(self.views, [grads[i] for i in self.order])
+            block = self.block
+            self.memory.accumulate(block, self.g, self.runs, with_block_max=True)
+            n = self.sparse
+            picked = self.comp.pick(block.v, block.block_max, block.offsets[:n],
+                                    block.numels[:n], self.ks, self.order[:n], 0, self.step)
+            values = picked.values if picked.values is not None else \
+                self.memory.take(block, picked.positions, True)
+            dense = block.v[self.dense_lo:].clone()
+            block.v[self.dense_lo:].zero_()
+            self.step += 1
+            return self.comp.pack(values, picked.positions), dense
+        finally:
+            memory._fused_memory, cpu_select._fused = saved
 
 
 def copy_step(grads, buffers):
@@ -120,16 +144,16 @@ def main():
     print(f"   ({n_sparse} tensors sparse, {len(grads) - n_sparse} dense; paper: 277x)")
 
     print(f"\n2. Local work per step (median of {args.repeats}, measured side by side)")
-    mem_s, mem_e, mem_t = DGCMemory(), DGCMemory(), DGCMemory()
     buffers = [torch.empty_like(g) for g in grads]
+    steps = {"dgc": FlatStep(Compression.dgc, grads, args.density, args.min_compress_size),
+             "eager": FlatStep(Compression.dgc, grads, args.density, args.min_compress_size,
+                               fused=False),
+             "topk": FlatStep(Compression.topk, grads, args.density, args.min_compress_size)}
     t = timed_side_by_side({
         "copy": lambda: copy_step(grads, buffers),
-        "dgc": lambda: dgc_step(mem_s, Compression.dgc, grads, args.density,
-                                args.min_compress_size),
-        "eager": lambda: dgc_step(mem_e, Compression.dgc, grads, args.density,
-                                  args.min_compress_size, fused=False),
-        "topk": lambda: dgc_step(mem_t, Compression.topk, grads, args.density,
-                                 args.min_compress_size),
+        "dgc": lambda: steps["dgc"](grads),
+        "eager": lambda: steps["eager"](grads),
+        "topk": lambda: steps["topk"](grads),
         "clone": lambda: clone_step(grads),
     }, args.device, args.repeats)
     t_copy, t_dgc, t_topk, t_clone = t["copy"], t["dgc"], t["topk"], t["clone"]

@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness.shapes import numel, resnet50_shapes  # noqa: E402
 from hvd_dgc.schedule import num_selected  # noqa: E402
+from bench.dgc_compression import FlatStep  # noqa: E402
 from hvd_dgc.torch.compression import DGCCompressor  # noqa: E402
-from hvd_dgc.torch.memory import DGCMemory  # noqa: E402
+from hvd_dgc.torch.memory import block_abs_max  # noqa: E402
 
 DENSITY = 0.001
 MIN_COMPRESS = 1024
@@ -79,9 +80,16 @@ def select_and_pack(args, dev):
             idx = torch.topk(g.abs(), k, sorted=False).indices
             comp.pack(g.index_select(0, idx), idx)
 
+    flat = FlatStep(comp, grads, DENSITY, MIN_COMPRESS)  # a launch's flat memory
+    torch._foreach_copy_(flat.views, grads)
+    block = flat.block
+    maxima = block_abs_max(flat.g[:block.aligned_end]) if dev == "cpu" else None
+
     def dgc():
-        sel = comp.sparsify_many(grads, ks)
-        comp.pack(sel.values, sel.indices)
+        picked = comp.pick(flat.g, maxima, block.offsets, block.numels, flat.ks, flat.order,
+                           0, 0)
+        values = picked.values if picked.values is not None else flat.g[picked.positions]
+        comp.pack(values, picked.positions)
 
     def dgc_each():
         for g, k in zip(grads, ks):
@@ -105,49 +113,44 @@ def select_and_pack(args, dev):
 
 
 def local_work(args, dev, world=2):
-    """One step's local DGC work for every ResNet-50 tensor, as the optimizer does it."""
-    named = gradients(dev, 2)
+    """One step's local DGC work for every ResNet-50 tensor, as the engine does it for one
+    launch of them all (bench/dgc_compression.py FlatStep: flat buffers, one update, one
+    selection)."""
+    grads = [g for _, g in gradients(dev, 2)]
     comp = DGCCompressor()
-    mem = DGCMemory()
-
-    sparse = [(i, g) for i, (_, g) in enumerate(named) if g.numel() >= MIN_COMPRESS]
-    dense = [(i, g) for i, (_, g) in enumerate(named) if g.numel() < MIN_COMPRESS]
-    sizes = tuple(g.numel() for _, g in sparse)
-    ks = tuple(num_selected(n, DENSITY) for n in sizes)
+    step = FlatStep(comp, grads, DENSITY, MIN_COMPRESS)
+    block, n = step.block, step.sparse
+    out = torch.zeros(block.total, device=dev)
 
     def accumulate():
-        return [mem.accumulate(i, g, 0.9) for i, g in sparse]
+        torch._foreach_copy_(step.views, [grads[i] for i in step.order])
+        step.memory.accumulate(block, step.g, step.runs, with_block_max=dev == "cpu")
 
-    def select(vs):
-        return comp.sparsify_many(vs, ks)
+    def select():
+        return comp.pick(block.v, block.block_max, block.offsets[:n], block.numels[:n],
+                         step.ks, step.order[:n], 0, 0)
 
-    def masking(sel):
-        for (i, _), (idx, _) in zip(sparse, sel.split()):
-            mem.sent(i, idx)
+    def take(picked):
+        return picked.values if picked.values is not None else \
+            step.memory.take(block, picked.positions, True)
 
-    def unpack(records):
-        return comp.scatter_sum_many(torch.cat([records] * world), sizes, ks, scale=0.5)
+    def unpack(records):  # every rank's records (positions in the flat buffer), summed
+        values, positions = comp.unpack(torch.cat([records] * world))
+        out.zero_()
+        out.index_put_((positions.long(),), values * (1.0 / world), accumulate=True)
 
-    def step():
-        sel = select(accumulate())
-        records = comp.pack(sel.values, sel.indices)
-        masking(sel)
-        unpack(records)
-        for i, g in dense:
-            mem.accumulate(i, g, 0.9).clone().mul_(1.0 / world)
-            mem.sent_all(i)
-
-    vs = accumulate()
-    sel = select(vs)
-    records = comp.pack(sel.values, sel.indices)
+    accumulate()
+    picked = select()
+    values = take(picked)
+    records = comp.pack(values, picked.positions)
     phases = {
         "memory update": timed(accumulate, args.reps),
-        "select (all at once)": timed(lambda: select(vs), args.reps),
-        "pack": timed(lambda: comp.pack(sel.values, sel.indices), args.reps),
-        "masking (sent)": timed(lambda: masking(sel), args.reps),
+        "select (all at once)": timed(select, args.reps),
+        "take (values out, cleared)": timed(lambda: take(picked), args.reps),
+        "pack": timed(lambda: comp.pack(values, picked.positions), args.reps),
         "unpack + sum of 2 ranks": timed(lambda: unpack(records), args.reps),
     }
-    return timed(step, args.reps), phases
+    return timed(lambda: step(grads), args.reps), phases
 
 
 def resnet_step(args, dev, amp):

@@ -132,6 +132,30 @@ class Planner:
             self._hierarchical[tensor.numel] = decided
         return decided
 
+    def hierarchical_hosts(self, local_size, cross_size, global_set, elastic):
+        """Whether hierarchical DGC may run here (then every rank looks up who shares its
+        host): several hosts of several ranks, the global process set, not elastic, not
+        with ``period``. Forced (``aggregation="hierarchical"``) where it cannot: refused,
+        saying why."""
+        aggregations = self.resolved.aggregations
+        if PathKind.HIERARCHICAL not in aggregations or not self.resolved.sparse:
+            return False
+        problem = None
+        if not (local_size > 1 and cross_size > 1):
+            problem = (f"it needs several hosts of several ranks each, and this job has "
+                       f"{cross_size} host(s) with local_size={local_size} (horovodrun -H "
+                       f"host1:4,host2:4)")
+        elif not global_set:
+            problem = "it runs on the global process set only"
+        elif elastic:  # a collective at wrap time would hang
+            problem = "it does not run under elastic Horovod yet"
+        elif self.config.period > 1:  # its memory holds the host's sum: no own step back
+            problem = f"it does not run with period={self.config.period} (use period=1)"
+        if problem and aggregations == (PathKind.HIERARCHICAL,):
+            raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
+                             f"(hierarchical where it applies) or 'flat'.")
+        return problem is None
+
     def densities(self):
         """The densities a TensorFlow step can have (``stage_densities``)."""
         return stage_densities(self.resolved.schedule)

@@ -79,14 +79,18 @@ def test_decompress_average_of_two_workers():
 
 
 def test_pack_unpack_roundtrip_and_record_size():
-    values, indices = torch.randn(100), torch.randperm(10 ** 6)[:100]
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(100, generator=gen)
+    indices = torch.randperm(10 ** 6, generator=gen)[:100]
     for fp16, size in ((False, 8), (True, 6)):
         comp = Compression.dgc(fp16_values=fp16)
         packed = comp.pack(values, indices)
         assert packed.numel() == 100 * size
         v, i = comp.unpack(packed)
         assert torch.equal(i.long(), indices)
-        assert torch.allclose(v.float(), values, atol=1e-3 if fp16 else 0)
+        # fp16 rounds to half an ulp: 2^-11 relative (2^-25 absolute below its normals)
+        assert torch.allclose(v.float(), values, rtol=2 ** -11 if fp16 else 0,
+                              atol=2 ** -25 if fp16 else 0)
 
 
 @pytest.mark.parametrize("n,density", [(10 ** 5, 0.001), (10 ** 6, 0.001), (50_000, 0.01),
@@ -429,6 +433,31 @@ def test_kernel_scan_finds_exactly_the_coordinates_at_or_above_threshold(n):
             torch.tensor([threshold]), torch.tensor([3]))
         exact = torch.topk(x.abs(), min(3, expected.numel())).indices
         assert torch.equal(top, torch.sort(exact).values) and counts.tolist() == [top.numel()]
+
+
+def test_kernel_scan_keeps_the_k_largest_of_many_with_ties_first_in_position():
+    """The radix select behind the scan's "too many" case (a warm-up density: millions of
+    candidates): per segment, exactly the k largest, in position order; of values equal
+    to the k-th largest, the first ones; k=0 keeps none."""
+    from hvd_dgc.torch.memory import block_abs_max
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32 * 3000, generator=gen)
+    x[:32 * 1000] = torch.randint(-4, 5, (32 * 1000,), generator=gen).float()  # ties
+    x[32 * 1000:32 * 2000] *= 1e-30  # magnitudes in the lowest bits' buckets
+    offsets, numels = torch.tensor([0, 32 * 1000, 32 * 2000]), torch.tensor([32 * 1000] * 3)
+    ks = torch.tensor([9000, 7777, 0])
+    got, values, counts = torch.ops.hvd_dgc.scan(x, block_abs_max(x), offsets, numels,
+                                                 torch.zeros(3), ks)
+    assert counts.tolist() == [9000, 7777, 0]
+    first, second = got.split([9000, 7777])
+    # ties: |x| in {0..4}, each 4 and 3 about 2/9 of 32,000 places, so 9000 takes every
+    # 4 and the first 3s: a stable sort by |x| descending, then back in position order
+    by_size = torch.sort(-x[:32000].abs(), stable=True).indices[:9000]
+    assert 7000 < int((x[:32000].abs() == 4).sum()) < 9000
+    assert torch.equal(first, torch.sort(by_size).values)
+    part = x[32000:64000].abs()
+    exact = torch.sort(torch.topk(part, 7777).indices).values + 32000
+    assert torch.equal(second, exact) and torch.equal(values[9000:], x[exact].abs())
 
 
 def test_horovod_compression_names_resolve_to_dgc_with_their_value_format():

@@ -92,3 +92,69 @@ def test_reference_rule_by_hand():
     in_tf = TFCompression.dgc(window=(0.5, 1.3)).adapt(tf.abs(tf.constant(v)),
                                                        tf.constant(3), tf.constant(4.5))
     assert sorted(in_torch.tolist()) == sorted(in_tf.numpy().tolist()) == [0, 1]
+
+
+def _launch_block(numels, seed=0):
+    """A launch's flat memory: several tensors' v in one buffer (aligned, zeros between),
+    with its block maxima."""
+    from hvd_dgc.torch.memory import FlatMemory, Run
+    gen = torch.Generator().manual_seed(seed)
+    mem = FlatMemory()
+    block = mem.block(tuple(range(len(numels))), numels, len(numels))
+    g = torch.zeros(block.total)
+    for i, n in enumerate(numels):
+        lo, hi = block.span(i)
+        g[lo:hi] = torch.randn(n, generator=gen) * (i + 1)
+    mem.accumulate(block, g, [Run(0, block.total, 0.9, False)], with_block_max=True)
+    return block
+
+
+NUMELS = (5000, 70000, 1024, 300000, 33)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
+def test_a_launch_selection_is_the_reference_rule_for_each_tensor(density):
+    """cpu_select.adapt_block, every tensor of a launch at once, chooses for each tensor
+    what the NumPy reference chooses from the same first threshold."""
+    from hvd_dgc.torch.cpu_select import adapt_block
+    block = _launch_block(NUMELS)
+    ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
+    # first thresholds in every branch of the rule: too many, in the window, too few
+    firsts = []
+    for i, (n, k) in enumerate(zip(NUMELS, ks)):
+        flat = block.slice_of(block.v, i).numpy()
+        j = [int(1.3 * k) + 1, k, max(1, int(0.5 * k))][i % 3]
+        firsts.append(np.sort(np.abs(flat))[-min(j, n)])
+    positions, counts = adapt_block(block.v, block.block_max, block.offsets, NUMELS, ks,
+                                    torch.tensor(firsts))
+    for i, part in enumerate(positions.split(list(counts))):
+        flat = block.slice_of(block.v, i).numpy()
+        expected = dgc_adapt(flat, ks[i], np.float32(firsts[i])) if ks[i] < NUMELS[i] \
+            else np.arange(NUMELS[i])
+        np.testing.assert_array_equal(np.sort(part.numpy() - block.offsets[i]), expected,
+                                      err_msg=f"tensor {i}")
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
+def test_the_kernel_and_torch_choose_the_same_coordinates(density):
+    """The kernel library's thresholds and scan (where built) and the same in torch
+    operations (elsewhere) pick the same records of a launch."""
+    import hvd_dgc.torch.cpu_select as cpu_select
+    from hvd_dgc.torch.memory import fused_kernel_available
+    assert fused_kernel_available()
+    block = _launch_block(NUMELS, seed=3)
+    ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
+    comp = TorchCompression.dgc()
+    args = (block.v, block.block_max, block.offsets, NUMELS, ks, range(len(NUMELS)), 0, 7)
+    kernel = comp.pick(*args)
+    saved, cpu_select._fused = cpu_select._fused, lambda *tensors: False
+    try:
+        eager = comp.pick(*args)
+    finally:
+        cpu_select._fused = saved
+    assert kernel.counts == eager.counts
+    for a, b in zip(kernel.positions.split(list(kernel.counts)),
+                    eager.positions.split(list(eager.counts))):
+        assert torch.equal(torch.sort(a).values, torch.sort(b).values)
+    for count, k in zip(kernel.counts, ks):
+        assert 0.8 * k <= count <= k

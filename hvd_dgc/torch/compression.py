@@ -139,19 +139,15 @@ class SparseCompressor(Options, Compressor):
         indices = (indices.view(-1, sum(ks)) + offsets).view(-1)
         return list(self._sum_records(values, indices, sum(sizes), dtype, scale).split(sizes))
 
-    def scatter_into(self, out, records, offsets, ks, scale=1.0):
-        """Add ``scale`` x the sum of every rank's records into ``out`` (flat): each
-        rank's block holds ``ks[i]`` records of tensor ``i``, whose index ``j`` lands at
-        ``offsets[i] + j``. One scatter for every tensor of a launch."""
+    def records_at(self, records, offsets, ks, scale=1.0):
+        """``(positions, values)`` of every rank's records of a launch: each rank's block
+        holds ``ks[i]`` records of tensor ``i``, whose index ``j`` lies at ``offsets[i] +
+        j`` of the launch's flat buffers; values times ``scale``, in record order."""
         values, indices = self.unpack(records)
         starts = slot_starts(tuple(offsets), tuple(ks), str(records.device))
         positions = (indices.view(-1, sum(ks)).long() + starts).view(-1)
-        values = values.to(out.dtype)
-        if scale != 1.0:
-            values = values * scale
-        if on_accelerator(out):  # in record order on every rank (see _sum_records)
-            return out.index_put_((positions,), values, accumulate=True)
-        return out.index_add_(0, positions, values)
+        values = values.float()
+        return positions, values if scale == 1.0 else values * scale
 
     def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
         """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates

@@ -32,15 +32,11 @@ import torch
 from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dtype, \
     prepare_gradients
-from hvd_dgc.torch.paths import Part, PathContext, make_paths
+from hvd_dgc.torch.paths import CLASSES, Part, PathContext, make_paths
+from hvd_dgc.torch.update import FlatUpdate, GradUpdate
 
 __all__ = ["Engine", "Launch", "Member", "StepCounters"]
 
-#: where a path's tensors lie in a launch's flat buffers: the sparse ones first, aligned
-_FLAT_ORDER = (PathKind.ALLGATHER, PathKind.REGION, PathKind.EXCHANGE, PathKind.DENSE,
-               PathKind.HIERARCHICAL, PathKind.SPARSE_GRAD)
-_ALIGNED = (PathKind.ALLGATHER, PathKind.REGION)
-_IN_MEMORY = (PathKind.ALLGATHER, PathKind.REGION, PathKind.EXCHANGE, PathKind.DENSE)
 #: a model's launches (buckets, groups) times a few path assignments, with room to spare
 _LAYOUTS_KEPT = 64
 
@@ -79,13 +75,13 @@ class Layout:
     fixed, so made once and kept (the buffers with it)."""
 
     def __init__(self, members, kinds, memory, device, dtype):
-        rank = {k: i for i, k in enumerate(_FLAT_ORDER)}
         order = sorted(range(len(members)), key=lambda i: (
-            rank[kinds[i]], members[i].momentum, members[i].nesterov, i))
+            CLASSES[kinds[i]].flat_rank, members[i].momentum, members[i].nesterov, i))
         self.members = tuple(members[i] for i in order)
         self.kinds = tuple(kinds[i] for i in order)
-        stored = [i for i, k in enumerate(self.kinds) if k in _IN_MEMORY]
-        aligned = sum(1 for k in self.kinds if k in _ALIGNED)
+        self.classes = tuple(CLASSES[k] for k in self.kinds)
+        stored = [i for i, c in enumerate(self.classes) if c.stored]
+        aligned = sum(1 for c in self.classes if c.aligned)
         self.block = memory.block([self.members[i].key for i in stored],
                                   [self.members[i].numel for i in stored], aligned,
                                   device, dtype) if stored else None
@@ -93,19 +89,27 @@ class Layout:
         for i, m in enumerate(self.members):
             if i < len(stored):
                 offsets.append(self.block.offsets[i])
-            else:  # hierarchical DGC's gradients (its memory is per slice), sparse grads
+            else:  # gradients a path reads (hierarchical DGC: its memory is per slice)
                 offsets.append(end)
-                end += m.numel if self.kinds[i] != PathKind.SPARSE_GRAD else 0
+                end += m.numel if self.classes[i].reads_gradient else 0
         self.offsets, self.total = tuple(offsets), end
-        self.dense_grads = [i for i, k in enumerate(self.kinds) if k != PathKind.SPARSE_GRAD]
-        self.sparse_grads = [i for i, k in enumerate(self.kinds) if k == PathKind.SPARSE_GRAD]
+        # a slice of the flat buffers: what is stored in the memory or read from the
+        # gradient; else a sparse gradient, which travels as it is
+        flat = [c.stored or c.reads_gradient for c in self.classes]
+        self.dense_grads = [i for i, f in enumerate(flat) if f]
+        self.sparse_grads = [i for i, f in enumerate(flat) if not f]
+        self.aligned = aligned > 0
+        self.checked = [i for i, c in enumerate(self.classes) if c.checked]
+        # the flat gradient is wanted after the memory update (a path reads it, or the
+        # guard's look at a tensor the block maxima do not cover)
+        self.reads_gradient = any(c.reads_gradient or (c.checked and not c.aligned)
+                                  for c in self.classes)
         self.g = torch.zeros(self.total, dtype=dtype, device=device)
         self.update = torch.empty(self.total, dtype=dtype, device=device)
         self.g_views = [self.g[offsets[i]:offsets[i] + self.members[i].numel].view(
             self.members[i].shape) for i in self.dense_grads]
-        self.update_views = [self.update[o:o + m.numel].view(m.shape)
-                             if k != PathKind.SPARSE_GRAD else None
-                             for o, m, k in zip(self.offsets, self.members, self.kinds)]
+        self.update_views = [self.update[o:o + m.numel].view(m.shape) if f else None
+                             for o, m, f in zip(self.offsets, self.members, flat)]
         self.params = [m.param for m in self.members]
         if self.block is not None and self.block.aligned:  # in block maxima (guard.py)
             blocks = [(self.block.offsets[i] // BLOCK,
@@ -231,9 +235,8 @@ class Engine:
         if layout.sparse_grads:
             self._sparse_payloads(launch, at)
         block = layout.block
-        wants = block is not None and getattr(
-            self.compressor, "wants_block_max", lambda d: False)(block.v.device) and \
-            any(k in _ALIGNED for k in layout.kinds) and not launch.local
+        wants = block is not None and layout.aligned and not launch.local and getattr(
+            self.compressor, "wants_block_max", lambda d: False)(block.v.device)
         sources = self._direct(launch, at, wants)
         if sources is None:
             self._gather(launch, at)
@@ -262,10 +265,9 @@ class Engine:
         layout = launch.layout
         if layout.block is None or launch.local or at.scale is not None or \
                 self.config.clip_norm is not None or self.guard.mode == "drop" or \
-                any(k not in _IN_MEMORY or k == PathKind.EXCHANGE for k in layout.kinds):
+                layout.reads_gradient or layout.sparse_grads:
             return None
-        if self.guard.mode == "skip" and not wants and \
-                any(k in _ALIGNED for k in layout.kinds):
+        if self.guard.mode == "skip" and layout.checked and not wants:
             return None
         grads = [m.param.grad for m in layout.members]
         params = [m.param for m in layout.members]
@@ -329,32 +331,22 @@ class Engine:
             launch.sparse.append((g.indices().t().contiguous(), g.values()))
 
     def _start(self, launch):
-        """Each path's part, started in one order on every rank; the launch's dense
-        tensors ride in its allgather where the cost model says so (``_folds``)."""
+        """Each path's part, started in one order on every rank (a path may carry
+        another's tensors where that is cheaper: ``absorb``)."""
         layout = launch.layout
         parts = {}
         for kind, index in layout.parts:
             lo, hi = layout.range_of(index)
             parts[kind] = Part(kind, launch, tuple(layout.members[i] for i in index), index,
                                lo, hi, tuple(launch.ks[i] for i in index), launch.own)
-        if self._folds(parts):
-            parts[PathKind.ALLGATHER] = parts[PathKind.ALLGATHER]._replace(
-                folded=parts.pop(PathKind.DENSE))
+        for kind in ORDER:
+            if kind in parts:
+                parts = self.paths[kind].absorb(parts, self.planner)
         for kind in ORDER:
             if kind in parts:
                 path = self.paths[kind]
                 launch.started.append((path, parts[kind], path.launch(parts[kind])))
         self.stats.add_launches(len(launch.started))
-
-    def _folds(self, parts):
-        """A launch's dense tensors inside its allgather, as records of every index
-        (costmodel.folds: small tensors, or a link of high latency)? The same on every
-        rank: it depends on the launch's members and sizes only."""
-        if PathKind.DENSE not in parts or PathKind.ALLGATHER not in parts:
-            return False
-        if self.resolved.dense_fp16 != (self.compressor.value_bytes == 2):
-            return False  # fp16 on the dense wire, fp32 records (or the reverse)
-        return self.planner.folds(sum(parts[PathKind.DENSE].numels))
 
     # -- advance, collect ----------------------------------------------------------------
     @staticmethod
@@ -366,24 +358,32 @@ class Engine:
             for path, _, handle in launch.started:
                 path.advance(handle)
 
-    @staticmethod
-    def collect(launch):
-        """Wait for one launch: its average, flat in its layout (``layout.update``), and
-        the sparse gradients' averages as ``[(member, sparse tensor)]``."""
-        update, sparse = launch.layout.update, []
+    def collect(self, launch, into_grads=False):
+        """Wait for one launch: its average through an update target (update.py), and
+        the sparse gradients' averages as ``[(member, sparse tensor)]``. ``into_grads``
+        (a synchronous step): straight into the gradients where they can take it."""
+        layout = launch.layout
+        if into_grads and launch.scale is None and self.memory.fused_kernel() and \
+                GradUpdate.fits(layout):
+            out = GradUpdate(layout)
+        else:
+            out = FlatUpdate(layout)
+        sparse = []
         for path, _, handle in launch.started:
-            out = path.collect(handle, update)
-            if out is not None:  # a sparse gradient's average replaces the flat one
-                sparse += out
-        return update, sparse
+            averages = path.collect(handle, out)
+            if averages is not None:  # a sparse gradient's average replaces the flat one
+                sparse += averages
+        return out, sparse
 
     # -- gradients back ---------------------------------------------------------------
     @staticmethod
-    def write(launch, flat, scale=None):
-        """``p.grad`` of the launch's parameters from ``flat`` (its layout), in their
-        dtype (times GradScaler's ``scale``, the space ``unscale_`` expects): one copy
-        for all of them."""
-        layout = launch.layout
+    def write(launch, out, scale=None):
+        """``p.grad`` of the launch's parameters from the update ``out`` (a GradUpdate
+        wrote them already), in their dtype (times GradScaler's ``scale``, the space
+        ``unscale_`` expects): one copy for all of them."""
+        if isinstance(out, GradUpdate):
+            return
+        layout, flat = launch.layout, out.buffer
         if flat is layout.update and scale is None:
             views = layout.update_views
         else:
@@ -429,8 +429,8 @@ class Engine:
         its layout."""
         if launch.local:
             return launch.own.neg()
-        update, _ = self.collect(launch)
-        return update.sub_(launch.own)
+        out, _ = self.collect(launch)
+        return out.buffer.sub_(launch.own)
 
     # -- checkpoints ---------------------------------------------------------------------
     def residual(self, param):

@@ -21,14 +21,8 @@ import warnings
 
 import torch
 
-from hvd_dgc.paths import PathKind
-
 __all__ = ["NonFiniteGuard"]
 
-#: the paths whose payload could hide a non-finite value (a selection may leave it
-#: behind; a compressor may round it away): their gradients are checked before sending.
-#: A dense allreduce carries it into every rank's sum as it is.
-_CHECKED = (PathKind.ALLGATHER, PathKind.REGION, PathKind.HIERARCHICAL, PathKind.EXCHANGE)
 
 
 class NonFiniteGuard:
@@ -177,8 +171,10 @@ class NonFiniteGuard:
 
 def _flags(layout):
     """Per member of a launch, whether this rank's gradient is not finite (a device
-    tensor), for the tensors whose payload could hide it (``_CHECKED``)."""
-    checked = [i for i, k in enumerate(layout.kinds) if k in _CHECKED]
+    tensor), for the tensors whose payload could hide it (a selection may leave it
+    behind, a compressor round it away: the path class's ``checked``); a dense allreduce
+    carries it into every rank's sum as it is."""
+    checked = layout.checked
     if not checked:
         return None
     block = layout.block

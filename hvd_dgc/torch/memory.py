@@ -253,23 +253,23 @@ class FlatMemory:
             size = block.aligned_end // BLOCK
             if block.block_max is None or block.block_max.numel() != size:
                 block.block_max = v.new_empty(size)
-        offsets = block.offsets
-        for run in runs:
+        for run, (members, offsets, decay) in zip(runs, _run_members(block, runs, decays)):
             m = run.momentum
             u = block.momentum_buffer() if m else block.u
             su = src_u if src_u is not None else u
-            members = [i for i, o in enumerate(offsets) if run.lo <= o < run.hi]
             maxima = block.block_max if with_block_max and run.hi <= block.aligned_end \
                 else None
             torch.ops.hvd_dgc.accumulate_from(
-                [grads[i] for i in members], [params[i] for i in members],
-                torch.tensor([offsets[i] for i in members]),
-                torch.tensor([decays[i] for i in members], dtype=torch.float32), 1.0,
-                su if m else src_v, src_v, u if m else v, v, float(m), bool(run.nesterov),
-                maxima, run.lo, run.hi)
+                [grads[i] for i in members], [params[i] for i in members], offsets, decay,
+                1.0, su if m else src_v, src_v, u if m else v, v, float(m),
+                bool(run.nesterov), maxima, run.lo, run.hi)
             if not m and u is not None and su is not u:  # a guarded step: carry u over
                 u[run.lo:run.hi].copy_(su[run.lo:run.hi])
         return v
+
+    @staticmethod
+    def fused_kernel():
+        return _fused_memory is not None
 
     @staticmethod
     def direct(block, grads, params, decays):
@@ -405,6 +405,23 @@ class FlatMemory:
             self._loaded[key] = {
                 "u": None if s["u"] is None else s["u"].to(device, copy=True),
                 "v": s["v"].to(device, copy=True)}
+
+
+def _run_members(block, runs, decays):
+    """Per run, its tensors (positions in the block), their offsets and decays as the
+    kernel takes them: made once per block, runs and decays."""
+    key = (tuple(runs), tuple(decays))
+    cache = block.__dict__.setdefault("_run_members", {})
+    out = cache.get(key)
+    if out is None:
+        out = []
+        for run in runs:
+            members = [i for i, o in enumerate(block.offsets) if run.lo <= o < run.hi]
+            out.append((members, torch.tensor([block.offsets[i] for i in members]),
+                        torch.tensor([decays[i] for i in members], dtype=torch.float32)))
+        cache.clear()  # one assignment at a time (a schedule may change decays)
+        cache[key] = out
+    return out
 
 
 def _fused(*tensors):

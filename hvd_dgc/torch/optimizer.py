@@ -38,8 +38,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
-from hvd_dgc.fp16wire import clip_warning
-from hvd_dgc.paths import PathKind
+from hvd_dgc.fp16wire import clip_warning, fp16_bound
 from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
@@ -102,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 _check_consistent_config(self._planner.consistency(**self._horovod_config()),
                                          process_set)
-            peers = _host_peers(resolved, process_set)
+            peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
@@ -198,17 +197,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finite."""
         guarded, sums = self._guard.mode == "skip", []
         for launch in launches:
-            update, sparse = self._engine.collect(launch)
+            out, sparse = self._engine.collect(launch, into_grads=True)
             layout = launch.layout
             if guarded:
                 named = [(m.name, avg._values()) for m, avg in sparse]
-                total = update.sum() if layout.total else update.new_zeros(())
+                total = out.check()
                 for _, values in named:
                     total = total + values.sum()
                 sums.append((total, lambda layout=layout, named=named: [
-                    (layout.members[i].name, layout.update_views[i])
+                    (layout.members[i].name, layout.members[i].param.grad)
                     for i in layout.dense_grads] + named))
-            self._engine.write(launch, update, launch.scale)
+            self._engine.write(launch, out, launch.scale)
             self._sparse_grads |= self._engine.write_sparse(sparse, launch.scale)
         if guarded:
             self._skip_step = self._guard.settle(self._engine.memory,
@@ -226,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not count:
             return
         if not stats.fp16_clipped:
-            bound = self._engine.paths[PathKind.DENSE].half_bound()
+            bound = fp16_bound(self.process_set.size(), self._wire.pre())
             warnings.warn(clip_warning("torch", self._progress.step, count, bound)
                           + " Later ones are counted in compression_stats()['fp16_clipped'].",
                           RuntimeWarning)
@@ -443,29 +442,14 @@ def _check_dtypes(params, names):
                             f"or set requires_grad=False.")
 
 
-def _host_peers(resolved, process_set):
+def _host_peers(planner, process_set):
     """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
-    (several hosts of several ranks, the global process set, not elastic); else ().
-    One allgather at wrap time, after the config check (every rank gets here alike)."""
-    aggregations = resolved.aggregations
-    if PathKind.HIERARCHICAL not in aggregations or not resolved.sparse:
-        return ()
-    forced = aggregations == (PathKind.HIERARCHICAL,)
-    local, cross = _hvd.local_size(), _hvd.cross_size()
-    problem = None
-    if not (local > 1 and cross > 1):
-        problem = (f"it needs several hosts of several ranks each, and this job has "
-                   f"{cross} host(s) with local_size={local} (horovodrun -H host1:4,host2:4)")
-    elif process_set.process_set_id != global_process_set.process_set_id:
-        problem = "it runs on the global process set only"
-    elif os.environ.get("HOROVOD_ELASTIC") == "1":  # a collective at wrap time would hang
-        problem = "it does not run under elastic Horovod yet"
-    elif resolved.config.period > 1:  # its memory holds the host's sum: no own step back
-        problem = f"it does not run with period={resolved.config.period} (use period=1)"
-    if problem:
-        if forced:
-            raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
-                             f"(hierarchical where it applies) or 'flat'.")
+    (Planner.hierarchical_hosts says where); else (). One allgather at wrap time, after
+    the config check (every rank gets here alike)."""
+    if not planner.hierarchical_hosts(
+            _hvd.local_size(), _hvd.cross_size(),
+            process_set.process_set_id == global_process_set.process_set_id,
+            os.environ.get("HOROVOD_ELASTIC") == "1"):
         return ()
     hosts = _hvd.allgather(torch.tensor([_hvd.cross_rank()], dtype=torch.int64),
                            name="hvd_dgc.hosts", process_set=process_set).tolist()

@@ -14,8 +14,9 @@ there::
     path.advance(handle)                second rounds: called for every launch of a step
                                         before any is waited on, so no rank waits on a
                                         round another rank has not started
-    path.collect(handle, update)        wait; write the average into ``update`` (flat,
-                                        the launch's layout) over the part's range
+    path.collect(handle, out)           wait; write the average over the part's range
+                                        through ``out`` (update.py: the launch's flat
+                                        buffer, or the gradients themselves)
 
 The memory belongs to the engine: a part carries the launch's memory block and the
 engine's ``FlatMemory``, and a path takes from them only what leaves (``sent``) or
@@ -39,7 +40,7 @@ from hvd_dgc.torch.gpu_select import counts_on
 from hvd_dgc.torch.memory import Run
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
-__all__ = ["Part", "Wire", "PathContext", "make_paths"]
+__all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
 
 
 class Wire(NamedTuple):
@@ -103,10 +104,25 @@ class Part(NamedTuple):
 
 
 class _Path:
+    """What every path answers, and what the engine lays out by (class attributes)."""
+
     kind = None
+    #: where its tensors lie in a launch's flat buffers (those whose selection scans
+    #: the memory's block maxima first, aligned to the blocks)
+    flat_rank = 3
+    stored = True          # its tensors' u and v live in the launch's memory block
+    aligned = False        # its selection scans block maxima: slices at block bounds
+    reads_gradient = False  # reads the launch's flat gradient after the memory update
+    checked = False        # its payload could hide a non-finite value: the guard looks
+    batched = False        # its launches wait for synchronize, to leave together
 
     def __init__(self, ctx):
         self.ctx = ctx
+
+    def absorb(self, parts, planner):
+        """The launch's parts, this path carrying others' tensors where that is cheaper
+        (``{PathKind: Part}``; default: as they are)."""
+        return parts
 
     def advance(self, handle):
         pass
@@ -118,6 +134,7 @@ class DensePath(_Path):
     in the residual."""
 
     kind = PathKind.DENSE
+    flat_rank = 3
 
     def take(self, part):
         """What leaves the memory: all of ``v`` over the part (stats counted)."""
@@ -127,7 +144,7 @@ class DensePath(_Path):
             payload = self._half(v)
         else:
             payload = v.clone()
-            ctx.memory.sent_range(block, part.lo, part.hi)
+            v.zero_()  # every coordinate left: v cleared, u kept (memory.sent_range)
         size = payload.element_size()
         for m in part.members:
             ctx.stats.record(m.name, self.kind, m.numel, m.numel, m.numel * size,
@@ -162,9 +179,9 @@ class DensePath(_Path):
                                      prescale_factor=pre, postscale_factor=post,
                                      process_set=w.process_set), part
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         handle, part = handle
-        update[part.lo:part.hi] = _hvd.synchronize(handle)
+        out.assign(part.lo, part.hi, _hvd.synchronize(handle))
 
 
 class _Picked(NamedTuple):
@@ -182,6 +199,9 @@ class AllgatherPath(_Path):
     worker k(N-1): linear in N (hvd_dgc/aggregation.py)."""
 
     kind = PathKind.ALLGATHER
+    flat_rank = 0
+    aligned = True
+    checked = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -257,6 +277,20 @@ class AllgatherPath(_Path):
                 self.ctx.stats.add_bytes(m.name, (k - count) * record)
         return indices, wire
 
+    def absorb(self, parts, planner):
+        """The launch's dense tensors ride in its allgather, as records of every index,
+        where the cost model says so (costmodel.folds: small tensors, or a link of high
+        latency): one Horovod operation fewer, two round trips a step over a WAN. The
+        same on every rank: it depends on the launch's members and sizes only."""
+        dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
+        if dense is None or mine is None or \
+                self.ctx.dense_fp16 != (self.ctx.compressor.value_bytes == 2) or \
+                not planner.folds(sum(dense.numels)):
+            return parts  # (fp16 on the dense wire with fp32 records, or the reverse)
+        parts = dict(parts)
+        parts[self.kind] = mine._replace(folded=parts.pop(PathKind.DENSE))
+        return parts
+
     def _fold(self, part):
         """The launch's dense tensors as records of every index (``part.folded``): each
         value exactly what the dense allreduce would have summed, so the memory, the
@@ -288,13 +322,13 @@ class AllgatherPath(_Path):
             ranges.append((part.folded.lo, part.folded.hi))
         return handle, layout, ranges
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         handle, (offsets, ks), ranges = handle
         records = _hvd.synchronize(handle)
         for lo, hi in ranges:
-            update[lo:hi].zero_()
-        self.ctx.compressor.scatter_into(update, records, offsets, ks,
-                                         scale=self.ctx.wire.post())
+            out.zero(lo, hi)
+        out.add(*self.ctx.compressor.records_at(records, offsets, ks,
+                                                scale=self.ctx.wire.post()))
 
 
 class _RegionLaunch(NamedTuple):
@@ -314,6 +348,11 @@ class RegionPath(AllgatherPath):
     run: 96.53% both)."""
 
     kind = PathKind.REGION
+    flat_rank = 1
+    batched = True  # one alltoall and one allgather carry all of a step's: synchronize
+
+    def absorb(self, parts, planner):
+        return parts
 
     def launch(self, part):
         sel = self.select(part)
@@ -354,12 +393,12 @@ class RegionPath(AllgatherPath):
             for position, kept in zip(positions, reduce.kept_counts):
                 self.ctx.stats.add_bytes(handle.part.members[position].name, kept * record)
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         self.advance(handle)
         ctx, part = self.ctx, handle.part
         post = 1.0 / ctx.wire.world() if ctx.wire.op == Average else 1.0  # no predivide
         offsets = part.offsets
-        update[part.lo:part.hi].zero_()
+        out.zero(part.lo, part.hi)
         for reduce, positions in handle.chunks:
             res = reduce.collect()
             device = res.values.device
@@ -367,7 +406,7 @@ class RegionPath(AllgatherPath):
                                   device=device)
             tensor, local = reduce.split(res.indices)
             values = res.values if post == 1.0 else res.values * post
-            update.index_put_((starts[tensor] + local,), values.to(update.dtype))
+            out.add(starts[tensor] + local, values)  # each index once
             # error feedback: this rank's regions' unsent sums go back into its memory
             back_indices, back_values = res.returned
             ctx.stats.add_returned(back_indices.numel())
@@ -403,6 +442,10 @@ class HierarchicalPath(_Path):
     it runs on several hosts only, where the link, not the launches, bounds a step."""
 
     kind = PathKind.HIERARCHICAL
+    flat_rank = 4
+    stored = False  # its memory holds the host's sum of a slice: blocks of its own
+    reads_gradient = True
+    checked = True
 
     def launch(self, part):
         launch, peers, ps = part.launch, self.ctx.wire.peers, self.ctx.wire.process_set
@@ -469,13 +512,13 @@ class HierarchicalPath(_Path):
         handle.gather.append(_hvd.grouped_allgather_async(
             records, name=launch.name + ".cross", process_set=ctx.wire.process_set))
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         self.advance(handle)
         part, comp = handle.part, self.ctx.compressor
-        out = _hvd.synchronize(handle.gather[0])
+        gathered = _hvd.synchronize(handle.gather[0])
         post = self.ctx.wire.post()
-        for records, lo, m in zip(out, part.offsets, part.members):
-            update[lo:lo + m.numel] = comp.scatter_sum(records, m.numel, scale=post)
+        for records, lo, m in zip(gathered, part.offsets, part.members):
+            out.assign(lo, lo + m.numel, comp.scatter_sum(records, m.numel, scale=post))
 
 
 class ExchangePath(_Path):
@@ -483,6 +526,8 @@ class ExchangePath(_Path):
     TernGrad, QSGD, bf16); they take what they sent out of ``v`` (error feedback)."""
 
     kind = PathKind.EXCHANGE
+    flat_rank = 2
+    checked = True
 
     def launch(self, part):
         ctx, launch, block = self.ctx, part.launch, part.launch.block
@@ -506,13 +551,13 @@ class ExchangePath(_Path):
     def advance(self, handle):
         self.ctx.compressor.advance(handle[0])
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         ex, part = handle
-        outs = self.ctx.compressor.collect(ex)  # averages
+        averages = self.ctx.compressor.collect(ex)
         if self.ctx.wire.op == Sum:
-            outs = [out.mul_(self.ctx.wire.world()) for out in outs]
-        torch._foreach_copy_([update[o:o + m.numel] for o, m in
-                              zip(part.offsets, part.members)], outs)
+            averages = [a.mul_(self.ctx.wire.world()) for a in averages]
+        for o, m, avg in zip(part.offsets, part.members, averages):
+            out.assign(o, o + m.numel, avg)
 
 
 class SparseGradPath(_Path):
@@ -521,6 +566,8 @@ class SparseGradPath(_Path):
     average is a sparse tensor, set as the parameter's gradient (engine.py)."""
 
     kind = PathKind.SPARSE_GRAD
+    flat_rank = 5
+    stored = False  # no memory: it is sparse already
 
     def launch(self, part):
         ps, launch = self.ctx.wire.process_set, part.launch
@@ -536,9 +583,10 @@ class SparseGradPath(_Path):
                                                  process_set=ps), m))
         return handles
 
-    def collect(self, handle, update):
+    def collect(self, handle, out):
         """Every rank's rows, as one (uncoalesced) sparse tensor per member: the sum, or
-        the average (op=Average), as Horovod's sparse allreduce returns it."""
+        the average (op=Average), as Horovod's sparse allreduce returns it (returned:
+        they replace the flat average, engine.py)."""
         out = []
         for indices_handle, values_handle, m in handle:
             values = _hvd.synchronize(values_handle)  # values first, as Horovod waits
@@ -549,7 +597,10 @@ class SparseGradPath(_Path):
         return out
 
 
+CLASSES = {cls.kind: cls for cls in (SparseGradPath, ExchangePath, AllgatherPath,
+                                      RegionPath, HierarchicalPath, DensePath)}
+
+
 def make_paths(ctx):
     """One instance of every path class, by kind."""
-    return {cls.kind: cls(ctx) for cls in (SparseGradPath, ExchangePath, AllgatherPath,
-                                           RegionPath, HierarchicalPath, DensePath)}
+    return {kind: cls(ctx) for kind, cls in CLASSES.items()}

@@ -21,7 +21,7 @@ fired (unused this step, or fewer backward passes) still join every collective, 
 launches are the same on every rank.
 """
 
-from hvd_dgc.paths import PathKind
+from hvd_dgc.torch.paths import CLASSES
 
 __all__ = ["LaunchScheduler"]
 
@@ -52,6 +52,8 @@ class LaunchScheduler:
         self._batch_all = bool(self.sparse and self.params and on_accelerator(self.params[0])
                                and len(devices) == 1 and not self._groups)
         self.sparse_as_dense = sparse_as_dense
+        self._may_batch = self.sparse and any(CLASSES[k].batched
+                                              for k in planner.resolved.aggregations)
         self._order = [infos[q] for q in reversed(self.params)]  # backward order, roughly
 
     def _make_groups(self, groups):
@@ -115,11 +117,9 @@ class LaunchScheduler:
             return False
         if self._batch_all:
             return True
-        if PathKind.REGION not in self.planner.resolved.aggregations or not self.sparse \
-                or self._sparse_grad(p):
+        if not self._may_batch or self._sparse_grad(p):
             return False
-        return self.planner.path(self.infos[p], self._density(), self._step()) == \
-            PathKind.REGION
+        return CLASSES[self.planner.path(self.infos[p], self._density(), self._step())].batched
 
     def _bucket_of(self, p):
         """The bucket ``p`` leaves with (a tuple of parameters), or None (alone)."""

@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <tuple>
 #include <vector>
@@ -97,6 +99,25 @@ HVD_DGC_CLONES void chunk_nesterov(const float* g, const float* u, const float* 
   chunk<2>(g, u, v, uo, vo, m, bmax, begin, end);
 }
 
+// The same update, element by element, over [lo, hi): tails, and ranges that want no
+// block maxima (they need not be whole blocks).
+void update_range(int mode, const float* g, const float* u, const float* v, float* uo,
+                  float* vo, float m, int64_t lo, int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    if (mode == 0) {
+      vo[j] = v[j] + g[j];
+    } else if (mode == 1) {
+      const float uu = m * u[j] + g[j];
+      uo[j] = uu;
+      vo[j] = v[j] + uu;
+    } else {
+      const float uu = m * (u[j] + g[j]);
+      uo[j] = uu;
+      vo[j] = (v[j] + uu) + g[j];
+    }
+  }
+}
+
 void run(int mode, const float* g, const float* u, const float* v, float* uo, float* vo,
          float m, float* bmax, int64_t n) {
   auto go = [&](float* maxima, int64_t begin, int64_t end) {
@@ -111,19 +132,7 @@ void run(int mode, const float* g, const float* u, const float* v, float* uo, fl
   const int64_t blocks = n / kBlock;
   at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) { go(bmax, begin, end); });
   // (no maxima wanted: chunk() skips them when bmax is null)
-  for (int64_t j = blocks * kBlock; j < n; ++j) {  // the tail: no block maximum
-    if (mode == 0) {
-      vo[j] = v[j] + g[j];
-    } else if (mode == 1) {
-      const float uu = m * u[j] + g[j];
-      uo[j] = uu;
-      vo[j] = v[j] + uu;
-    } else {
-      const float uu = m * (u[j] + g[j]);
-      uo[j] = uu;
-      vo[j] = (v[j] + uu) + g[j];
-    }
-  }
+  update_range(mode, g, u, v, uo, vo, m, blocks * kBlock, n);  // the tail: no maximum
 }
 
 void check(const at::Tensor& t, const char* name, int64_t n) {
@@ -156,6 +165,48 @@ void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
       u_out.data_ptr<float>(), v_out.data_ptr<float>(), m, bm, n);
 }
 
+// Keeps the k positions of f whose |x| is largest, in position order. The k-th
+// largest magnitude by a radix select on its bits (for non-negative floats, the
+// order of the bits as integers is the order of the values): a histogram of the top
+// 16 bits finds its bucket, one of the low 16 bits within that bucket the value and
+// how many equal to it stay (the first ones). Then one compacting pass. Linear: at
+// the warm-up's densities f holds millions of positions, and sorting (or
+// nth_element) cost more than the rest of the step.
+void keep_largest(const float* x, std::vector<int64_t>& f, int64_t k,
+                  std::vector<uint32_t>& bits, std::vector<int64_t>& hist) {
+  if (k <= 0) {
+    f.clear();
+    return;
+  }
+  const size_t n = f.size();
+  bits.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[f[i]]);
+    std::memcpy(&bits[i], &a, sizeof a);
+  }
+  hist.assign(1 << 16, 0);
+  for (size_t i = 0; i < n; ++i) ++hist[bits[i] >> 16];
+  int64_t need = k;  // of the k largest, how many are still to be found
+  uint32_t high = 0xffff;
+  for (;; --high) {
+    if (hist[high] >= need) break;
+    need -= hist[high];
+  }
+  hist.assign(1 << 16, 0);
+  for (size_t i = 0; i < n; ++i) hist[bits[i] & 0xffff] += (bits[i] >> 16) == high;
+  uint32_t low = 0xffff;
+  for (;; --low) {
+    if (hist[low] >= need) break;
+    need -= hist[low];
+  }
+  const uint32_t kth = (high << 16) | low;
+  size_t out = 0;  // above kth, and the first `need` equal to it
+  for (size_t i = 0; i < n; ++i) {
+    if (bits[i] > kth || (bits[i] == kth && need-- > 0)) f[out++] = f[i];
+  }
+  f.resize(out);
+}
+
 // DGC's scan, one round for every segment s of a flat v (it starts at offsets[s], a
 // multiple of the block, and holds numels[s] elements): the positions with
 // |v| >= thresholds[s], in increasing order, scanning only the blocks whose maximum
@@ -166,8 +217,7 @@ void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
     const at::Tensor& v, const at::Tensor& block_max, const at::Tensor& offsets,
     const at::Tensor& numels, const at::Tensor& thresholds, const at::Tensor& ks) {
-  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
-              "v must be a contiguous float32 CPU tensor");
+  check(v, "v", v.numel());
   check(block_max, "block_max", block_max.numel());
   const int64_t segments = offsets.numel();
   auto off = offsets.to(at::kLong).contiguous();
@@ -180,9 +230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
   const int64_t* n = num.data_ptr<int64_t>();
   const int64_t* k = kk.data_ptr<int64_t>();
   const float* t = thr.data_ptr<float>();
-  std::vector<std::vector<std::pair<float, int64_t>>> found(segments);
+  std::vector<std::vector<int64_t>> found(segments);
   at::parallel_for(0, segments, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> hit;
+    std::vector<uint32_t> bits;
+    std::vector<int64_t> hist;
     for (int64_t s = begin; s < end; ++s) {
       const float ts = t[s];
       if (std::isinf(ts) && ts > 0) continue;
@@ -199,17 +251,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
           __builtin_prefetch(x + hit[i + kAhead] * kBlock + 16);
         }
         const int64_t start = hit[i] * kBlock, stop = std::min(hi, start + kBlock);
+        int64_t block[kBlock];  // without a branch: at the warm-up's densities a
+        int64_t c = 0;          // quarter or more pass, and mispredictions dominated
         for (int64_t j = start; j < stop; ++j) {
-          const float a = std::fabs(x[j]);
-          if (a >= ts) f.emplace_back(a, j);
+          block[c] = j;
+          c += std::fabs(x[j]) >= ts;
         }
+        f.insert(f.end(), block, block + c);
       }
-      if (static_cast<int64_t>(f.size()) > k[s]) {  // the k largest, back in position order
-        std::nth_element(f.begin(), f.begin() + k[s], f.end(),
-                         [](const auto& a, const auto& b) { return a.first > b.first; });
-        f.resize(k[s]);
-        std::sort(f.begin(), f.end(),
-                  [](const auto& a, const auto& b) { return a.second < b.second; });
+      if (static_cast<int64_t>(f.size()) > k[s]) {  // the k largest, in position order
+        keep_largest(x, f, k[s], bits, hist);
       }
     }
   });
@@ -225,8 +276,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
   float* vp = values.data_ptr<float>();
   for (const auto& f : found) {
     for (const auto& e : f) {
-      *vp++ = e.first;
-      *pp++ = e.second;
+      *vp++ = std::fabs(x[e]);
+      *pp++ = e;
     }
   }
   return std::make_tuple(positions, values, counts);
@@ -237,8 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
 // a top-k of the sample would end at; here one partial sort per segment.
 at::Tensor thresholds(const at::Tensor& v, const at::Tensor& base, const at::Tensor& sizes,
                       const at::Tensor& shifts, const at::Tensor& kth) {
-  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
-              "v must be a contiguous float32 CPU tensor");
+  check(v, "v", v.numel());
   const int64_t segments = sizes.numel();
   auto b = base.to(at::kLong).contiguous();
   auto sz = sizes.to(at::kLong).contiguous();
@@ -275,8 +325,7 @@ at::Tensor thresholds(const at::Tensor& v, const at::Tensor& base, const at::Ten
 // pass over the positions, fetched a few ahead so the loads overlap.
 at::Tensor take(const at::Tensor& v, const c10::optional<at::Tensor>& u,
                 const at::Tensor& positions) {
-  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(),
-              "v must be a contiguous float32 CPU tensor");
+  check(v, "v", v.numel());
   auto pos = positions.to(at::kLong).contiguous();
   const int64_t count = pos.numel();
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -375,22 +424,39 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
           chunk_nesterov(gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
         }
       } else {
-        for (int64_t j = a; j < b; ++j) {
-          if (mode == 0) {
-            vo[j] = vv[j] + gs[j];
-          } else if (mode == 1) {
-            const float x = m * uu[j] + gs[j];
-            uo[j] = x;
-            vo[j] = vv[j] + x;
-          } else {
-            const float x = m * (uu[j] + gs[j]);
-            uo[j] = x;
-            vo[j] = (vv[j] + x) + gs[j];
-          }
-        }
+        update_range(mode, gs, uu, vv, uo, vo, m, a, b);
       }
     }
   });
+}
+
+// Records added into a launch's gradients where they lie: values[i] goes to the tensor
+// whose slice of the launch's flat buffers holds positions[i] (starts: where each
+// begins, increasing), at positions[i] - its start. In record order, as index_add_
+// adds them into one flat buffer, so the sums are the same bit for bit.
+void index_add_list(at::TensorList targets, const at::Tensor& starts,
+                    const at::Tensor& positions, const at::Tensor& values) {
+  const int64_t members = static_cast<int64_t>(targets.size());
+  auto st = starts.to(at::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  auto val = values.to(at::kFloat).contiguous();
+  const int64_t* s = st.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* x = val.data_ptr<float>();
+  std::vector<float*> t(members);
+  std::vector<int64_t> n(members);
+  for (int64_t i = 0; i < members; ++i) {
+    check(targets[i], "a gradient", targets[i].numel());
+    t[i] = targets[i].data_ptr<float>();
+    n[i] = targets[i].numel();
+  }
+  const int64_t count = pos.numel();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
+    const int64_t at_ = p[i] - s[j];
+    TORCH_CHECK(j >= 0 && at_ < n[j], "record position ", p[i], " lies in no tensor");
+    t[j][at_] += x[i];
+  }
 }
 
 }  // namespace
@@ -403,6 +469,8 @@ TORCH_LIBRARY(hvd_dgc, lib) {
   lib.def("thresholds(Tensor v, Tensor base, Tensor sizes, Tensor shifts, Tensor kth) "
           "-> Tensor");
   lib.def("take(Tensor(a!) v, Tensor(b!)? u, Tensor positions) -> Tensor");
+  lib.def("index_add_list(Tensor(a!)[] targets, Tensor starts, Tensor positions, "
+          "Tensor values) -> ()");
   lib.def("accumulate_from(Tensor[] grads, Tensor[] params, Tensor offsets, Tensor decays, "
           "float scale, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
           "float momentum, bool nesterov, Tensor(c!)? block_max, int lo, int hi) -> ()");
@@ -413,6 +481,7 @@ TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
   lib.impl("scan", &scan);
   lib.impl("thresholds", &thresholds);
   lib.impl("take", &take);
+  lib.impl("index_add_list", &index_add_list);
   lib.impl("accumulate_from", &accumulate_from);
 }
 

@@ -1,0 +1,107 @@
+"""Where a launch's average is written: the launch's flat buffer, or the gradients.
+
+A path's ``collect`` writes its tensors' average through one of these, by ranges and
+positions of the launch's flat layout (engine.py), and never asks which:
+
+    out.zero(lo, hi)             the range will receive records
+    out.add(positions, values)   records added (in record order: the same sums bit for
+                                 bit whichever target)
+    out.assign(lo, hi, values)   a range's values as they are (dense, per tensor)
+
+``FlatUpdate`` writes into the launch's flat buffer; the engine then copies it into the
+gradients (one operation), and delayed averaging keeps it (``avg - own``).
+``GradUpdate`` writes straight into the parameters' gradients (synchronous steps on a
+CPU, float32 gradients, with the kernel library built): no flat buffer to copy out
+of, a pass over the model saved.
+
+Both keep ``check``: the sum of every value written, a device scalar whose finiteness
+is what the non-finite guard reads (guard.py: one read-back per step, and no pass over
+the whole update: a poisoned payload makes its own values infinite).
+"""
+
+import torch
+
+__all__ = ["FlatUpdate", "GradUpdate"]
+
+
+class _Update:
+    def __init__(self, layout):
+        self.layout = layout
+        self._sums = []
+
+    def _checked(self, values):
+        self._sums.append(values.sum(dtype=torch.float32 if values.dtype != torch.float64
+                                     else torch.float64))
+        return values
+
+    def check(self):
+        """The sum of everything written (non-finite iff something written was)."""
+        if not self._sums:
+            return torch.zeros((), device=self.layout.g.device)
+        return torch.stack(self._sums).sum() if len(self._sums) > 1 else self._sums[0]
+
+
+class FlatUpdate(_Update):
+    """The average in the launch's flat buffer (``layout.update``)."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.buffer = layout.update
+
+    def zero(self, lo, hi):
+        self.buffer[lo:hi].zero_()
+
+    def add(self, positions, values):
+        values = self._checked(values.to(self.buffer.dtype))
+        if self.buffer.device.type != "cpu":
+            # CUDA's index_add_ adds duplicates with atomics, in any order: ranks would
+            # round differently; index_put_ adds them in record order
+            self.buffer.index_put_((positions,), values, accumulate=True)
+        else:
+            self.buffer.index_add_(0, positions, values)
+
+    def assign(self, lo, hi, values):
+        self.buffer[lo:hi] = self._checked(values.reshape(-1))
+
+
+class GradUpdate(_Update):
+    """The average written into the launch's gradients (``p.grad``) where they lie."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.grads = [layout.members[i].param.grad for i in layout.dense_grads]
+        self.starts = [layout.offsets[i] for i in layout.dense_grads]
+        self.numels = [layout.members[i].numel for i in layout.dense_grads]
+        self._starts = torch.tensor(self.starts, dtype=torch.long)
+
+    @staticmethod
+    def fits(layout):
+        """Every gradient a contiguous float32 CPU tensor (the kernel library writes)."""
+        return all(
+            (p := layout.members[i].param).grad is not None and not p.grad.is_sparse
+            and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
+            and p.grad.device.type == "cpu" for i in layout.dense_grads)
+
+    def _within(self, lo, hi):
+        return [j for j, (s, n) in enumerate(zip(self.starts, self.numels))
+                if s < hi and s + n > lo]
+
+    def zero(self, lo, hi):
+        torch._foreach_zero_([self.grads[j] for j in self._within(lo, hi)])
+
+    def add(self, positions, values):
+        torch.ops.hvd_dgc.index_add_list(self.grads, self._starts, positions,
+                                         self._checked(values.float()))
+
+    def assign(self, lo, hi, values):
+        values = self._checked(values.reshape(-1))
+        within = self._within(lo, hi)
+        sizes = [self.numels[j] for j in within]
+        gaps = [self.starts[j] - (self.starts[within[i - 1]] + self.numels[within[i - 1]])
+                if i else self.starts[j] - lo for i, j in enumerate(within)]
+        if any(gaps):  # (aligned tensors: zeros between; dense ranges are packed)
+            pieces = [values[self.starts[j] - lo:self.starts[j] - lo + self.numels[j]]
+                      for j in within]
+        else:
+            pieces = values.split(sizes)
+        torch._foreach_copy_([self.grads[j].view(-1) for j in within], list(pieces))

@@ -1,0 +1,56 @@
+"""The flat engine (hvd_dgc/torch/engine.py): DGC's local work is a fixed number of
+operations per launch, whatever the number of tensors (on a GPU each operation is a
+kernel launch). Counted with a TorchDispatchMode at np=1 under horovodrun; the times
+are bench/step_overhead.py's."""
+
+import pytest
+
+from harness.hvdrun import run
+
+
+@pytest.fixture(scope="module")
+def counts():
+    (out,) = run("tests.workers.torch_flat:counts", np=1, timeout=600)
+    return out
+
+
+def test_a_sparse_step_adds_no_operation_per_tensor(counts):
+    stock = counts["stock"]["many"] - counts["stock"]["few"]  # the model's own, per tensor
+    for tag in ("dgc", "dgc_clip_decay"):
+        ours = counts[tag]["many"] - counts[tag]["few"]
+        # 64 more tensors: at most the operations stock's step adds for them (the loss,
+        # backward and SGD's own step), and a handful more, not a few per tensor
+        assert ours <= stock + 8, (tag, counts)
+
+
+def test_dense_averaging_launches_per_tensor_at_a_fixed_cost_each(counts):
+    """density=1.0: each tensor leaves from its own hook, as in Horovod (its allreduce
+    overlaps the rest of the backward pass), so each pays one launch's operations."""
+    stock = counts["stock"]["many"] - counts["stock"]["few"]
+    ours = counts["dense"]["many"] - counts["dense"]["few"]
+    assert ours - stock <= 64 * 16, counts
+
+
+def test_resnet50_step_is_within_100_operations_of_stock(counts):
+    res = counts["resnet50"]
+    assert res["dgc"] - res["stock"] <= 100, res
+
+
+def test_a_checkpoint_from_before_the_flat_engine_loads_and_trains_on():
+    """tests/data/checkpoint_before_flat_engine.pt was written by the release before the
+    flat engine (commit 915821a; per-parameter memory, the DGC sampler's generator):
+    every parameter's residual and velocity come back exactly, and training goes on."""
+    import os
+    path = os.path.join(os.path.dirname(__file__), "data", "checkpoint_before_flat_engine.pt")
+    (out,) = run("tests.workers.torch_flat:old_checkpoint", np=1, kwargs={"path": path})
+    assert out["saved_residual"] > 0.1, "nothing was saved: the test would prove nothing"
+    assert out["same"] and all(out["same"].values()), out["same"]
+    assert out["step"] == 6 and out["warnings"] == []
+    assert out["moved"] > 0 and out["finite"]
+
+
+def test_writing_into_the_gradients_is_the_flat_buffer_bit_for_bit():
+    for out in run("tests.workers.torch_flat:update_targets", np=2):
+        assert out["moved"] > 1e-3
+        assert out["paths"].get("sparse") and out["paths"].get("dense"), out["paths"]
+        assert all(out["equal"]) and len(out["equal"]) == 8, out["equal"]

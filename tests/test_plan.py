@@ -1,0 +1,108 @@
+"""The planner (hvd_dgc/plan.py): the decisions every rank must make alike, shared by
+PyTorch and TensorFlow. No Horovod job needed: it is framework-free."""
+
+import pytest
+
+from hvd_dgc import CostModel
+from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.paths import PathKind
+from hvd_dgc.plan import Planner, TensorInfo
+from hvd_dgc.schedule import num_selected
+from hvd_dgc.torch.compression import Compression
+from hvd_dgc.torch.optimizer import TORCH
+
+ARGS = HorovodArguments("average", 1.0, 1, None, ("average", "sum", "adasum"))
+TENSORS = [TensorInfo(0, "conv.weight", 64 * 64 * 9, (64, 64, 3, 3)),
+           TensorInfo(1, "conv.bias", 64, (64,)),
+           TensorInfo(2, "fc.weight", 1000 * 512, (1000, 512)),
+           TensorInfo(3, "fc.bias", 1000, (1000,)),
+           TensorInfo(4, "emb.weight", 5000 * 16, (5000, 16), sliced=True)]
+
+
+def _planner(world=4, local_size=0, compression=Compression.dgc, **options):
+    resolved = DGCConfig(**options).resolve(TORCH, compression, ARGS, (True, "SGD"))
+    return Planner(resolved, TENSORS, world, local_size)
+
+
+def test_each_tensor_takes_the_path_the_cost_model_chooses():
+    planner = _planner(density=0.001, warmup=0)
+    model = CostModel()
+    for t in TENSORS:
+        path = planner.path(t, 0.001)
+        if t.sliced:
+            assert path == PathKind.SPARSE_GRAD
+        elif t.numel < 1024:
+            assert path == PathKind.DENSE
+        else:
+            assert path == model.choose_aggregation(
+                t.numel, num_selected(t.numel, 0.001), 4, 4, 4,
+                allowed=(PathKind.DENSE, PathKind.ALLGATHER, PathKind.REGION))
+    assert planner.path(TENSORS[2], 0.001) == PathKind.ALLGATHER
+    assert planner.path(TENSORS[2], 1.0) == PathKind.DENSE  # everything selected: dense
+
+
+def test_the_plan_follows_the_world():
+    """At 25% a large tensor's allgather costs more than its allreduce on many ranks: the
+    choice for 2 ranks must not be kept for 32 (an elastic reset re-plans)."""
+    planner = _planner(world=2, density=0.25, warmup=0)
+    assert planner.path(TENSORS[2], 0.25) == PathKind.ALLGATHER
+    planner.replan(32)
+    assert planner.path(TENSORS[2], 0.25) != PathKind.ALLGATHER
+
+
+def test_buckets_cut_consecutive_tensors_at_the_threshold():
+    planner = _planner(world=2, density=0.01, warmup=0)
+    order = list(reversed(TENSORS))  # backward order
+    wires = {t.key: (num_selected(t.numel, 0.01) * 8 if planner.path(t, 0.01)
+                     == PathKind.ALLGATHER else t.numel * 4) for t in TENSORS}
+    # the largest first one's bytes: it shares a bucket with the next only when they fit
+    one = planner.buckets(0.01, order, 10 ** 9)
+    assert set(one) == {0, 1, 2, 3} and len({one[k] for k in one}) == 1  # not the slices
+    tight = planner.buckets(0.01, order, wires[3] + wires[2])
+    assert tight[3] == tight[2] == (3, 2) and tight[1] == tight[0] == (1, 0)
+    assert planner.buckets(0.01, order, 0) == {}
+
+
+def test_an_exchange_compressor_starts_when_it_says():
+    planner = _planner(compression=Compression.powersgd(start_iter=10))
+    conv = TENSORS[0]
+    assert planner.path(conv, 1.0, step=0) == PathKind.DENSE
+    assert planner.path(conv, 1.0, step=10) == PathKind.EXCHANGE
+    assert planner.path(TENSORS[1], 1.0, step=10) == PathKind.DENSE  # small: dense
+
+
+def test_hierarchical_where_it_can_run_and_refused_where_forced_and_it_cannot():
+    auto = _planner(world=8, local_size=4, density=0.001, warmup=0)
+    assert auto.hierarchical_hosts(4, 2, True, False)
+    assert not auto.hierarchical_hosts(1, 8, True, False)  # one rank per host: flat
+    forced = _planner(density=0.001, warmup=0, aggregation="hierarchical")
+    with pytest.raises(ValueError, match="several hosts of several ranks"):
+        forced.hierarchical_hosts(1, 8, True, False)
+    with pytest.raises(ValueError, match="does not run with period=2"):
+        _planner(density=0.001, warmup=0, aggregation="hierarchical",
+                 period=2).hierarchical_hosts(4, 2, True, False)
+    # before the hosts are known (the wrap-time check refuses such a job): dense
+    assert forced.path(TENSORS[2], 0.001) == PathKind.DENSE
+    forced.replan(8, local_size=4)
+    assert forced.path(TENSORS[2], 0.001) == PathKind.HIERARCHICAL
+
+
+def test_tensorflow_asks_per_density_stage():
+    planner = _planner(world=2, warmup=4, warmup_unit="step", density=0.001)
+    assert planner.densities() == (0.25, 0.0625, 0.015625, 0.004, 0.001)
+    stages = planner.stage_paths(TENSORS[2])
+    assert len(stages) == 5 and stages[-1] == PathKind.ALLGATHER
+    assert stages == tuple(planner.path(TENSORS[2], d) for d in planner.densities())
+
+
+def test_the_words_and_the_dict_every_rank_compares():
+    planner = _planner(world=2, density=0.001, warmup=0)
+    line = planner.summary("torch", 0)
+    assert line.startswith("[hvd_dgc] torch: DGC at density 0.001, no warm-up: 2 of 5")
+    assert "allgather" in line and "density=1.0" in line
+    assert planner.idle_warning(0.001) is None
+    config = planner.consistency(op="average")
+    assert config["tensors"][2] == ["fc.weight", [1000, 512]]
+    assert config["sparse_gradients"] == ["emb.weight"] and config["op"] == "average"
+    tiny = Planner(planner.resolved, [TensorInfo(0, "b", 10, (10,))], 2)
+    assert "min_compress_size=1024" in tiny.idle_warning(0.001)
