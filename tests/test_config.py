@@ -159,17 +159,38 @@ def test_keras_backward_passes_with_delay_is_refused_naming_both():
     assert _keras(backward_passes_per_step=2)._hvd_dgc_passes.passes == 2
 
 
+def _same_words(message, framework, compression):
+    """A message with the framework's own words (its compressor's repr, its namespace)
+    put aside: what must read the same in every framework."""
+    return message.replace(repr(compression), "<compression>").replace(
+        f"hvd_dgc.{framework}.", "hvd_dgc.<framework>.")
+
+
 @pytest.mark.parametrize("name", ["sign", "qsgd", "bf16", "powersgd"])
-def test_tensorflow_compressors_running_their_own_collectives_refuse_what_they_cannot(name):
-    compression = getattr(TFCompression, name)
-    for wrap in (_tape, _keras):
-        if name == "powersgd":  # two rounds: its own contribution is known too late
-            kind, message = _error(wrap, compression=compression, delay=2)
-            assert kind is ValueError and "known only after its first collective" in message
-        else:  # one round: delayed averaging takes it
-            wrap(compression=compression, delay=2)
-        kind, message = _error(wrap, compression=compression, density=0.01)
-        assert kind is ValueError and "density/warmup apply to sparse compressors" in message
+def test_compressors_running_their_own_collectives_refuse_what_they_cannot_alike(name):
+    """Refused in DGCConfig.resolve for every wrapper: the same words in torch, the
+    tape and Keras (only the compressor's own name differs)."""
+    compressors = {"torch": getattr(TorchCompression, name),
+                   "tape": getattr(TFCompression, name), "keras": getattr(TFCompression, name)}
+    frameworks = {"torch": "torch", "tape": "tensorflow", "keras": "tensorflow"}
+
+    def errors(**options):
+        out = set()
+        for wrapper, wrap in WRAPPERS.items():
+            kind, message = _error(wrap, compression=compressors[wrapper], **options)
+            out.add((kind, _same_words(message, frameworks[wrapper], compressors[wrapper])))
+        return out
+
+    if name == "powersgd":  # two rounds: its own contribution is known too late
+        (kind, message), = errors(delay=2)
+        assert kind is ValueError and "known only after its first collective" in message
+        assert message.startswith("delay=2 does not work with compression=<compression>")
+    else:  # one round: delayed averaging takes it
+        for wrapper in ("tape", "keras"):
+            WRAPPERS[wrapper](compression=compressors[wrapper], delay=2)
+    (kind, message), = errors(density=0.01)
+    assert kind is ValueError and "density/warmup apply to sparse compressors" in message
+    assert "Use compression=hvd_dgc.<framework>.Compression.dgc to sparsify" in message
 
 
 def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers_none():

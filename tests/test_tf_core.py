@@ -172,7 +172,7 @@ def test_powersgd_follows_pytorchs_from_the_same_q(rank):
     import torch
     from hvd_dgc.torch.collective import LocalComm
     from hvd_dgc.torch.compression import Compression as TorchCompression
-    from hvd_dgc.tensorflow.exchange import _At
+    from hvd_dgc.tensorflow.paths import At
     shape, key = (24, 3, 5), "layer.weight"
     q0 = np.random.RandomState(1).randn(15, rank).astype(np.float32)
     theirs = TorchCompression.powersgd(rank=rank, start_iter=0)
@@ -188,7 +188,7 @@ def test_powersgd_follows_pytorchs_from_the_same_q(rank):
         ex = theirs.launch([residual_torch], [key], "p", LocalComm())
         (avg_torch,) = theirs.collect(ex)  # takes what was sent out of residual_torch
         v = residual_tf + g.reshape(-1)
-        at = _At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64))
+        at = At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64))
         res = ours.exchange(tf.constant(v), shape, slot, _OneRank(), at)
         residual_tf = v - res.sent.numpy()
         scale = np.abs(avg_torch.numpy()).max()
@@ -202,7 +202,7 @@ def test_powersgd_follows_pytorchs_from_the_same_q(rank):
 
 
 def test_powersgd_compresses_only_where_it_saves_and_starts_dense():
-    from hvd_dgc.tensorflow.exchange import _At
+    from hvd_dgc.tensorflow.paths import At
     comp = Compression.powersgd(rank=2, start_iter=2)
     assert comp.compressible((64, 64)) and not comp.compressible((64,))
     assert not comp.compressible((4, 3))  # (4 + 3) * 2 * 2 >= 12: no saving
@@ -210,7 +210,7 @@ def test_powersgd_compresses_only_where_it_saves_and_starts_dense():
     v = tf.constant(np.random.RandomState(0).randn(64 * 64).astype(np.float32))
     for step, dense in ((0, True), (1, True), (2, False)):
         res = comp.exchange(v, (64, 64), slot, _OneRank(),
-                            _At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64)))
+                            At(0, 1.0, tf.constant([0, 0]), tf.constant(step, tf.int64)))
         assert int(res.bytes) == (4 * 64 * 64 if dense else 4 * 128 * 2)
         assert np.array_equal(res.sent.numpy(), v.numpy()) == dense
     with pytest.raises(ValueError, match="PowerSGD rank must be an int >= 1"):

@@ -25,25 +25,26 @@ import hashlib
 import importlib
 
 from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
-from horovod.tensorflow import Adasum, Average, Sum, global_process_set
+from horovod.tensorflow import Average, global_process_set
 import tensorflow as tf
 
-from hvd_dgc.config import DGCConfig, check_horovod_arguments
+from hvd_dgc.config import DGCConfig, HorovodArguments
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
-from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
+from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchange, \
+    variable_name
 
 # Horovod's star import bound `elastic` to its own module; ours commits hvd_dgc's state.
 elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")
 
 _EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
-_VALIDATED = set()  # options keys whose arguments were checked
 
 
-class DGCState(tf.Module):
-    """Every tape exchange of this process, as checkpoint children named by their
-    variables' names and shapes, so a new process finds its own again."""
+class TapeExchanges(tf.Module):
+    """The tape exchanges of this process (their memories, step, epoch, statistics), as
+    checkpoint children named by their variables' names and shapes, so a new process
+    finds its own again: ``hvd.dgc_state``."""
 
     def __init__(self):
         super().__init__(name="hvd_dgc_state")
@@ -59,7 +60,7 @@ class DGCState(tf.Module):
         setattr(self, name, exchange)
 
 
-dgc_state = DGCState()
+dgc_state = TapeExchanges()
 
 
 def _options_key(options):
@@ -201,15 +202,13 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     config = DGCConfig.from_options(options, "tensorflow", "DistributedGradientTape")
     if num_groups:
         groups = groups or num_groups
-    check_horovod_arguments(op, gradient_predivide_factor, 1, groups, (Average, Sum, Adasum),
-                            "tf.Variable")
+    # every wrap-time check now, not at the first gradient (the exchange, made for the
+    # variables differentiated, resolves them for itself)
+    config.resolve(TENSORFLOW, compression, HorovodArguments(
+        op, gradient_predivide_factor, 1, groups, HOROVOD_OPS))
     options = dict(compression=compression, op=op,
                    gradient_predivide_factor=gradient_predivide_factor,
                    sparse_as_dense=sparse_as_dense, process_set=process_set, config=config)
-    key = _options_key(options)
-    if key not in _VALIDATED:  # argument errors now, not at the first gradient
-        GradientExchange(**options)
-        _VALIDATED.add(key)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, options, gradtape._persistent,

@@ -11,7 +11,7 @@ In TF a step's graph runs its collectives in order, so one call does it::
     step.sent      # what this rank's input became (flat): the memory keeps v - sent
     step.bytes     # what this rank put on the wire
 
-Error feedback is the exchange's (hvd_dgc/tensorflow/exchange.py): the memory
+Error feedback is the path's (hvd_dgc/tensorflow/paths.py ExchangePath): the memory
 keeps ``v - sent``, so ``sent + residual = input + old residual`` whatever the
 compressor.
 """
@@ -73,8 +73,9 @@ class ExchangeCompressor(CompressorOptions, Compressor):
     def __repr__(self):
         return f"hvd_dgc.tensorflow.Compression.{self.name}"
 
-    def compressible(self, shape):
-        """Whether a tensor of ``shape`` takes this path (else it goes dense)."""
+    def compressible(self, shape, step=None):
+        """Whether a tensor of ``shape`` takes this path (else it goes dense); ``step``:
+        the planner's argument (hvd_dgc/plan.py), unused: a graph decides the start."""
         return True
 
     def slot(self, shape, name):

@@ -31,6 +31,7 @@ class SparseCompressor(CompressorOptions, Compressor):
     compression it is given; an option a compressor does not have is refused."""
 
     name = "sparse"
+    sparse = True  # selects records from the memory (hvd_dgc.paths.compressor_kind)
     INDEX_BYTES = 4
 
     def __init__(self, seed=0, fp16_values=False):

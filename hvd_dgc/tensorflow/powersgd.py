@@ -47,7 +47,7 @@ class PowerSGDCompressor(LowRankPlan, ExchangeCompressor):
         super().__init__(seed)
         self._set_plan(rank, start_iter, min_rate, warm_start, epsilon)
 
-    def compressible(self, shape):  # the start is decided in the graph (exchange)
+    def compressible(self, shape, step=None):  # the start is decided in the graph
         return self.saves(shape)
 
     def _seed(self, name):

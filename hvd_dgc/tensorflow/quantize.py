@@ -6,7 +6,7 @@ payload is allgathered (Horovod 0.28.1 cannot sum them: sign and QSGD carry
 per-rank scales, and it has no bfloat16 allreduce) and every rank decodes and
 averages them all in rank order: every rank gets the same average, bit for bit.
 Error feedback as in PyTorch: the memory keeps ``v - decode(encode(v))``
-(hvd_dgc/tensorflow/exchange.py, the "exchange" path), momentum correction
+(hvd_dgc/tensorflow/paths.py, ExchangePath), momentum correction
 included with the Keras SGD.
 """
 

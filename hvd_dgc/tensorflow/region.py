@@ -26,7 +26,8 @@ from horovod.tensorflow.mpi_ops import global_process_set
 from hvd_dgc.aggregation import KEEP
 from hvd_dgc.tensorflow.compression import SparseCompressor
 
-__all__ = ["RegionResult", "owners", "quota", "region_reduce"]
+__all__ = ["OwnersRound", "RegionResult", "owners", "quota", "region_reduce", "to_owners",
+           "share_kept"]
 
 
 class RegionResult(NamedTuple):
@@ -47,11 +48,27 @@ def quota(k, world):
     return tf.maximum(tf.constant(1, tf.int64), -(-KEEP * k // int(world)))
 
 
+class OwnersRound(NamedTuple):
+    """Region reduce after its first round: what this rank, as owner, keeps and sends on."""
+
+    kept: tf.Tensor              # [count, 2] records: its largest sums
+    returned_indices: tf.Tensor  # int32: its region's sums it did not keep
+    returned_values: tf.Tensor   # float32
+    count: tf.Tensor             # int64 scalar: records kept
+
+
 def region_reduce(indices, values, numel, k, name, process_set=global_process_set):
     """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
     elements (each rank's indices distinct), each owner keeping ``quota(k, N)`` of its
     region's sums. Every rank of ``process_set`` calls it with the same ``numel``, ``k``
     and ``name``. Returns a ``RegionResult``; ``total`` is bit-identical on every rank."""
+    return share_kept(to_owners(indices, values, k, name, process_set), numel, name,
+                      process_set)
+
+
+def to_owners(indices, values, k, name, process_set=global_process_set):
+    """Round 1: one alltoall sends each record to its region's owner, which sums what it
+    got in source-rank order and keeps its ``quota(k, N)`` largest sums."""
     world = process_set.size()
     owner = owners(indices, world)
     order = tf.argsort(owner, stable=True)
@@ -70,10 +87,15 @@ def region_reduce(indices, values, numel, k, name, process_set=global_process_se
     count = tf.cast(tf.minimum(quota(k, world), size), tf.int32)
     top = tf.math.top_k(tf.abs(sums), k=count, sorted=True).indices
     keep = tf.scatter_nd(tf.expand_dims(top, 1), tf.ones_like(top, tf.bool), tf.shape(unique))
-    kept = SparseCompressor.pack(tf.gather(sums, top), tf.gather(unique, top))
-    everyone = _hvd.allgather(kept, name=name + ".gather", process_set=process_set)
     rest = tf.logical_not(keep)
-    # owners' regions are disjoint: each index arrives once, so the scatter has no order
-    return RegionResult(SparseCompressor.scatter_sum(everyone, numel),
-                        tf.boolean_mask(unique, rest), tf.boolean_mask(sums, rest),
-                        tf.cast(count, tf.int64))
+    return OwnersRound(SparseCompressor.pack(tf.gather(sums, top), tf.gather(unique, top)),
+                       tf.boolean_mask(unique, rest), tf.boolean_mask(sums, rest),
+                       tf.cast(count, tf.int64))
+
+
+def share_kept(first, numel, name, process_set=global_process_set):
+    """Round 2: one allgather shares every owner's kept sums, so every rank builds the
+    same total; owners' regions are disjoint, so the scatter has no order."""
+    everyone = _hvd.allgather(first.kept, name=name + ".gather", process_set=process_set)
+    return RegionResult(SparseCompressor.scatter_sum(everyone, numel), first.returned_indices,
+                        first.returned_values, first.count)

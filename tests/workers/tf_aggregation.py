@@ -152,7 +152,7 @@ def delayed_conservation(steps=6, delay=2):
         grads = _grads(tf, variables, step, rank)
         given += np.concatenate([x.numpy().ravel() for x in grads])
         applied += np.concatenate([tf.reshape(a, [-1]).numpy() for a in run(grads)])
-    drained = exchange._dga.drain()
+    drained = exchange.dga.drain()
     applied += np.concatenate(drained)
     memory = _memory(tf, hvd, exchange, "dc.m")
     total = hvd.allreduce(tf.constant(world * applied), op=hvd.Sum, name="dc.a").numpy() / world

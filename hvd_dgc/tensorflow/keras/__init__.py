@@ -24,9 +24,9 @@ import importlib
 import tensorflow as tf
 
 from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
-from horovod.tensorflow import Adasum, Average, Sum, global_process_set
+from horovod.tensorflow import Average, global_process_set
 
-from hvd_dgc.config import DGCConfig, check_horovod_arguments, check_linear_update
+from hvd_dgc.config import DGCConfig
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables
@@ -215,24 +215,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     once; ``iterations`` counts every call. Needs ``delay=0``.
     """
     config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
-    check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,
-                            (Average, Sum, Adasum), "tf.Variable")
-    if backward_passes_per_step > 1 and config.delay:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} with "
-                         f"delay={config.delay} runs in hvd_dgc.torch only so far; in Keras "
-                         f"use one of them (delay=0, or backward_passes_per_step=1).")
     is_sgd = type(optimizer).__name__ == "SGD"
-    check_linear_update(config, is_sgd, type(optimizer).__name__, "tensorflow")
     keras_config = optimizer.get_config()
     momentum, nesterov = 0.0, False
     if is_sgd and keras_config.get("momentum"):
         momentum = float(keras_config["momentum"])
         nesterov = bool(keras_config.get("nesterov", False))
         keras_config.update(momentum=0.0, nesterov=False)
-    exchange = GradientExchange(
+    exchange = GradientExchange(  # resolves and checks every option and argument, once
         compression=compression, momentum=momentum, nesterov=nesterov, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, config=config, adaptive=not is_sgd)
+        process_set=process_set, config=config, optimizer=(is_sgd, type(optimizer).__name__),
+        backward_passes_per_step=backward_passes_per_step, groups=groups)
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),

@@ -1,0 +1,578 @@
+"""How one tensor travels in TensorFlow: one class per way (``hvd_dgc.paths.PathKind``),
+one protocol, used by the synchronous step and by delayed averaging alike.
+
+For each tensor of a step (exchange.py), ``ExchangePaths`` accumulates the gradient
+into the memory (``v``) and hands ``v`` to the tensor's path at this step's density
+stage (the planner's choice, hvd_dgc/plan.py; a ``tf.switch_case`` on the stage where
+it changes, so every rank takes the same branch and joins the same collectives)::
+
+    path.take(i, v, k, at)         what leaves the memory (it keeps the rest; the
+                                   statistics count it), as the collectives take it
+    path.take_own(i, v, k, at)     the same, with what this rank sent as the others
+                                   will read it: Sent(payload, own) (delayed averaging)
+    handle = path.launch(part)     start the collectives of a Part: one tensor
+                                   (synchronous) or one delayed step's tensors on it
+    path.advance(handle)           second rounds (region reduce's allgather)
+    got = path.collect(handle)     what arrived, per member
+    path.average(part, got)        synchronous, in the step's graph: the averages
+    path.correction(part, got)     delayed, on delayed.py's threads: avg - own, NumPy
+
+``path.synchronous(i, v, k, at)`` runs take..average in the step's graph. Delayed
+averaging (delayed.py) runs ``take_own`` in the graph, carries the payloads to its
+threads as int32 words (``to_words`` / ``from_words``), and runs launch..correction
+there. A new way to travel is one more class here.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import Average
+
+from hvd_dgc.fp16wire import fp16_bound
+from hvd_dgc.paths import ORDER, PathKind
+from hvd_dgc.tensorflow.collective import Comm
+from hvd_dgc.tensorflow.compression import SparseCompressor
+from hvd_dgc.tensorflow.memory import local_gradient
+from hvd_dgc.tensorflow.region import share_kept, to_owners
+
+__all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
+           "DensePath", "AllgatherPath", "RegionPath", "ExchangePath", "SparseGradPath",
+           "REGION_RECORD_BYTES"]
+
+#: Region reduce's records: int32 index and float32 value, whatever ``fp16_values``.
+REGION_RECORD_BYTES = 8
+
+
+class At(NamedTuple):
+    """Where a step is: its density stage (k and the path are looked up by it), the
+    density (momentum masking depends on it), the random seed (selection, QSGD) and the
+    step (PowerSGD's start_iter)."""
+
+    stage: tf.Tensor
+    density: tf.Tensor
+    seed: tf.Tensor
+    step: tf.Tensor
+
+
+class Wire(NamedTuple):
+    """Horovod's arguments to the exchange's collectives, fixed at wrap time."""
+
+    process_set: object
+    op: object
+    predivide: float
+
+    def world(self):
+        return self.process_set.size()
+
+    def scales(self):
+        """(prescale, postscale) of Horovod's Average with gradient_predivide_factor."""
+        if self.op == Average:
+            return 1.0 / self.predivide, self.predivide
+        return 1.0, 1.0
+
+    def gathered(self):
+        """Factor turning the sum of every rank's (prescaled) records into the result."""
+        return self.predivide / self.world() if self.op == Average else 1.0
+
+    def summed(self):
+        """Factor turning a sum of unscaled values into the result (region reduce: its
+        sums are formed once, on the owners, so the predivide factor plays no part)."""
+        return 1.0 / self.world() if self.op == Average else 1.0
+
+    def result(self, mean):
+        """A mean over the ranks as the op asks for it: itself, or the sum."""
+        return mean if self.op == Average else mean * self.world()
+
+    def fp16_bound(self):
+        """What one rank may put on a dense fp16 allreduce (hvd_dgc/fp16wire.py)."""
+        return fp16_bound(self.world(), self.scales()[0])
+
+
+class PathContext(NamedTuple):
+    """What every path of one exchange shares (fixed when its memory is built)."""
+
+    wire: Wire
+    compressor: object
+    memory: object        # DGCMemory
+    statistics: object    # statistics.Statistics
+    tensors: tuple        # hvd_dgc.plan.TensorInfo, by index
+    slots: object         # a compressor's per-tensor state (PowerSGD's Q), or None
+    mask_limit: float     # momentum masking at densities up to this (hvd_dgc/masking.py)
+    dense_fp16: bool
+    clip_norm: object
+
+    def numel(self, i):
+        return self.tensors[i].numel
+
+    def accumulate(self, i, grad):
+        """Clip and accumulate: ``v``, what the memory holds to send."""
+        return self.memory.accumulate(i, local_gradient(grad, self.clip_norm,
+                                                        self.wire.world()))
+
+    def give_back(self, i, indices, values):
+        """What an aggregation took but did not deliver (region reduce's owner keeps
+        what it did not send on) back into the residual: error feedback sends it later."""
+        self.memory.give_back(i, indices, values)
+        self.statistics.add(returned_elements=tf.size(indices, out_type=tf.int64))
+
+
+class Sent(NamedTuple):
+    """What one tensor puts on the wire this step (delayed averaging)."""
+
+    payload: object   # as the path's collectives take it
+    own: tf.Tensor    # flat float32: this rank's contribution, as the others read it
+
+
+class Part(NamedTuple):
+    """Tensors that leave together on one path: one tensor of the synchronous step, or
+    a delayed step's tensors on that path (one grouped collective)."""
+
+    name: str
+    members: tuple    # tensor indices
+    payloads: tuple   # each member's, as ``take`` made it (NumPy on delayed's threads)
+    ks: object        # records each may send (a tuple, or an int32 tensor)
+
+    def tag(self, what):
+        """The name of the part's collective ``what`` (every rank names it alike)."""
+        return f"{self.name}.{what}"
+
+    def each(self, what):
+        """Names of per-member collectives ``what``."""
+        if len(self.members) == 1:
+            return [self.tag(what)]
+        return [f"{self.name}.{what}.{i}" for i in self.members]
+
+
+class Correction(NamedTuple):
+    """``avg - own`` of one tensor of one delayed launch, and what it gives back."""
+
+    records: np.ndarray   # [m, 2] int32 (index, value bits) to scatter-add
+    dense: np.ndarray     # or a dense float32 part (the other one empty)
+    returned: np.ndarray  # [r, 2] records this rank adds back to its residual
+    later_bytes: int = 0  # bytes this rank sent in a later round (region reduce's owners)
+
+
+NO_RECORDS = np.zeros([0, 2], np.int32)
+NO_DENSE = np.zeros([0], np.float32)
+
+
+class _Path:
+    """One way a tensor travels (the protocol: this module's docstring)."""
+
+    kind = None
+    #: its corrections give records back to this rank's residual
+    gives_back = False
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def synchronous(self, i, v, k, at, poison=None):
+        """Tensor i's average this step (flat), all in the step's graph. ``poison``: this
+        rank's gradient was not finite; it sends inf, so every rank sees it."""
+        part = Part(f"hvd_dgc.{i}", (i,), (self.take(i, v, k, at, poison),), (k,))
+        handle = self.launch(part)
+        self.advance(handle)
+        return self.average(part, self.collect(handle))[0]
+
+    def take(self, i, v, k, at, poison=None):
+        raise NotImplementedError
+
+    def take_own(self, i, v, k, at):
+        raise NotImplementedError(f"the {self.kind} path runs in the synchronous step only")
+
+    def advance(self, handle):
+        pass
+
+    def collect(self, handle):
+        return handle
+
+
+class DensePath(_Path):
+    """Ring allreduce of the whole velocity. With fp16 on the wire (Horovod's
+    Compression.fp16) at most fp16wire.fp16_bound of it leaves, the rest and fp16's
+    rounding staying in the residual, as on the PyTorch side (hvd_dgc/fp16wire.py)."""
+
+    kind = PathKind.DENSE
+
+    def _payload(self, i, v):
+        ctx, numel = self.ctx, self.ctx.numel(i)
+        ctx.statistics.count(self.kind, numel, numel, (2 if ctx.dense_fp16 else 4) * numel)
+        if not ctx.dense_fp16:
+            ctx.memory.sent_all(i)
+            return v
+        bound = ctx.wire.fp16_bound()
+        finite = tf.math.is_finite(v)
+        ctx.statistics.add_fp16_clipped(tf.math.count_nonzero(
+            finite & (tf.abs(v) > bound), dtype=tf.int64))
+        payload = tf.cast(tf.where(finite, tf.clip_by_value(v, -bound, bound), v), tf.float16)
+        ctx.memory.keep(i, tf.where(finite, v - tf.cast(payload, tf.float32), 0.0))
+        return payload
+
+    def take(self, i, v, k, at, poison=None):
+        payload = self._payload(i, v)
+        if poison is not None:
+            payload = tf.where(poison, tf.cast(float("inf"), payload.dtype), payload)
+        return payload
+
+    def take_own(self, i, v, k, at):
+        own = tf.cast(self._payload(i, v), tf.float32)
+        return Sent(own, own)
+
+    def nothing(self, i, at):
+        zero = tf.zeros([self.ctx.numel(i)])
+        return Sent(zero, zero)
+
+    def to_words(self, payload):
+        return tf.bitcast(payload, tf.int32)
+
+    def from_words(self, words, i):
+        own = words.view(np.float32)
+        return own.astype(np.float16) if self.ctx.dense_fp16 else own
+
+    def spec(self, i):
+        return tf.TensorSpec([None], tf.float16 if self.ctx.dense_fp16 else tf.float32)
+
+    def launch(self, part):
+        pre, post = self.ctx.wire.scales()
+        return _collective(_hvd.allreduce, _hvd.grouped_allreduce, part.payloads,
+                           name=part.tag("dense"), op=self.ctx.wire.op, prescale_factor=pre,
+                           postscale_factor=post, process_set=self.ctx.wire.process_set)
+
+    def average(self, part, got):
+        return [tf.cast(avg, tf.float32) for avg in got]
+
+    def correction(self, part, got):
+        return {i: Correction(NO_RECORDS, avg.numpy().astype(np.float32, copy=False)
+                              - mine.astype(np.float32, copy=False), NO_RECORDS)
+                for i, mine, avg in zip(part.members, part.payloads, got)}
+
+
+class AllgatherPath(_Path):
+    """Every rank's k records ``[index | value]`` to every rank (DGC's sparse
+    allgather), as the compressor makes them (fp16 values: 6 bytes); each sums them."""
+
+    kind = PathKind.ALLGATHER
+
+    def record_bytes(self):
+        return self.ctx.compressor.record_bytes
+
+    def select(self, i, v, k, at):
+        """The indices and values to send; the memory forgets them."""
+        ctx = self.ctx
+        indices = ctx.compressor.select(v, k, at.seed)
+        values = tf.gather(v, indices)
+        ctx.memory.sent(i, indices, mask_momentum=at.density <= ctx.mask_limit)
+        sent = tf.cast(tf.shape(indices)[0], tf.int64)
+        ctx.statistics.count(self.kind, ctx.numel(i), sent, self.record_bytes() * sent)
+        return indices, values
+
+    def take(self, i, v, k, at, poison=None):
+        indices, values = self.select(i, v, k, at)
+        if poison is not None:
+            values = tf.where(poison, float("inf"), values)
+        return SparseCompressor.pack(values * self.ctx.wire.scales()[0], indices)
+
+    def take_own(self, i, v, k, at):
+        indices, values = self.select(i, v, k, at)
+        pre = self.ctx.wire.scales()[0]
+        values = self.ctx.compressor.wire_values(values * pre) / pre  # as the others read it
+        return Sent(SparseCompressor.pack(values * pre, indices),
+                    _scattered(indices, values, self.ctx.numel(i)))
+
+    def nothing(self, i, at):
+        return Sent(SparseCompressor.pack(tf.zeros([1]), tf.zeros([1], tf.int32)),
+                    tf.zeros([self.ctx.numel(i)]))
+
+    def to_words(self, payload):
+        return tf.reshape(payload, [-1])
+
+    def from_words(self, words, i):
+        return words.reshape(-1, 2)
+
+    def spec(self, i):
+        return tf.TensorSpec([None, 2], tf.int32)
+
+    def launch(self, part):
+        comp = self.ctx.compressor
+        return _collective(_hvd.allgather, _hvd.grouped_allgather,
+                           [comp.to_wire(p) for p in part.payloads], name=part.tag("sparse"),
+                           process_set=self.ctx.wire.process_set)
+
+    def collect(self, handle):
+        return [self.ctx.compressor.from_wire(g) for g in handle]
+
+    def average(self, part, got):
+        scale = self.ctx.wire.gathered()
+        return [self.ctx.compressor.scatter_sum(g, self.ctx.numel(i)) * scale
+                for i, g in zip(part.members, got)]
+
+    def correction(self, part, got):
+        """As records: everyone's scaled, then this rank's negated."""
+        pre, scale = self.ctx.wire.scales()[0], self.ctx.wire.gathered()
+        return {i: Correction(np.concatenate([_scaled(everyone.numpy(), scale),
+                                              _scaled(own, -1 / pre)]), NO_DENSE, NO_RECORDS)
+                for i, own, everyone in zip(part.members, part.payloads, got)}
+
+
+class _RegionLaunch(NamedTuple):
+    part: Part
+    first: list     # region.OwnersRound per member
+    results: list   # region.RegionResult per member, once advanced
+
+
+class RegionPath(AllgatherPath):
+    """Region reduce (hvd_dgc/tensorflow/region.py, after Ok-Topk): records to the owners
+    of N index regions (alltoall), their largest sums to everyone (allgather). Values
+    travel unscaled: the sums are formed once, on the owners. What an owner does not
+    keep goes back into its own residual (error feedback)."""
+
+    kind = PathKind.REGION
+    gives_back = True
+
+    def record_bytes(self):
+        return REGION_RECORD_BYTES
+
+    def take(self, i, v, k, at, poison=None):
+        indices, values = self.select(i, v, k, at)
+        if poison is not None:  # inf is the largest sum: some owner keeps and sends it
+            values = tf.where(poison, float("inf"), values)
+        return SparseCompressor.pack(values, indices)
+
+    def take_own(self, i, v, k, at):
+        indices, values = self.select(i, v, k, at)
+        return Sent(SparseCompressor.pack(values, indices),
+                    _scattered(indices, values, self.ctx.numel(i)))
+
+    def launch(self, part):
+        ps = self.ctx.wire.process_set
+        first = [to_owners(r[:, 0], tf.bitcast(r[:, 1], tf.float32), part.ks[j], name, ps)
+                 for j, (r, name) in enumerate(zip(part.payloads, part.each("region")))]
+        return _RegionLaunch(part, first, [])
+
+    def advance(self, handle):
+        if handle.results:
+            return
+        ps, names = self.ctx.wire.process_set, handle.part.each("region")
+        handle.results.extend(share_kept(first, self.ctx.numel(i), name, ps)
+                              for i, first, name in zip(handle.part.members, handle.first,
+                                                        names))
+
+    def collect(self, handle):
+        self.advance(handle)
+        return handle.results
+
+    def average(self, part, got):
+        for i, res in zip(part.members, got):
+            self.ctx.give_back(i, res.returned_indices, res.returned_values)
+            self.ctx.statistics.add(bytes_sent=REGION_RECORD_BYTES * res.kept)
+        return [res.total * self.ctx.wire.summed() for res in got]
+
+    def correction(self, part, got):
+        """A dense part (the sums less this rank's records), and the owner's give-back."""
+        scale = np.float32(self.ctx.wire.summed())
+        out = {}
+        for i, own, res in zip(part.members, part.payloads, got):
+            correction = res.total.numpy() * scale
+            correction[own[:, 0]] -= own[:, 1].view(np.float32)  # this rank's: distinct
+            returned = np.stack([res.returned_indices.numpy(),
+                                 res.returned_values.numpy().view(np.int32)], axis=1)
+            out[i] = Correction(NO_RECORDS, correction, returned,
+                                REGION_RECORD_BYTES * int(res.kept))
+        return out
+
+
+class ExchangePath(_Path):
+    """A compressor that runs its own collectives (collective.py: PowerSGD, sign, QSGD,
+    bf16); the memory keeps what it did not send (error feedback)."""
+
+    kind = PathKind.EXCHANGE
+
+    @staticmethod
+    def slots(compressor, planner):
+        """The compressor's per-tensor state (PowerSGD's Q, made at build, outside any
+        trace) for the tensors that take this path, or None where none does."""
+        taking = [PathKind.EXCHANGE in planner.stage_paths(t) for t in planner.tensors]
+        if not any(taking):
+            return None
+        return [compressor.slot(t.shape, t.name) if takes else None
+                for t, takes in zip(planner.tensors, taking)]
+
+    def synchronous(self, i, v, k, at, poison=None):
+        """Every round in the compressor's own call (PowerSGD's second round needs its
+        first's result, so what it sent is known only at the end)."""
+        ctx, numel = self.ctx, self.ctx.numel(i)
+        send = v if poison is None else tf.where(poison, np.inf, v)
+        res = ctx.compressor.exchange(send, ctx.tensors[i].shape, ctx.slots[i],
+                                      Comm(ctx.wire.process_set, f"hvd_dgc.{i}"), at)
+        ctx.memory.keep(i, v - res.sent)  # error feedback
+        ctx.statistics.count(self.kind, numel, numel, res.bytes)
+        return ctx.wire.result(res.mean)
+
+    def take_own(self, i, v, k, at):
+        """A one-round compressor (``sent_at_launch``): its payload and what it stands for."""
+        ctx, numel = self.ctx, self.ctx.numel(i)
+        payload, own = ctx.compressor.launch(v, at)
+        ctx.memory.keep(i, v - own)  # error feedback
+        ctx.statistics.count(self.kind, numel, numel, ctx.compressor.payload_bytes(numel))
+        return Sent(payload, own)
+
+    def nothing(self, i, at):
+        zero = tf.zeros([self.ctx.numel(i)])
+        return Sent(self.ctx.compressor.launch(zero, at)[0], zero)
+
+    def to_words(self, payload):
+        """A uint8 payload as int32 words (zero-padded)."""
+        pad = -int(payload.shape[0]) % 4
+        return tf.bitcast(tf.reshape(tf.pad(payload, [[0, pad]]), [-1, 4]), tf.int32)
+
+    def from_words(self, words, i):
+        return words.view(np.uint8)[:self.ctx.compressor.payload_bytes(self.ctx.numel(i))]
+
+    def spec(self, i):
+        return tf.TensorSpec([None], tf.uint8)
+
+    def launch(self, part):
+        return _collective(_hvd.allgather, _hvd.grouped_allgather, part.payloads,
+                           name=part.tag("exchange"), process_set=self.ctx.wire.process_set)
+
+    def correction(self, part, got):
+        """Every rank decodes the payloads in rank order; own: this rank's, decoded."""
+        comp, world = self.ctx.compressor, self.ctx.wire.world()
+        out = {}
+        for i, own, everyone in zip(part.members, part.payloads, got):
+            n = self.ctx.numel(i)
+            mean = self.ctx.wire.result(comp.finish(everyone, n, world))
+            out[i] = Correction(NO_RECORDS, (mean - comp.decode(tf.constant(own), n)).numpy(),
+                                NO_RECORDS)
+        return out
+
+
+class SparseGradPath(_Path):
+    """A ``tf.IndexedSlices`` gradient (an embedding lookup) as Horovod sends it: every
+    rank's rows and indices allgathered, as they are (duplicates kept, so the optimizer
+    sees what Horovod's would); rows / N for Average. No DGC and no residual: it is
+    sparse already. With an SGD's momentum taken over, the memory's velocity applies
+    the momentum the SGD would have applied to these slices (a dense gradient)."""
+
+    kind = PathKind.SPARSE_GRAD
+
+    def synchronous(self, i, grad, k, at, poison=None):
+        ctx, wire = self.ctx, self.ctx.wire
+        values = grad.values
+        if poison is not None:
+            values = tf.where(poison, tf.cast(float("inf"), values.dtype), values)
+        name = f"hvd_dgc.{i}.slices"
+        rows = _hvd.allgather(values, name=name + ".values", process_set=wire.process_set)
+        indices = _hvd.allgather(grad.indices, name=name + ".indices",
+                                 process_set=wire.process_set)
+        if wire.op == Average:
+            rows = rows / tf.cast(wire.world(), rows.dtype)
+        sent = tf.size(values, out_type=tf.int64)
+        index_bytes = tf.size(grad.indices, out_type=tf.int64) * grad.indices.dtype.size
+        numel, shape = ctx.numel(i), ctx.tensors[i].shape  # counted against dense fp32
+        ctx.statistics.count(self.kind, numel, sent, sent * values.dtype.size + index_bytes)
+        dense_shape = grad.dense_shape if grad.dense_shape is not None else \
+            tf.constant(shape, tf.int64)
+        avg = tf.IndexedSlices(rows, indices, dense_shape)
+        if not ctx.memory.momentum:
+            return avg
+        g = tf.reshape(tf.cast(tf.convert_to_tensor(avg), tf.float32), [-1])
+        return tf.reshape(ctx.memory.velocity(i, g), shape)
+
+
+#: every way a tensor travels in TensorFlow
+PATH_CLASSES = (SparseGradPath, ExchangePath, AllgatherPath, RegionPath, DensePath)
+
+
+class ExchangePaths:
+    """One exchange's paths: an instance of each class, and which one each tensor
+    takes at each density stage (``replan`` after an elastic reset)."""
+
+    def __init__(self, ctx, planner):
+        self.ctx = ctx
+        self.by_kind = {cls.kind: cls(ctx) for cls in PATH_CLASSES}
+        self.replan(planner)
+
+    def replan(self, planner):
+        densities = planner.densities()
+        self.stages = [planner.stage_paths(t) for t in planner.tensors]
+        self.ks = [tuple(planner.k(t, d) for d in densities) for t in planner.tensors]
+
+    def kinds(self):
+        """Every path some tensor may take."""
+        return {kind for stages in self.stages for kind in stages}
+
+    def gives_back(self):
+        return any(self.by_kind[kind].gives_back for kind in self.kinds())
+
+    def k(self, i, at):
+        """The number of records tensor i sends at this step's stage."""
+        return tf.gather(tf.constant(self.ks[i], tf.int32), at.stage)
+
+    def choose(self, i, at, branch):
+        """``branch(path)`` for tensor i's path at this step's stage: where the stages
+        differ, a ``tf.switch_case`` every rank takes alike."""
+        stages = self.stages[i]
+        used = sorted(set(stages), key=ORDER.index)
+        if len(used) == 1:
+            return branch(self.by_kind[used[0]])
+        codes = tf.constant([used.index(kind) for kind in stages], tf.int32)
+        return tf.switch_case(tf.gather(codes, at.stage),
+                              [lambda path=self.by_kind[kind]: branch(path) for kind in used])
+
+    def synchronous(self, i, grad, at, poison=None):
+        """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
+        if isinstance(grad, tf.IndexedSlices):  # sparse already: as Horovod sends it
+            return self.by_kind[PathKind.SPARSE_GRAD].synchronous(i, grad, None, at, poison)
+        v, k = self.ctx.accumulate(i, grad), self.k(i, at)
+        out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
+        return tf.reshape(out, tf.shape(grad))
+
+    def take_own(self, i, grad, at, dropped=None):
+        """Delayed averaging, in the step's graph: ``(payload as int32 words, own)``.
+        ``dropped``: this rank's tensor i is not finite; it sends the path's nothing
+        (every rank joins the same collectives) and its memory does not move."""
+        k = self.k(i, at)
+
+        def run():
+            v = self.ctx.accumulate(i, grad)
+            return self.choose(i, at, lambda path: _words(path, path.take_own(i, v, k, at)))
+
+        def drop():
+            return self.choose(i, at, lambda path: _words(path, path.nothing(i, at)))
+        return run() if dropped is None else tf.cond(dropped, drop, run)
+
+    def groups(self, stage):
+        """Delayed averaging's launch at ``stage`` (an int): ``(path, members, ks)`` per
+        path used, in hvd_dgc.paths.ORDER, the same on every rank."""
+        members = {}
+        for i, stages in enumerate(self.stages):
+            members.setdefault(stages[stage], []).append(i)
+        return [(self.by_kind[kind], tuple(members[kind]),
+                 np.asarray([self.ks[i][stage] for i in members[kind]], np.int32))
+                for kind in ORDER if kind in members]
+
+
+def _words(path, sent):
+    return path.to_words(sent.payload), sent.own
+
+
+def _collective(single, grouped, tensors, **kwargs):
+    """One Horovod collective over ``tensors``: the op of one tensor (the synchronous
+    step's, named per tensor), or the grouped op (delayed averaging's)."""
+    if len(tensors) == 1:
+        return [single(tensors[0], **kwargs)]
+    return grouped(list(tensors), **kwargs)
+
+
+def _scattered(indices, values, numel):
+    return tf.scatter_nd(tf.expand_dims(indices, 1), values, [numel])
+
+
+def _scaled(records, factor):
+    """Records ``[index, value bits]`` with their values multiplied by ``factor``."""
+    out = records.copy()
+    out[:, 1] = (records[:, 1].view(np.float32) * np.float32(factor)).view(np.int32)
+    return out
