@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.masking import check_masking
-from hvd_dgc.paths import AGGREGATION_OPTIONS, PathKind, compressor_kind
+from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
 from hvd_dgc.schedule import DensitySchedule, as_schedule
 from hvd_dgc.switch import dense_requested, resolve_compression
 

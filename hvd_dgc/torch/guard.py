@@ -24,7 +24,6 @@ import torch
 __all__ = ["NonFiniteGuard"]
 
 
-
 class NonFiniteGuard:
     """Owns the guard's state for one optimizer: the mode, this step's saved compressor
     RNG, the tensors dropped, and the counts of steps skipped."""
