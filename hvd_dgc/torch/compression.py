@@ -56,6 +56,16 @@ def on_accelerator(t):
     return t.device.type != "cpu"
 
 
+def add_in_order(out, positions, values):
+    """``out[positions] += values`` (flat), duplicates added in record order on every
+    device. CUDA's index_add_ adds duplicates with atomics, in any order: ranks would
+    round differently. index_put_ sorts the indices (stably) and adds them in record
+    order, so every rank computes the same sum."""
+    if on_accelerator(out):
+        return out.index_put_((positions,), values, accumulate=True)
+    return out.index_add_(0, positions, values)
+
+
 class SparseCompressor(Options, Compressor):
     """Base of the top-k style compressors: ``select`` differs, packing is shared.
 
@@ -161,12 +171,7 @@ class SparseCompressor(Options, Compressor):
         if scale != 1.0:
             values = values * scale
         out = torch.zeros(numel, dtype=dtype, device=values.device)
-        if on_accelerator(out):
-            # CUDA's index_add_ adds duplicates with atomics, in any order: ranks would
-            # round differently. index_put_ sorts the indices (stably) and adds them in
-            # record order, so every rank computes the same sum.
-            return out.index_put_((indices.long(),), values, accumulate=True)
-        return out.index_add_(0, indices.long(), values)
+        return add_in_order(out, indices.long(), values)
 
     # -- Horovod's Compressor API ------------------------------------------
     def compress(self, tensor):

@@ -363,8 +363,7 @@ class Engine:
         the sparse gradients' averages as ``[(member, sparse tensor)]``. ``into_grads``
         (a synchronous step): straight into the gradients where they can take it."""
         layout = launch.layout
-        if into_grads and launch.scale is None and self.memory.fused_kernel() and \
-                GradUpdate.fits(layout):
+        if into_grads and launch.scale is None and GradUpdate.fits(layout):
             out = GradUpdate(layout)
         else:
             out = FlatUpdate(layout)

@@ -268,10 +268,6 @@ class FlatMemory:
         return v
 
     @staticmethod
-    def fused_kernel():
-        return _fused_memory is not None
-
-    @staticmethod
     def direct(block, grads, params, decays):
         """Can ``accumulate`` read these tensors where they lie (``sources``)? The kernel
         is built and every one is a contiguous float32 CPU tensor."""

@@ -38,7 +38,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
-from hvd_dgc.fp16wire import clip_warning, fp16_bound
+from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
@@ -225,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not count:
             return
         if not stats.fp16_clipped:
-            bound = fp16_bound(self.process_set.size(), self._wire.pre())
+            bound = self._wire.fp16_bound()
             warnings.warn(clip_warning("torch", self._progress.step, count, bound)
                           + " Later ones are counted in compression_stats()['fp16_clipped'].",
                           RuntimeWarning)

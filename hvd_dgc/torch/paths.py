@@ -62,6 +62,10 @@ class Wire(NamedTuple):
         """Factor after the sum: the average (op=Average) of what was sent."""
         return self.predivide / self.world() if self.op == Average else 1.0
 
+    def fp16_bound(self):
+        """What one rank may put on a dense fp16 allreduce (hvd_dgc/fp16wire.py)."""
+        return fp16_bound(self.world(), self.pre())
+
 
 class PathContext(NamedTuple):
     """What every path of one optimizer shares: fixed at wrap time, but ``counters``,
@@ -157,14 +161,10 @@ class DensePath(_Path):
             part.own[part.lo:part.hi] = payload
         return payload
 
-    def half_bound(self):
-        """What one rank may put on this wire's fp16 allreduce (hvd_dgc/fp16wire.py)."""
-        return fp16_bound(self.ctx.wire.world(), self.ctx.wire.pre())
-
     def _half(self, v):
         """fp16wire.fp16_payload, in place on the memory's ``v``: at most the bound on the
         wire, the rest stays; the count of clipped values is read once per step."""
-        bound = self.half_bound()
+        bound = self.ctx.wire.fp16_bound()
         finite = torch.isfinite(v)
         self.ctx.counters.fp16_clipped.append(torch.count_nonzero(finite & (v.abs() > bound)))
         payload = torch.where(finite, v.clamp(-bound, bound), v).to(torch.float16)

@@ -21,6 +21,9 @@ the whole update: a poisoned payload makes its own values infinite).
 
 import torch
 
+from hvd_dgc.torch.compression import add_in_order
+from hvd_dgc.torch.memory import fused_kernel_available
+
 __all__ = ["FlatUpdate", "GradUpdate"]
 
 
@@ -52,13 +55,7 @@ class FlatUpdate(_Update):
         self.buffer[lo:hi].zero_()
 
     def add(self, positions, values):
-        values = self._checked(values.to(self.buffer.dtype))
-        if self.buffer.device.type != "cpu":
-            # CUDA's index_add_ adds duplicates with atomics, in any order: ranks would
-            # round differently; index_put_ adds them in record order
-            self.buffer.index_put_((positions,), values, accumulate=True)
-        else:
-            self.buffer.index_add_(0, positions, values)
+        add_in_order(self.buffer, positions, self._checked(values.to(self.buffer.dtype)))
 
     def assign(self, lo, hi, values):
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
@@ -76,8 +73,9 @@ class GradUpdate(_Update):
 
     @staticmethod
     def fits(layout):
-        """Every gradient a contiguous float32 CPU tensor (the kernel library writes)."""
-        return all(
+        """The kernel library built (it writes) and every gradient a contiguous float32
+        CPU tensor."""
+        return fused_kernel_available() and all(
             (p := layout.members[i].param).grad is not None and not p.grad.is_sparse
             and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
             and p.grad.device.type == "cpu" for i in layout.dense_grads)
