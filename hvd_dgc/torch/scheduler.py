@@ -47,7 +47,8 @@ class LaunchScheduler:
         self._groups = groups is not None
         if groups is not None:
             self._make_groups(groups)
-        self._bucket_ready = {}  # bucket -> its parameters whose hook fired this step
+        self._bucket_ready = {}  # id(bucket) -> its parameters whose hook fired this step
+        self._bucket_plan, self._bucket_params = None, {}  # keys -> bucket, for one plan
         devices = {p.device for p in self.params}
         self._batch_all = bool(self.sparse and self.params and on_accelerator(self.params[0])
                                and len(devices) == 1 and not self._groups)
@@ -102,7 +103,7 @@ class LaunchScheduler:
         alone = bucket is None or self._sparse_grad(p)
         self._pending[p] = self._launch((p,)) if alone else None
         if bucket is not None:
-            ready = self._bucket_ready.setdefault(bucket, set())
+            ready = self._bucket_ready.setdefault(id(bucket), set())
             ready.add(p)
             if len(ready) == len(bucket):
                 self._launch_bucket(bucket)
@@ -127,12 +128,21 @@ class LaunchScheduler:
             return None
         plan = self.planner.buckets(self._density(), self._order, self.fusion_threshold)
         keys = plan.get(self.index[p])
-        return None if keys is None else tuple(self._by_key[k] for k in keys)
+        if keys is None:
+            return None
+        # each bucket's tuple made once per plan, and kept apart by id: every hook asks,
+        # and a tuple of tensors hashes tensor by tensor (O(n^2) a step for n tensors)
+        if plan is not self._bucket_plan:
+            self._bucket_plan, self._bucket_params = plan, {}
+        bucket = self._bucket_params.get(keys)
+        if bucket is None:
+            bucket = self._bucket_params[keys] = tuple(self._by_key[k] for k in keys)
+        return bucket
 
     def _launch_bucket(self, bucket):
         """One launch for the bucket's parameters not launched yet this step (a sparse
         gradient, nn.Embedding(sparse=True), leaves alone from its hook)."""
-        self._bucket_ready.pop(bucket, None)
+        self._bucket_ready.pop(id(bucket), None)
         members = tuple(p for p in bucket if self._pending.get(p) is None)
         for p in members:
             self._pending.pop(p, None)

@@ -395,10 +395,14 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
     std::vector<float> g(kChunk);
     for (int64_t c = cb; c < ce; ++c) {
       const int64_t a = lo + c * kChunk, b = std::min(hi, a + kChunk);
-      // this chunk's gradients, from each tensor it overlaps (sorted by offset)
-      int64_t i = std::upper_bound(o, o + members, a) - o - 1;
-      std::fill(g.begin(), g.begin() + (b - a), 0.f);
-      for (i = std::max<int64_t>(i, 0); i < members && o[i] < b; ++i) {
+      // this chunk's gradients, from each tensor it overlaps (sorted by offset); a chunk
+      // inside one tensor's gradient, with nothing to add or scale, is read where it lies
+      int64_t i = std::max<int64_t>(std::upper_bound(o, o + members, a) - o - 1, 0);
+      const bool direct =
+          i < members && o[i] <= a && b <= o[i] + n[i] && pp[i] == nullptr && sc == 1.f;
+      const float* gs = direct ? gp[i] - o[i] : g.data() - a;
+      if (!direct) std::fill(g.begin(), g.begin() + (b - a), 0.f);
+      for (; !direct && i < members && o[i] < b; ++i) {
         const int64_t s = std::max(a, o[i]), e = std::min(b, o[i] + n[i]);
         if (s >= e) continue;
         const float* gi = gp[i] + (s - o[i]);
@@ -413,8 +417,7 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
           for (int64_t j = 0; j < e - s; ++j) gd[j] = gi[j] * sc;
         }
       }
-      // the update over the chunk, from g shifted to the chunk's start
-      const float* gs = g.data() - a;
+      // the update over the chunk (gs: the gradient at the chunk's positions)
       if (bm != nullptr) {
         if (mode == 0) {
           chunk_plain(gs, vv, vo, bm, a / kBlock, b / kBlock);
