@@ -17,6 +17,7 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional
 
+from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, freeze_steps
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.masking import check_masking
@@ -95,6 +96,14 @@ class DGCConfig:
             leaves from its own hook.
         log_every: print compression statistics on rank 0 every N steps (PyTorch); 0:
             never.
+        freeze_variance: with ``torch.optim.Adam`` or ``AdamW`` (PyTorch): "auto"
+            (default: 200 steps), or N: exact Adam for the first N steps (dense
+            averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
+            2021), which makes its update momentum SGD with a fixed preconditioner, and
+            DGC takes over its first moment as it does SGD's momentum (momentum
+            correction, masking); the density schedule starts at the freeze (with no
+            ``density`` or ``warmup``: the paper's stages over 200 steps, then 0.1%;
+            hvd_dgc/adam.py). False: Adam's own update on error feedback.
     """
 
     density: Any = None
@@ -111,6 +120,7 @@ class DGCConfig:
     aggregation: str = "auto"
     fusion_threshold: Optional[int] = None
     log_every: int = 0
+    freeze_variance: Any = "auto"
 
     def __post_init__(self):
         if self.warmup_densities is not None:
@@ -142,6 +152,7 @@ class DGCConfig:
             _check_int("fusion_threshold", self.fusion_threshold, 0,
                        "bytes; 0: each tensor leaves from its own hook")
         _check_int("log_every", self.log_every, 0, "steps between statistics; 0: never")
+        check_freeze_variance(self.freeze_variance)
 
     @classmethod
     def names(cls):
@@ -253,7 +264,7 @@ class DGCConfig:
         kind = compressor_kind(compressor)
         aggregations = aggregation_choices(self.aggregation, kind == "sparse",
                                            repr(compressor), framework.sparse_default)
-        density, warmup = self.density, self.warmup
+        density, warmup, freeze = self.density, self.warmup, None
         if kind == "exchange":
             if density is not None or warmup:
                 raise ValueError(f"density/warmup apply to sparse compressors, but compression="
@@ -272,8 +283,15 @@ class DGCConfig:
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
         else:
             adaptive = optimizer is not None and not optimizer[0]
-            schedule = as_schedule(density, warmup, self.warmup_unit, self.warmup_densities,
-                                   adaptive=adaptive)
+            freeze = freeze_steps(self.freeze_variance) if optimizer is not None and \
+                len(optimizer) > 2 and optimizer[2] else None
+            if freeze is not None and density is None and warmup is None:
+                schedule = FrozenAdamSchedule.default(freeze)
+            else:
+                schedule = as_schedule(density, warmup, self.warmup_unit,
+                                       self.warmup_densities, adaptive=adaptive)
+                if freeze is not None:
+                    schedule = FrozenAdamSchedule(freeze, schedule)
             if fw == "tensorflow" and not isinstance(schedule, DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
@@ -283,7 +301,7 @@ class DGCConfig:
             # optimizer's checkpoint, not to the shared Compression.dgc default.
             compressor = compressor()
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
-                        aggregations)
+                        aggregations, freeze)
 
 
 class Framework(NamedTuple):
@@ -341,6 +359,7 @@ class Resolved(NamedTuple):
     dense_fp16: bool       # fp16 on the dense path
     schedule: object       # DensitySchedule, or (PyTorch) a callable f(step, epoch)
     aggregations: tuple    # the PathKinds the cost model may choose among
+    freeze: Optional[int] = None  # Adam taken over: its second moment frozen here (adam.py)
 
     @property
     def sparse(self):
@@ -427,6 +446,8 @@ _TORCH_ONLY = (
     ("fusion_threshold", lambda c: c.fusion_threshold is not None,
      "no fusion_threshold (each tensor is its own collective)"),
     ("log_every", lambda c: c.log_every != 0, "log_every=0 and print compression_stats()"),
+    ("freeze_variance", lambda c: c.freeze_variance != "auto",
+     "no freeze_variance (Keras' Adam runs on error feedback)"),
 )
 
 

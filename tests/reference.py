@@ -226,3 +226,48 @@ def average(owns):
     for own in owns:
         total = total + f32(own)
     return total / F32(len(owns))
+
+
+# -- [1-bit Adam] Adam with its second moment frozen -------------------------------------
+# Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+# Convergence Speed", ICML 2021: exact Adam for a warm-up, then v frozen, so the update
+# is momentum SGD with a fixed preconditioner P (hvd_dgc/adam.py). x, m, v float32.
+def adam(x, m, v, g, t, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+         decoupled=False):
+    """torch.optim.Adam's (``decoupled``: AdamW's) step number t (1-based) on the averaged
+    gradient g; returns (x, m, v)."""
+    x, m, v, g = f32(x), f32(m), f32(v), f32(g)
+    b1, b2 = F32(betas[0]), F32(betas[1])
+    if decoupled:
+        x = x * F32(1.0 - lr * weight_decay)
+    elif weight_decay:
+        g = g + F32(weight_decay) * x
+    m = b1 * m + (F32(1) - b1) * g
+    v = b2 * v + (F32(1) - b2) * g * g
+    denom = np.sqrt(v) / F32(math.sqrt(1.0 - betas[1] ** t)) + F32(eps)
+    return x - F32(lr / (1.0 - betas[0] ** t)) * (m / denom), m, v
+
+
+def frozen_precondition(v, t, betas=(0.9, 0.999), eps=1e-8, floor=0.0):
+    """P = 1 / (sqrt(v / (1 - beta2^t)) + eps): the bias-corrected v of step t, frozen,
+    v first floored at ``floor`` times its mean (hvd_dgc/adam.py VARIANCE_FLOOR)."""
+    v = f32(v)
+    v = np.maximum(v, F32(np.mean(v, dtype=F32) * F32(floor)))
+    return F32(1) / (np.sqrt(v) / F32(math.sqrt(1.0 - betas[1] ** t)) + F32(eps))
+
+
+def frozen_adam_gradient(g, precondition, beta1, weight_decay=0.0, param=None):
+    """What enters DGC's memory: (1 - beta1) P (g + wd x), wd Adam's L2 decay (AdamW: 0)."""
+    g = f32(g)
+    if weight_decay:
+        g = g + F32(weight_decay) * f32(param)
+    return F32(1.0 - beta1) * f32(precondition) * g
+
+
+def frozen_adam_apply(x, average, t, lr, beta1, decoupled_decay=0.0):
+    """Step t (1-based, Adam's count) from the average of what the ranks sent:
+    x (1 - lr wd) - lr / (1 - beta1^t) * average."""
+    x = f32(x)
+    if decoupled_decay:
+        x = x * F32(1.0 - lr * decoupled_decay)
+    return x - F32(lr / (1.0 - beta1 ** t)) * f32(average)

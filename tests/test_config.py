@@ -45,6 +45,7 @@ BAD = {  # option -> (value, what the message must say)
     "aggregation": ("ring", "aggregation must be one of"),
     "fusion_threshold": (-5, "fusion_threshold must be an int >= 0"),
     "log_every": (-1, "log_every must be an int >= 0"),
+    "freeze_variance": (0, "freeze_variance must be 'auto', a number of steps >= 1"),
     "density": (1.5, "density must be in (0, 1]"),
     "warmup_unit": ("hour", "warmup unit must be 'epoch' or 'step'"),
     "cost_model": ("fast", "cost_model must be a hvd_dgc.CostModel"),
@@ -78,7 +79,8 @@ def test_an_unknown_option_is_refused_with_the_closest_name(name):
 @pytest.mark.parametrize("option,value,instead", [
     ("period", 4, "use period=1"), ("delay", "auto", "use an int delay"),
     ("aggregation", "hierarchical", "aggregation='auto'"),
-    ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0")])
+    ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0"),
+    ("freeze_variance", 100, "no freeze_variance")])
 def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
     for wrap in (_tape, _keras):
         kind, message = _error(wrap, **{option: value})
@@ -97,6 +99,23 @@ def test_delayed_averaging_needs_sgd_in_torch_and_keras_alike():
     for message, kind in ((in_torch, "torch.optim.SGD"), (in_keras, "a Keras SGD optimizer")):
         assert message.startswith(f"delay=2 needs {kind}"), message
         assert "Adam is not. Use delay=0." in message, message
+
+
+def test_adam_take_over_refuses_what_it_cannot_honour():
+    model = torch.nn.Linear(4, 2)
+    wrap = lambda **o: hvd_torch.DistributedOptimizer(  # noqa: E731
+        torch.optim.Adam(model.parameters(), maximize=True),
+        named_parameters=model.named_parameters(), **o)
+    kind, message = _error(wrap)
+    assert kind is ValueError
+    assert "Adam(maximize=True) (param group 0) cannot be taken over" in message, message
+    assert "freeze_variance=False" in message, message
+    # with freeze_variance=False nothing is taken over: past the check (to Horovod's own)
+    assert "maximize" not in _error(wrap, freeze_variance=False)[1]
+    for bad in (0, -3, 2.5, True, "always"):
+        kind, message = _error(_torch, freeze_variance=bad)
+        assert kind is ValueError and f"freeze_variance must be 'auto', a number of steps " \
+            f">= 1" in message and repr(bad) in message, (bad, message)
 
 
 def test_horovod_arguments_are_checked_alike():

@@ -29,6 +29,7 @@ from hvd_dgc.torch import memory as memory_module
 from hvd_dgc.torch.memory import local_gradient as torch_local_gradient
 from tests.flatmem import OneTensor
 from tests import reference as ref
+from tests.reference import F32
 from harness.hvdrun import REPO, worker_env
 from tests.workers import reference_guard as guard
 
@@ -157,6 +158,77 @@ def test_vector_delayed_averaging():
         assert updates == expected[rank]
         flushed = sum(updates) + sum(float(avg[i][0]) - own[rank][i] for i in (3, 4))
         assert flushed == 14.5
+
+
+def test_vector_frozen_adam():
+    # x0 = [1, 2], lr = 0.1, betas (0.5, 0.75), eps = 0, no weight decay; freeze after step 1.
+    # step 1 (exact Adam), g1 = [2, -4]:
+    #   m1 = 0.5 g1 = [1, -2];  v1 = 0.25 g1^2 = [1, 4]
+    #   bias corrections 1 - 0.5 = 0.5, 1 - 0.75 = 0.25: m^ = [2, -4], v^ = [4, 16]
+    #   x1 = x0 - 0.1 [2/2, -4/4] = [0.9, 2.1]
+    # freeze: P = 1/sqrt(v^) = [0.5, 0.25]; the memory's momentum starts at u = P m1 = [0.5, -0.5]
+    # step 2 (frozen), g2 = [4, 8]:
+    #   g' = (1 - 0.5) P g2 = [1, 1];  u = 0.5 u + g' = [1.25, 0.75]   (dense: avg = u)
+    #   x2 = x1 - 0.1 / (1 - 0.25) u = [0.9 - 1/6, 2.1 - 0.1] = [0.73333, 2.0]
+    #   (Adam with v frozen: m2 = 0.5 m1 + 0.5 g2 = [2.5, 3], m^ = m2 / 0.75,
+    #    x1 - 0.1 P m^ = [0.9 - 0.16667, 2.1 - 0.1]: the same)
+    betas = (0.5, 0.75)
+    x1, m1, v1 = ref.adam([1, 2], [0, 0], [0, 0], [2, -4], 1, 0.1, betas, eps=0.0)
+    np.testing.assert_allclose(x1, [0.9, 2.1], rtol=1e-6)
+    np.testing.assert_allclose(m1, [1, -2], rtol=1e-6)
+    np.testing.assert_allclose(v1, [1, 4], rtol=1e-6)
+    p = ref.frozen_precondition(v1, 1, betas, eps=0.0)
+    np.testing.assert_allclose(p, [0.5, 0.25], rtol=1e-6)
+    g = ref.frozen_adam_gradient([4, 8], p, betas[0])
+    np.testing.assert_allclose(g, [1, 1], rtol=1e-6)
+    u, _ = ref.accumulate(p * m1, [0, 0], g, momentum=betas[0])
+    np.testing.assert_allclose(u, [1.25, 0.75], rtol=1e-6)
+    x2 = ref.frozen_adam_apply(x1, u, 2, 0.1, betas[0])
+    np.testing.assert_allclose(x2, [0.9 - 1 / 6, 2.0], rtol=1e-6)
+
+
+def test_reference_adam_is_torchs_adam_and_adamw():
+    """ref.adam against torch's own Adam and AdamW (L2 and decoupled decay, bias
+    corrections), step by step: the warm-up the take-over leaves to the user's optimizer."""
+    rng = np.random.default_rng(3)
+    grads = rng.standard_normal((6, 5)).astype(np.float32)
+    for cls, decoupled in ((torch.optim.Adam, False), (torch.optim.AdamW, True)):
+        x0 = rng.standard_normal(5).astype(np.float32)
+        p = torch.nn.Parameter(torch.tensor(x0))
+        opt = cls([p], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=False)
+        x, m, v = x0, np.zeros(5, np.float32), np.zeros(5, np.float32)
+        for t, g in enumerate(grads, 1):
+            p.grad = torch.tensor(g)
+            opt.step()
+            x, m, v = ref.adam(x, m, v, g, t, 0.01, (0.8, 0.95), 1e-6, 0.1, decoupled)
+            np.testing.assert_allclose(p.detach().numpy(), x, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(opt.state[p]["exp_avg_sq"].numpy(), v, rtol=1e-6)
+
+
+def test_frozen_adam_at_density_one_is_adam_with_v_frozen():
+    """DGC's dense path on the scaled gradient, the momentum seeded with P m, equals Adam
+    whose v stopped at the freeze (the claim of hvd_dgc/adam.py), with L2 decay."""
+    rng = np.random.default_rng(4)
+    betas, lr, eps, wd, freeze = (0.9, 0.99), 0.05, 1e-8, 0.01, 3
+    x = rng.standard_normal(6).astype(np.float32)
+    m, v = np.zeros(6, np.float32), np.zeros(6, np.float32)
+    grads = rng.standard_normal((10, 6)).astype(np.float32)
+    for t in range(1, freeze + 1):
+        x, m, v = ref.adam(x, m, v, grads[t - 1], t, lr, betas, eps, wd)
+    p = ref.frozen_precondition(v, freeze, betas, eps)
+    adam_x, adam_m = x.copy(), m.copy()
+    dgc_x, u, res = x.copy(), p * m, np.zeros(6, np.float32)
+    for t in range(freeze + 1, 11):
+        g = grads[t - 1]
+        adam_m = F32(betas[0]) * adam_m + F32(1 - betas[0]) * (g + F32(wd) * adam_x)
+        adam_x = adam_x - F32(lr / (1 - betas[0] ** t)) * adam_m * p
+        u, res = ref.accumulate(u, res, ref.frozen_adam_gradient(g, p, betas[0], wd, dgc_x),
+                                momentum=betas[0])
+        avg = res
+        u, res = ref.sent_all(u, res)
+        dgc_x = ref.frozen_adam_apply(dgc_x, avg, t, lr, betas[0])
+        np.testing.assert_allclose(dgc_x, adam_x, rtol=1e-5, atol=1e-6)
+    assert float(np.abs(dgc_x - x).max()) > 1e-2  # it moved
 
 
 def test_num_selected_rule_is_hvd_dgcs():

@@ -6,6 +6,7 @@ The path of one gradient, as the optimizer runs it (optimizer.py says when):
       grads -> g                      one copy into a flat buffer (the launch's layout)
       g /= loss scale                 GradScaler: the memory holds unscaled gradients
       clip (N^-1/2), weight decay     memory.prepare_gradients, per tensor, in one pass
+      (Adam frozen: x scale)          (hvd_dgc/adam.py)
       guard                           non-finite: poison the payload (skip) or drop it
       memory.accumulate(g)            u = m u + g; v += u  (+ |v| block maxima)
       path.launch(part) per kind      each path takes what leaves the memory (paths.py)
@@ -197,13 +198,14 @@ class Engine:
     """Launches, advances and collects the collectives of a step's launches, on flat
     buffers; holds the memory (FlatMemory) and one instance of every path."""
 
-    def __init__(self, resolved, planner, wire, stats, guard, members, hyper,
+    def __init__(self, resolved, planner, wire, stats, guard, members, hyper, scale,
                  sparse_as_dense, world):
         self.resolved, self.planner, self.guard = resolved, planner, guard
         self.config = resolved.config
         self.compressor = resolved.compressor
         self.members = members            # {param: Member}
         self.hyper = hyper                # param -> (momentum, nesterov, weight_decay)
+        self.scale = scale                # param -> what its gradient is multiplied by
         self.sparse_as_dense = sparse_as_dense
         self.world = world                # callable: the world size now
         self.memory = FlatMemory(self.config.momentum_masking)
@@ -265,7 +267,8 @@ class Engine:
         layout = launch.layout
         if layout.block is None or launch.local or at.scale is not None or \
                 self.config.clip_norm is not None or self.guard.mode == "drop" or \
-                layout.reads_gradient or layout.sparse_grads:
+                layout.reads_gradient or layout.sparse_grads or \
+                any(self.scale(m.param) is not None for m in layout.members):
             return None
         if self.guard.mode == "skip" and layout.checked and not wants:
             return None
@@ -309,8 +312,9 @@ class Engine:
         torch._foreach_copy_(layout.g_views, grads)
         if at.scale is not None:
             launch.g.div_(at.scale)
-        prepare_gradients(layout.g_views, [layout.members[i].param for i in layout.dense_grads],
-                          self.config.clip_norm, self.world(), layout.decay)
+        params = [layout.members[i].param for i in layout.dense_grads]
+        prepare_gradients(layout.g_views, params, self.config.clip_norm, self.world(),
+                          layout.decay, [self.scale(p) for p in params])
 
     def _sparse_payloads(self, launch, at):
         """A sparse gradient travels as Horovod sends it: its indices and values,

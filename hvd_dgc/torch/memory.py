@@ -68,10 +68,13 @@ def aligned_size(numel):
     return -(-numel // BLOCK) * BLOCK
 
 
-def prepare_gradients(views, params, clip_norm=None, world_size=1, weight_decay=()):
+def prepare_gradients(views, params, clip_norm=None, world_size=1, weight_decay=(),
+                      scales=None):
     """The gradients a worker feeds into its memory, in place on ``views`` (each
     tensor's slice of a flat buffer, shaped as its parameter): clipped, then
-    weight-decayed. A fixed number of operations for any number of tensors.
+    weight-decayed, then multiplied by ``scales`` (per view, a tensor or None: Adam's
+    frozen preconditioner, hvd_dgc/adam.py). A fixed number of operations for any
+    number of tensors.
 
     Local clipping (DGC Sec. 3.3) clips each worker's gradient *before*
     accumulation, with the global threshold scaled by N^-1/2 (each worker holds
@@ -82,11 +85,15 @@ def prepare_gradients(views, params, clip_norm=None, world_size=1, weight_decay=
     if clip_norm is not None and views:
         limit = clip_norm / (world_size ** 0.5)
         norms = torch.stack(torch._foreach_norm(views))
-        scales = (limit / (norms + 1e-6)).clamp_(max=1.0)
-        torch._foreach_mul_(views, scales.unbind())
+        clipped = (limit / (norms + 1e-6)).clamp_(max=1.0)
+        torch._foreach_mul_(views, clipped.unbind())
     for decay, positions in weight_decay:
         torch._foreach_add_([views[i] for i in positions],
                             [params[i].detach() for i in positions], alpha=decay)
+    if scales is not None:
+        scaled = [i for i, s in enumerate(scales) if s is not None]
+        if scaled:
+            torch._foreach_mul_([views[i] for i in scaled], [scales[i] for i in scaled])
 
 
 def local_gradient(grad, param, weight_decay=0.0, clip_norm=None, world_size=1):
@@ -379,6 +386,16 @@ class FlatMemory:
         if block is None or block.u is None:
             return None
         return block.slice_of(block.u, block.index[key])
+
+    def seed_velocity(self, key, u):
+        """Start ``key``'s momentum at ``u`` (flat): an optimizer's own momentum handed
+        over to the memory (Adam's first moment at the freeze, hvd_dgc/adam.py)."""
+        block = self._where.get(key)
+        if block is not None:
+            block.slice_of(block.momentum_buffer(), block.index[key]).copy_(u)
+            return
+        saved = self._loaded.setdefault(key, {"u": None, "v": torch.zeros_like(u)})
+        saved["u"] = u.clone()
 
     def keys(self):
         return list(self._where) + [k for k in self._loaded if k not in self._where]

@@ -21,7 +21,8 @@ state, and the gradient travels between them as an argument:
       otherwise: lagging.gradients(...)            own now, avg - own D steps later
                                                    (lagging.py)
       base optimizer step                          SGD's momentum and weight decay off:
-                                                   the memory applied them (sgd.py)
+                                                   the memory applied them (sgd.py); Adam
+                                                   once its variance is frozen (adam.py)
 
 The planner (hvd_dgc/plan.py, shared with TensorFlow) decides each tensor's path; the
 options were resolved and checked once (hvd_dgc/config.py ``DGCConfig.resolve``).
@@ -41,6 +42,7 @@ from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.torch.collective import ExchangeCompressor
+from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
 from hvd_dgc.torch.engine import Engine, Member, StepPlace
 from hvd_dgc.torch.guard import NonFiniteGuard
@@ -86,9 +88,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         trainable = [p for p in every if p.requires_grad]
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))
                  for p in every}
-        self._sgd = SGDTakeOver(self, isinstance(self, torch.optim.SGD)
-                                and process_set.included())
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every)
+        self._takeover = self._take_over(process_set.included())
         self._lagging = Lagging(self._config, process_set)
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
@@ -107,7 +108,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
                               self._guard, {p: Member(p, infos[p].key, infos[p].name,
                                                       infos[p]) for p in every},
-                              self._sgd.hyper, sparse_as_dense, process_set.size)
+                              self._takeover.hyper, self._takeover.scale, sparse_as_dense,
+                              process_set.size)
         self._scheduler = LaunchScheduler(
             trainable, self._param_index, infos, groups, backward_passes_per_step,
             self._planner, _fusion_threshold(self._config.fusion_threshold), on_accelerator,
@@ -119,6 +121,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda *_, p=p: self._scheduler.ready(p)))
+
+    def _take_over(self, included):
+        """What of the wrapped optimizer's update DGC's memory applies: SGD's momentum
+        and weight decay (sgd.py), Adam's first moment once its variance is frozen
+        (adam.py), or nothing."""
+        if included and self._resolved.freeze is not None:
+            return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
+                                lambda p, u: self._engine.memory.seed_velocity(
+                                    self._param_index[p], u))
+        return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included)
 
     def _horovod_config(self):
         """Horovod's arguments, as every rank must have them alike."""
@@ -254,7 +266,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_step = False
             return None
         sparse, self._sparse_grads = self._sparse_grads, set()
-        loss = self._sgd.step(super(self.__class__, self).step, closure, sparse)
+        loss = self._takeover.step(super(self.__class__, self).step, closure, sparse)
         if self._average_after_step:
             self._average_parameters()
         self._progress.step += 1
@@ -293,7 +305,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             for p, c in corrections.items():
                 p.grad = c.view(p.shape).to(p.dtype)
-            with self._sgd.off():  # lr * correction, linear: see lagging.py
+            with self._takeover.off():  # lr * correction, linear: see lagging.py
                 super(self.__class__, self).step()
         finally:
             for p, g in saved.items():
@@ -351,6 +363,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                    delay=lagging.delay, period=lagging.period)
         if lagging.auto is not None:
             out.update(delay_decisions=list(lagging.auto.decisions))
+        if isinstance(self._takeover, AdamTakeOver):
+            out.update(adam_phase=self._takeover.phase(), adam_freeze=self._takeover.freeze)
         return out
 
     def state_dict(self):
@@ -528,8 +542,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         TORCH, compression, HorovodArguments(op, gradient_predivide_factor,
                                              backward_passes_per_step, groups,
                                              (Average, Sum, Adasum)),
-        (isinstance(optimizer, torch.optim.SGD), type(optimizer).__name__),
+        (isinstance(optimizer, torch.optim.SGD), type(optimizer).__name__,
+         isinstance(optimizer, torch.optim.Adam)),
         dense_compression=dense_compression, grad_scaler=grad_scaler)
+    if resolved.freeze is not None:
+        check_adam(optimizer)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, backward_passes_per_step, op,

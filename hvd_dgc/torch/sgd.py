@@ -40,6 +40,11 @@ class SGDTakeOver:
         check_dampening(group)
         return group["momentum"], group["nesterov"], group["weight_decay"]
 
+    @staticmethod
+    def scale(p):
+        """SGD's gradient enters the memory as it is."""
+        return None
+
     @contextmanager
     def off(self):
         """The memory applied momentum and weight decay already; the base SGD must not."""

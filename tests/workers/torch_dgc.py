@@ -288,7 +288,11 @@ def horovod_patterns():
         adamw = hvd.DistributedOptimizer(
             torch.optim.AdamW(m.parameters()),
             named_parameters=[("hpadamw." + n, p) for n, p in m.named_parameters()])
-    out["adamw_boundaries"] = adamw.schedule.boundaries
+        feedback = hvd.DistributedOptimizer(
+            torch.optim.AdamW(m.parameters()), freeze_variance=False,
+            named_parameters=[("hpadamf." + n, p) for n, p in m.named_parameters()])
+    out["adamw_schedule"] = adamw.schedule.config()
+    out["adamw_feedback_boundaries"] = feedback.schedule.boundaries
 
     class Custom(Compressor):
         pass
@@ -458,7 +462,8 @@ def grouping():
 
 
 def adam():
-    """Adam: density 1.0 equals Horovod + Adam; at 0.01 ranks stay identical (error feedback)."""
+    """Adam: density 1.0 equals Horovod + Adam; at 0.01 with freeze_variance=False ranks stay
+    identical (error feedback; the take-over: tests/workers/torch_adam.py)."""
     rank = hvd.rank()
     ref, ours, sparse = mlp(7), mlp(7), wide_mlp(7)
     opt_ref = hvd_stock.DistributedOptimizer(torch.optim.Adam(ref.parameters(), lr=1e-3),
@@ -468,7 +473,8 @@ def adam():
                                                      ours.named_parameters()], density=1.0)
     opt_s = hvd.DistributedOptimizer(torch.optim.Adam(sparse.parameters(), lr=1e-3),
                                      named_parameters=[("adams." + n, p) for n, p in
-                                                       sparse.named_parameters()], density=0.01)
+                                                       sparse.named_parameters()], density=0.01,
+                                     freeze_variance=False)
     for step in range(15):
         step_all(((ref, opt_ref), (ours, opt)), step, rank)
         opt_s.zero_grad()

@@ -1,0 +1,106 @@
+"""Adam and AdamW at DGC's density: exact Adam first, then its second moment frozen.
+
+DGC's momentum correction (Lin et al., ICLR 2018, Sec. 3.2) needs an update linear in
+the gradient. Adam's is not: it divides by the root mean square of what arrives, and
+error feedback delivers each coordinate in bursts about 1/density steps apart, so its
+steps shrink. 1-bit Adam (Tang et al., ICML 2021) runs exact Adam for a warm-up, then
+freezes the second moment ``v``; from there Adam is momentum SGD with a fixed diagonal
+preconditioner, and error-compensated compression works as it does for SGD. With
+
+    P = 1 / (sqrt(v_T / (1 - beta2^T)) + eps)      v_T, bias-corrected, at the freeze T
+                                                   (floored: below)
+
+Adam's ``m <- beta1 m + (1 - beta1) g;  x <- x - lr / (1 - beta1^t) * P m`` is, in the
+preconditioned space ``u = P m`` (P is fixed and the same on every rank, so the average
+of ``P g_r`` is ``P`` times the average of ``g_r``):
+
+    g' = (1 - beta1) P (g + wd x)     (wd: Adam's L2 weight decay; AdamW's is decoupled)
+    u  <- beta1 u + g'                 DGC's memory: u and v, selection, masking
+    x  <- x (1 - lr wd_AdamW) - lr / (1 - beta1^t) * average(sent)
+
+At the freeze, ``u`` starts at ``P m_T`` (Adam's first moment, carried over). At density
+1 this is Adam with a frozen ``v`` exactly; at DGC's density it is DGC on momentum SGD.
+
+One guard Adam does not need: its ``v`` catches up within a few steps when a quiet
+coordinate wakes (a ReLU unit that was dead during the warm-up, ``v = 0``, so ``P =
+1/eps``), a frozen one never does, and such a coordinate's first gradients would be
+multiplied by up to 1/eps. So the frozen ``v`` of each tensor is floored at
+``VARIANCE_FLOOR`` times its mean: no coordinate steps more than 1/sqrt(VARIANCE_FLOOR)
+= 10 times the tensor's typical step. (Without it a 4-step warm-up of a ReLU MLP blew up
+within two frozen steps.)
+
+The first ``freeze`` steps exchange dense gradients (exact Adam: its ``v`` is the one
+every rank computes from the same averages, so ``P`` is the same everywhere); the
+density schedule starts at the freeze. This module holds what both frameworks share:
+the option, the phases and the schedule. tests/reference.py states the maths in NumPy.
+"""
+
+from hvd_dgc.schedule import DensitySchedule
+
+__all__ = ["VARIANCE_FLOOR", "DEFAULT_FREEZE", "DEFAULT_WARMUP", "FrozenAdamSchedule", "check_freeze_variance",
+           "freeze_steps"]
+
+#: The frozen ``v`` of a tensor is at least this times its mean over the tensor.
+VARIANCE_FLOOR = 0.01
+
+#: Steps of exact (dense) Adam before the second moment is frozen, by default.
+DEFAULT_FREEZE = 200
+
+#: After the freeze, when the script sets neither ``density`` nor ``warmup``: the paper's
+#: stages (25%, 6.25%, 1.5625%, 0.4%), this many steps in all, then 0.1%.
+DEFAULT_WARMUP = 200
+
+
+def check_freeze_variance(value):
+    """``freeze_variance``: "auto" (DEFAULT_FREEZE steps), an int >= 1 (steps of exact
+    Adam), or False (no take-over: error feedback on Adam's raw gradient)."""
+    if value is False or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"freeze_variance must be 'auto', a number of steps >= 1 (exact "
+                         f"Adam before its second moment is frozen) or False (Adam's own "
+                         f"update on error feedback), got {value!r}")
+    return value
+
+
+def freeze_steps(value):
+    """The freeze step of a checked ``freeze_variance`` (None: off)."""
+    if value is False:
+        return None
+    return DEFAULT_FREEZE if value == "auto" else int(value)
+
+
+class FrozenAdamSchedule:
+    """Density 1 for the first ``freeze`` steps (exact Adam), then ``inner`` from its
+    start: ``inner(step - freeze, epoch)``. Looks like a ``DensitySchedule`` to the
+    planner (``density``, ``warmup``, ``warmup_densities``)."""
+
+    def __init__(self, freeze, inner):
+        self.freeze, self.inner = int(freeze), inner
+        self.density = getattr(inner, "density", None)
+        stages = getattr(inner, "warmup_densities", ()) if getattr(inner, "warmup", 0) else ()
+        self.warmup = float(self.freeze)
+        self.warmup_densities = (1.0,) + tuple(stages)
+
+    @classmethod
+    def default(cls, freeze):
+        return cls(freeze, DensitySchedule(0.001, warmup=DEFAULT_WARMUP, unit="step"))
+
+    def __call__(self, step, epoch):
+        if step < self.freeze:
+            return 1.0
+        return self.inner(step - self.freeze, epoch)
+
+    def describe(self):
+        inner = self.inner.describe() if hasattr(self.inner, "describe") else \
+            "a callable schedule"
+        after = f", then {inner}" if inner else ""
+        return f"exact Adam to step {self.freeze} (its second moment then frozen){after} " \
+               f"from there"
+
+    def config(self):
+        inner = self.inner.config() if hasattr(self.inner, "config") else repr(self.inner)
+        return ("FrozenAdamSchedule", self.freeze, inner)
+
+    def __repr__(self):
+        return f"FrozenAdamSchedule(freeze={self.freeze}, inner={self.inner!r})"

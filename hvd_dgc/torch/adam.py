@@ -1,0 +1,121 @@
+"""Adam and AdamW taken over (hvd_dgc/adam.py has the maths and the papers).
+
+Before the freeze the wrapped Adam steps on dense averages, untouched. At the end of
+step ``freeze - 1`` its second moment becomes a fixed scale ``(1 - beta1) P`` per
+parameter (kept in the optimizer's state, so checkpoints and Horovod's elastic state
+carry it), and its first moment moves into DGC's memory as ``u = P m``. From then on
+the memory applies ``beta1`` as momentum (and Adam's L2 weight decay) to the scaled
+gradient, and this step applies what arrives: AdamW's decoupled decay, then
+``x -= lr / (1 - beta1^t) * average``.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from hvd_dgc.adam import VARIANCE_FLOOR
+
+__all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
+
+#: The frozen scale (1 - beta1) / (sqrt(v_T / (1 - beta2^T)) + eps), in state[p].
+SCALE_KEY = "hvd_dgc_frozen_scale"
+
+
+def check_adam(optimizer):
+    """What the take-over cannot honour, refused with the fix (at wrap time)."""
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("maximize", False):
+            raise ValueError(f"hvd_dgc: {type(optimizer).__name__}(maximize=True) (param group "
+                             f"{i}) cannot be taken over (the frozen-variance update "
+                             f"minimises). Negate the loss instead, or pass "
+                             f"freeze_variance=False (Adam's own update on error feedback).")
+
+
+class AdamTakeOver:
+    """The hyper-parameters and scale the memory applies for each parameter, and the
+    step that applies the average once the variance is frozen. ``freeze``: the step at
+    which the take-over starts; ``step()``: the optimizer's step count now;
+    ``seed(p, u)``: start ``p``'s memory momentum at ``u``."""
+
+    def __init__(self, optimizer, freeze, step, seed):
+        self.optimizer, self.freeze = optimizer, int(freeze)
+        self._step, self._seed = step, seed
+        self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+
+    @property
+    def frozen(self):
+        return self._step() >= self.freeze
+
+    def phase(self):
+        """In words, for ``compression_stats()``."""
+        return "frozen variance" if self.frozen else "exact Adam"
+
+    def hyper(self, p):
+        """``(momentum, nesterov, weight_decay)`` the memory applies for ``p``: Adam's
+        beta1 and its L2 weight decay once frozen (AdamW's decay is this step's)."""
+        if not self.frozen:
+            return 0.0, False, 0.0
+        group = self._group_of[p]
+        l2 = 0.0 if group.get("decoupled_weight_decay", False) else group["weight_decay"]
+        return group["betas"][0], False, l2
+
+    def scale(self, p):
+        """The memory's gradient is ``scale * g`` (None: as it is)."""
+        if not self.frozen:
+            return None
+        state = self.optimizer.state[p]
+        if SCALE_KEY not in state:  # a checkpoint from before the take-over: freeze now
+            self._freeze_one(p, seed=False)
+        return state[SCALE_KEY]
+
+    @contextmanager
+    def off(self):
+        yield  # (nothing of Adam's is applied elsewhere by a correction's step)
+
+    def step(self, base_step, closure, sparse):
+        if not self.frozen:
+            loss = base_step(closure)
+            if self._step() + 1 == self.freeze:
+                for p in self._group_of:
+                    self._freeze_one(p, seed=True)
+            return loss
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                self._apply(group, [p for p in group["params"]
+                                    if p.grad is not None and p not in sparse])
+        return loss
+
+    def _apply(self, group, params):
+        if not params:
+            return
+        lr, beta1 = float(group["lr"]), group["betas"][0]
+        if group.get("decoupled_weight_decay", False) and group["weight_decay"]:
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        for p in params:
+            state = self.optimizer.state[p]
+            step = state.get("step")
+            step = torch.zeros((), dtype=torch.float32) if step is None else step
+            state["step"] = step + 1
+            p.add_(p.grad, alpha=-lr / (1.0 - beta1 ** float(state["step"])))
+
+    def _freeze_one(self, p, seed):
+        """``p``'s scale from Adam's state now, and (``seed``) its first moment into the
+        memory, in the preconditioned space."""
+        state, group = self.optimizer.state[p], self._group_of[p]
+        beta1, beta2 = group["betas"]
+        if "exp_avg_sq" not in state:  # never stepped (no gradient yet): Adam's start
+            state[SCALE_KEY] = torch.full_like(p, (1.0 - beta1) / group["eps"],
+                                               memory_format=torch.contiguous_format)
+            return
+        v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+        t = float(state["step"])
+        v = v.clamp(min=float(v.mean()) * VARIANCE_FLOOR)
+        denom = (v.sqrt() / (1.0 - beta2 ** t) ** 0.5).add_(group["eps"])
+        precondition = denom.reciprocal_()
+        state[SCALE_KEY] = precondition.mul(1.0 - beta1).contiguous()
+        if seed:
+            self._seed(p, (precondition * state["exp_avg"]).reshape(-1))

@@ -1,0 +1,158 @@
+"""Bodies of the Adam take-over tests (hvd_dgc/adam.py), run on every rank under horovodrun.
+
+The reference run is tests/reference.py's NumPy maths on every rank's gradients, which
+each rank can compute (the batches are drawn from (step, rank)).
+"""
+
+import copy
+
+import numpy as np
+import torch
+
+import hvd_dgc.torch as hvd
+from hvd_dgc.adam import VARIANCE_FLOOR
+from hvd_dgc.torch.adam import SCALE_KEY
+from tests import reference as ref
+from tests.workers.torch_dgc import _run, flat_params, loss_of, ranks_identical, train, \
+    wide_mlp
+
+
+def _grads(model, x, step, rank):
+    """The gradient of rank ``rank``'s batch at parameters ``x`` (NumPy, per tensor)."""
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), x):
+            p.copy_(torch.from_numpy(value).view(p.shape))
+    model.zero_grad()
+    loss_of(model, step, rank, features=64, classes=10).backward()
+    return [p.grad.detach().cpu().numpy().reshape(-1).copy() for p in model.parameters()]
+
+
+def _reference(steps, world, freeze, lr, betas, eps, wd, decoupled, seed=5, clip=None):
+    """Parameters after each step: exact Adam on the averages to the freeze, then every
+    rank's DGC memory (dense: everything sent) on the scaled gradient; ``clip``: each
+    rank's gradient clipped first (DGC's local clipping, per tensor)."""
+    shadow = wide_mlp(seed).cpu()
+    x = [p.detach().numpy().reshape(-1).copy() for p in shadow.parameters()]
+    m = [np.zeros_like(a) for a in x]
+    v = [np.zeros_like(a) for a in x]
+    out, precondition, u, res = [], None, None, None
+    for step in range(steps):
+        t = step + 1
+        grads = [[ref.local_gradient(g, clip, world) for g in _grads(shadow, x, step, r)]
+                 for r in range(world)]
+        if step < freeze:
+            avg = [ref.average([g[i] for g in grads]) for i in range(len(x))]
+            for i in range(len(x)):
+                x[i], m[i], v[i] = ref.adam(x[i], m[i], v[i], avg[i], t, lr, betas, eps, wd,
+                                            decoupled)
+            if t == freeze:
+                precondition = [ref.frozen_precondition(v[i], t, betas, eps, VARIANCE_FLOOR)
+                                for i in range(len(x))]
+                u = [[precondition[i] * m[i] for i in range(len(x))] for _ in range(world)]
+                res = [[np.zeros_like(a) for a in x] for _ in range(world)]
+        else:
+            l2 = 0.0 if decoupled else wd
+            for i in range(len(x)):
+                sent = []
+                for r in range(world):
+                    g = ref.frozen_adam_gradient(grads[r][i], precondition[i], betas[0], l2, x[i])
+                    u[r][i], res[r][i] = ref.accumulate(u[r][i], res[r][i], g, betas[0])
+                    sent.append(res[r][i])
+                    u[r][i], res[r][i] = ref.sent_all(u[r][i], res[r][i])
+                x[i] = ref.frozen_adam_apply(x[i], ref.average(sent), t, lr, betas[0],
+                                             wd if decoupled else 0.0)
+        out.append(np.concatenate(x))
+    return out
+
+
+def reference_equivalence():
+    """Adam and AdamW taken over, at density 1 (the dense path, and allgather sending every
+    coordinate), equal the NumPy reference step by step, on both ranks alike."""
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd = 9, 4, 0.01, (0.9, 0.99), 1e-8, 0.05
+    results = {}
+    for cls, decoupled in ((torch.optim.AdamW, True), (torch.optim.Adam, False)):
+        variants = (("dense", dict(min_compress_size=10 ** 9)),
+                    ("allgather", dict(density=1.0, aggregation="allgather")),
+                    ("clipped", dict(min_compress_size=10 ** 9, clip_norm=0.02)))
+        unclipped = None
+        for variant, options in variants:
+            expected = _reference(steps, world, freeze, lr, betas, eps, wd, decoupled,
+                                  clip=options.get("clip_norm"))
+            unclipped = expected if unclipped is None else unclipped
+            model = wide_mlp(5)
+            opt = hvd.DistributedOptimizer(
+                cls(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
+                named_parameters=[(f"{cls.__name__}.{variant}.{n}", p)
+                                  for n, p in model.named_parameters()],
+                freeze_variance=freeze, **options)
+            diffs, scale = [], 0.0
+            for step in range(steps):
+                train(model, opt, 1, rank, start=step, features=64, classes=10)
+                ours = flat_params(model).cpu().numpy()
+                diffs.append(float(np.abs(ours - expected[step]).max()))
+                scale = max(scale, float(np.abs(expected[step]).max()))
+            stats = opt.compression_stats()
+            results[f"{cls.__name__}.{variant}"] = {
+                "diffs": diffs, "scale": scale,
+                "moved": float(np.abs(expected[-1] - expected[freeze - 1]).max()),
+                "identical": ranks_identical(model, f"adam.{cls.__name__}.{variant}"),
+                "phase": stats["adam_phase"], "paths": stats["paths"],
+                # the clip bites: its reference is not the unclipped one
+                "clipped": float(np.abs(expected[-1] - unclipped[-1]).max()) > 1e-3}
+    return results
+
+
+def sparse_run():
+    """AdamW at density 0.01 after a freeze at step 10: dense to the freeze, sparse after,
+    ranks identical, the loss falls."""
+    rank = hvd.rank()
+    model = wide_mlp(6)
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                   named_parameters=[("adamw." + n, p)
+                                                     for n, p in model.named_parameters()],
+                                   density=0.01, freeze_variance=10)
+    with torch.no_grad():
+        first = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    phases = []
+    for step in range(30):
+        train(model, opt, 1, rank, start=step % 4, features=64, classes=10)
+        phases.append(opt.compression_stats()["adam_phase"])
+    with torch.no_grad():
+        last = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    stats = opt.compression_stats()
+    return {"identical": ranks_identical(model, "adamw.sparse"), "first": first, "last": last,
+            "paths": stats["paths"], "phases": phases, "ratio": stats["compression_ratio"]}
+
+
+def checkpoint():
+    """state_dict after the freeze carries the frozen scale and the memory: a run resumed
+    from it continues exactly as the uninterrupted one."""
+    rank = hvd.rank()
+
+    def make(tag):
+        model = wide_mlp(7)
+        opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                       named_parameters=[(f"ck{tag}." + n, p) for n, p in
+                                                         model.named_parameters()],
+                                       density=0.01, freeze_variance=5)
+        return model, opt
+
+    model, opt = make("a")
+    train(model, opt, 12, rank, features=64, classes=10)
+    saved = copy.deepcopy(opt.state_dict())  # (its tensors are the live state)
+    weights = {k: t.clone() for k, t in model.state_dict().items()}
+    train(model, opt, 6, rank, start=12, features=64, classes=10)
+    resumed, opt2 = make("b")
+    resumed.load_state_dict(weights)
+    opt2.load_state_dict(saved)
+    train(resumed, opt2, 6, rank, start=12, features=64, classes=10)
+    scales = [k for s in saved["state"].values() for k in s if k == SCALE_KEY]
+    return {"equal": torch.equal(flat_params(model), flat_params(resumed)),
+            "scales": len(scales), "params": len(list(model.parameters())),
+            "step": opt2.compression_stats()["step"]}
+
+
+def suite(names):
+    hvd.init()
+    return _run(names, __import__(__name__, fromlist=["_"]))
