@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 VARIANTS = {
     "horovod": None,
     "default": {},
+    "freeze_variance=50": {"freeze_variance": 50},
     "density=0.01": {"density": 0.01, "warmup": 150, "warmup_unit": "step"},
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
     "feedback (freeze_variance=False)": {"freeze_variance": False},

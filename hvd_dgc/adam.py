@@ -31,8 +31,10 @@ within two frozen steps.)
 
 The first ``freeze`` steps exchange dense gradients (exact Adam: its ``v`` is the one
 every rank computes from the same averages, so ``P`` is the same everywhere); the
-density schedule starts at the freeze. This module holds what both frameworks share:
-the option, the phases and the schedule. tests/reference.py states the maths in NumPy.
+density schedule starts at the freeze, and so do delayed averaging and ``period``
+(linear from there: a correction is ``lr / (1 - beta1^t)`` times ``avg - own``). This
+module holds what both frameworks share: the option, the phases and the schedule.
+tests/reference.py states the maths in NumPy.
 """
 
 from hvd_dgc.schedule import DensitySchedule
@@ -94,9 +96,9 @@ class FrozenAdamSchedule:
     def describe(self):
         inner = self.inner.describe() if hasattr(self.inner, "describe") else \
             "a callable schedule"
-        after = f", then {inner}" if inner else ""
-        return f"exact Adam to step {self.freeze} (its second moment then frozen){after} " \
-               f"from there"
+        after = f"; after it {inner}, in steps from the freeze" if inner else ""
+        return f"exact Adam (dense) to step {self.freeze}, then its second moment frozen " \
+               f"and its momentum corrected by DGC (1-bit Adam){after}"
 
     def config(self):
         inner = self.inner.config() if hasattr(self.inner, "config") else repr(self.inner)

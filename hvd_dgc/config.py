@@ -68,14 +68,15 @@ class DGCConfig:
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" (PyTorch) chooses D from measured compute and waits, the same on every
             rank (at most 8; ``hvd_dgc.AutoDelay(max_delay=..., window=20)`` to change
-            that). Needs SGD (an update linear in the gradient); call ``flush()`` before
+            that). Needs an update linear in the gradient: SGD, or Adam/AdamW taken over
+            (``freeze_variance``; delayed from the freeze on); call ``flush()`` before
             evaluating or checkpointing; not with PowerSGD or TernGrad (what they sent is
             known only after a first round), with a GradScaler, or with sparse gradients
             (``sparse_as_dense=True``).
         period: exchange every ``period``-th step only (PyTorch); in between each rank
             steps with its own velocity and the exchange's average then replaces those
-            steps. Needs SGD and ``flush()`` as ``delay`` does; no GradScaler; with it
-            hierarchical DGC falls back to flat methods.
+            steps. Needs SGD or Adam taken over, and ``flush()``, as ``delay`` does; no
+            GradScaler; with it hierarchical DGC falls back to flat methods.
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory:
             synchronous steps are skipped on every rank (weights, memory, step count
             unchanged; that rank sends inf, so every rank sees it), delayed ones send
@@ -101,9 +102,10 @@ class DGCConfig:
             averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
-            correction, masking); the density schedule starts at the freeze (with no
-            ``density`` or ``warmup``: the paper's stages over 200 steps, then 0.1%;
-            hvd_dgc/adam.py). False: Adam's own update on error feedback.
+            correction, masking), and ``delay`` and ``period`` apply from the freeze on;
+            the density schedule starts at the freeze (with no ``density`` or
+            ``warmup``: the paper's stages over 200 steps, then 0.1%; hvd_dgc/adam.py).
+            False: Adam's own update on error feedback (no delay, no period).
     """
 
     density: Any = None
@@ -241,8 +243,6 @@ class DGCConfig:
         ``grad_scaler``: PyTorch's. Returns ``Resolved``."""
         fw = framework.name
         horovod.check(framework)
-        if optimizer is not None:
-            check_linear_update(self, optimizer[0], optimizer[1], fw)
         lagging, undo = self.lagging, self.undo_lagging
         if fw == "tensorflow" and horovod.backward_passes_per_step > 1 and self.delay:
             raise ValueError(f"backward_passes_per_step={horovod.backward_passes_per_step} "
@@ -296,6 +296,9 @@ class DGCConfig:
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
                                 "Python callable")
+        if optimizer is not None:
+            check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
+                                adam=len(optimizer) > 2 and optimizer[2])
         if kind != "dense":
             # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
             # optimizer's checkpoint, not to the shared Compression.dgc default.
@@ -462,15 +465,23 @@ def unsupported_message(config, framework):
     return None
 
 
-def check_linear_update(config, is_sgd, optimizer_name, framework):
+def check_linear_update(config, linear, optimizer_name, framework, adam=False):
     """Delayed averaging and period > 1 replace this rank's own steps by the average
-    later: exact only for an update linear in the gradient (SGD)."""
-    if config.lagging and not is_sgd:
+    later: exact only for an update linear in the gradient (SGD, or Adam once its
+    variance is frozen: adam.py). ``linear``: the wrapped optimizer's update is."""
+    if config.lagging and not linear:
         kind = "torch.optim.SGD" if framework == "torch" else "a Keras SGD optimizer"
-        raise ValueError(f"{config.lagging} needs {kind} (with or without momentum): the "
-                         f"correction g_i - g_(i-D) + avg_(i-D) (own steps replaced by the "
-                         f"average) is exact only for an update linear in the gradient, "
-                         f"and {optimizer_name} is not. Use {config.undo_lagging}.")
+        if framework == "torch":
+            kind += " or Adam/AdamW with its variance frozen (freeze_variance)"
+        fix = f"Use {config.undo_lagging}"
+        if adam and framework == "torch":
+            fix += (", or a sparse compressor with freeze_variance='auto' (the default)"
+                    if config.freeze_variance is not False else
+                    ", or freeze_variance='auto' (the default)")
+        raise ValueError(f"{config.lagging} needs {kind}: the correction g_i - g_(i-D) + "
+                         f"avg_(i-D) (own steps replaced by the average) is exact only for "
+                         f"an update linear in the gradient, and {optimizer_name} is not. "
+                         f"{fix}.")
 
 
 def check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,

@@ -89,16 +89,18 @@ def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
         assert instead in message, message
 
 
-def test_delayed_averaging_needs_sgd_in_torch_and_keras_alike():
+def test_delayed_averaging_needs_a_linear_update_in_torch_and_keras_alike():
     model = torch.nn.Linear(4, 2)
     _, in_torch = _error(lambda **o: hvd_torch.DistributedOptimizer(
         torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(), **o),
-        delay=2)
+        delay=2, freeze_variance=False)
     _, in_keras = _error(lambda **o: hvd_keras.DistributedOptimizer(
         tf.keras.optimizers.Adam(0.1), **o), delay=2)
-    for message, kind in ((in_torch, "torch.optim.SGD"), (in_keras, "a Keras SGD optimizer")):
+    for message, kind in ((in_torch, "torch.optim.SGD or Adam/AdamW with its variance "
+                                     "frozen (freeze_variance)"),
+                          (in_keras, "a Keras SGD optimizer")):
         assert message.startswith(f"delay=2 needs {kind}"), message
-        assert "Adam is not. Use delay=0." in message, message
+        assert "Adam is not. Use delay=0" in message, message
 
 
 def test_adam_take_over_refuses_what_it_cannot_honour():

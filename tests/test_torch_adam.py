@@ -5,7 +5,8 @@ import pytest
 
 from harness.hvdrun import run
 
-SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint"]
+SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
+             "period_run"]
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,21 @@ def test_checkpoint_carries_the_frozen_variance(gloo):
         assert out["scales"] == out["params"] == 6
         assert out["equal"]
         assert out["step"] == 18
+
+
+def test_delayed_averaging_with_adamw_equals_the_reference(gloo):
+    for out in _checked(gloo, "lagging_reference"):
+        assert max(out["diffs"]) < 3e-5, out["diffs"]
+        # synchronous to the freeze (step 4), then each rank applies its own part first
+        assert out["identical"][:4] == [True] * 4 and not any(out["identical"][4:])
+        assert out["apart"] > 1e-4
+        assert out["in_flight"] == [0, 0, 0, 0, 1, 2, 2, 2, 2, 2]
+        assert out["flushed_diff"] < 3e-5 and out["flushed_identical"]
+
+
+def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):
+    for out in _checked(gloo, "period_run"):
+        assert out["exchanged"][:6] == [True] * 6
+        assert out["exchanged"][6:] == [(s + 1) % 3 == 0 for s in range(6, 24)]
+        assert out["identical"]
+        assert out["last"] < 0.8 * out["first"], (out["first"], out["last"])

@@ -54,7 +54,11 @@ def test_bad_delay_arguments_give_clear_errors(gloo):
     for out in _checked(gloo, "bad_delay"):
         for case in ("negative", "float", "bool"):
             assert "delay must be an int >= 0" in out[case], out[case]
-        assert "needs torch.optim.SGD" in out["adam"] and "Adam" in out["adam"]
+        # Adam is linear once its variance is frozen (the default); not with it off, nor
+        # when a quantiser leaves it on error feedback
+        assert "needs torch.optim.SGD or Adam/AdamW with its variance frozen" in out["adam"]
+        assert "Adam is not. Use delay=0, or freeze_variance='auto'" in out["adam"], out["adam"]
+        assert "or a sparse compressor with freeze_variance='auto'" in out["adam_dense"]
         assert "grad_scaler" in out["grad_scaler"]
         assert "after optimizer.step()" in out["flush_before_step"]
 
@@ -94,6 +98,7 @@ def test_bad_period_arguments_give_clear_errors(gloo):
         for case in ("zero", "float", "bool"):
             assert "period must be an int >= 1" in out[case], out[case]
         assert "period=4 needs torch.optim.SGD" in out["adam"] and "period=1" in out["adam"]
+        assert "RMSprop is not. Use period=1." in out["rmsprop"], out["rmsprop"]
         assert "grad_scaler" in out["grad_scaler"] and "period=1" in out["grad_scaler"]
         assert "period=2 does not work with compression" in out["powersgd"]
         assert "\"auto\"" in out["delay_word"] and "'sometimes'" in out["delay_word"]

@@ -9,8 +9,6 @@ gradient, and this step applies what arrives: AdamW's decoupled decay, then
 ``x -= lr / (1 - beta1^t) * average``.
 """
 
-from contextlib import contextmanager
-
 import torch
 
 from hvd_dgc.adam import VARIANCE_FLOOR
@@ -68,9 +66,13 @@ class AdamTakeOver:
             self._freeze_one(p, seed=False)
         return state[SCALE_KEY]
 
-    @contextmanager
-    def off(self):
-        yield  # (nothing of Adam's is applied elsewhere by a correction's step)
+    def correct(self, base_step):
+        """Apply the corrections in ``p.grad`` (a flush, which is not a step): ``lr /
+        (1 - beta1^t) * correction`` at Adam's count now, no decay."""
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                self._apply(group, params, advance=False)
 
     def step(self, base_step, closure, sparse):
         if not self.frozen:
@@ -89,18 +91,21 @@ class AdamTakeOver:
                                     if p.grad is not None and p not in sparse])
         return loss
 
-    def _apply(self, group, params):
+    def _apply(self, group, params, advance=True):
+        """``x (1 - lr wd) - lr / (1 - beta1^t) * p.grad``; ``advance``: a step (Adam's
+        count t moves on, AdamW's decay applies), else a correction."""
         if not params:
             return
         lr, beta1 = float(group["lr"]), group["betas"][0]
-        if group.get("decoupled_weight_decay", False) and group["weight_decay"]:
+        if advance and group.get("decoupled_weight_decay", False) and group["weight_decay"]:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         for p in params:
             state = self.optimizer.state[p]
             step = state.get("step")
             step = torch.zeros((), dtype=torch.float32) if step is None else step
-            state["step"] = step + 1
-            p.add_(p.grad, alpha=-lr / (1.0 - beta1 ** float(state["step"])))
+            if advance:
+                step = state["step"] = step + 1
+            p.add_(p.grad, alpha=-lr / (1.0 - beta1 ** max(float(step), 1.0)))
 
     def _freeze_one(self, p, seed):
         """``p``'s scale from Adam's state now, and (``seed``) its first moment into the

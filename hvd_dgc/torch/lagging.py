@@ -47,7 +47,9 @@ class InFlight(NamedTuple):
 class Lagging:
     """The delay in force, the period, and the steps in flight (oldest first)."""
 
-    def __init__(self, config, process_set):
+    def __init__(self, config, process_set, start=0, now=None):
+        self.start = start          # the first step that may lag (Adam: its freeze)
+        self._now = now if now is not None else (lambda: start)  # the optimizer's step
         auto = config.auto_delay
         self.auto = None if auto is None else AutoDelayState(auto)
         self._delay = config.fixed_delay or 0
@@ -76,9 +78,15 @@ class Lagging:
         return f"auto (from {self.auto.config.start}, at most {self.auto.config.max_delay})"
 
     @property
+    def held(self):
+        """Before ``start`` every step is synchronous: Adam's exact warm-up (adam.py) is
+        not linear in the gradient, so nothing of it may be replaced later."""
+        return self._now() < self.start
+
+    @property
     def keeps_own(self):
         """Whether a step applies this rank's own contribution before the average comes."""
-        return self.delay > 0 or self.period > 1
+        return not self.held and (self.delay > 0 or self.period > 1)
 
     def name_suffix(self, step):
         """Steps in flight at once need different Horovod names."""
@@ -89,8 +97,9 @@ class Lagging:
 
     def exchanges_now(self, step):
         """Every ``period``-th step exchanges (the same step on every rank, as ``step``
-        is; it comes back with checkpoints and elastic commits)."""
-        return (step + 1) % self.period == 0
+        is; it comes back with checkpoints and elastic commits), and every step before
+        ``start``."""
+        return step < self.start or (step + 1) % self.period == 0
 
     def applied_at(self, step):
         """The step that applies the average covering ``step``: the period's exchange,

@@ -90,7 +90,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for p in every}
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every)
         self._takeover = self._take_over(process_set.included())
-        self._lagging = Lagging(self._config, process_set)
+        self._lagging = Lagging(self._config, process_set, resolved.freeze or 0,
+                                lambda: self._progress.step)
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
         self._grad_scaler = grad_scaler
@@ -292,12 +293,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def flush(self):
         """Drain delayed averaging: wait for every step still in flight, apply its
         average in place of this rank's own contribution, and leave every rank with
-        identical weights. Call after ``step()``; a no-op when nothing is in flight."""
+        identical weights. Call after ``step()``. With nothing in flight it only
+        averages the weights (``period > 1`` right after an exchange: equal on every
+        rank up to float rounding), or does nothing (synchronous steps)."""
         if self._scheduler.pending:
             raise RuntimeError("hvd_dgc: flush() was called between backward() and step(); "
                                "call it after optimizer.step() (or use "
                                "optimizer.synchronize(flush=True) before step()).")
         if not self._lagging.inflight:
+            if self._lagging.keeps_own:  # a period's exchange, just applied: each rank
+                self._average_parameters()  # replaced its own steps in its own rounding
             return
         corrections = self._lagging.gradients(self._engine, [], self._lagging.due(0, True))
         self._lagging.flushed()
@@ -305,8 +310,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             for p, c in corrections.items():
                 p.grad = c.view(p.shape).to(p.dtype)
-            with self._takeover.off():  # lr * correction, linear: see lagging.py
-                super(self.__class__, self).step()
+            self._takeover.correct(super(self.__class__, self).step)  # linear: lagging.py
         finally:
             for p, g in saved.items():
                 p.grad = g

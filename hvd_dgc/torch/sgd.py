@@ -61,6 +61,12 @@ class SGDTakeOver:
             for g, s in zip(groups, saved):
                 g.update(s)
 
+    def correct(self, base_step):
+        """Apply the corrections in ``p.grad`` (a flush): ``lr * correction``, the base
+        step with momentum and weight decay off."""
+        with self.off():
+            base_step()
+
     def step(self, base_step, closure, sparse):
         """The wrapped optimizer's step. Parameters whose update is a sparse gradient (no
         memory applied their momentum) step in a second call with SGD's own

@@ -103,6 +103,110 @@ def reference_equivalence():
     return results
 
 
+def _reference_delay(steps, world, freeze, lr, betas, eps, wd, delay, seed=5):
+    """AdamW taken over with delayed averaging [DGA], dense: synchronous exact Adam to the
+    freeze, then each rank applies ``own_i - own_(i-D) + avg_(i-D)`` (``own_i`` alone
+    while i - D is before the freeze); per rank, the parameters after each step, and
+    every rank's after the flush (the D corrections still due, then the ranks' average)."""
+    shadow = wide_mlp(seed).cpu()
+    x = [[p.detach().numpy().reshape(-1).copy() for p in shadow.parameters()]
+         for _ in range(world)]
+    n = len(x[0])
+    m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
+    owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
+    for step in range(steps):
+        t = step + 1
+        grads = [_grads(shadow, x[r], step, r) for r in range(world)]
+        if step < freeze:
+            avg = [ref.average([g[i] for g in grads]) for i in range(n)]
+            for i in range(n):
+                x[0][i], m[i], v[i] = ref.adam(x[0][i], m[i], v[i], avg[i], t, lr, betas, eps,
+                                               wd, True)
+            x = [[a.copy() for a in x[0]] for _ in range(world)]
+            if t == freeze:
+                pre = [ref.frozen_precondition(v[i], t, betas, eps, VARIANCE_FLOOR)
+                       for i in range(n)]
+                u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
+                res = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
+            owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
+            avgs.append([np.zeros_like(a) for a in x[0]])
+        else:
+            owns_now = []
+            for r in range(world):
+                mine = []
+                for i in range(n):
+                    g = ref.frozen_adam_gradient(grads[r][i], pre[i], betas[0])
+                    u[r][i], res[r][i] = ref.accumulate(u[r][i], res[r][i], g, betas[0])
+                    mine.append(res[r][i])
+                    u[r][i], res[r][i] = ref.sent_all(u[r][i], res[r][i])
+                owns_now.append(mine)
+            avgs.append([ref.average([owns_now[r][i] for r in range(world)])
+                         for i in range(n)])
+            for r in range(world):
+                for i in range(n):
+                    update = owns_now[r][i]
+                    if step - delay >= freeze:
+                        update = update - owns[r][step - delay][i] + avgs[step - delay][i]
+                    x[r][i] = ref.frozen_adam_apply(x[r][i], update, t, lr, betas[0], wd)
+        for r in range(world):
+            owns[r].append(owns_now[r])
+            out[r].append(np.concatenate(x[r]))
+    for r in range(world):  # the flush: what is still due, at Adam's count now, no decay
+        for i in range(n):
+            due = [avgs[j][i] - owns[r][j][i] for j in range(max(freeze, steps - delay), steps)]
+            x[r][i] = ref.frozen_adam_apply(x[r][i], sum(due), steps, lr, betas[0])
+    flushed = np.mean([np.concatenate(x[r]) for r in range(world)], axis=0, dtype=np.float32)
+    return out, flushed
+
+
+def lagging_reference():
+    """AdamW taken over with delay=2, dense: the reference step by step on each rank (the
+    ranks differ until the flush), synchronous before the freeze, and the same
+    parameters everywhere after ``flush()``."""
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd, delay = 10, 4, 0.01, (0.9, 0.99), 1e-8, 0.05, 2
+    per_rank, flushed = _reference_delay(steps, world, freeze, lr, betas, eps, wd, delay)
+    model = wide_mlp(5)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
+        named_parameters=[("lagref." + n, p) for n, p in model.named_parameters()],
+        freeze_variance=freeze, min_compress_size=10 ** 9, delay=delay)
+    diffs, identical, in_flight = [], [], []
+    for step in range(steps):
+        train(model, opt, 1, rank, start=step, features=64, classes=10)
+        diffs.append(float(np.abs(flat_params(model).cpu().numpy() - per_rank[rank][step]).max()))
+        identical.append(ranks_identical(model, f"lagref.{step}"))
+        in_flight.append(opt.in_flight)
+    opt.flush()
+    return {"diffs": diffs, "identical": identical, "in_flight": in_flight,
+            "flushed_diff": float(np.abs(flat_params(model).cpu().numpy() - flushed).max()),
+            "flushed_identical": ranks_identical(model, "lagref.flushed"),
+            "apart": float(np.abs(per_rank[0][-1] - per_rank[1][-1]).max())}
+
+
+def period_run():
+    """AdamW taken over with period=3 at density 0.01: every step exchanges before the
+    freeze, every third after; ranks identical after ``flush()``; the loss falls."""
+    rank = hvd.rank()
+    model = wide_mlp(8)
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                   named_parameters=[("adamp." + n, p)
+                                                     for n, p in model.named_parameters()],
+                                   density=0.01, freeze_variance=6, period=3)
+    with torch.no_grad():
+        first = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    launches = []
+    for step in range(24):
+        before = opt.compression_stats()["launches"]
+        train(model, opt, 1, rank, start=step % 4, features=64, classes=10)
+        launches.append(opt.compression_stats()["launches"] - before)
+    opt.flush()
+    with torch.no_grad():
+        last = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    return {"identical": ranks_identical(model, "adamp"), "first": first, "last": last,
+            "exchanged": [n > 0 for n in launches]}
+
+
 def sparse_run():
     """AdamW at density 0.01 after a freeze at step 10: dense to the freeze, sparse after,
     ranks identical, the loss falls."""
