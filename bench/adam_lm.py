@@ -22,14 +22,19 @@ import sysconfig
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from hvd_dgc.schedule import DensitySchedule  # noqa: E402
+
 #: variant -> hvd_dgc options (None: stock Horovod)
 VARIANTS = {
     "horovod": None,
     "default": {},
-    "freeze_variance=50": {"freeze_variance": 50},
+    "0.1% after 200 steps": {"density": DensitySchedule(0.001, warmup=200, unit="step")},
+    "freeze_variance=50, 0.1% after 200 steps": {
+        "freeze_variance": 50, "density": DensitySchedule(0.001, warmup=200, unit="step")},
     "density=0.01": {"density": 0.01, "warmup": 150, "warmup_unit": "step"},
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
+    "frozen, dense": {"min_compress_size": 10 ** 9},
 }
 
 

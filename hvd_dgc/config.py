@@ -104,7 +104,7 @@ class DGCConfig:
             DGC takes over its first moment as it does SGD's momentum (momentum
             correction, masking), and ``delay`` and ``period`` apply from the freeze on;
             the density schedule starts at the freeze (with no ``density`` or
-            ``warmup``: the paper's stages over 200 steps, then 0.1%; hvd_dgc/adam.py).
+            ``warmup``: SGD's default, counted from the freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
     """
 

@@ -6,7 +6,7 @@ import pytest
 from harness.hvdrun import run
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
-             "period_run"]
+             "period_run", "late_tensor"]
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,10 @@ def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):
         assert out["exchanged"][6:] == [(s + 1) % 3 == 0 for s in range(6, 24)]
         assert out["identical"]
         assert out["last"] < 0.8 * out["first"], (out["first"], out["last"])
+
+
+def test_a_tensor_without_gradient_in_the_warm_up_gets_the_typical_variance(gloo):
+    for out in _checked(gloo, "late_tensor"):
+        # (1 - beta1)/eps would be 1e7; the others' own scales are a few hundred at most
+        assert out["uniform"] and out["late"] < 10 * out["others"], out
+        assert out["finite"] and out["identical"] and out["moved"] > 1e-4

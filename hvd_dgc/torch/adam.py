@@ -55,7 +55,7 @@ class AdamTakeOver:
             return 0.0, False, 0.0
         group = self._group_of[p]
         l2 = 0.0 if group.get("decoupled_weight_decay", False) else group["weight_decay"]
-        return group["betas"][0], False, l2
+        return float(group["betas"][0]), False, float(l2)
 
     def scale(self, p):
         """The memory's gradient is ``scale * g`` (None: as it is)."""
@@ -63,7 +63,7 @@ class AdamTakeOver:
             return None
         state = self.optimizer.state[p]
         if SCALE_KEY not in state:  # a checkpoint from before the take-over: freeze now
-            self._freeze_one(p, seed=False)
+            self._freeze_one(p, seed=False, typical=self._typical())
         return state[SCALE_KEY]
 
     def correct(self, base_step):
@@ -78,8 +78,9 @@ class AdamTakeOver:
         if not self.frozen:
             loss = base_step(closure)
             if self._step() + 1 == self.freeze:
+                typical = self._typical()
                 for p in self._group_of:
-                    self._freeze_one(p, seed=True)
+                    self._freeze_one(p, seed=True, typical=typical)
             return loss
         loss = None
         if closure is not None:
@@ -96,7 +97,7 @@ class AdamTakeOver:
         count t moves on, AdamW's decay applies), else a correction."""
         if not params:
             return
-        lr, beta1 = float(group["lr"]), group["betas"][0]
+        lr, beta1 = float(group["lr"]), float(group["betas"][0])
         if advance and group.get("decoupled_weight_decay", False) and group["weight_decay"]:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         for p in params:
@@ -107,19 +108,38 @@ class AdamTakeOver:
                 step = state["step"] = step + 1
             p.add_(p.grad, alpha=-lr / (1.0 - beta1 ** max(float(step), 1.0)))
 
-    def _freeze_one(self, p, seed):
-        """``p``'s scale from Adam's state now, and (``seed``) its first moment into the
-        memory, in the preconditioned space."""
+    def _second_moment(self, p):
+        """Adam's ``v`` of ``p`` and its bias correction ``1 - beta2^t``, or None."""
         state, group = self.optimizer.state[p], self._group_of[p]
-        beta1, beta2 = group["betas"]
-        if "exp_avg_sq" not in state:  # never stepped (no gradient yet): Adam's start
-            state[SCALE_KEY] = torch.full_like(p, (1.0 - beta1) / group["eps"],
-                                               memory_format=torch.contiguous_format)
-            return
+        if "exp_avg_sq" not in state:
+            return None
         v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
-        t = float(state["step"])
+        return v, 1.0 - float(group["betas"][1]) ** float(state["step"])
+
+    def _typical(self):
+        """The mean bias-corrected ``v`` over the tensors Adam stepped: what a tensor
+        without a gradient in the warm-up is given (1.0 if none had one)."""
+        means = [float(v.mean()) / c for v, c in filter(None, map(self._second_moment,
+                                                                  self._group_of))]
+        means = [m for m in means if m > 0]
+        return sum(means) / len(means) if means else 1.0
+
+    def _freeze_one(self, p, seed, typical):
+        """``p``'s scale from Adam's state now, and (``seed``) its first moment into the
+        memory, in the preconditioned space. A tensor with no gradient in the warm-up
+        (``v`` absent or 0) gets the ``typical`` v, not a scale of 1/eps."""
+        state, group = self.optimizer.state[p], self._group_of[p]
+        beta1 = float(group["betas"][0])
+        moment = self._second_moment(p)
+        if moment is None or not bool(moment[0].any()):  # (zero gradients: the engine
+            # gives a tensor whose hook did not fire zeros, so every rank joins)
+            state[SCALE_KEY] = torch.full_like(
+                p, (1.0 - beta1) / (typical ** 0.5 + group["eps"]),
+                memory_format=torch.contiguous_format)
+            return
+        v, correction = moment
         v = v.clamp(min=float(v.mean()) * VARIANCE_FLOOR)
-        denom = (v.sqrt() / (1.0 - beta2 ** t) ** 0.5).add_(group["eps"])
+        denom = (v.sqrt() / correction ** 0.5).add_(group["eps"])
         precondition = denom.reciprocal_()
         state[SCALE_KEY] = precondition.mul(1.0 - beta1).contiguous()
         if seed:

@@ -229,6 +229,35 @@ def sparse_run():
             "paths": stats["paths"], "phases": phases, "ratio": stats["compression_ratio"]}
 
 
+def late_tensor():
+    """A tensor with no gradient until after the freeze (Adam never stepped it: v = 0)
+    gets the typical v of the others, not a scale of (1 - beta1)/eps, and trains."""
+    rank = hvd.rank()
+    torch.manual_seed(9)
+    body, late = torch.nn.Linear(64, 10), torch.nn.Linear(64, 10)
+    params = list(body.parameters()) + list(late.parameters())
+    before = late.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(params, lr=3e-3),
+                                   named_parameters=[("late.b.w", params[0]),
+                                                     ("late.b.b", params[1]),
+                                                     ("late.l.w", params[2]),
+                                                     ("late.l.b", params[3])],
+                                   density=0.1, freeze_variance=3)
+    for step in range(8):
+        x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        out = body(x) + (late(x) if step >= 5 else 0.0)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    scales = [opt.state[p][SCALE_KEY] for p in params]
+    late_scale = scales[2]
+    return {"uniform": bool((late_scale == late_scale.reshape(-1)[0]).all()),
+            "late": float(late_scale.max()), "others": float(max(s.max() for s in scales[:2])),
+            "finite": all(bool(torch.isfinite(p).all()) for p in params),
+            "moved": float((late.weight.detach() - before).abs().max()),
+            "identical": ranks_identical(torch.nn.ModuleList([body, late]), "late")}
+
+
 def checkpoint():
     """state_dict after the freeze carries the frozen scale and the memory: a run resumed
     from it continues exactly as the uninterrupted one."""
