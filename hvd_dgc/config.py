@@ -238,8 +238,9 @@ class DGCConfig:
         optimizer, in one place (so the same mistake reads the same everywhere).
 
         ``framework``: a ``Framework``; ``compression``: the wrapper's argument;
-        ``horovod``: ``HorovodArguments``; ``optimizer``: ``(is_sgd, class name)`` of the
-        wrapped optimizer, or None (a tape does not know it). ``dense_compression`` and
+        ``horovod``: ``HorovodArguments``; ``optimizer``: ``(is_sgd, class name[, is_adam])``
+        of the wrapped optimizer (is_adam: PyTorch's, which it can take over), or None
+        (a tape does not know it). ``dense_compression`` and
         ``grad_scaler``: PyTorch's. Returns ``Resolved``."""
         fw = framework.name
         horovod.check(framework)
@@ -265,6 +266,7 @@ class DGCConfig:
         aggregations = aggregation_choices(self.aggregation, kind == "sparse",
                                            repr(compressor), framework.sparse_default)
         density, warmup, freeze = self.density, self.warmup, None
+        adam = optimizer is not None and len(optimizer) > 2 and bool(optimizer[2])
         if kind == "exchange":
             if density is not None or warmup:
                 raise ValueError(f"density/warmup apply to sparse compressors, but compression="
@@ -283,8 +285,7 @@ class DGCConfig:
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
         else:
             adaptive = optimizer is not None and not optimizer[0]
-            freeze = freeze_steps(self.freeze_variance) if optimizer is not None and \
-                len(optimizer) > 2 and optimizer[2] else None
+            freeze = freeze_steps(self.freeze_variance) if adam else None
             if freeze is not None and density is None and warmup is None:
                 schedule = FrozenAdamSchedule.default(freeze)
             else:
@@ -298,7 +299,7 @@ class DGCConfig:
                                 "Python callable")
         if optimizer is not None:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
-                                adam=len(optimizer) > 2 and optimizer[2])
+                                adam=adam)
         if kind != "dense":
             # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
             # optimizer's checkpoint, not to the shared Compression.dgc default.

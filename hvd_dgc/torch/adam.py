@@ -48,6 +48,10 @@ class AdamTakeOver:
         """In words, for ``compression_stats()``."""
         return "frozen variance" if self.frozen else "exact Adam"
 
+    def stats(self):
+        """What ``compression_stats()`` says of the take-over."""
+        return {"adam_phase": self.phase(), "adam_freeze": self.freeze}
+
     def hyper(self, p):
         """``(momentum, nesterov, weight_decay)`` the memory applies for ``p``: Adam's
         beta1 and its L2 weight decay once frozen (AdamW's decay is this step's)."""
@@ -100,13 +104,16 @@ class AdamTakeOver:
         lr, beta1 = float(group["lr"]), float(group["betas"][0])
         if advance and group.get("decoupled_weight_decay", False) and group["weight_decay"]:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        by_alpha = {}  # one foreach per step size (all alike but for a late tensor)
         for p in params:
             state = self.optimizer.state[p]
             step = state.get("step")
             step = torch.zeros((), dtype=torch.float32) if step is None else step
             if advance:
                 step = state["step"] = step + 1
-            p.add_(p.grad, alpha=-lr / (1.0 - beta1 ** max(float(step), 1.0)))
+            by_alpha.setdefault(-lr / (1.0 - beta1 ** max(float(step), 1.0)), []).append(p)
+        for alpha, group_params in by_alpha.items():
+            torch._foreach_add_(group_params, [p.grad for p in group_params], alpha=alpha)
 
     def _second_moment(self, p):
         """Adam's ``v`` of ``p`` and its bias correction ``1 - beta2^t``, or None."""

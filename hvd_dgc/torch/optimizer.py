@@ -367,8 +367,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                    delay=lagging.delay, period=lagging.period)
         if lagging.auto is not None:
             out.update(delay_decisions=list(lagging.auto.decisions))
-        if isinstance(self._takeover, AdamTakeOver):
-            out.update(adam_phase=self._takeover.phase(), adam_freeze=self._takeover.freeze)
+        out.update(self._takeover.stats())
         return out
 
     def state_dict(self):

@@ -41,6 +41,11 @@ class SGDTakeOver:
         return group["momentum"], group["nesterov"], group["weight_decay"]
 
     @staticmethod
+    def stats():
+        """Nothing for ``compression_stats()``: SGD has no phases."""
+        return {}
+
+    @staticmethod
     def scale(p):
         """SGD's gradient enters the memory as it is."""
         return None
