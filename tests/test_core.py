@@ -460,6 +460,28 @@ def test_kernel_scan_keeps_the_k_largest_of_many_with_ties_first_in_position():
     assert torch.equal(second, exact) and torch.equal(values[9000:], x[exact].abs())
 
 
+@pytest.mark.parametrize("blocks", [200, 600])  # candidates < and > the radix's 16,384
+def test_kernel_scan_keeps_the_k_largest_by_either_select(blocks):
+    """DGC's final density leaves a few thousand candidates per tensor, which an
+    nth_element selects (two 64k histograms per tensor cost more); more go through the
+    radix select. Both: the k largest, ties the first in position, in position order."""
+    from hvd_dgc.torch.memory import block_abs_max
+    gen = torch.Generator().manual_seed(blocks)
+    n = 32 * blocks
+    x = torch.randn(2 * n, generator=gen)
+    x[:n] = torch.randint(-6, 7, (n,), generator=gen).float()  # ties
+    ks = [n // 5, n // 3]
+    got, values, counts = torch.ops.hvd_dgc.scan(
+        x, block_abs_max(x), torch.tensor([0, n]), torch.tensor([n, n]), torch.zeros(2),
+        torch.tensor(ks))
+    assert counts.tolist() == ks
+    for segment, (part, k) in enumerate(zip(got.split(ks), ks)):
+        lo = segment * n
+        by_size = torch.sort(-x[lo:lo + n].abs(), stable=True).indices[:k] + lo
+        assert torch.equal(part, torch.sort(by_size).values)
+    assert torch.equal(values, x[got].abs())
+
+
 def test_horovod_compression_names_resolve_to_dgc_with_their_value_format():
     """hvd_dgc/switch.py with the torch namespace: Horovod's none/fp16 (class or instance)
     mean DGC with fp32/fp16 values; names in any case; classes instantiated; the rest refused."""

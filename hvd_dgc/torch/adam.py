@@ -78,7 +78,7 @@ class AdamTakeOver:
                 params = [p for p in group["params"] if p.grad is not None]
                 self._apply(group, params, advance=False)
 
-    def step(self, base_step, closure, sparse):
+    def step(self, base_step, closure, sparse, updates=()):
         if not self.frozen:
             loss = base_step(closure)
             if self._step() + 1 == self.freeze:

@@ -34,7 +34,7 @@ from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dtype, \
     prepare_gradients
 from hvd_dgc.torch.paths import CLASSES, Part, PathContext, make_paths
-from hvd_dgc.torch.update import FlatUpdate, GradUpdate
+from hvd_dgc.torch.update import FlatUpdate, GradUpdate, ViewUpdate
 
 __all__ = ["Engine", "Launch", "Member", "StepCounters"]
 
@@ -107,6 +107,9 @@ class Layout:
                                   for c in self.classes)
         self.g = torch.zeros(self.total, dtype=dtype, device=device)
         self.update = torch.empty(self.total, dtype=dtype, device=device)
+        self.written = None  # where a ViewUpdate wrote it last (None: anywhere)
+        self._update_span = (self.update.data_ptr(),
+                             self.update.data_ptr() + self.total * self.update.element_size())
         self.g_views = [self.g[offsets[i]:offsets[i] + self.members[i].numel].view(
             self.members[i].shape) for i in self.dense_grads]
         self.update_views = [self.update[o:o + m.numel].view(m.shape) if f else None
@@ -145,6 +148,10 @@ class Layout:
             else:
                 runs.append(Run(lo, hi, m.momentum, m.nesterov))
         return runs
+
+    def views(self, tensor):
+        """Does ``tensor`` lie in this layout's update buffer?"""
+        return self._update_span[0] <= tensor.data_ptr() < self._update_span[1]
 
     def range_of(self, index):
         """The flat range the consecutive members at ``index`` cover (in the memory
@@ -215,6 +222,7 @@ class Engine:
                                             resolved.dense_fp16, self.counters))
         self.stats = stats
         self._layouts = OrderedDict()  # the latest layouts (and their buffers), kept
+        self._viewing = {}  # param -> the layout whose update buffer its grad views
 
     # -- launch -----------------------------------------------------------------------
     def launch(self, params, at, name):
@@ -362,12 +370,17 @@ class Engine:
             for path, _, handle in launch.started:
                 path.advance(handle)
 
-    def collect(self, launch, into_grads=False):
+    def collect(self, launch, into_grads=False, views=False):
         """Wait for one launch: its average through an update target (update.py), and
         the sparse gradients' averages as ``[(member, sparse tensor)]``. ``into_grads``
-        (a synchronous step): straight into the gradients where they can take it."""
+        (a synchronous step): straight into the gradients where they can take it;
+        ``views`` (a step that synchronized itself): the gradients become views of the
+        launch's buffer, which is zeroed only where it was written."""
         layout = launch.layout
-        if into_grads and launch.scale is None and GradUpdate.fits(layout):
+        self._check_views(layout)
+        if views and launch.scale is None and ViewUpdate.fits(layout):
+            out = ViewUpdate(layout)
+        elif into_grads and launch.scale is None and GradUpdate.fits(layout):
             out = GradUpdate(layout)
         else:
             out = FlatUpdate(layout)
@@ -378,15 +391,31 @@ class Engine:
                 sparse += averages
         return out, sparse
 
+    def _check_views(self, layout):
+        """A gradient a ViewUpdate left viewing a layout's buffer that still does was
+        written to since (backward after ``zero_grad(set_to_none=False)``, an average
+        copied in): that buffer is no longer zero where its record says."""
+        for i in layout.dense_grads:
+            p = layout.params[i]
+            owner = self._viewing.pop(p, None)
+            if owner is not None and p.grad is not None and owner.views(p.grad):
+                owner.written = None
+
     # -- gradients back ---------------------------------------------------------------
-    @staticmethod
-    def write(launch, out, scale=None):
+    def write(self, launch, out, scale=None):
         """``p.grad`` of the launch's parameters from the update ``out`` (a GradUpdate
         wrote them already), in their dtype (times GradScaler's ``scale``, the space
         ``unscale_`` expects): one copy for all of them."""
         if isinstance(out, GradUpdate):
             return
         layout, flat = launch.layout, out.buffer
+        if isinstance(out, ViewUpdate):
+            for i in layout.dense_grads:
+                p, view = layout.params[i], layout.update_views[i]
+                if p.grad is not view:
+                    p.grad = view
+                self._viewing[p] = layout
+            return
         if flat is layout.update and scale is None:
             views = layout.update_views
         else:

@@ -51,6 +51,7 @@ from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.sgd import SGDTakeOver
 from hvd_dgc.torch.state import STATE_KEY, Progress, checkpoint, restore
+from hvd_dgc.torch.update import ViewUpdate
 
 __all__ = ["DistributedOptimizer"]
 
@@ -80,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_step = False
         self._average_after_step = False
         self._sparse_grads = set()
+        self._views = []  # this step's ViewUpdates (update.py), for the take-over's step
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
@@ -131,7 +133,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
                                 lambda p, u: self._engine.memory.seed_velocity(
                                     self._param_index[p], u))
-        return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included)
+        return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
+                           plain=type(self).__bases__[0].step is torch.optim.SGD.step)
 
     def _horovod_config(self):
         """Horovod's arguments, as every rank must have them alike."""
@@ -176,7 +179,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (end of training, before evaluation or a checkpoint). A flush between exchanges
         takes back this rank's own steps since the last one: its memory still holds
         them, and the next exchange sends them."""
+        self._synchronize(flush)
+
+    def _synchronize(self, flush=False, views=False):
+        """``views``: the step itself synchronizes, so nothing touches ``p.grad`` before
+        the step: the averages may become views of the engine's buffers (update.py)."""
         self._skip_step = False
+        self._views = []
         self._sparse_grads = set()
         if not self.process_set.included():
             self._synchronized = True
@@ -186,7 +195,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._engine.advance(launches)
         step = self._progress.step
         if not self._lagging.keeps_own:
-            self._collect(launches)
+            self._collect(launches, views)
         else:
             started = time.perf_counter()
             self._lagging.push(step, launches)
@@ -204,13 +213,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._progress.stats.end_step()
         self._synchronized = True
 
-    def _collect(self, launches):
+    def _collect(self, launches, views):
         """Delay 0, period 1: each launch's average becomes ``p.grad``; a guarded step
         looks at every average once (one read-back) and is undone where any is not
         finite."""
         guarded, sums = self._guard.mode == "skip", []
         for launch in launches:
-            out, sparse = self._engine.collect(launch, into_grads=True)
+            out, sparse = self._engine.collect(launch, into_grads=True, views=views)
+            if isinstance(out, ViewUpdate):
+                self._views.append(out)
             layout = launch.layout
             if guarded:
                 named = [(m.name, avg._values()) for m, avg in sparse]
@@ -261,13 +272,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-            self.synchronize()
+            self._synchronize(views=True)
         self._synchronized = False
         if self._skip_step:  # a non-finite average: every rank skips (guard.py)
             self._skip_step = False
             return None
         sparse, self._sparse_grads = self._sparse_grads, set()
-        loss = self._takeover.step(super(self.__class__, self).step, closure, sparse)
+        views, self._views = self._views, []
+        loss = self._takeover.step(super(self.__class__, self).step, closure, sparse, views)
         if self._average_after_step:
             self._average_parameters()
         self._progress.step += 1

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hvd_dgc.torch.memory import fused_kernel_available
+
 __all__ = ["SGDTakeOver"]
 
 _TAKEN_OVER = ("momentum", "weight_decay", "nesterov")
@@ -24,8 +26,9 @@ class SGDTakeOver:
     """The hyper-parameters the memory applies for each parameter, and the base step
     that leaves them out."""
 
-    def __init__(self, optimizer, active):
+    def __init__(self, optimizer, active, plain=False):
         self.optimizer, self.active = optimizer, active
+        self.plain = active and plain  # torch's own SGD.step: sparse_step may stand in
         self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
         if active:
             for group in optimizer.param_groups:
@@ -72,20 +75,58 @@ class SGDTakeOver:
         with self.off():
             base_step()
 
-    def step(self, base_step, closure, sparse):
+    def step(self, base_step, closure, sparse, updates=()):
         """The wrapped optimizer's step. Parameters whose update is a sparse gradient (no
         memory applied their momentum) step in a second call with SGD's own
-        hyper-parameters; each call sees only its own gradients."""
+        hyper-parameters; each call sees only its own gradients. Parameters whose
+        average arrived as records into a ViewUpdate (``updates``) step there only
+        (``sparse_step``), not over their whole gradient."""
+        stepped = self.sparse_step(updates) if self.plain and closure is None else set()
         if not (self.active and sparse):
-            with self.off():
+            with _grads_hidden(stepped), self.off():
                 return base_step(closure)
-        with _grads_hidden(sparse):
+        with _grads_hidden(sparse | stepped):
             with self.off():
                 loss = base_step(closure)
-        others = [p for p in self._group_of if p not in sparse and p.grad is not None]
-        with _grads_hidden(others):
+        others = [p for p in self._group_of
+                  if p not in sparse and p not in stepped and p.grad is not None]
+        with _grads_hidden(others + list(stepped)):
             base_step(None)
         return loss
+
+    def sparse_step(self, updates):
+        """SGD's step with momentum and weight decay off (the memory applied them) is
+        ``p += -lr * avg``: where a sparse average is zero it adds zero. So at the
+        positions its records reached only, one kernel call per launch (the same
+        multiply-add as torch's kernel); returns the parameters stepped. At density
+        0.001 this skips a pass over the model's weights and gradients; where records
+        reach more than ``update.SCATTERED`` of the elements, the base step runs."""
+        stepped = set()
+        for out in updates:
+            index = out.sparse_members()
+            if not index:
+                continue
+            layout = out.layout
+            params = [layout.params[i] for i in index]
+            if not fused_kernel_available() or out.buffer.dtype != torch.float32 or any(
+                    p.device.type != "cpu" or p.dtype != torch.float32 or
+                    not p.is_contiguous() for p in params):
+                continue  # (the kernel's: float32 on a CPU; else the base step)
+            positions = out.positions(sum(p.numel() for p in params))
+            if positions is None:
+                continue  # records nearly everywhere: the base step's pass is cheaper
+            if positions.numel():
+                alphas = []
+                for p in params:
+                    group = self._group_of[p]
+                    lr = float(group["lr"])
+                    alphas.append(lr if group.get("maximize", False) else -lr)
+                with torch.no_grad():
+                    torch.ops.hvd_dgc.sgd_sparse_step(
+                        params, torch.tensor([layout.offsets[i] for i in index]), positions,
+                        out.buffer, torch.tensor(alphas, dtype=torch.float64))
+            stepped.update(params)
+        return stepped
 
 
 @contextmanager

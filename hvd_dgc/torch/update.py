@@ -13,6 +13,11 @@ gradients (one operation), and delayed averaging keeps it (``avg - own``).
 ``GradUpdate`` writes straight into the parameters' gradients (synchronous steps on a
 CPU, float32 gradients, with the kernel library built): no flat buffer to copy out
 of, a pass over the model saved.
+``ViewUpdate`` (a step that synchronizes itself: nothing can touch the gradients
+between the average and the step) writes into the launch's flat buffer, kept zero but
+where it was last written, and the gradients become its views: a sparse average costs
+its records, not a pass over the model to zero the gradients first, and an SGD taken
+over can step where the average is not zero only (sgd.py).
 
 Both keep ``check``: the sum of every value written, a device scalar whose finiteness
 is what the non-finite guard reads (guard.py: one read-back per step, and no pass over
@@ -24,7 +29,12 @@ import torch
 from hvd_dgc.torch.compression import add_in_order
 from hvd_dgc.torch.memory import fused_kernel_available
 
-__all__ = ["FlatUpdate", "GradUpdate"]
+__all__ = ["FlatUpdate", "GradUpdate", "ViewUpdate", "SCATTERED"]
+
+#: positions per element beyond which a pass over the buffer (a memset, a dense step)
+#: costs less than touching the positions one by one (measured on ResNet-50's shapes,
+#: bench/step_overhead.py: at the warm-up's density 0.0625 the positions cost 2x)
+SCATTERED = 1 / 32
 
 
 class _Update:
@@ -50,6 +60,7 @@ class FlatUpdate(_Update):
     def __init__(self, layout):
         super().__init__(layout)
         self.buffer = layout.update
+        layout.written = None  # written all over: a ViewUpdate zeroes it all first
 
     def zero(self, lo, hi):
         self.buffer[lo:hi].zero_()
@@ -61,11 +72,75 @@ class FlatUpdate(_Update):
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
 
 
+class ViewUpdate(_Update):
+    """The average in the launch's flat buffer, which the gradients then view.
+
+    The buffer is zero but where the last ViewUpdate wrote (``layout.written``: the
+    records' positions and the ranges assigned; None when unknown: after any other
+    update, or when a gradient still viewing it was written to, which the engine
+    checks before each collect), so only those are zeroed."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.buffer = buffer = layout.update
+        written = layout.written
+        positions = [w for w in written if isinstance(w, torch.Tensor)] \
+            if written is not None else ()
+        if written is None or sum(p.numel() for p in positions) > SCATTERED * buffer.numel():
+            buffer.zero_()
+        else:
+            if positions:
+                buffer.index_fill_(0, torch.cat(positions) if len(positions) > 1
+                                   else positions[0], 0)
+            for lo, hi in (w for w in written if not isinstance(w, torch.Tensor)):
+                buffer[lo:hi].zero_()
+        self.written = layout.written = []
+
+    @staticmethod
+    def fits(layout):
+        """Every gradient dense, in the buffer's dtype, on its device (its view can be
+        the gradient)."""
+        return all((p := layout.members[i].param).dtype == layout.update.dtype and
+                   p.device == layout.update.device and
+                   (p.grad is None or not p.grad.is_sparse) for i in layout.dense_grads)
+
+    def zero(self, lo, hi):
+        """Zero already."""
+
+    def add(self, positions, values):
+        add_in_order(self.buffer, positions, self._checked(values.to(self.buffer.dtype)))
+        self.written.append(positions)
+
+    def assign(self, lo, hi, values):
+        self.buffer[lo:hi] = self._checked(values.reshape(-1))
+        self.written.append((lo, hi))
+
+    def sparse_members(self):
+        """The members only records were added to (none assigned): those an SGD step
+        can apply where the records are, in the launch's member order."""
+        ranges = [w for w in self.written if not isinstance(w, torch.Tensor)]
+        layout = self.layout
+        return [i for i in layout.dense_grads
+                if not any(lo < layout.offsets[i] + layout.members[i].numel
+                           and layout.offsets[i] < hi for lo, hi in ranges)]
+
+    def positions(self, numel):
+        """Every position a record was added at, once (sorted); None when there are
+        more than SCATTERED of ``numel`` (a dense pass is cheaper)."""
+        positions = [w for w in self.written if isinstance(w, torch.Tensor)]
+        if sum(p.numel() for p in positions) > SCATTERED * numel:
+            return None
+        if not positions:
+            return torch.empty(0, dtype=torch.long, device=self.buffer.device)
+        return torch.unique(torch.cat(positions) if len(positions) > 1 else positions[0])
+
+
 class GradUpdate(_Update):
     """The average written into the launch's gradients (``p.grad``) where they lie."""
 
     def __init__(self, layout):
         super().__init__(layout)
+        layout.written = None  # (its buffer is not written, but keep the rule simple)
         self.grads = [layout.members[i].param.grad for i in layout.dense_grads]
         self.starts = [layout.offsets[i] for i in layout.dense_grads]
         self.numels = [layout.members[i].numel for i in layout.dense_grads]

@@ -673,6 +673,72 @@ def with_process_sets(names):
     return _run(names)
 
 
+def sparse_step():
+    """step() synchronizing itself: the averages become views of the engine's buffers and
+    SGD steps where the records landed only (update.py ViewUpdate, sgd.py sparse_step).
+    Against the explicit synchronize(); skip_synchronize(): step() (dense gradients, the
+    base step over them), side by side: weights and gradients bit-identical after every
+    step, with zero_grad's set_to_none True and False, two param groups, maximize."""
+    from hvd_dgc.torch.sgd import SGDTakeOver
+    rank = hvd.rank()
+    stepped = []
+    original = SGDTakeOver.sparse_step
+
+    def spy(self, updates):
+        params = original(self, updates)
+        stepped.append(len(params))
+        return params
+
+    def make(tag, maximize):
+        model = nn.Sequential(nn.Flatten(), *wide_mlp(5))
+        first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+        opt = torch.optim.SGD([{"params": first, "lr": 0.05},
+                               {"params": rest, "lr": 0.02, "weight_decay": 1e-3}],
+                              momentum=0.9, maximize=maximize)
+        return model, hvd.DistributedOptimizer(
+            opt, named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+            compression="dgc", density=0.004)
+
+    out = {}
+    SGDTakeOver.sparse_step = spy
+    try:
+        for maximize in (False, True):
+            runs = {how: make(f"ss{int(maximize)}{how}", maximize)
+                    for how in ("explicit", "step", "kept", "mixed")}
+            diffs, grad_diffs, counts = [], [], {}
+            for step in range(8):
+                grads = {}
+                for how, (model, opt) in runs.items():
+                    # mixed: the patterns in turn (a buffer written through its views
+                    # by the explicit pattern must be zeroed in full afterwards)
+                    explicit = how == "explicit" or (how == "mixed" and step % 3 == 1)
+                    opt.zero_grad(set_to_none=how != "kept" and not (
+                        how == "mixed" and step % 3 == 1))
+                    loss_of(model, step, rank, features=64, classes=10).backward()
+                    before = len(stepped)
+                    if explicit:
+                        opt.synchronize()
+                        with opt.skip_synchronize():
+                            opt.step()
+                    else:
+                        opt.step()
+                    counts[how] = counts.get(how, 0) + sum(stepped[before:])
+                    grads[how] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                ref = runs["explicit"][0]
+                others = ("step", "kept", "mixed")
+                diffs.append(max(max_diff(ref, runs[h][0]) for h in others))
+                grad_diffs.append(max(float((grads["explicit"] - grads[h]).abs().max())
+                                      for h in others))
+            out[f"maximize={maximize}"] = {
+                "max_diff": max(diffs), "grad_diff": max(grad_diffs), "stepped": counts,
+                "moved": max_diff(ref, nn.Sequential(nn.Flatten(), *wide_mlp(5))),
+                "grad_sum": float(grads["explicit"].abs().sum()),
+                "identical": ranks_identical(runs["step"][0], f"ss_ident{int(maximize)}")}
+    finally:
+        SGDTakeOver.sparse_step = original
+    return out
+
+
 def fp16_outlier():  # in the gloo launch of tests/test_torch_optimizer.py
     from tests.workers.fp16_wire import torch_outlier
     return torch_outlier()

@@ -30,6 +30,11 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define HVD_DGC_STREAM 1  // chunk_stream below
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -99,6 +104,89 @@ HVD_DGC_CLONES void chunk_nesterov(const float* g, const float* u, const float* 
   chunk<2>(g, u, v, uo, vo, m, bmax, begin, end);
 }
 
+// The update of a step that may be undone (skip_nonfinite) goes beside the old memory:
+// stored plainly, each line written would first be read in (the cache's write-
+// allocate), two more streams over the model than the update itself needs. With AVX2
+// the blocks are stored non-temporally instead (straight to memory, not read first)
+// and the block maximum taken from the registers; the same arithmetic (a multiply,
+// then an add: no fused multiply-add, as in chunk()), so the same bits.
+#ifdef HVD_DGC_STREAM
+
+template <int kMode>
+__attribute__((target("avx2"))) void chunk_stream(const float* g, const float* u,
+                                                  const float* v, float* uo, float* vo,
+                                                  float m, float* bmax, int64_t begin,
+                                                  int64_t end) {
+  const __m256 mm = _mm256_set1_ps(m);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t o = b * kBlock;
+    __m256 best = _mm256_setzero_ps();
+    __m256 nan = _mm256_setzero_ps();
+    for (int64_t j = o; j < o + kBlock; j += 8) {
+      const __m256 gg = _mm256_loadu_ps(g + j);
+      __m256 vv;
+      if (kMode == 0) {
+        vv = _mm256_add_ps(_mm256_loadu_ps(v + j), gg);
+      } else if (kMode == 1) {
+        const __m256 uu = _mm256_add_ps(_mm256_mul_ps(mm, _mm256_loadu_ps(u + j)), gg);
+        _mm256_stream_ps(uo + j, uu);
+        vv = _mm256_add_ps(_mm256_loadu_ps(v + j), uu);
+      } else {
+        const __m256 uu = _mm256_mul_ps(mm, _mm256_add_ps(_mm256_loadu_ps(u + j), gg));
+        _mm256_stream_ps(uo + j, uu);
+        vv = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v + j), uu), gg);
+      }
+      _mm256_stream_ps(vo + j, vv);
+      if (bmax != nullptr) {
+        best = _mm256_max_ps(_mm256_andnot_ps(sign, vv), best);  // NaN lanes keep best
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(vv, vv, _CMP_UNORD_Q));
+      }
+    }
+    if (bmax == nullptr) continue;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, best);
+    float top = 0.f;
+    for (float x : lanes) top = x > top ? x : top;
+    bmax[b] = _mm256_movemask_ps(nan) ? std::nanf("") : top;
+  }
+  _mm_sfence();
+}
+
+// Streaming wants the CPU's AVX2, outputs apart from the inputs and 32-byte aligned.
+bool streams(const float* u, const float* v, const float* uo, const float* vo) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
+  return avx2 && vo != v && aligned(vo) && (uo == nullptr || (uo != u && aligned(uo)));
+}
+#else
+bool streams(const float*, const float*, const float*, const float*) { return false; }
+#endif
+
+// One chunk of blocks [begin, end) in the given mode, streamed where it can be.
+void update_blocks(int mode, bool stream, const float* g, const float* u, const float* v,
+                   float* uo, float* vo, float m, float* bmax, int64_t begin, int64_t end) {
+#ifdef HVD_DGC_STREAM
+  if (stream) {
+    if (mode == 0) {
+      chunk_stream<0>(g, u, v, uo, vo, m, bmax, begin, end);
+    } else if (mode == 1) {
+      chunk_stream<1>(g, u, v, uo, vo, m, bmax, begin, end);
+    } else {
+      chunk_stream<2>(g, u, v, uo, vo, m, bmax, begin, end);
+    }
+    return;
+  }
+#endif
+  if (mode == 0) {
+    chunk_plain(g, v, vo, bmax, begin, end);
+  } else if (mode == 1) {
+    chunk_momentum(g, u, v, uo, vo, m, bmax, begin, end);
+  } else {
+    chunk_nesterov(g, u, v, uo, vo, m, bmax, begin, end);
+  }
+}
+
 // The same update, element by element, over [lo, hi): tails, and ranges that want no
 // block maxima (they need not be whole blocks).
 void update_range(int mode, const float* g, const float* u, const float* v, float* uo,
@@ -120,17 +208,11 @@ void update_range(int mode, const float* g, const float* u, const float* v, floa
 
 void run(int mode, const float* g, const float* u, const float* v, float* uo, float* vo,
          float m, float* bmax, int64_t n) {
-  auto go = [&](float* maxima, int64_t begin, int64_t end) {
-    if (mode == 0) {
-      chunk_plain(g, v, vo, maxima, begin, end);
-    } else if (mode == 1) {
-      chunk_momentum(g, u, v, uo, vo, m, maxima, begin, end);
-    } else {
-      chunk_nesterov(g, u, v, uo, vo, m, maxima, begin, end);
-    }
-  };
+  const bool stream = streams(u, v, uo, vo);
   const int64_t blocks = n / kBlock;
-  at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) { go(bmax, begin, end); });
+  at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) {
+    update_blocks(mode, stream, g, u, v, uo, vo, m, bmax, begin, end);
+  });
   // (no maxima wanted: chunk() skips them when bmax is null)
   update_range(mode, g, u, v, uo, vo, m, blocks * kBlock, n);  // the tail: no maximum
 }
@@ -171,7 +253,11 @@ void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
 // 16 bits finds its bucket, one of the low 16 bits within that bucket the value and
 // how many equal to it stay (the first ones). Then one compacting pass. Linear: at
 // the warm-up's densities f holds millions of positions, and sorting (or
-// nth_element) cost more than the rest of the step.
+// nth_element) cost more than the rest of the step. A few thousand candidates (DGC's
+// final density: k to 2k per tensor) take an nth_element instead: zeroing the two
+// histograms of every tensor cost more than the whole selection.
+constexpr size_t kSmallSelect = 1 << 14;
+
 void keep_largest(const float* x, std::vector<int64_t>& f, int64_t k,
                   std::vector<uint32_t>& bits, std::vector<int64_t>& hist) {
   if (k <= 0) {
@@ -183,6 +269,20 @@ void keep_largest(const float* x, std::vector<int64_t>& f, int64_t k,
   for (size_t i = 0; i < n; ++i) {
     const float a = std::fabs(x[f[i]]);
     std::memcpy(&bits[i], &a, sizeof a);
+  }
+  if (n < kSmallSelect) {  // two 64k histograms would cost more than the candidates
+    std::vector<uint32_t> order(bits.begin(), bits.end());
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(),
+                     std::greater<uint32_t>());
+    const uint32_t kth = order[k - 1];
+    int64_t need = k;
+    for (size_t i = 0; i < n; ++i) need -= bits[i] > kth;
+    size_t out = 0;  // above kth, and the first `need` equal to it
+    for (size_t i = 0; i < n; ++i) {
+      if (bits[i] > kth || (bits[i] == kth && need-- > 0)) f[out++] = f[i];
+    }
+    f.resize(out);
+    return;
   }
   hist.assign(1 << 16, 0);
   for (size_t i = 0; i < n; ++i) ++hist[bits[i] >> 16];
@@ -390,6 +490,7 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
     bm = block_max->data_ptr<float>();
   }
   const int mode = momentum == 0.0 ? 0 : (nesterov ? 2 : 1);
+  const bool stream = streams(uu, vv, uo, vo);
   constexpr int64_t kChunk = 512 * kBlock;
   at::parallel_for(0, (hi - lo + kChunk - 1) / kChunk, 1, [&](int64_t cb, int64_t ce) {
     std::vector<float> g(kChunk);
@@ -419,13 +520,7 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
       }
       // the update over the chunk (gs: the gradient at the chunk's positions)
       if (bm != nullptr) {
-        if (mode == 0) {
-          chunk_plain(gs, vv, vo, bm, a / kBlock, b / kBlock);
-        } else if (mode == 1) {
-          chunk_momentum(gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
-        } else {
-          chunk_nesterov(gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
-        }
+        update_blocks(mode, stream, gs, uu, vv, uo, vo, m, bm, a / kBlock, b / kBlock);
       } else {
         update_range(mode, gs, uu, vv, uo, vo, m, a, b);
       }
@@ -462,6 +557,42 @@ void index_add_list(at::TensorList targets, const at::Tensor& starts,
   }
 }
 
+// SGD's step where a sparse average is non-zero (hvd_dgc/torch/sgd.py): params[j] at
+// positions[i] - starts[j] gets alphas[j] * grad[positions[i]] (alpha = -lr), as one
+// fused multiply-add, the form torch's vector kernels use for add_(g, alpha=...).
+// ``positions`` hold each position once; elsewhere the step would add alpha * 0. A
+// position in none of ``params`` (another member's, stepped otherwise, or padding
+// between aligned tensors) is passed over.
+void sgd_sparse_step(at::TensorList params, const at::Tensor& starts,
+                     const at::Tensor& positions, const at::Tensor& grad,
+                     const at::Tensor& alphas) {
+  const int64_t members = static_cast<int64_t>(params.size());
+  auto st = starts.to(at::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  auto al = alphas.to(at::kDouble).contiguous();
+  check(grad, "grad", grad.numel());
+  const int64_t* s = st.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const double* a = al.data_ptr<double>();
+  const float* g = grad.data_ptr<float>();
+  std::vector<float*> t(members);
+  std::vector<int64_t> n(members);
+  for (int64_t i = 0; i < members; ++i) {
+    check(params[i], "a parameter", params[i].numel());
+    t[i] = params[i].data_ptr<float>();
+    n[i] = params[i].numel();
+  }
+  const int64_t count = pos.numel();
+  const int64_t size = grad.numel();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(p[i] >= 0 && p[i] < size, "position ", p[i], " lies outside grad");
+    const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
+    if (j < 0 || p[i] - s[j] >= n[j]) continue;
+    const int64_t at_ = p[i] - s[j];
+    t[j][at_] = std::fma(static_cast<float>(a[j]), g[p[i]], t[j][at_]);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hvd_dgc, lib) {
@@ -474,6 +605,8 @@ TORCH_LIBRARY(hvd_dgc, lib) {
   lib.def("take(Tensor(a!) v, Tensor(b!)? u, Tensor positions) -> Tensor");
   lib.def("index_add_list(Tensor(a!)[] targets, Tensor starts, Tensor positions, "
           "Tensor values) -> ()");
+  lib.def("sgd_sparse_step(Tensor(a!)[] params, Tensor starts, Tensor positions, "
+          "Tensor grad, Tensor alphas) -> ()");
   lib.def("accumulate_from(Tensor[] grads, Tensor[] params, Tensor offsets, Tensor decays, "
           "float scale, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
           "float momentum, bool nesterov, Tensor(c!)? block_max, int lo, int hi) -> ()");
@@ -485,6 +618,7 @@ TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
   lib.impl("thresholds", &thresholds);
   lib.impl("take", &take);
   lib.impl("index_add_list", &index_add_list);
+  lib.impl("sgd_sparse_step", &sgd_sparse_step);
   lib.impl("accumulate_from", &accumulate_from);
 }
 
