@@ -13,15 +13,14 @@ element per step). The table is the mean over seeds; read the ratios.
 """
 
 import argparse
-import glob
 import os
 import statistics
 import sys
-import sysconfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from harness.stdlib_lm import Batches, byte_lm, corpus, loss_of  # noqa: E402
 from hvd_dgc.schedule import DensitySchedule  # noqa: E402
 
 #: variant -> hvd_dgc options (None: stock Horovod)
@@ -38,27 +37,8 @@ VARIANTS = {
 }
 
 
-def corpus(limit=6_000_000):
-    """The standard library's .py files as bytes: training files and validation files
-    (every 10th, by sorted path), each capped so a run reads a few MB."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
-    files = [f for f in files if "site-packages" not in f and "/test" not in f]
-    train, valid, size = [], [], 0
-    for i, path in enumerate(files):
-        with open(path, "rb") as f:
-            data = f.read()
-        (valid if i % 10 == 0 else train).append(data)
-        size += len(data)
-        if size > limit:
-            break
-    return b"\n".join(train), b"\n".join(valid), root
-
-
 def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
-    import numpy as np
     import torch
-    import torch.nn as nn
     import horovod.torch as stock
 
     torch.set_num_threads(1)
@@ -67,28 +47,10 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
     else:
         import hvd_dgc.torch as hvd
     hvd.init()
-    rank, world = hvd.rank(), hvd.size()
-    train, valid, _ = corpus()
-    train = np.frombuffer(train, dtype=np.uint8)
-    valid = np.frombuffer(valid, dtype=np.uint8)
+    rank = hvd.rank()
+    data = Batches(context, seed, rank)
     torch.manual_seed(seed)
-
-    class LM(nn.Module):
-        def __init__(self, width=128, layers=2, heads=4):
-            super().__init__()
-            self.embed = nn.Embedding(256, width)
-            self.pos = nn.Parameter(torch.randn(context, width) * 0.02)
-            layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
-                                               batch_first=True, norm_first=True)
-            self.body = nn.TransformerEncoder(layer, layers)
-            self.head = nn.Linear(width, 256)
-            self.mask = nn.Transformer.generate_square_subsequent_mask(context)
-
-        def forward(self, x):
-            h = self.embed(x) + self.pos[:x.shape[1]]
-            return self.head(self.body(h, mask=self.mask, is_causal=True))
-
-    model = LM()
+    model = byte_lm(context)
     numel = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     if options is None:
@@ -97,25 +59,16 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        **options)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    gen = np.random.default_rng(seed * 1000 + rank)
-    vgen = np.random.default_rng(12345)
-    vstarts = vgen.integers(0, len(valid) - context - 1, size=256)
-
-    def take(data, starts):
-        x = np.stack([data[s:s + context + 1] for s in starts]).astype(np.int64)
-        x = torch.from_numpy(x)
-        return x[:, :-1], x[:, 1:]
 
     def validation():
         with torch.no_grad():
-            x, y = take(valid, vstarts)
-            return float(nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
+            return float(loss_of(model, *data.validation()))
 
     curve = []
     for step in range(steps):
-        x, y = take(train, gen.integers(0, len(train) - context - 1, size=batch))
+        x, y = data.next(batch)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
+        loss_of(model, x, y).backward()
         opt.step()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((step + 1, validation()))
