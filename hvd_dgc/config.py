@@ -23,7 +23,7 @@ from hvd_dgc.costmodel import CostModel
 from hvd_dgc.masking import check_masking
 from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
 from hvd_dgc.schedule import DensitySchedule, as_schedule
-from hvd_dgc.switch import dense_requested, resolve_compression
+from hvd_dgc.switch import TakeOver, dense_requested, resolve_compression, take_over
 
 __all__ = ["DGCConfig", "CompressorOptions", "Framework", "HorovodArguments", "Resolved",
            "check_horovod_arguments", "check_linear_update", "unsupported_message",
@@ -305,7 +305,8 @@ class DGCConfig:
             # optimizer's checkpoint, not to the shared Compression.dgc default.
             compressor = compressor()
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
-                        aggregations, freeze)
+                        aggregations, freeze,
+                        take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver())
 
 
 class Framework(NamedTuple):
@@ -364,6 +365,7 @@ class Resolved(NamedTuple):
     schedule: object       # DensitySchedule, or (PyTorch) a callable f(step, epoch)
     aggregations: tuple    # the PathKinds the cost model may choose among
     freeze: Optional[int] = None  # Adam taken over: its second moment frozen here (adam.py)
+    taken_over: TakeOver = TakeOver()  # what of the optimizer's update DGC applies, in words
 
     @property
     def sparse(self):

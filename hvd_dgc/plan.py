@@ -241,7 +241,8 @@ class Planner:
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
-                       len(self.tensors), framework, sums, period)
+                       len(self.tensors), framework, sums, period,
+                       self.resolved.taken_over.said)
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the

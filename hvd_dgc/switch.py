@@ -99,8 +99,38 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
     return None
 
 
+class TakeOver(NamedTuple):
+    """What of the wrapped optimizer's update DGC's memory applies, in words: ``said`` for
+    the rank-0 line, ``lost`` (a warning) where nothing is taken over."""
+
+    said: str = ""
+    lost: object = None
+
+
+def take_over(optimizer, freeze, framework):
+    """``optimizer``: ``(is_sgd, class name[, is_adam])`` as ``DGCConfig.resolve`` gets it,
+    or None (a tape: no optimizer known); ``freeze``: Adam's variance frozen at that
+    step (hvd_dgc/adam.py), or None."""
+    if optimizer is None:
+        return TakeOver()
+    is_sgd, name = optimizer[0], optimizer[1]
+    if is_sgd:
+        return TakeOver("SGD's momentum in DGC's memory (momentum correction)")
+    if freeze is not None:  # (the density schedule's words say it: FrozenAdamSchedule)
+        return TakeOver()
+    taken = ("torch.optim.SGD, Adam and AdamW (Adam's with freeze_variance='auto', the "
+             "default)" if framework == "torch" else "a Keras SGD optimizer (Keras' Adam "
+             "not yet)")
+    return TakeOver(f"{name} not taken over: error feedback on its raw gradient",
+                    f"hvd_dgc: {name} is not taken over: DGC sends its raw gradient through "
+                    f"error feedback, so there is no momentum correction, its adaptive step "
+                    f"sees each coordinate in bursts (the warm-up is longer for it), and "
+                    f"delay and period are refused. hvd_dgc takes over {taken}; to average "
+                    f"densely instead, pass density=1.0.")
+
+
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
-            compressed, total, framework, sums=("sparse",), period=1):
+            compressed, total, framework, sums=("sparse",), period=1, taken_over=""):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
@@ -120,6 +150,8 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     else:
         what = (f"compressor {kind} on {compressed} of {total} tensors, the rest dense "
                 f"({dense_values} allreduce)")
+    if taken_over:
+        what += f"; {taken_over}"
     if delay:
         what += f"; delayed averaging, delay={delay}"
     if period > 1:

@@ -226,3 +226,43 @@ def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers
     signed = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
                                             compression=TFCompression.sign)
     assert signed._hvd_dgc.schedule.density == 1.0
+
+
+def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys):
+    """NAdam (torch), RMSprop (Keras): error feedback on the raw gradient, said in the
+    rank-0 line and warned with what is lost and what is taken over; SGD and Adam not."""
+    import warnings
+    hvd_torch.init()
+    hvd_tf.init()
+    model = torch.nn.Linear(64, 32)
+
+    def wrap(make):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        lost = [str(w.message) for w in caught if "not taken over" in str(w.message)]
+        return lost, capsys.readouterr().out
+
+    for cls, taken in ((torch.optim.NAdam, False), (torch.optim.SGD, True),
+                       (torch.optim.Adam, True)):
+        lost, line = wrap(lambda: hvd_torch.DistributedOptimizer(
+            cls(model.parameters(), lr=0.1), named_parameters=[
+                (f"{cls.__name__}.{n}", p) for n, p in model.named_parameters()]))
+        if taken:
+            assert not lost and "not taken over" not in line, cls
+        else:
+            assert lost == [lost[0]] and "NAdam is not taken over" in lost[0] and \
+                "no momentum correction" in lost[0] and "delay and period" in lost[0] and \
+                "torch.optim.SGD, Adam and AdamW" in lost[0], lost
+            assert "; NAdam not taken over: error feedback on its raw gradient." in line
+    lost, line = wrap(lambda: hvd_keras.DistributedOptimizer(
+        tf.keras.optimizers.RMSprop(0.1)).apply_gradients(
+            [(tf.ones((64, 32)), tf.Variable(tf.zeros((64, 32))))]))
+    assert len(lost) == 1 and "RMSprop is not taken over" in lost[0] and \
+        "a Keras SGD optimizer" in lost[0], lost
+    assert "; RMSprop not taken over" in line
+    # density=1.0: nothing is sparsified, nothing to say
+    lost, line = wrap(lambda: hvd_torch.DistributedOptimizer(
+        torch.optim.NAdam(model.parameters()), named_parameters=[
+            (f"dense.{n}", p) for n, p in model.named_parameters()], density=1.0))
+    assert not lost and "not taken over" not in line

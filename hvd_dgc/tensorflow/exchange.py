@@ -181,6 +181,8 @@ class GradientExchange(tf.Module):
         if message:
             warnings.warn(message, UserWarning)
         if _hvd.rank() == 0:  # once: what runs and how to turn it off
+            if self.resolved.taken_over.lost:
+                warnings.warn(self.resolved.taken_over.lost, UserWarning)
             print(self.planner.summary("tensorflow", self.delay), flush=True)
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------

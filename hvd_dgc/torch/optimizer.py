@@ -150,6 +150,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if message:
             warnings.warn(message, UserWarning)
         if _hvd.rank() == 0:
+            if self._resolved.taken_over.lost:
+                warnings.warn(self._resolved.taken_over.lost, UserWarning)
             print(self._planner.summary("torch", self._lagging.describe_delay(),
                                         self._lagging.period, density), flush=True)
 
