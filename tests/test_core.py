@@ -328,14 +328,16 @@ def test_fused_kernel_is_built():
 @pytest.mark.parametrize("n", [4096, 1000 * 32 + 7])
 @pytest.mark.parametrize("direct", [False, True])
 def test_fused_memory_update_matches_eager(momentum, nesterov, n, direct):
-    """The kernel (from a flat gradient, or read from the tensors with weight decay:
-    ``direct``) against eager PyTorch, over a block of three tensors with the zeros
+    """The kernel (from a flat gradient, or read from the tensors with weight decay and
+    a scale: ``direct``) against eager PyTorch, over a block of three tensors with the zeros
     between them; and the same block written beside the old one (a guarded step)."""
     from hvd_dgc.torch import memory as M
     gen = torch.Generator().manual_seed(n)
     numels = (n, 100, 33)
     decays = (0.0, 1e-2, 0.0)
     params = [torch.randn(k, generator=gen) for k in numels]
+    # Adam's frozen preconditioner on the last two (engine.py passes it as a scale)
+    scales = (None, torch.rand(100, generator=gen) + 0.5, torch.rand(33, generator=gen))
     mems = {}
     for name in ("fused", "eager", "guarded"):
         mem = M.FlatMemory()
@@ -345,11 +347,12 @@ def test_fused_memory_update_matches_eager(momentum, nesterov, n, direct):
     for step in range(4):
         grads = [torch.randn(k, generator=gen) * (step + 1) for k in numels]
         g = torch.zeros(total)
-        for o, gr, p, d in zip(mems["fused"][1].offsets, grads, params, decays):
-            g[o:o + gr.numel()] = gr + d * p
+        for o, gr, p, d, sc in zip(mems["fused"][1].offsets, grads, params, decays, scales):
+            g[o:o + gr.numel()] = (gr + d * p) * (1.0 if sc is None else sc)
         mem, block = mems["fused"]
         if direct:
-            v_f = mem.accumulate(block, g, runs, True, sources=(grads, params, decays))
+            v_f = mem.accumulate(block, g, runs, True,
+                                 sources=(grads, params, decays, scales))
         else:
             v_f = mem.accumulate(block, g, runs, True)
         mem_e, block_e = mems["eager"]

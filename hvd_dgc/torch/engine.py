@@ -275,17 +275,17 @@ class Engine:
         layout = launch.layout
         if layout.block is None or launch.local or at.scale is not None or \
                 self.config.clip_norm is not None or self.guard.mode == "drop" or \
-                layout.reads_gradient or layout.sparse_grads or \
-                any(self.scale(m.param) is not None for m in layout.members):
+                layout.reads_gradient or layout.sparse_grads:
             return None
         if self.guard.mode == "skip" and layout.checked and not wants:
             return None
         grads = [m.param.grad for m in layout.members]
         params = [m.param for m in layout.members]
         decays = [m.weight_decay for m in layout.members]
-        if not self.memory.direct(layout.block, grads, params, decays):
+        scales = [self.scale(p) for p in params]
+        if not self.memory.direct(layout.block, grads, params, decays, scales):
             return None
-        return grads, params, decays
+        return grads, params, decays, scales
 
     def _sparse_grad(self, p):
         return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense

@@ -210,9 +210,9 @@ class FlatMemory:
         in the same pass where the kernel can. After ``snapshot`` the update is written
         into other buffers, the old ones kept for ``rollback``.
 
-        ``sources``: ``(grads, params, decays)`` per tensor of the block, read where they
-        lie instead of ``g`` (the kernel: ``g_i = grad_i + decay_i * p_i``, no copy into a
-        flat buffer first; see ``direct``)."""
+        ``sources``: ``(grads, params, decays, scales)`` per tensor of the block, read
+        where they lie instead of ``g`` (the kernel: ``g_i = (grad_i + decay_i * p_i) *
+        scale_i``, no copy into a flat buffer first; see ``direct``)."""
         src_u, src_v = block.previous if block.previous is not None else (block.u, block.v)
         if sources is not None:
             return self._accumulate_from(block, sources, runs, with_block_max, src_u, src_v)
@@ -254,7 +254,8 @@ class FlatMemory:
         return v
 
     def _accumulate_from(self, block, sources, runs, with_block_max, src_u, src_v):
-        grads, params, decays = sources
+        grads, params, decays, scales = sources
+        none = grads[0].new_empty(0)  # a tensor's "no scale" (the kernel's schema: a list)
         v = block.v
         if with_block_max:
             size = block.aligned_end // BLOCK
@@ -267,7 +268,9 @@ class FlatMemory:
             maxima = block.block_max if with_block_max and run.hi <= block.aligned_end \
                 else None
             torch.ops.hvd_dgc.accumulate_from(
-                [grads[i] for i in members], [params[i] for i in members], offsets, decay,
+                [grads[i] for i in members], [params[i] for i in members],
+                [none if scales[i] is None else scales[i] for i in members]
+                if any(scales[i] is not None for i in members) else [], offsets, decay,
                 1.0, su if m else src_v, src_v, u if m else v, v, float(m),
                 bool(run.nesterov), maxima, run.lo, run.hi)
             if not m and u is not None and su is not u:  # a guarded step: carry u over
@@ -275,15 +278,18 @@ class FlatMemory:
         return v
 
     @staticmethod
-    def direct(block, grads, params, decays):
+    def direct(block, grads, params, decays, scales):
         """Can ``accumulate`` read these tensors where they lie (``sources``)? The kernel
-        is built and every one is a contiguous float32 CPU tensor."""
+        is built and every one is a contiguous float32 CPU tensor (the parameters where
+        they decay, the scales where there are)."""
+        def fits(t):
+            return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
         return _fused_memory is not None and block.dtype == torch.float32 and \
             block.device.type == "cpu" and all(
-                g is not None and not g.is_sparse and g.dtype == torch.float32
-                and g.is_contiguous() and g.device.type == "cpu" for g in grads) and all(
-                p.dtype == torch.float32 and p.is_contiguous()
-                for p, d in zip(params, decays) if d)
+                g is not None and not g.is_sparse and fits(g) for g in grads) and all(
+                fits(p) for p, d in zip(params, decays) if d) and all(
+                fits(s) and s.shape == g.shape for s, g in zip(scales, grads)
+                if s is not None)
 
     @staticmethod
     def increment(block, g, runs):

@@ -451,12 +451,14 @@ at::Tensor take(const at::Tensor& v, const c10::optional<at::Tensor>& u,
 }
 
 // accumulate, reading each tensor's gradient (and, for weight decay, its parameter)
-// where it lies instead of from one flat buffer: g_i = grad_i * scale + decay_i * p_i
-// lands at offsets[i] of the block's buffers, one pass, no staging copy. Positions
-// between the tensors (zeros) are left as they are. block_max (optional) over
-// [lo, hi), which must be whole blocks.
-void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tensor& offsets,
-                     const at::Tensor& decays, double scale, const at::Tensor& u,
+// where it lies instead of from one flat buffer: g_i = (grad_i * scale + decay_i * p_i)
+// * s_i lands at offsets[i] of the block's buffers, one pass, no staging copy. s_i:
+// scales[i] elementwise (Adam's frozen preconditioner, hvd_dgc/adam.py) where it has
+// elements; ``scales`` empty for none. Positions between the tensors (zeros) are left
+// as they are. block_max (optional) over [lo, hi), which must be whole blocks.
+void accumulate_from(at::TensorList grads, at::TensorList params, at::TensorList scales,
+                     const at::Tensor& offsets, const at::Tensor& decays, double scale,
+                     const at::Tensor& u,
                      const at::Tensor& v, const at::Tensor& u_out, const at::Tensor& v_out,
                      double momentum, bool nesterov, const c10::optional<at::Tensor>& block_max,
                      int64_t lo, int64_t hi) {
@@ -465,8 +467,10 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
   auto dec = decays.to(at::kFloat).contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
   const float* d = dec.data_ptr<float>();
-  std::vector<const float*> gp(members), pp(members);
+  std::vector<const float*> gp(members), pp(members), sp(members, nullptr);
   std::vector<int64_t> n(members);
+  TORCH_CHECK(scales.empty() || static_cast<int64_t>(scales.size()) == members,
+              "scales: one per gradient, or none");
   for (int64_t i = 0; i < members; ++i) {
     check(grads[i], "a gradient", grads[i].numel());
     gp[i] = grads[i].data_ptr<float>();
@@ -475,6 +479,10 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
     if (d[i] != 0.f) {
       check(params[i], "a parameter", n[i]);
       pp[i] = params[i].data_ptr<float>();
+    }
+    if (!scales.empty() && scales[i].numel() > 0) {
+      check(scales[i], "a scale", n[i]);
+      sp[i] = scales[i].data_ptr<float>();
     }
   }
   check(v, "v", v.numel());
@@ -499,8 +507,8 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
       // this chunk's gradients, from each tensor it overlaps (sorted by offset); a chunk
       // inside one tensor's gradient, with nothing to add or scale, is read where it lies
       int64_t i = std::max<int64_t>(std::upper_bound(o, o + members, a) - o - 1, 0);
-      const bool direct =
-          i < members && o[i] <= a && b <= o[i] + n[i] && pp[i] == nullptr && sc == 1.f;
+      const bool direct = i < members && o[i] <= a && b <= o[i] + n[i] &&
+                          pp[i] == nullptr && sp[i] == nullptr && sc == 1.f;
       const float* gs = direct ? gp[i] - o[i] : g.data() - a;
       if (!direct) std::fill(g.begin(), g.begin() + (b - a), 0.f);
       for (; !direct && i < members && o[i] < b; ++i) {
@@ -516,6 +524,11 @@ void accumulate_from(at::TensorList grads, at::TensorList params, const at::Tens
         } else {
 #pragma omp simd
           for (int64_t j = 0; j < e - s; ++j) gd[j] = gi[j] * sc;
+        }
+        if (sp[i] != nullptr) {
+          const float* si = sp[i] + (s - o[i]);
+#pragma omp simd
+          for (int64_t j = 0; j < e - s; ++j) gd[j] *= si[j];
         }
       }
       // the update over the chunk (gs: the gradient at the chunk's positions)
@@ -607,7 +620,8 @@ TORCH_LIBRARY(hvd_dgc, lib) {
           "Tensor values) -> ()");
   lib.def("sgd_sparse_step(Tensor(a!)[] params, Tensor starts, Tensor positions, "
           "Tensor grad, Tensor alphas) -> ()");
-  lib.def("accumulate_from(Tensor[] grads, Tensor[] params, Tensor offsets, Tensor decays, "
+  lib.def("accumulate_from(Tensor[] grads, Tensor[] params, Tensor[] scales, Tensor offsets, "
+          "Tensor decays, "
           "float scale, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
           "float momentum, bool nesterov, Tensor(c!)? block_max, int lo, int hi) -> ()");
 }
