@@ -12,6 +12,7 @@ gradient, and this step applies what arrives: AdamW's decoupled decay, then
 import torch
 
 from hvd_dgc.adam import VARIANCE_FLOOR
+from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
 
@@ -91,29 +92,49 @@ class AdamTakeOver:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            alphas = {}
             for group in self.optimizer.param_groups:
-                self._apply(group, [p for p in group["params"]
-                                    if p.grad is not None and p not in sparse])
+                alphas.update(self._advance(group, [p for p in group["params"]
+                                                    if p.grad is not None and p not in sparse]))
+            # (a closure's backward may have written the gradients again: all of them)
+            self._add(alphas, updates if closure is None else ())
         return loss
 
     def _apply(self, group, params, advance=True):
         """``x (1 - lr wd) - lr / (1 - beta1^t) * p.grad``; ``advance``: a step (Adam's
         count t moves on, AdamW's decay applies), else a correction."""
+        self._add(self._advance(group, params, advance))
+
+    def _advance(self, group, params, advance=True):
+        """A step's AdamW decay and Adam's count moved on (``advance``); each
+        parameter's step size ``-lr / (1 - beta1^t)``."""
         if not params:
-            return
+            return {}
         lr, beta1 = float(group["lr"]), float(group["betas"][0])
         if advance and group.get("decoupled_weight_decay", False) and group["weight_decay"]:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-        by_alpha = {}  # one foreach per step size (all alike but for a late tensor)
+        alphas = {}
         for p in params:
             state = self.optimizer.state[p]
             step = state.get("step")
             step = torch.zeros((), dtype=torch.float32) if step is None else step
             if advance:
                 step = state["step"] = step + 1
-            by_alpha.setdefault(-lr / (1.0 - beta1 ** max(float(step), 1.0)), []).append(p)
-        for alpha, group_params in by_alpha.items():
-            torch._foreach_add_(group_params, [p.grad for p in group_params], alpha=alpha)
+            alphas[p] = -lr / (1.0 - beta1 ** max(float(step), 1.0))
+        return alphas
+
+    @staticmethod
+    def _add(alphas, updates=()):
+        """``p += alpha * p.grad``: where the average came as records into a ViewUpdate,
+        at their positions only (update.step_at_records); else one foreach per step
+        size (all alike but for a late tensor)."""
+        stepped = step_at_records(updates, alphas) if updates else set()
+        by_alpha = {}
+        for p, alpha in alphas.items():
+            if p not in stepped:
+                by_alpha.setdefault(alpha, []).append(p)
+        for alpha, params in by_alpha.items():
+            torch._foreach_add_(params, [p.grad for p in params], alpha=alpha)
 
     def _second_moment(self, p):
         """Adam's ``v`` of ``p`` and its bias correction ``1 - beta2^t``, or None."""

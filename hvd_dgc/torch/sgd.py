@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hvd_dgc.torch.memory import fused_kernel_available
+from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["SGDTakeOver"]
 
@@ -96,37 +96,16 @@ class SGDTakeOver:
 
     def sparse_step(self, updates):
         """SGD's step with momentum and weight decay off (the memory applied them) is
-        ``p += -lr * avg``: where a sparse average is zero it adds zero. So at the
-        positions its records reached only, one kernel call per launch (the same
-        multiply-add as torch's kernel); returns the parameters stepped. At density
-        0.001 this skips a pass over the model's weights and gradients; where records
-        reach more than ``update.SCATTERED`` of the elements, the base step runs."""
-        stepped = set()
-        for out in updates:
-            index = out.sparse_members()
-            if not index:
-                continue
-            layout = out.layout
-            params = [layout.params[i] for i in index]
-            if not fused_kernel_available() or out.buffer.dtype != torch.float32 or any(
-                    p.device.type != "cpu" or p.dtype != torch.float32 or
-                    not p.is_contiguous() for p in params):
-                continue  # (the kernel's: float32 on a CPU; else the base step)
-            positions = out.positions(sum(p.numel() for p in params))
-            if positions is None:
-                continue  # records nearly everywhere: the base step's pass is cheaper
-            if positions.numel():
-                alphas = []
-                for p in params:
-                    group = self._group_of[p]
-                    lr = float(group["lr"])
-                    alphas.append(lr if group.get("maximize", False) else -lr)
-                with torch.no_grad():
-                    torch.ops.hvd_dgc.sgd_sparse_step(
-                        params, torch.tensor([layout.offsets[i] for i in index]), positions,
-                        out.buffer, torch.tensor(alphas, dtype=torch.float64))
-            stepped.update(params)
-        return stepped
+        ``p += -lr * avg``: where a sparse average is zero it adds zero, so it runs at
+        the records' positions only (update.step_at_records); returns the parameters
+        stepped. At density 0.001 this skips a pass over the model's weights and
+        gradients."""
+        alphas = {}
+        for group in self.optimizer.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                alphas[p] = lr if group.get("maximize", False) else -lr
+        return step_at_records(updates, alphas)
 
 
 @contextmanager

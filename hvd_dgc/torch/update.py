@@ -29,7 +29,7 @@ import torch
 from hvd_dgc.torch.compression import add_in_order
 from hvd_dgc.torch.memory import fused_kernel_available
 
-__all__ = ["FlatUpdate", "GradUpdate", "ViewUpdate", "SCATTERED"]
+__all__ = ["FlatUpdate", "GradUpdate", "ViewUpdate", "SCATTERED", "step_at_records"]
 
 #: positions per element beyond which a pass over the buffer (a memset, a dense step)
 #: costs less than touching the positions one by one (measured on ResNet-50's shapes,
@@ -178,3 +178,35 @@ class GradUpdate(_Update):
         else:
             pieces = values.split(sizes)
         torch._foreach_copy_([self.grads[j].view(-1) for j in within], list(pieces))
+
+
+def step_at_records(updates, alphas):
+    """``p += alphas[p] * p.grad`` where a ViewUpdate's records landed, for the
+    parameters of ``alphas`` whose average came only as records; returns those stepped.
+    Elsewhere the average is zero, so a linear step adds nothing there (SGD's with its
+    momentum taken over, frozen Adam's: sgd.py, adam.py): one kernel call per launch,
+    the multiply-add of torch's own kernel, where the dense step would pass over every
+    weight and gradient. Not where records reach more than SCATTERED of the elements,
+    nor off a CPU or float32 (the kernel's)."""
+    stepped = set()
+    if not fused_kernel_available():
+        return stepped
+    for out in updates:
+        layout = out.layout
+        index = [i for i in out.sparse_members() if layout.params[i] in alphas]
+        params = [layout.params[i] for i in index]
+        if not params or out.buffer.dtype != torch.float32 or any(
+                p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous()
+                for p in params):
+            continue
+        positions = out.positions(sum(p.numel() for p in params))
+        if positions is None:
+            continue  # records nearly everywhere: the dense step's pass is cheaper
+        if positions.numel():
+            with torch.no_grad():
+                torch.ops.hvd_dgc.sgd_sparse_step(
+                    params, torch.tensor([layout.offsets[i] for i in index]), positions,
+                    out.buffer, torch.tensor([alphas[p] for p in params],
+                                             dtype=torch.float64))
+        stepped.update(params)
+    return stepped

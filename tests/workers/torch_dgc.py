@@ -675,35 +675,42 @@ def with_process_sets(names):
 
 def sparse_step():
     """step() synchronizing itself: the averages become views of the engine's buffers and
-    SGD steps where the records landed only (update.py ViewUpdate, sgd.py sparse_step).
-    Against the explicit synchronize(); skip_synchronize(): step() (dense gradients, the
-    base step over them), side by side: weights and gradients bit-identical after every
-    step, with zero_grad's set_to_none True and False, two param groups, maximize."""
-    from hvd_dgc.torch.sgd import SGDTakeOver
+    the step runs where the records landed only (update.py ViewUpdate and
+    step_at_records: SGD's, frozen AdamW's). Against the explicit synchronize();
+    skip_synchronize(): step() (dense gradients, the dense step over them), side by
+    side: weights and gradients bit-identical after every step, with zero_grad's
+    set_to_none True and False and the patterns mixed, two param groups, maximize."""
+    import hvd_dgc.torch.adam as adam_module
+    import hvd_dgc.torch.sgd as sgd_module
     rank = hvd.rank()
     stepped = []
-    original = SGDTakeOver.sparse_step
+    original = sgd_module.step_at_records
 
-    def spy(self, updates):
-        params = original(self, updates)
+    def spy(updates, alphas):
+        params = original(updates, alphas)
         stepped.append(len(params))
         return params
 
-    def make(tag, maximize):
+    def make(tag, variant):
         model = nn.Sequential(nn.Flatten(), *wide_mlp(5))
         first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+        named = [(f"{tag}.{n}", p) for n, p in model.named_parameters()]
+        if variant == "adamw":  # the variance frozen after 2 steps
+            opt = torch.optim.AdamW([{"params": first, "lr": 0.01},
+                                     {"params": rest, "lr": 0.005, "weight_decay": 0.1}])
+            return model, hvd.DistributedOptimizer(
+                opt, named_parameters=named, density=0.004, freeze_variance=2)
         opt = torch.optim.SGD([{"params": first, "lr": 0.05},
                                {"params": rest, "lr": 0.02, "weight_decay": 1e-3}],
-                              momentum=0.9, maximize=maximize)
+                              momentum=0.9, maximize=variant == "sgd maximize")
         return model, hvd.DistributedOptimizer(
-            opt, named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
-            compression="dgc", density=0.004)
+            opt, named_parameters=named, compression="dgc", density=0.004)
 
     out = {}
-    SGDTakeOver.sparse_step = spy
+    sgd_module.step_at_records = adam_module.step_at_records = spy
     try:
-        for maximize in (False, True):
-            runs = {how: make(f"ss{int(maximize)}{how}", maximize)
+        for n, variant in enumerate(("sgd", "sgd maximize", "adamw")):
+            runs = {how: make(f"ss{n}{how}", variant)
                     for how in ("explicit", "step", "kept", "mixed")}
             diffs, grad_diffs, counts = [], [], {}
             for step in range(8):
@@ -729,13 +736,13 @@ def sparse_step():
                 diffs.append(max(max_diff(ref, runs[h][0]) for h in others))
                 grad_diffs.append(max(float((grads["explicit"] - grads[h]).abs().max())
                                       for h in others))
-            out[f"maximize={maximize}"] = {
+            out[variant] = {
                 "max_diff": max(diffs), "grad_diff": max(grad_diffs), "stepped": counts,
                 "moved": max_diff(ref, nn.Sequential(nn.Flatten(), *wide_mlp(5))),
                 "grad_sum": float(grads["explicit"].abs().sum()),
-                "identical": ranks_identical(runs["step"][0], f"ss_ident{int(maximize)}")}
+                "identical": ranks_identical(runs["step"][0], f"ss_ident{n}")}
     finally:
-        SGDTakeOver.sparse_step = original
+        sgd_module.step_at_records = adam_module.step_at_records = original
     return out
 
 
