@@ -17,7 +17,10 @@ SGD with momentum 0.9, as the paper trains ResNet-50.
 
 Rows: stock Horovod (``horovod.torch.DistributedOptimizer``; at np=1 it registers no
 hooks: its step is the base SGD's), hvd_dgc at the final density 0.001, and hvd_dgc in
-the default warm-up's dense-ish stages (density 0.25 and 0.0625, fixed).
+the default warm-up's dense-ish stages (density 0.25 and 0.0625, fixed); then AdamW
+(lr 1e-3, weight decay 0.01) through stock Horovod and through hvd_dgc with its
+variance frozen (the take-over's long phase, hvd_dgc/adam.py) at density 0.001, each
+against stock Horovod with the same optimizer.
 """
 
 import argparse
@@ -86,9 +89,21 @@ def optimizers():
                                             density=density, warmup=0)
         return make
 
+    def adamw(named):
+        return torch.optim.AdamW([p for _, p in named], lr=1e-3, weight_decay=0.01)
+
+    def horovod_adamw(named):
+        return stock.DistributedOptimizer(adamw(named), named_parameters=named)
+
+    def dgc_adamw(named):  # the variance frozen after the untimed steps (--warmup)
+        return hvd.DistributedOptimizer(adamw(named), named_parameters=named,
+                                        density=0.001, warmup=0, freeze_variance=1)
+
     return [("stock Horovod", horovod), ("hvd_dgc, density 0.001", dgc(0.001)),
             ("hvd_dgc, density 0.0625 (warm-up)", dgc(0.0625)),
-            ("hvd_dgc, density 0.25 (warm-up)", dgc(0.25))]
+            ("hvd_dgc, density 0.25 (warm-up)", dgc(0.25)),
+            ("stock Horovod, AdamW", horovod_adamw),
+            ("hvd_dgc, AdamW (variance frozen), density 0.001", dgc_adamw)]
 
 
 def count_step(setup):
@@ -127,9 +142,8 @@ def main():
             s.step()
             times[s.label].append(time.perf_counter() - start)
 
-    base = setups[0].label
-    stock_ops = counts[base].count
-    stock_ms = statistics.median(times[base]) * 1e3
+    def stock_of(label):  # each optimizer against stock Horovod with the same one
+        return setups[4 if "AdamW" in label else 0].label
     lines = [
         f"# hvd_dgc's local work per step, np=1, ResNet-50's shapes (CPU)",
         "",
@@ -143,8 +157,10 @@ def main():
         "| --- | --- | --- | --- | --- |",
     ]
     for s in setups:
+        base = stock_of(s.label)
         c, ms = counts[s.label].count, statistics.median(times[s.label]) * 1e3
-        lines.append(f"| {s.label} | {c} | {c - stock_ops:+d} | {ms:.1f} | "
+        stock_ms = statistics.median(times[base]) * 1e3
+        lines.append(f"| {s.label} | {c} | {c - counts[base].count:+d} | {ms:.1f} | "
                      f"{ms / stock_ms:.2f} |")
     if args.top:
         for s in setups:

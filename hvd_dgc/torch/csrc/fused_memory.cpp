@@ -23,6 +23,7 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -247,6 +248,19 @@ void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
       u_out.data_ptr<float>(), v_out.data_ptr<float>(), m, bm, n);
 }
 
+// Runs body(s) for every segment s in [0, segments) on torch's threads, each thread
+// taking the next segment when it is done with one: a launch's tensors differ in size
+// by 1000x (ResNet-50's last block holds most of its weights), so an even split of the
+// segments leaves one thread with most of the work.
+template <typename Body>
+void for_each_segment(int64_t segments, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(segments, at::get_num_threads());
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t s = next++; s < segments; s = next++) body(s);
+  });
+}
+
 // Keeps the k positions of f whose |x| is largest, in position order. The k-th
 // largest magnitude by a radix select on its bits (for non-negative floats, the
 // order of the bits as integers is the order of the values): a histogram of the top
@@ -331,13 +345,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
   const int64_t* k = kk.data_ptr<int64_t>();
   const float* t = thr.data_ptr<float>();
   std::vector<std::vector<int64_t>> found(segments);
-  at::parallel_for(0, segments, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> hit;
-    std::vector<uint32_t> bits;
-    std::vector<int64_t> hist;
-    for (int64_t s = begin; s < end; ++s) {
+  for_each_segment(segments, [&](int64_t s) {
+    thread_local std::vector<int64_t> hit;
+    thread_local std::vector<uint32_t> bits;
+    thread_local std::vector<int64_t> hist;
+    {
       const float ts = t[s];
-      if (std::isinf(ts) && ts > 0) continue;
+      if (std::isinf(ts) && ts > 0) return;
       const int64_t lo = o[s], hi = o[s] + n[s];
       hit.clear();  // the blocks that reach the threshold: a pass over the maxima
       for (int64_t b = lo / kBlock; b * kBlock < hi; ++b) {
@@ -403,9 +417,9 @@ at::Tensor thresholds(const at::Tensor& v, const at::Tensor& base, const at::Ten
   float* op = out.data_ptr<float>();
   const int64_t* shp = sh.data_ptr<int64_t>();
   const int64_t* ktp = kt.data_ptr<int64_t>();
-  at::parallel_for(0, segments, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sample;
-    for (int64_t s = begin; s < end; ++s) {
+  for_each_segment(segments, [&](int64_t s) {
+    thread_local std::vector<float> sample;
+    {
       sample.resize(szp[s]);
       const int64_t* at_ = bp + starts[s];
       for (int64_t j = 0; j < szp[s]; ++j) {
@@ -599,11 +613,16 @@ void sgd_sparse_step(at::TensorList params, const at::Tensor& starts,
   const int64_t size = grad.numel();
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(p[i] >= 0 && p[i] < size, "position ", p[i], " lies outside grad");
-    const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
-    if (j < 0 || p[i] - s[j] >= n[j]) continue;
-    const int64_t at_ = p[i] - s[j];
-    t[j][at_] = std::fma(static_cast<float>(a[j]), g[p[i]], t[j][at_]);
   }
+  // each position once: the threads never write the same element
+  at::parallel_for(0, count, 8192, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
+      if (j < 0 || p[i] - s[j] >= n[j]) continue;
+      const int64_t at_ = p[i] - s[j];
+      t[j][at_] = std::fma(static_cast<float>(a[j]), g[p[i]], t[j][at_]);
+    }
+  });
 }
 
 }  // namespace
