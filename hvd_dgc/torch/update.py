@@ -16,10 +16,11 @@ of, a pass over the model saved.
 ``ViewUpdate`` (a step that synchronizes itself: nothing can touch the gradients
 between the average and the step) writes into the launch's flat buffer, kept zero but
 where it was last written, and the gradients become its views: a sparse average costs
-its records, not a pass over the model to zero the gradients first, and an SGD taken
-over can step where the average is not zero only (sgd.py).
+its records, not a pass over the model to zero the gradients first, and a step linear
+in the average (SGD's, frozen Adam's) can run where it is not zero only
+(``step_at_records``).
 
-Both keep ``check``: the sum of every value written, a device scalar whose finiteness
+Each keeps ``check``: the sum of every value written, a device scalar whose finiteness
 is what the non-finite guard reads (guard.py: one read-back per step, and no pass over
 the whole update: a poisoned payload makes its own values infinite).
 """
@@ -116,8 +117,8 @@ class ViewUpdate(_Update):
         self.written.append((lo, hi))
 
     def sparse_members(self):
-        """The members only records were added to (none assigned): those an SGD step
-        can apply where the records are, in the launch's member order."""
+        """The members only records were added to (none assigned): those a linear step
+        can apply where the records are (``step_at_records``), in member order."""
         ranges = [w for w in self.written if not isinstance(w, torch.Tensor)]
         layout = self.layout
         return [i for i in layout.dense_grads
