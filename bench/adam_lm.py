@@ -34,6 +34,8 @@ VARIANTS = {
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
     "frozen, dense": {"min_compress_size": 10 ** 9},
+    "delay=4": {"delay": 4},
+    "period=4": {"period": 4},
 }
 
 
