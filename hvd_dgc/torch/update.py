@@ -25,6 +25,8 @@ is what the non-finite guard reads (guard.py: one read-back per step, and no pas
 the whole update: a poisoned payload makes its own values infinite).
 """
 
+from typing import NamedTuple
+
 import torch
 
 from hvd_dgc.torch.compression import add_in_order
@@ -73,29 +75,40 @@ class FlatUpdate(_Update):
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
 
 
+class Written(NamedTuple):
+    """Where a ViewUpdate wrote its buffer: records' positions (tensors) and ranges
+    assigned (``(lo, hi)``)."""
+
+    positions: list
+    ranges: list
+
+    def count(self):
+        return sum(p.numel() for p in self.positions)
+
+    def flat_positions(self):
+        return torch.cat(self.positions) if len(self.positions) > 1 else self.positions[0]
+
+
 class ViewUpdate(_Update):
     """The average in the launch's flat buffer, which the gradients then view.
 
-    The buffer is zero but where the last ViewUpdate wrote (``layout.written``: the
-    records' positions and the ranges assigned; None when unknown: after any other
-    update, or when a gradient still viewing it was written to, which the engine
-    checks before each collect), so only those are zeroed."""
+    The buffer is zero but where the last ViewUpdate wrote (``layout.written``, a
+    ``Written``; None when unknown: after a FlatUpdate, or when a gradient still
+    viewing it was written to, which the engine checks before each collect), so only
+    those are zeroed."""
 
     def __init__(self, layout):
         super().__init__(layout)
         self.buffer = buffer = layout.update
-        written = layout.written
-        positions = [w for w in written if isinstance(w, torch.Tensor)] \
-            if written is not None else ()
-        if written is None or sum(p.numel() for p in positions) > SCATTERED * buffer.numel():
+        last = layout.written
+        if last is None or last.count() > SCATTERED * buffer.numel():
             buffer.zero_()
         else:
-            if positions:
-                buffer.index_fill_(0, torch.cat(positions) if len(positions) > 1
-                                   else positions[0], 0)
-            for lo, hi in (w for w in written if not isinstance(w, torch.Tensor)):
+            if last.positions:
+                buffer.index_fill_(0, last.flat_positions(), 0)
+            for lo, hi in last.ranges:
                 buffer[lo:hi].zero_()
-        self.written = layout.written = []
+        self.written = layout.written = Written([], [])
 
     @staticmethod
     def fits(layout):
@@ -110,30 +123,28 @@ class ViewUpdate(_Update):
 
     def add(self, positions, values):
         add_in_order(self.buffer, positions, self._checked(values.to(self.buffer.dtype)))
-        self.written.append(positions)
+        self.written.positions.append(positions)
 
     def assign(self, lo, hi, values):
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
-        self.written.append((lo, hi))
+        self.written.ranges.append((lo, hi))
 
     def sparse_members(self):
         """The members only records were added to (none assigned): those a linear step
         can apply where the records are (``step_at_records``), in member order."""
-        ranges = [w for w in self.written if not isinstance(w, torch.Tensor)]
         layout = self.layout
         return [i for i in layout.dense_grads
                 if not any(lo < layout.offsets[i] + layout.members[i].numel
-                           and layout.offsets[i] < hi for lo, hi in ranges)]
+                           and layout.offsets[i] < hi for lo, hi in self.written.ranges)]
 
     def positions(self, numel):
         """Every position a record was added at, once (sorted); None when there are
         more than SCATTERED of ``numel`` (a dense pass is cheaper)."""
-        positions = [w for w in self.written if isinstance(w, torch.Tensor)]
-        if sum(p.numel() for p in positions) > SCATTERED * numel:
+        if self.written.count() > SCATTERED * numel:
             return None
-        if not positions:
+        if not self.written.positions:
             return torch.empty(0, dtype=torch.long, device=self.buffer.device)
-        return torch.unique(torch.cat(positions) if len(positions) > 1 else positions[0])
+        return torch.unique(self.written.flat_positions())
 
 
 class GradUpdate(_Update):
@@ -141,7 +152,6 @@ class GradUpdate(_Update):
 
     def __init__(self, layout):
         super().__init__(layout)
-        layout.written = None  # (its buffer is not written, but keep the rule simple)
         self.grads = [layout.members[i].param.grad for i in layout.dense_grads]
         self.starts = [layout.offsets[i] for i in layout.dense_grads]
         self.numels = [layout.members[i].numel for i in layout.dense_grads]
