@@ -555,60 +555,73 @@ void accumulate_from(at::TensorList grads, at::TensorList params, at::TensorList
   });
 }
 
+// Tensors standing for slices of one flat layout (starts: where each begins,
+// increasing): a flat position's tensor and the offset in it.
+struct Slices {
+  Slices(at::TensorList tensors, const at::Tensor& starts, const char* what)
+      : starts_(starts.to(at::kLong).contiguous()),
+        s(starts_.data_ptr<int64_t>()),
+        count(static_cast<int64_t>(tensors.size())),
+        t(count),
+        n(count) {
+    for (int64_t i = 0; i < count; ++i) {
+      check(tensors[i], what, tensors[i].numel());
+      t[i] = tensors[i].data_ptr<float>();
+      n[i] = tensors[i].numel();
+    }
+  }
+
+  // The tensor holding ``position`` (its offset in ``at``), or -1 if none does.
+  int64_t locate(int64_t position, int64_t* at) const {
+    const int64_t j = std::upper_bound(s, s + count, position) - s - 1;
+    if (j < 0 || position - s[j] >= n[j]) return -1;
+    *at = position - s[j];
+    return j;
+  }
+
+  at::Tensor starts_;
+  const int64_t* s;
+  int64_t count;
+  std::vector<float*> t;
+  std::vector<int64_t> n;
+};
+
 // Records added into a launch's gradients where they lie: values[i] goes to the tensor
-// whose slice of the launch's flat buffers holds positions[i] (starts: where each
-// begins, increasing), at positions[i] - its start. In record order, as index_add_
-// adds them into one flat buffer, so the sums are the same bit for bit.
+// whose slice of the launch's flat buffers holds positions[i], at positions[i] - its
+// start. In record order, as index_add_ adds them into one flat buffer, so the sums
+// are the same bit for bit.
 void index_add_list(at::TensorList targets, const at::Tensor& starts,
                     const at::Tensor& positions, const at::Tensor& values) {
-  const int64_t members = static_cast<int64_t>(targets.size());
-  auto st = starts.to(at::kLong).contiguous();
+  const Slices grads(targets, starts, "a gradient");
   auto pos = positions.to(at::kLong).contiguous();
   auto val = values.to(at::kFloat).contiguous();
-  const int64_t* s = st.data_ptr<int64_t>();
   const int64_t* p = pos.data_ptr<int64_t>();
   const float* x = val.data_ptr<float>();
-  std::vector<float*> t(members);
-  std::vector<int64_t> n(members);
-  for (int64_t i = 0; i < members; ++i) {
-    check(targets[i], "a gradient", targets[i].numel());
-    t[i] = targets[i].data_ptr<float>();
-    n[i] = targets[i].numel();
-  }
   const int64_t count = pos.numel();
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
-    const int64_t at_ = p[i] - s[j];
-    TORCH_CHECK(j >= 0 && at_ < n[j], "record position ", p[i], " lies in no tensor");
-    t[j][at_] += x[i];
+    int64_t at_ = 0;
+    const int64_t j = grads.locate(p[i], &at_);
+    TORCH_CHECK(j >= 0, "record position ", p[i], " lies in no tensor");
+    grads.t[j][at_] += x[i];
   }
 }
 
-// SGD's step where a sparse average is non-zero (hvd_dgc/torch/sgd.py): params[j] at
-// positions[i] - starts[j] gets alphas[j] * grad[positions[i]] (alpha = -lr), as one
-// fused multiply-add, the form torch's vector kernels use for add_(g, alpha=...).
-// ``positions`` hold each position once; elsewhere the step would add alpha * 0. A
-// position in none of ``params`` (another member's, stepped otherwise, or padding
-// between aligned tensors) is passed over.
+// SGD's step where a sparse average is non-zero (hvd_dgc/torch/update.py
+// step_at_records): params[j] at positions[i] - starts[j] gets alphas[j] *
+// grad[positions[i]] (alpha = -lr), as one fused multiply-add, the form torch's vector
+// kernels use for add_(g, alpha=...). ``positions`` hold each position once; elsewhere
+// the step would add alpha * 0. A position in none of ``params`` (another member's,
+// stepped otherwise, or padding between aligned tensors) is passed over.
 void sgd_sparse_step(at::TensorList params, const at::Tensor& starts,
                      const at::Tensor& positions, const at::Tensor& grad,
                      const at::Tensor& alphas) {
-  const int64_t members = static_cast<int64_t>(params.size());
-  auto st = starts.to(at::kLong).contiguous();
+  const Slices weights(params, starts, "a parameter");
   auto pos = positions.to(at::kLong).contiguous();
   auto al = alphas.to(at::kDouble).contiguous();
   check(grad, "grad", grad.numel());
-  const int64_t* s = st.data_ptr<int64_t>();
   const int64_t* p = pos.data_ptr<int64_t>();
   const double* a = al.data_ptr<double>();
   const float* g = grad.data_ptr<float>();
-  std::vector<float*> t(members);
-  std::vector<int64_t> n(members);
-  for (int64_t i = 0; i < members; ++i) {
-    check(params[i], "a parameter", params[i].numel());
-    t[i] = params[i].data_ptr<float>();
-    n[i] = params[i].numel();
-  }
   const int64_t count = pos.numel();
   const int64_t size = grad.numel();
   for (int64_t i = 0; i < count; ++i) {
@@ -617,10 +630,10 @@ void sgd_sparse_step(at::TensorList params, const at::Tensor& starts,
   // each position once: the threads never write the same element
   at::parallel_for(0, count, 8192, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t j = std::upper_bound(s, s + members, p[i]) - s - 1;
-      if (j < 0 || p[i] - s[j] >= n[j]) continue;
-      const int64_t at_ = p[i] - s[j];
-      t[j][at_] = std::fma(static_cast<float>(a[j]), g[p[i]], t[j][at_]);
+      int64_t at_ = 0;
+      const int64_t j = weights.locate(p[i], &at_);
+      if (j < 0) continue;
+      weights.t[j][at_] = std::fma(static_cast<float>(a[j]), g[p[i]], weights.t[j][at_]);
     }
   });
 }
