@@ -97,12 +97,14 @@ class DGCConfig:
             leaves from its own hook.
         log_every: print compression statistics on rank 0 every N steps (PyTorch); 0:
             never.
-        freeze_variance: with ``torch.optim.Adam`` or ``AdamW`` (PyTorch): "auto"
+        freeze_variance: with ``torch.optim.Adam`` or ``AdamW``, Keras' ``Adam`` or
+            ``AdamW`` (Keras 3, tf_keras and its legacy Adam): "auto"
             (default: 200 steps), or N: exact Adam for the first N steps (dense
             averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
-            correction, masking), and ``delay`` and ``period`` apply from the freeze on;
+            correction, masking), and ``delay`` and ``period`` apply from the freeze on
+            (PyTorch);
             the density schedule starts at the freeze (with no ``density`` or
             ``warmup``: SGD's default, counted from the freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
@@ -239,7 +241,7 @@ class DGCConfig:
 
         ``framework``: a ``Framework``; ``compression``: the wrapper's argument;
         ``horovod``: ``HorovodArguments``; ``optimizer``: ``(is_sgd, class name[, is_adam])``
-        of the wrapped optimizer (is_adam: PyTorch's, which it can take over), or None
+        of the wrapped optimizer (is_adam: an Adam or AdamW, which it can take over), or None
         (a tape does not know it). ``dense_compression`` and
         ``grad_scaler``: PyTorch's. Returns ``Resolved``."""
         fw = framework.name
@@ -293,10 +295,20 @@ class DGCConfig:
                                        self.warmup_densities, adaptive=adaptive)
                 if freeze is not None:
                     schedule = FrozenAdamSchedule(freeze, schedule)
-            if fw == "tensorflow" and not isinstance(schedule, DensitySchedule):
+            if fw == "tensorflow" and not isinstance(
+                    getattr(schedule, "inner", schedule), DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
                                 "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
                                 "Python callable")
+        if fw == "tensorflow" and optimizer is None and self.freeze_variance != "auto":
+            raise ValueError(f"freeze_variance={self.freeze_variance!r} applies to Adam/AdamW "
+                             f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
+                             f"DistributedGradientTape does not know the optimizer (an Adam "
+                             f"after it runs on error feedback). Pass no freeze_variance.")
+        if fw == "tensorflow" and freeze is not None and self.delay:
+            raise ValueError(f"delay={self.delay} with Keras' {optimizer[1]} taken over runs "
+                             f"in hvd_dgc.torch only so far; in Keras use delay=0 (or a "
+                             f"Keras SGD optimizer with delay).")
         if optimizer is not None:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
                                 adam=adam)
@@ -452,8 +464,6 @@ _TORCH_ONLY = (
     ("fusion_threshold", lambda c: c.fusion_threshold is not None,
      "no fusion_threshold (each tensor is its own collective)"),
     ("log_every", lambda c: c.log_every != 0, "log_every=0 and print compression_stats()"),
-    ("freeze_variance", lambda c: c.freeze_variance != "auto",
-     "no freeze_variance (Keras' Adam runs on error feedback)"),
 )
 
 

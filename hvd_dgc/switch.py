@@ -119,8 +119,8 @@ def take_over(optimizer, freeze, framework):
     if freeze is not None:  # (the density schedule's words say it: FrozenAdamSchedule)
         return TakeOver()
     taken = ("torch.optim.SGD, Adam and AdamW (Adam's with freeze_variance='auto', the "
-             "default)" if framework == "torch" else "a Keras SGD optimizer (Keras' Adam "
-             "not yet)")
+             "default)" if framework == "torch" else "Keras' SGD, Adam and AdamW (Adam's "
+             "with freeze_variance='auto', the default)")
     return TakeOver(f"{name} not taken over: error feedback on its raw gradient",
                     f"hvd_dgc: {name} is not taken over: DGC sends its raw gradient through "
                     f"error feedback, so there is no momentum correction, its adaptive step "

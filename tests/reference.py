@@ -248,12 +248,30 @@ def adam(x, m, v, g, t, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
     return x - F32(lr / (1.0 - betas[0] ** t)) * (m / denom), m, v
 
 
-def frozen_precondition(v, t, betas=(0.9, 0.999), eps=1e-8, floor=0.0):
+def keras_adam(x, m, v, g, t, lr, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.0):
+    """Keras' Adam (with ``weight_decay``: AdamW; Keras decays every optimizer's weights
+    decoupled, before the step) step number t (1-based) on the averaged gradient g;
+    returns (x, m, v). Keras adds eps outside the bias correction:
+    x -= lr sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps)."""
+    x, m, v, g = f32(x), f32(m), f32(v), f32(g)
+    b1, b2 = F32(betas[0]), F32(betas[1])
+    if weight_decay:
+        x = x - x * F32(weight_decay) * F32(lr)
+    m = m + (g - m) * (F32(1) - b1)
+    v = v + (g * g - v) * (F32(1) - b2)
+    alpha = F32(lr * math.sqrt(1.0 - betas[1] ** t) / (1.0 - betas[0] ** t))
+    return x - m * alpha / (np.sqrt(v) + F32(eps)), m, v
+
+
+def frozen_precondition(v, t, betas=(0.9, 0.999), eps=1e-8, floor=0.0, keras=False):
     """P = 1 / (sqrt(v / (1 - beta2^t)) + eps): the bias-corrected v of step t, frozen,
-    v first floored at ``floor`` times its mean (hvd_dgc/adam.py VARIANCE_FLOOR)."""
+    v first floored at ``floor`` times its mean (hvd_dgc/adam.py VARIANCE_FLOOR).
+    ``keras``: Keras' eps, outside the bias correction, as it stood at step t:
+    P = 1 / (sqrt(v / (1 - beta2^t)) + eps / sqrt(1 - beta2^t))."""
     v = f32(v)
     v = np.maximum(v, F32(np.mean(v, dtype=F32) * F32(floor)))
-    return F32(1) / (np.sqrt(v) / F32(math.sqrt(1.0 - betas[1] ** t)) + F32(eps))
+    root = F32(math.sqrt(1.0 - betas[1] ** t))
+    return F32(1) / (np.sqrt(v) / root + (F32(eps) / root if keras else F32(eps)))
 
 
 def frozen_adam_gradient(g, precondition, beta1, weight_decay=0.0, param=None):

@@ -79,8 +79,7 @@ def test_an_unknown_option_is_refused_with_the_closest_name(name):
 @pytest.mark.parametrize("option,value,instead", [
     ("period", 4, "use period=1"), ("delay", "auto", "use an int delay"),
     ("aggregation", "hierarchical", "aggregation='auto'"),
-    ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0"),
-    ("freeze_variance", 100, "no freeze_variance")])
+    ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0")])
 def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
     for wrap in (_tape, _keras):
         kind, message = _error(wrap, **{option: value})
@@ -89,13 +88,22 @@ def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
         assert instead in message, message
 
 
+def test_freeze_variance_on_a_tape_is_refused():
+    """A tape does not know the optimizer: nothing to freeze, said rather than ignored."""
+    kind, message = _error(_tape, freeze_variance=100)
+    assert kind is ValueError
+    assert "freeze_variance=100 applies to Adam/AdamW" in message, message
+    assert "hvd_dgc.tensorflow.keras.DistributedOptimizer" in message, message
+    _tape(freeze_variance="auto")  # the default, accepted
+
+
 def test_delayed_averaging_needs_a_linear_update_in_torch_and_keras_alike():
     model = torch.nn.Linear(4, 2)
     _, in_torch = _error(lambda **o: hvd_torch.DistributedOptimizer(
         torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(), **o),
         delay=2, freeze_variance=False)
     _, in_keras = _error(lambda **o: hvd_keras.DistributedOptimizer(
-        tf.keras.optimizers.Adam(0.1), **o), delay=2)
+        tf.keras.optimizers.Adam(0.1), **o), delay=2, freeze_variance=False)
     for message, kind in ((in_torch, "torch.optim.SGD or Adam/AdamW with its variance "
                                      "frozen (freeze_variance)"),
                           (in_keras, "a Keras SGD optimizer")):
@@ -215,8 +223,15 @@ def test_compressors_running_their_own_collectives_refuse_what_they_cannot_alike
 
 
 def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers_none():
+    from hvd_dgc.adam import DEFAULT_FREEZE, FrozenAdamSchedule
     from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS
+    # Adam taken over (its variance frozen): exact Adam, then SGD's stages from the freeze
     adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))
+    assert adam._hvd_dgc.schedule.config() == FrozenAdamSchedule.default(
+        DEFAULT_FREEZE).config()
+    # not taken over: error feedback on Adam's raw gradient, the longer stages
+    adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
+                                          freeze_variance=False)
     sgd = _keras()
     assert adam._hvd_dgc.schedule.config() == DensitySchedule.coverage(
         0.001, ADAPTIVE_SENDS).config()
@@ -259,7 +274,7 @@ def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys):
         tf.keras.optimizers.RMSprop(0.1)).apply_gradients(
             [(tf.ones((64, 32)), tf.Variable(tf.zeros((64, 32))))]))
     assert len(lost) == 1 and "RMSprop is not taken over" in lost[0] and \
-        "a Keras SGD optimizer" in lost[0], lost
+        "Keras' SGD, Adam and AdamW" in lost[0], lost
     assert "; RMSprop not taken over" in line
     # density=1.0: nothing is sparsified, nothing to say
     lost, line = wrap(lambda: hvd_torch.DistributedOptimizer(

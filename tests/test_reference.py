@@ -187,6 +187,44 @@ def test_vector_frozen_adam():
     np.testing.assert_allclose(x2, [0.9 - 1 / 6, 2.0], rtol=1e-6)
 
 
+def test_vector_frozen_keras_adam():
+    # Keras adds eps outside the bias correction. x0 = [1, 2], lr = 0.1, betas (0.5, 0.75),
+    # eps = 0.5, no decay; freeze after step 1, g1 = [2, -4]:
+    #   m1 = [1, -2], v1 = [1, 4] (as above); sqrt(1 - 0.75) = 0.5
+    #   alpha = 0.1 * 0.5 / 0.5 = 0.1;  x1 = x0 - 0.1 m1 / (sqrt(v1) + 0.5)
+    #                                      = [1 - 0.1 / 1.5, 2 + 0.2 / 2.5] = [0.93333, 2.08]
+    # freeze: P = 1 / (sqrt(v1 / 0.25) + 0.5 / 0.5) = [1 / 3, 1 / 5] (torch's eps: [0.4, 0.2222])
+    # Keras' step 1 again from P: x0 - 0.1 / (1 - 0.5) P m1 = [1 - 0.2 / 3, 2 + 0.08]: the same
+    betas = (0.5, 0.75)
+    x1, m1, v1 = ref.keras_adam([1, 2], [0, 0], [0, 0], [2, -4], 1, 0.1, betas, eps=0.5)
+    np.testing.assert_allclose(x1, [1 - 0.1 / 1.5, 2.08], rtol=1e-6)
+    p = ref.frozen_precondition(v1, 1, betas, eps=0.5, keras=True)
+    np.testing.assert_allclose(p, [1 / 3, 1 / 5], rtol=1e-6)
+    np.testing.assert_allclose(ref.frozen_precondition(v1, 1, betas, eps=0.5), [0.4, 1 / 4.5],
+                               rtol=1e-6)
+    np.testing.assert_allclose(ref.frozen_adam_apply([1, 2], p * m1, 1, 0.1, betas[0]), x1,
+                               rtol=1e-6)
+
+
+def test_reference_keras_adam_is_keras_adam_and_adamw():
+    """ref.keras_adam against Keras' own Adam and AdamW (decoupled decay before the step,
+    eps outside the bias correction), step by step: the warm-up Keras keeps."""
+    import tensorflow as tf
+    rng = np.random.default_rng(5)
+    grads = rng.standard_normal((6, 5)).astype(np.float32)
+    for wd in (0.0, 0.1):
+        x0 = rng.standard_normal(5).astype(np.float32)
+        var = tf.Variable(x0)
+        opts = tf.keras.optimizers
+        opt = opts.AdamW(0.01, weight_decay=wd, beta_1=0.8, beta_2=0.95, epsilon=1e-3) if wd \
+            else opts.Adam(0.01, beta_1=0.8, beta_2=0.95, epsilon=1e-3)
+        x, m, v = x0, np.zeros(5, np.float32), np.zeros(5, np.float32)
+        for t, g in enumerate(grads, 1):
+            opt.apply_gradients([(tf.constant(g), var)])
+            x, m, v = ref.keras_adam(x, m, v, g, t, 0.01, (0.8, 0.95), 1e-3, wd)
+            np.testing.assert_allclose(var.numpy(), x, rtol=1e-6, atol=1e-7)
+
+
 def test_reference_adam_is_torchs_adam_and_adamw():
     """ref.adam against torch's own Adam and AdamW (L2 and decoupled decay, bias
     corrections), step by step: the warm-up the take-over leaves to the user's optimizer."""

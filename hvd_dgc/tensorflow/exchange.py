@@ -89,6 +89,9 @@ class GradientExchange(tf.Module):
         self.densities = stage_densities(self.resolved.schedule)
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
+        # Keras' Adam taken over (keras_adam.KerasAdamTakeOver), set by the Keras
+        # optimizer; kept out of tf.Module's tracking (it refers to the optimizer)
+        object.__setattr__(self, "adam", None)
         self._epoch = 0.0
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
@@ -158,7 +161,9 @@ class GradientExchange(tf.Module):
             self.memory = DGCMemory([t.numel for t in self.tensors], self.momentum,
                                     self.nesterov, self.config.momentum_masking,
                                     snapshots=self.skip_nonfinite and not self.delay,
-                                    no_residual=sliced)
+                                    no_residual=sliced, preconditioner=None
+                                    if self.adam is None else self.adam.bind(
+                                        self, variables, sliced))
             # a compressor's per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
             slots = ExchangePath.slots(self.compression, self.planner)
             if slots is not None:
@@ -229,13 +234,12 @@ class GradientExchange(tf.Module):
         DensitySchedule.__call__, in TF ops): k and the path are looked up by it, so
         they are the ones Python computed."""
         s = self.schedule
-        if s.warmup <= 0:
-            return tf.constant(0, tf.int32)
-        t = tf.cast(self.epoch if s.unit == "epoch" else self.step, tf.float64)
-        ends = tf.constant(s.boundaries, tf.float64)  # as Python: count the stages ended
-        stage = tf.minimum(tf.reduce_sum(tf.cast(t >= ends, tf.int32)),
-                           len(s.warmup_densities) - 1)
-        return tf.where(t >= s.warmup, len(s.warmup_densities), stage)
+        freeze = getattr(s, "freeze", None)  # Adam taken over: FrozenAdamSchedule
+        if freeze is None:
+            return _stage(s, self.step, self.epoch)
+        # density 1 (exact Adam) to the freeze, then the inner schedule from its start
+        inner = _stage(s.inner, self.step - freeze, self.epoch)
+        return tf.where(self.step < freeze, 0, 1 + inner)
 
     def density(self, stage=None):
         """The density at ``stage`` (default: this step's)."""
@@ -398,7 +402,22 @@ class GradientExchange(tf.Module):
         out.update(step=int(self.step.numpy()), epoch=float(self.epoch.numpy()),
                    current_density=float(self.density().numpy()),
                    world_size=self.world_size())
+        if self.adam is not None:  # which phase runs: "exact Adam" / "frozen variance"
+            out.update(self.adam.stats(int(self.step.numpy())))
         return out
+
+
+def _stage(schedule, step, epoch):
+    """A DensitySchedule's stage at ``step`` / ``epoch``, in TF ops (as its Python
+    ``__call__`` counts the stages ended); its final density's index after the warm-up."""
+    s = schedule
+    if s.warmup <= 0:
+        return tf.constant(0, tf.int32)
+    t = tf.cast(epoch if s.unit == "epoch" else step, tf.float64)
+    ends = tf.constant(s.boundaries, tf.float64)
+    stage = tf.minimum(tf.reduce_sum(tf.cast(t >= ends, tf.int32)),
+                       len(s.warmup_densities) - 1)
+    return tf.where(t >= s.warmup, len(s.warmup_densities), stage)
 
 
 def _after_check(grad):

@@ -25,11 +25,16 @@ class DGCMemory(tf.Module):
     """Per-tensor velocity ``u`` and accumulation ``v`` as flat float32 variables."""
 
     def __init__(self, numels, momentum=0.0, nesterov=False, momentum_masking=True,
-                 snapshots=False, no_residual=(), name="hvd_dgc_memory"):
+                 snapshots=False, no_residual=(), preconditioner=None, name="hvd_dgc_memory"):
         """``no_residual[i]``: tensor i bypasses DGC (an IndexedSlices gradient), so its
-        ``v`` is empty; its ``u`` stays, for the momentum taken over (``velocity``)."""
+        ``v`` is empty; its ``u`` stays, for the momentum taken over (``velocity``).
+        ``preconditioner``: Adam taken over (hvd_dgc/tensorflow/keras_adam.py): until
+        its ``frozen()`` the momentum is off (exact Adam, dense); from then on the
+        gradient entering tensor i is ``scale(i) * g`` and ``momentum`` is beta1."""
         super().__init__(name=name)
         self.momentum = float(momentum)
+        object.__setattr__(self, "preconditioner", preconditioner)  # not tracked: its
+        # scales are the optimizer's variables
         self.nesterov = bool(nesterov)
         self.momentum_masking = momentum_masking  # True, False or "auto" (masking.py)
         no_residual = list(no_residual) + [False] * (len(numels) - len(no_residual))
@@ -54,18 +59,32 @@ class DGCMemory(tf.Module):
 
     def accumulate(self, i, g):
         """u = m u + g; v += u (Nesterov: u = m (u + g); v += u + g). Returns v's value."""
-        v = self.v[i]
+        v, momentum = self.v[i], self.momentum
+        if self.preconditioner is not None:
+            frozen, scale = self.preconditioner.frozen(), self.preconditioner.scale(i)
+            g = tf.where(frozen, g * tf.reshape(scale, [-1]), g)
+            momentum = tf.where(frozen, momentum, 0.0)
         if self.momentum:
             u = self.u[i]
             if self.nesterov:
-                u.assign(self.momentum * (u + g))
+                u.assign(momentum * (u + g))
                 v.assign_add(u + g)
             else:
-                u.assign(self.momentum * u + g)
+                u.assign(momentum * u + g)
                 v.assign_add(u)
         else:
             v.assign_add(g)
         return v.read_value()
+
+    @property
+    def sgd_momentum(self):
+        """The momentum of an SGD taken over (0: none; Adam's is applied to the
+        preconditioned gradient only, and its sliced tensors stay Adam's own)."""
+        return self.momentum if self.preconditioner is None else 0.0
+
+    def seed(self, i, u):
+        """Tensor i's momentum starts at ``u`` (Adam's first moment, at the freeze)."""
+        self.u[i].assign(tf.reshape(tf.cast(u, tf.float32), [-1]))
 
     def velocity(self, i, g):
         """Momentum alone, on an average that bypassed DGC (an IndexedSlices gradient):

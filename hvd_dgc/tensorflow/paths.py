@@ -476,7 +476,7 @@ class SparseGradPath(_Path):
         dense_shape = grad.dense_shape if grad.dense_shape is not None else \
             tf.constant(shape, tf.int64)
         avg = tf.IndexedSlices(rows, indices, dense_shape)
-        if not ctx.memory.momentum:
+        if not ctx.memory.sgd_momentum:
             return avg
         g = tf.reshape(tf.cast(tf.convert_to_tensor(avg), tf.float32), [-1])
         return tf.reshape(ctx.memory.velocity(i, g), shape)

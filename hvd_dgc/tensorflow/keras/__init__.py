@@ -17,6 +17,10 @@ correction (the rebuilt optimizer runs with momentum 0), as on the PyTorch side.
 A variable with an IndexedSlices gradient (an Embedding) bypasses DGC, so the
 memory keeps a velocity for it alone and hands the SGD ``u = m u + avg``: the
 update SGD's own momentum makes of Horovod's averaged slices.
+
+With Adam and AdamW (Keras 3, tf_keras, tf_keras' legacy Adam) exact Adam runs to
+``freeze_variance`` steps, then its second moment is frozen and DGC takes its first
+moment over (hvd_dgc/adam.py; the Keras side: hvd_dgc/tensorflow/keras_adam.py).
 """
 
 import importlib
@@ -29,7 +33,9 @@ from horovod.tensorflow import Average, global_process_set
 from hvd_dgc.config import DGCConfig
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
-from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables
+from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTakeOver, \
+    check_keras_adam
+from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_legacy
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
 elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its KerasState
@@ -91,8 +97,8 @@ def _exchange_grads(self, grads, variables, apply):
     if accumulation is None:
         return _exchange_and_apply(self, grads, variables, apply)
     accumulation.build(variables)
-    self._hvd_dgc.build(variables)  # variables born outside the cond below
-    create_optimizer_variables(self, variables)
+    create_optimizer_variables(self, variables)  # variables born outside the cond below
+    self._hvd_dgc.build(variables)  # (after the optimizer's: Adam's frozen scales)
     names = [variable_name(v, i) for i, v in enumerate(variables)]
     complete = accumulation.add(grads, names)
 
@@ -110,9 +116,13 @@ def _exchange_and_apply(self, grads, variables, apply):
     """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
     every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
     optimizer's step, built first so no variable is created inside the cond)."""
-    exchange = self._hvd_dgc
+    exchange, adam = self._hvd_dgc, self._hvd_dgc_adam
+    if adam is not None:
+        create_optimizer_variables(self, variables)  # the frozen scales, for the memory
     exchange.build(variables, grads)
     grads, skipped = exchange.exchange(grads)
+    if adam is not None:
+        apply = _then_freeze(self, apply, adam)
     if not exchange.skip_nonfinite or exchange.delay:
         return apply(grads)
     create_optimizer_variables(self, variables)
@@ -121,6 +131,87 @@ def _exchange_and_apply(self, grads, variables, apply):
         apply(grads)
         return tf.constant(True)
     return tf.cond(skipped, lambda: tf.constant(False), step)
+
+
+def _then_freeze(self, apply, adam):
+    """``apply``, then, at the end of step ``freeze - 1`` (the exchange has counted it),
+    Adam's variance frozen and its first moment moved into DGC's memory."""
+    def applied(grads):
+        out = apply(grads)
+        tf.cond(tf.equal(self._hvd_dgc.step, adam.freeze),
+                lambda: adam.freeze_now(self.iterations), lambda: tf.constant(False))
+        return out
+    return applied
+
+
+# -- Adam and AdamW taken over (keras_adam.py): the frozen scales among the optimizer's
+# variables, and each exchanged variable's update Adam's own until the freeze, then
+# x -= lr / (1 - beta1^t) * average
+def _adam_update(self, variable, gradient, lr, adams):
+    """``adams()``: Adam's own update of ``variable``."""
+    take = self._hvd_dgc_adam
+    if not take.is_taken(variable) or isinstance(gradient, tf.IndexedSlices):
+        return adams()
+
+    def own():
+        adams()
+        return tf.constant(True)
+    return tf.cond(take.applying_frozen(),
+                   lambda: take.frozen_step(variable, gradient, lr(), self.iterations + 1), own)
+
+
+def _build3(self, var_list):  # Keras 3
+    fresh = not self.built
+    super(self.__class__, self).build(var_list)
+    if fresh:
+        self._hvd_dgc_scales = self.add_optimizer_variables(var_list, SCALE_NAME,
+                                                            initializer="ones")
+
+
+def _update_step3(self, gradient, variable, learning_rate):  # Keras 3
+    base = super(self.__class__, self)
+    return _adam_update(self, variable, gradient, lambda: learning_rate,
+                        lambda: base.update_step(gradient, variable, learning_rate))
+
+
+def _build2(self, var_list):  # tf_keras
+    fresh = not getattr(self, "_built", False)
+    super(self.__class__, self).build(var_list)
+    if fresh:
+        self._hvd_dgc_scales = [self.add_variable_from_reference(
+            var, SCALE_NAME, initial_value=tf.ones(var.shape, var.dtype)) for var in var_list]
+
+
+def _update_step2(self, gradient, variable):  # tf_keras
+    base = super(self.__class__, self)
+    return _adam_update(self, variable, gradient, lambda: self.learning_rate,
+                        lambda: base.update_step(gradient, variable))
+
+
+def _create_slots_legacy(self, var_list):  # tf_keras' legacy (OptimizerV2)
+    super(self.__class__, self)._create_slots(var_list)
+    for var in var_list:
+        self.add_slot(var, SCALE_NAME, initializer="ones")
+
+
+def _resource_apply_dense_legacy(self, grad, var, apply_state=None):
+    base = super(self.__class__, self)
+
+    def lr():
+        key = (var.device, var.dtype.base_dtype)
+        return ((apply_state or {}).get(key) or self._fallback_apply_state(*key))["lr_t"]
+    return _adam_update(self, var, grad, lr,
+                        lambda: base._resource_apply_dense(grad, var, apply_state))
+
+
+def _adam_methods(optimizer):
+    """The take-over's kind ("keras3", "keras2", "legacy") and its methods there."""
+    kind = "keras3" if is_keras3(optimizer) else "legacy" if is_legacy(optimizer) else "keras2"
+    methods = {"keras3": {"build": _build3, "update_step": _update_step3},
+               "keras2": {"build": _build2, "update_step": _update_step2},
+               "legacy": {"_create_slots": _create_slots_legacy,
+                          "_resource_apply_dense": _resource_apply_dense_legacy}}[kind]
+    return kind, methods
 
 
 def _apply(self, grads, trainable_variables=None):  # Keras 3
@@ -216,6 +307,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     """
     config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
     is_sgd = type(optimizer).__name__ == "SGD"
+    is_adam = type(optimizer).__name__ in ADAM_CLASSES
     keras_config = optimizer.get_config()
     momentum, nesterov = 0.0, False
     if is_sgd and keras_config.get("momentum"):
@@ -225,14 +317,24 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     exchange = GradientExchange(  # resolves and checks every option and argument, once
         compression=compression, momentum=momentum, nesterov=nesterov, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, config=config, optimizer=(is_sgd, type(optimizer).__name__),
+        process_set=process_set, config=config,
+        optimizer=(is_sgd, type(optimizer).__name__, is_adam),
         backward_passes_per_step=backward_passes_per_step, groups=groups)
+    adam = None
+    if exchange.resolved.freeze is not None:  # Adam/AdamW taken over (keras_adam.py)
+        check_keras_adam(type(optimizer).__name__, keras_config)
+        kind, adam_methods = _adam_methods(optimizer)
+        adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind)
+        exchange.momentum = adam.beta1  # the memory's, once frozen
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),
                "_hvd_dgc_passes": _Accumulation(
                    backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
-               if backward_passes_per_step > 1 else None}
+               if backward_passes_per_step > 1 else None,
+               "_hvd_dgc_adam": adam}
+    if adam is not None:
+        methods.update(adam_methods)
     if is_keras3(optimizer):
         methods["apply"] = _apply
     else:
@@ -241,6 +343,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     if name is not None:
         keras_config["name"] = name
     new = cls.from_config(keras_config)
+    if adam is not None:
+        adam.optimizer = new
+        object.__setattr__(exchange, "adam", adam)
     if is_keras3(optimizer):
         object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
     else:

@@ -1,0 +1,166 @@
+"""Keras' Adam and AdamW taken over (hvd_dgc/adam.py has the maths and the papers; the
+PyTorch side is hvd_dgc/torch/adam.py).
+
+The rebuilt optimizer (keras/__init__.py) is a subclass of the user's, so Keras keeps
+doing what it does around the update: learning-rate schedules, AdamW's decoupled decay
+(``_apply_weight_decay``, with its exclusions), constraints, ``iterations``. Two of its
+methods change:
+
+- building the optimizer also makes one variable per model variable, the frozen scale
+  ``(1 - beta1) P`` (ones until the freeze): an optimizer variable, so ``model.save``,
+  ``BroadcastGlobalVariablesCallback`` and the elastic state carry it as they carry
+  Adam's moments;
+- the update step of a variable DGC exchanges is Adam's own until the freeze, then
+  ``x -= lr / (1 - beta1^t) * average`` (t = ``iterations + 1``, Keras' count).
+
+At the end of step ``freeze - 1`` (exchange steps, every rank alike) ``freeze()`` sets
+the scales from Adam's second moment and moves its first moment into DGC's memory as
+``u = P m``; from then on the memory applies ``beta1`` to the scaled gradient.
+
+Keras adds eps outside the bias correction (``x -= lr sqrt(1 - beta2^t) / (1 - beta1^t)
+m / (sqrt(v) + eps)``), so its preconditioner at the freeze T is
+``P = 1 / (sqrt(v / (1 - beta2^T)) + eps / sqrt(1 - beta2^T))``: the step Adam took at
+T, kept (tf_keras' ``adaptive_epsilon=True`` puts eps inside, as torch does).
+Variables with IndexedSlices gradients (an Embedding) travel as Horovod sends them and
+stay on Adam's own update throughout.
+"""
+
+import tensorflow as tf
+
+from hvd_dgc.adam import VARIANCE_FLOOR
+
+__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "SCALE_NAME"]
+
+#: Keras optimizers taken over, by class name (Keras 3, tf_keras and tf_keras' legacy).
+ADAM_CLASSES = ("Adam", "AdamW")
+
+#: The frozen scale's name among the optimizer's variables (and legacy slots).
+SCALE_NAME = "hvd_dgc_scale"
+
+#: Keras options that act on the averaged gradient before the update: after the freeze
+#: the average is of preconditioned momenta, which they would clip or smooth wrongly.
+_REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+            "gradient_accumulation_steps")
+
+
+def check_keras_adam(name, config):
+    """What the take-over cannot honour, refused with the fix (at wrap time)."""
+    for option in _REFUSED:
+        if config.get(option):
+            raise ValueError(
+                f"hvd_dgc: {name}({option}={config[option]!r}) cannot be taken over: after "
+                f"the freeze the optimizer receives averaged preconditioned momenta, which "
+                f"{option} would act on. Pass hvd_dgc's clip_norm= (DGC's local clipping) "
+                f"instead of Keras' clipping, or freeze_variance=False (Adam's own update "
+                f"on error feedback)." if "clip" in option else
+                f"hvd_dgc: {name}({option}={config[option]!r}) cannot be taken over (the "
+                f"frozen-variance step replaces Adam's). Use hvd_dgc's "
+                f"backward_passes_per_step for accumulation, or pass freeze_variance=False "
+                f"(Adam's own update on error feedback).")
+
+
+class KerasAdamTakeOver:
+    """One wrapped Keras Adam/AdamW: its hyper-parameters, where its moments and scales
+    live (``kind``: "keras3", "keras2" or "legacy"), and the exchange's step that says
+    the phase. ``freeze``: the exchange step from which the variance is frozen."""
+
+    def __init__(self, config, freeze, kind):
+        self.freeze, self.kind = int(freeze), kind
+        self.beta1, self.beta2 = float(config["beta_1"]), float(config["beta_2"])
+        self.eps = float(config["epsilon"])
+        self.amsgrad = bool(config.get("amsgrad", False))
+        self.eps_inside = bool(config.get("adaptive_epsilon", False))
+        self.exchange = None        # GradientExchange, bound when it builds its memory
+        self.optimizer = None       # the rebuilt Keras optimizer, set when made
+        self._taken_ids = set()
+        self.variables = ()         # the exchange's, by index
+        self.taken = ()             # whether DGC exchanges each (not sliced)
+
+    # -- the phase, from the exchange's step (the same on every rank) -----------------
+    def frozen(self):
+        """Whether the step being exchanged now runs on the frozen variance (in the
+        exchange, before its step counter moves on)."""
+        return self.exchange.step >= self.freeze
+
+    def applying_frozen(self):
+        """The same, in the optimizer's update (the exchange has counted the step)."""
+        return self.exchange.step > self.freeze
+
+    def phase(self, step):
+        return "frozen variance" if step >= self.freeze else "exact Adam"
+
+    def stats(self, step):
+        return {"adam_phase": self.phase(step), "adam_freeze": self.freeze}
+
+    # -- variables ---------------------------------------------------------------------
+    def bind(self, exchange, variables, sliced):
+        """The exchange's variables (after the optimizer built its own) and which are
+        sliced; the memory's preconditioner is this object."""
+        self.exchange = exchange
+        self.variables = tuple(variables)
+        self.taken = tuple(not s for s in sliced)
+        # Keras 3 hands update_step the tf.Variable inside its Variable: either is known
+        self._taken_ids = {id(x) for var, ok in zip(self.variables, self.taken) if ok
+                           for x in (var, getattr(var, "value", None)) if x is not None}
+        return self
+
+    def scale(self, i):
+        """The frozen scale of the exchange's variable i (an optimizer variable)."""
+        return self._slot(self.variables[i], "scale")
+
+    def _slot(self, var, what):
+        opt = self.optimizer
+        if self.kind == "legacy":
+            return opt.get_slot(var, {"scale": SCALE_NAME, "m": "m", "v": "v",
+                                      "vhat": "vhat"}[what])
+        index = opt._get_variable_index(var) if self.kind == "keras3" else \
+            opt._index_dict[opt._var_key(var)]
+        lists = {"scale": opt._hvd_dgc_scales, "m": opt._momentums, "v": opt._velocities,
+                 "vhat": getattr(opt, "_velocity_hats", None)}
+        return lists[what][index]
+
+    # -- the freeze ----------------------------------------------------------------------
+    def freeze_now(self, iterations):
+        """After Adam's step ``freeze - 1`` (in the graph): every scale from Adam's
+        second moment (bias-corrected at Keras' count ``iterations``), floored as in
+        hvd_dgc/adam.py, and the memory's momentum seeded with ``P m``."""
+        t = tf.cast(iterations, tf.float32)
+        root = tf.sqrt(1.0 - tf.pow(self.beta2, t))
+        eps = self.eps if self.eps_inside else self.eps / root
+        taken = [i for i, ok in enumerate(self.taken) if ok]
+        seconds = [tf.reshape(tf.cast(self._slot(self.variables[i],
+                                                 "vhat" if self.amsgrad else "v"),
+                                      tf.float32), [-1]) for i in taken]
+        if not seconds:
+            return tf.constant(True)
+        # a tensor with no gradient in the warm-up (v = 0 everywhere) gets the mean
+        # bias-corrected v of the others (1 if none had one), not a scale of 1/eps
+        means = tf.stack([tf.reduce_mean(v) for v in seconds]) / (root * root)
+        positive = means > 0
+        count = tf.reduce_sum(tf.cast(positive, tf.float32))
+        typical = tf.where(count > 0, tf.reduce_sum(tf.where(positive, means, 0.0))
+                           / tf.maximum(count, 1.0), 1.0)
+        memory = self.exchange.memory
+        for i, v, mean in zip(taken, seconds, tf.unstack(means)):
+            var = self.variables[i]
+            floored = tf.maximum(v, mean * (root * root) * VARIANCE_FLOOR)
+            precondition = tf.where(mean > 0, 1.0 / (tf.sqrt(floored) / root + eps),
+                                    1.0 / (tf.sqrt(typical) + eps))
+            scale = self._slot(var, "scale")
+            scale.assign(tf.reshape((1.0 - self.beta1) * precondition, scale.shape))
+            m = tf.reshape(tf.cast(self._slot(var, "m"), tf.float32), [-1])
+            memory.seed(i, precondition * m)
+        return tf.constant(True)
+
+    # -- the frozen step -------------------------------------------------------------
+    def frozen_step(self, variable, average, lr, local_step):
+        """``x -= lr / (1 - beta1^t) * average`` (AdamW's decay: Keras', before)."""
+        dtype = variable.dtype
+        alpha = tf.cast(lr, dtype) / (1.0 - tf.pow(tf.cast(self.beta1, dtype),
+                                                   tf.cast(local_step, dtype)))
+        variable.assign_sub(alpha * tf.cast(average, dtype))
+        return tf.constant(True)
+
+    def is_taken(self, variable):
+        """Whether ``variable``'s update is taken over (DGC exchanges it)."""
+        return self.exchange is not None and id(variable) in self._taken_ids

@@ -1,0 +1,272 @@
+"""Bodies of tests/test_tf_adam.py, run on every rank under horovodrun: Keras' Adam and
+AdamW taken over (hvd_dgc/tensorflow/keras_adam.py) against the NumPy reference
+(tests/reference.py) step by step, in model.fit on digits, through a checkpoint.
+Keras 2 (tf_keras, with its legacy Adam) or Keras 3 by TF_USE_LEGACY_KERAS."""
+
+import os
+import traceback
+
+import numpy as np
+
+from hvd_dgc.adam import VARIANCE_FLOOR
+from tests import reference as ref
+from tests.workers.tf_callbacks import _digits
+from tests.workers.tf_dgc import _identical, _tf
+
+FEATURES, HIDDEN, CLASSES = 12, 40, 6
+
+
+def _legacy():
+    return os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+
+def _classes():
+    """(label, make(lr, betas, eps, wd), Keras' decoupled decay) per optimizer."""
+    tf = _tf()
+    opts = tf.keras.optimizers
+    out = [("AdamW", lambda lr, b, e, wd: opts.AdamW(lr, weight_decay=wd, beta_1=b[0],
+                                                     beta_2=b[1], epsilon=e), True),
+           ("Adam", lambda lr, b, e, wd: opts.Adam(lr, beta_1=b[0], beta_2=b[1], epsilon=e),
+            False)]
+    if _legacy():
+        out.append(("legacy.Adam", lambda lr, b, e, wd: opts.legacy.Adam(
+            lr, beta_1=b[0], beta_2=b[1], epsilon=e), False))
+    return out
+
+
+def _model(keras, seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.layers.Input((FEATURES,)),
+                             keras.layers.Dense(HIDDEN, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def _batch(step, rank, n=8):
+    rng = np.random.RandomState(1000 * step + rank)
+    return (rng.randn(n, FEATURES).astype(np.float32),
+            rng.randint(0, CLASSES, n).astype(np.int32))
+
+
+def _loss(tf, model, x, y):
+    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+        y, model(x), from_logits=True))
+
+
+def _flat(weights):
+    return [np.asarray(w, np.float32).reshape(-1).copy() for w in weights]
+
+
+def _grads_at(tf, model, weights, x, y):
+    """The flat gradients at ``weights`` (the model's weights are left at them)."""
+    for var, w in zip(model.trainable_variables, weights):
+        var.assign(np.reshape(w, var.shape))
+    with tf.GradientTape() as tape:
+        loss = _loss(tf, model, x, y)
+    return _flat(t.numpy() for t in tape.gradient(loss, model.trainable_variables))
+
+
+def _reference(tf, model, start, steps, world, freeze, lr, betas, eps, wd, clip=None):
+    """Keras' Adam on the average of every rank's (clipped) gradient to the freeze, then
+    the memory's momentum on the scaled average (dense: everything sent); the weights
+    after each step. Keras decays AdamW's weights before the step, in both phases."""
+    x = [a.copy() for a in start]
+    n = len(x)
+    m, v = [np.zeros_like(a) for a in x], [np.zeros_like(a) for a in x]
+    out = []
+    for step in range(steps):
+        t = step + 1
+        per_rank = [[ref.local_gradient(g, clip, world)
+                     for g in _grads_at(tf, model, x, *_batch(step, r))] for r in range(world)]
+        avg = [ref.average([g[i] for g in per_rank]) for i in range(n)]
+        if step < freeze:
+            for i in range(n):
+                x[i], m[i], v[i] = ref.keras_adam(x[i], m[i], v[i], avg[i], t, lr, betas, eps, wd)
+            if t == freeze:
+                pre = [ref.frozen_precondition(v[i], t, betas, eps, VARIANCE_FLOOR, keras=True)
+                       for i in range(n)]
+                u = [pre[i] * m[i] for i in range(n)]
+        else:
+            for i in range(n):
+                u[i] = np.float32(betas[0]) * u[i] + ref.frozen_adam_gradient(avg[i], pre[i],
+                                                                              betas[0])
+                if wd:
+                    x[i] = x[i] - x[i] * np.float32(wd) * np.float32(lr)
+                x[i] = ref.frozen_adam_apply(x[i], u[i], t, lr, betas[0])
+        out.append([a.copy() for a in x])
+    return out
+
+
+def _train_step(tf, model, opt):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, model, x, y)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    return step
+
+
+def _scales(opt):
+    """The frozen scales among the optimizer's variables."""
+    from hvd_dgc.tensorflow.keras_optimizers import optimizer_variables
+    return [v for v in optimizer_variables(opt)
+            if "hvd_dgc_scale" in (getattr(v, "path", None) or v.name)]
+
+
+def reference_equivalence():
+    """Each Adam taken over, at density 1 (the dense path; allgather sending every
+    coordinate; DGC's local clipping), equals the reference step by step."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd = 8, 3, 0.01, (0.9, 0.99), 1e-7, 0.05
+    variants = (("dense", dict(min_compress_size=10 ** 9)),
+                ("allgather", dict(density=1.0, aggregation="allgather", min_compress_size=64)),
+                ("clipped", dict(min_compress_size=10 ** 9, clip_norm=0.05)))
+    results = {}
+    for label, make, decoupled in _classes():
+        decay = wd if decoupled else 0.0
+        shadow = _model(tf.keras, 0)
+        start = _flat(v.numpy() for v in shadow.trainable_variables)
+        expected, unclipped = {}, None
+        for variant, options in variants:
+            expected = _reference(tf, shadow, start, steps, world, freeze, lr, betas, eps,
+                                  decay, clip=options.get("clip_norm"))
+            unclipped = expected if unclipped is None else unclipped
+            model = _model(tf.keras, 0)
+            opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay),
+                                           freeze_variance=freeze, **options)
+            step, diffs, phases = _train_step(tf, model, opt), [], []
+            for s in range(steps):
+                step(*_batch(s, rank))
+                ours = _flat(v.numpy() for v in model.trainable_variables)
+                diffs.append(max(float(np.abs(a - b).max())
+                                 for a, b in zip(ours, expected[s])))
+                phases.append(opt.compression_stats()["adam_phase"])
+            scales = _scales(opt)
+            results[f"{label}.{variant}"] = {
+                "diffs": diffs, "phases": phases,
+                "moved": max(float(np.abs(a - b).max())
+                             for a, b in zip(expected[-1], expected[freeze - 1])),
+                "identical": _identical(tf, hvd, model.trainable_variables,
+                                        f"adam.{label}.{variant}"),
+                "scales": len(scales),
+                "scales_set": all(float(np.abs(s.numpy() - 1).max()) > 0.1 for s in scales),
+                "paths": opt.compression_stats()["paths"],
+                "clipped": max(float(np.abs(a - b).max())
+                               for a, b in zip(expected[-1], unclipped[-1])) > 1e-3}
+    return results
+
+
+def fit_digits(epochs=6):
+    """model.fit on digits: AdamW densely (density=1.0) and taken over, frozen at step
+    20, then DGC at 1% (the 4,096-value kernel sparse): accuracy, bytes, phases."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    rank, size = hvd.rank(), hvd.size()
+    (x, y), (xt, yt) = _digits(rank, size)
+    out = {}
+    for tag, options in (("dense", {"density": 1.0}),
+                         ("dgc", {"density": 0.01, "freeze_variance": 20})):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.layers.Input((64,)),
+                                  keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10)])
+        opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.003, weight_decay=0.01),
+                                       **options)
+        model.compile(optimizer=opt, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      **({} if _legacy() else {"jit_compile": False}))
+        history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0,
+                            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                       hvd.callbacks.DGCCallback(verbose=0)])
+        acc = float(np.mean(np.argmax(model.predict(xt, verbose=0), 1) == yt))
+        stats = opt.compression_stats()
+        out[tag] = {"accuracy": acc, "loss": history.history["loss"][-1],
+                    "ratio": stats["compression_ratio"], "paths": stats["paths"],
+                    "phase": stats.get("adam_phase"), "step": stats["step"],
+                    "scales": len(_scales(opt)),
+                    "identical": _identical(tf, hvd, model.trainable_variables
+                                            + _scales(opt), f"adam.fit.{tag}")}
+    return out
+
+
+def checkpoint(ckdir):
+    """After the freeze, model, optimizer (its scales) and DGC's memory (the momentum)
+    through tf.train.Checkpoint; a fresh model and optimizer restored from it take the
+    next steps bit for bit as the uninterrupted run. Controls: the model alone restored
+    (exact Adam again from step 0), and model and optimizer without ``dgc_state`` (Keras
+    2 saves DGC's memory with the optimizer; Keras 3 does not, so the momentum seeded
+    at the freeze is lost)."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank = hvd.rank()
+    path = os.path.join(ckdir, f"adam_rank{rank}")
+    options = dict(freeze_variance=3, density=0.05, min_compress_size=64)
+
+    def build(seed):
+        model = _model(tf.keras, seed)
+        opt = hvd.DistributedOptimizer(tf.keras.optimizers.AdamW(0.01, weight_decay=0.02),
+                                       **options)
+        return model, opt, _train_step(tf, model, opt)
+
+    model, opt, step = build(0)
+    for s in range(5):
+        step(*_batch(s, rank))
+    tf.train.Checkpoint(model=model, optimizer=opt, dgc=opt.dgc_state).write(path)
+    for s in range(5, 8):
+        step(*_batch(s, rank))
+    final = _flat(v.numpy() for v in model.trainable_variables)
+    out = {}
+    for tag, names in (("restored", ("model", "optimizer", "dgc")),
+                       ("without_memory", ("model", "optimizer")), ("model_only", ("model",))):
+        model2, opt2, step2 = build(7)
+        parts = {name: part for name, part in (("model", model2), ("optimizer", opt2),
+                                              ("dgc", opt2.dgc_state)) if name in names}
+        tf.train.Checkpoint(**parts).read(path).expect_partial()
+        for s in range(5, 8):
+            step2(*_batch(s, rank))
+        resumed = _flat(v.numpy() for v in model2.trainable_variables)
+        out[tag] = {"max_diff": max(float(np.abs(a - b).max())
+                                    for a, b in zip(final, resumed)),
+                    "phase": opt2.compression_stats()["adam_phase"],
+                    "step": opt2.compression_stats()["step"]}
+    return out
+
+
+def refusals():
+    """What the take-over cannot honour, refused with the fix; freeze_variance=False
+    leaves Adam on error feedback (said), delay needs PyTorch or a Keras SGD."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    opts = tf.keras.optimizers
+    out = {}
+    for label, fn in (
+            ("clipnorm", lambda: hvd.DistributedOptimizer(opts.Adam(0.01, clipnorm=1.0))),
+            ("ema", lambda: hvd.DistributedOptimizer(opts.AdamW(0.01, use_ema=True))),
+            ("delay", lambda: hvd.DistributedOptimizer(opts.Adam(0.01), delay=2)),
+            ("delay_unfrozen", lambda: hvd.DistributedOptimizer(
+                opts.Adam(0.01), delay=2, freeze_variance=False))):
+        try:
+            fn()
+            out[label] = "NO EXCEPTION"
+        except ValueError as exc:
+            out[label] = str(exc)
+    error_feedback = hvd.DistributedOptimizer(opts.Adam(0.01), freeze_variance=False)
+    out["error_feedback_taken"] = error_feedback._hvd_dgc_adam is not None
+    out["error_feedback_said"] = error_feedback._hvd_dgc.resolved.taken_over.said
+    return out
+
+
+def suite(names, kwargs=None):
+    """Run the named scenarios in one launch; an error is returned, not raised."""
+    import hvd_dgc.tensorflow as hvd
+    hvd.init()
+    results = {}
+    for name in names:
+        try:
+            results[name] = globals()[name](**(kwargs or {}).get(name, {}))
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
