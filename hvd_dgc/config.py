@@ -64,6 +64,9 @@ class DGCConfig:
             local_bandwidth)`` choosing each tensor's path (dense allreduce, sparse
             allgather, region reduce, hierarchical) per density stage. None: 1 Gbit/s
             and 50 us per message between hosts, 10 GB/s and 5 us inside a host.
+            "measure": the link between ranks timed at wrap time with Horovod's own
+            allreduce (well under a second; every rank uses the same numbers, said in
+            rank 0's line; hvd_dgc/linkprobe.py); not under elastic Horovod yet.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" (PyTorch) chooses D from measured compute and waits, the same on every
@@ -117,7 +120,7 @@ class DGCConfig:
     min_compress_size: int = 1024
     momentum_masking: Any = "auto"
     clip_norm: Optional[float] = None
-    cost_model: Optional[CostModel] = None
+    cost_model: Any = None  # a CostModel, "measure" or None
     delay: Any = 0
     period: int = 1
     skip_nonfinite: bool = True
@@ -140,9 +143,11 @@ class DGCConfig:
                 self.clip_norm, (int, float)) or not self.clip_norm > 0):
             raise ValueError(f"clip_norm must be a number > 0 (or None to disable), got "
                              f"{self.clip_norm!r}")
-        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+        if self.cost_model is not None and self.cost_model != "measure" and \
+                not isinstance(self.cost_model, CostModel):
             raise TypeError(f"cost_model must be a hvd_dgc.CostModel(alpha=..., "
-                            f"bandwidth=...), got {self.cost_model!r}")
+                            f"bandwidth=...) or 'measure' (the link timed at wrap time), "
+                            f"got {self.cost_model!r}")
         as_auto_delay(self.delay)
         _check_int("period", self.period, 1,
                    "exchange every period-th step; 1 = every step")

@@ -55,12 +55,22 @@ class Planner:
         self.resolved = resolved
         self.config = resolved.config
         self.compressor = resolved.compressor
-        self.cost_model = self.config.cost_model or CostModel()
+        # "measure": the defaults until the wrapper's probe (linkprobe.py) gives the link
+        self.measure = self.config.cost_model == "measure"
+        self.cost_model = CostModel() if self.measure else self.config.cost_model or CostModel()
+        self.link = None  # the LinkMeasurement, once measured
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
             or (PathKind.DENSE,)
         self.replan(world_size, local_size)
+
+    def measured(self, link):
+        """The probe's ``LinkMeasurement`` (the same on every rank) becomes the cost
+        model between ranks; every choice is made afresh."""
+        if link is not None:
+            self.link, self.cost_model = link, link.cost_model(self.cost_model)
+        self.replan(self.world_size)
 
     def replan(self, world_size, local_size=None):
         """Plan for another world (an elastic reset): every choice is made afresh."""
@@ -242,7 +252,8 @@ class Planner:
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
                        len(self.tensors), framework, sums, period,
-                       self.resolved.taken_over.said)
+                       self.resolved.taken_over.said,
+                       self.link.words() if self.link is not None else "")
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the
@@ -254,7 +265,7 @@ class Planner:
             "dense_fp16": r.dense_fp16,
             "density": repr(r.schedule.config()) if hasattr(r.schedule, "config")
             else getattr(r.schedule, "__qualname__", repr(r.schedule)),
-            "cost_model": repr(self.cost_model.config()),
+            "cost_model": "measure" if self.measure else repr(self.cost_model.config()),
             "tensors": [[t.name, list(t.shape)] for t in self.tensors],
             "sparse_gradients": [t.name for t in self.tensors if t.sliced],
         })

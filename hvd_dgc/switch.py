@@ -130,7 +130,8 @@ def take_over(optimizer, freeze, framework):
 
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
-            compressed, total, framework, sums=("sparse",), period=1, taken_over=""):
+            compressed, total, framework, sums=("sparse",), period=1, taken_over="",
+            link=""):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
@@ -156,4 +157,6 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
         what += f"; delayed averaging, delay={delay}"
     if period > 1:
         what += f"; an exchange every {period} steps (period={period})"
+    if link:
+        what += f"; {link}"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."

@@ -46,6 +46,7 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
+from hvd_dgc.tensorflow.link import measure as measure_link
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire
 from hvd_dgc.tensorflow.statistics import Statistics
@@ -149,6 +150,13 @@ class GradientExchange(tf.Module):
                 _check_consistent_config(self.planner.consistency(
                     momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
                     self.process_set)
+            if self.planner.measure:  # cost_model="measure": every rank agreed to probe
+                if self.elastic:
+                    raise ValueError(
+                        "cost_model='measure' does not run under elastic Horovod yet (a "
+                        "worker that joins later would wait in the probe's collectives "
+                        "alone); pass a hvd_dgc.CostModel(alpha=..., bandwidth=...).")
+                self.planner.measured(measure_link(self.process_set))
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")

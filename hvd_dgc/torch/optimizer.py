@@ -47,6 +47,7 @@ from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelera
 from hvd_dgc.torch.engine import Engine, Member, StepPlace
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
+from hvd_dgc.torch.link import measure as measure_link
 from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.sgd import SGDTakeOver
@@ -105,6 +106,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 _check_consistent_config(self._planner.consistency(**self._horovod_config()),
                                          process_set)
+            if self._planner.measure:  # cost_model="measure": every rank agreed to probe
+                _refuse_elastic_probe()
+                self._planner.measured(measure_link(process_set))
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
@@ -503,6 +507,13 @@ def _fusion_threshold(value):
         raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got "
                          f"{raw!r}")
     return value
+
+
+def _refuse_elastic_probe():
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise ValueError("cost_model='measure' does not run under elastic Horovod yet (a "
+                         "worker that joins later would wait in the probe's collectives "
+                         "alone); pass a hvd_dgc.CostModel(alpha=..., bandwidth=...).")
 
 
 def _check_consistent_config(config, process_set):

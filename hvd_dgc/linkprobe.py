@@ -1,0 +1,101 @@
+"""The link measured, not assumed (``cost_model="measure"``).
+
+The cost model (costmodel.py) chooses each tensor's path from a latency ``alpha`` per
+message and a ``bandwidth``; its defaults describe 1 Gbit/s Ethernet. With
+``cost_model="measure"`` the wrapper times Horovod's own ring allreduce at wrap time
+instead, with the collectives the training will use (same process set, same
+controller), and fits the model's own formula for it::
+
+    dense allreduce of n float32:  t(n) = 2 (N-1) alpha + 2 (N-1)/N * 4n / bandwidth
+
+A one-element allreduce gives the latency; then larger ones, 64 KiB first, each sized from
+the last so that its transfer outweighs the latency (at most 64x larger), until one does
+or the next would overrun the budget; the line through the two gives alpha and the
+bandwidth. Each size is timed twice and the faster kept (the first call of a shape
+negotiates it with Horovod's coordinator; later ones hit its response cache, as a step's
+collectives do). What Horovod adds to a message (its cycle time, the cache's bit
+allreduce) is counted in alpha, as every collective of a step pays it too.
+
+Every rank must take the same decisions, or the probe's own collectives would not
+match: each timing is agreed (the largest over the ranks: the slowest link decides) before
+it decides anything, so the sizes tried, the stop and the result are the same on every
+rank. The framework passes two functions: ``allreduce(numel)``, the seconds this rank
+waited for one allreduce of ``numel`` float32, and ``agree(values)``, their elementwise
+maximum over the ranks. Written once for PyTorch and TensorFlow.
+
+The bandwidth is the effective rate of the largest message timed: on a long round trip
+TCP's window grows over several trips, so a few hundred kilobytes (what fits in the
+budget at 20 ms) see about a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py);
+the model then leans to sparse, the right side on such a link. Only the link between
+ranks is measured; ``local_alpha`` and ``local_bandwidth`` (inside a host, for
+hierarchical DGC) keep their defaults.
+"""
+
+from typing import NamedTuple
+
+from hvd_dgc.aggregation import dense_bytes
+from hvd_dgc.costmodel import CostModel
+
+__all__ = ["LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
+
+#: The probe tries no larger message that would take it past this (agreed time).
+BUDGET_SECONDS = 1.0
+
+#: The first bandwidth message (float32 elements: 64 KiB) and the largest (64 MiB).
+FIRST_NUMEL, LARGEST_NUMEL = 16384, 16 * 1024 * 1024
+
+#: A size is large enough when its transfer takes this many times its latency part.
+TRANSFER_OVER_LATENCY = 2.0
+
+
+class LinkMeasurement(NamedTuple):
+    """What the probe found, the same on every rank."""
+
+    alpha: float       # seconds per message
+    bandwidth: float   # bytes per second
+    seconds: float     # the probe's agreed duration
+    largest: int       # float32 elements of the largest allreduce timed
+
+    def cost_model(self, base=None):
+        """A ``CostModel`` with these numbers between ranks (``base``'s inside a host)."""
+        base = base or CostModel()
+        return CostModel(alpha=self.alpha, bandwidth=self.bandwidth,
+                         local_alpha=base.local_alpha, local_bandwidth=base.local_bandwidth)
+
+    def words(self):
+        """For the rank-0 line."""
+        return (f"link measured: {self.alpha * 1e6:.0f} us per message, "
+                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s (cost_model='measure', "
+                f"{self.seconds:.2f} s)")
+
+
+def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
+    """``LinkMeasurement`` from the framework's timed ``allreduce`` and ``agree`` (see the
+    module docstring); None for a single rank (no link)."""
+    if world < 2:
+        return None
+    spent = 0.0
+
+    def timed(numel, times):
+        """The faster of ``times`` calls, agreed: the slowest rank's."""
+        nonlocal spent
+        local = [allreduce(numel) for _ in range(times)]
+        spent += float(agree([sum(local)])[0])
+        return float(agree([min(local)])[0])
+
+    small = timed(1, 3)  # 2 (N-1) alpha, and 4 bytes' transfer
+    numel = FIRST_NUMEL
+    while True:
+        transfer = max(timed(numel, 2) - small, 0.0)
+        if transfer >= TRANSFER_OVER_LATENCY * small or numel >= LARGEST_NUMEL:
+            break
+        grow = min(64.0, max(4.0, TRANSFER_OVER_LATENCY * small / max(transfer, small / 64)))
+        bigger = min(LARGEST_NUMEL, int(numel * grow))
+        if spent + 2 * (small + transfer * bigger / numel) > budget:
+            break  # the next size would overrun the budget: the line through this one
+        numel = bigger
+    # the line through the two points: t(n) = latency + dense_bytes(n) / bandwidth
+    extra_bytes = dense_bytes(numel, world, 4) - dense_bytes(1, world, 4)
+    bandwidth = extra_bytes / max(transfer, 1e-9)  # (1e-9: a link too fast to time)
+    latency = max(small - dense_bytes(1, world, 4) / bandwidth, 0.0)
+    return LinkMeasurement(latency / (2 * (world - 1)), bandwidth, spent, numel)

@@ -1,0 +1,134 @@
+"""cost_model="measure" (hvd_dgc/linkprobe.py): the probe's arithmetic on links whose
+times are known, its agreement across ranks, and the real thing on 2 Horovod ranks over
+loopback and across the emulated 100 Mbit/s link."""
+
+import json
+import os
+import sys
+import threading
+
+import pytest
+
+from harness.hvdrun import REPO, run
+from hvd_dgc.aggregation import dense_bytes
+from hvd_dgc.costmodel import CostModel
+from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_link
+
+
+def _link(alpha, bandwidth, world, extra=0.0):
+    """A ring allreduce's time by the cost model's formula (plus ``extra`` per call)."""
+    return lambda numel: 2 * (world - 1) * alpha + dense_bytes(numel, world, 4) / bandwidth \
+        + extra
+
+
+@pytest.mark.parametrize("alpha,bandwidth", [(50e-6, 1.25e8), (10e-3, 1.25e7),
+                                             (1e-3, 1.25e9)])
+def test_probe_recovers_the_alpha_and_bandwidth_of_a_known_link(alpha, bandwidth):
+    world = 4
+    link = measure_link(_link(alpha, bandwidth, world), lambda values: values, world)
+    assert link.alpha == pytest.approx(alpha, rel=1e-9)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert link.seconds <= BUDGET_SECONDS + 8 * _link(alpha, bandwidth, world)(link.largest)
+    model = link.cost_model(CostModel(local_alpha=7e-6))
+    assert (model.alpha, model.bandwidth, model.local_alpha) == (link.alpha, link.bandwidth,
+                                                                  7e-6)
+    assert "link measured:" in link.words() and "cost_model='measure'" in link.words()
+
+
+def test_probe_on_one_rank_measures_nothing():
+    assert measure_link(lambda n: 1.0, lambda v: v, 1) is None
+
+
+def test_a_link_too_fast_to_time_stops_at_the_largest_message():
+    link = measure_link(lambda numel: 1e-4, lambda values: values, 2)
+    assert link.largest == LARGEST_NUMEL and link.bandwidth > 1e12
+
+
+def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
+    """Rank 1 sees every allreduce 3 ms slower: each timing is agreed (the maximum)
+    before it decides anything, so both try the same sizes and agree on the result."""
+    world, barrier, board = 2, threading.Barrier(2), [None, None]
+    seen, results = [[], []], [None, None]
+
+    def rank(r):
+        local = _link(2e-3, 1.25e7, world, extra=3e-3 * r)
+
+        def allreduce(numel):
+            seen[r].append(numel)
+            return local(numel)
+
+        def agree(values):
+            board[r] = values
+            barrier.wait()
+            out = [max(a, b) for a, b in zip(*board)]
+            barrier.wait()
+            return out
+        results[r] = measure_link(allreduce, agree, world)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen[0] == seen[1] and len(seen[0]) > 4
+    assert results[0] == results[1]
+    assert results[0].alpha == pytest.approx((4e-3 + 3e-3) / 2, rel=1e-9)  # the slower rank
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    return run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
+               kwargs={"names": ["torch", "tensorflow", "elastic"]})
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
+    outs = [out[framework] for out in loopback]
+    for rank, out in enumerate(outs):
+        assert "error" not in out, (rank, out.get("error"))
+    assert outs[0]["model"] == outs[1]["model"]  # the planner's model: agreed
+    for key in ("alpha", "bandwidth", "largest"):
+        assert outs[0][key] == outs[1][key]
+    out = outs[0]
+    assert 0 < out["alpha"] < 0.05 and out["bandwidth"] > 1e7  # loopback: fast
+    assert out["seconds"] < 1.0  # well under a second
+    assert "link measured:" in out["line"] and "us per message" in out["line"]
+    assert outs[1]["line"] == ""  # rank 0 speaks
+
+
+def test_probe_across_the_emulated_link_measures_its_rate_and_round_trip():
+    from harness.wan import WanLink, available
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"WAN emulator unavailable here: {why}")
+    from harness.launch import run_job
+    rate_mbit, rtt = 100, 0.020
+    with WanLink(rate_mbit=rate_mbit, rtt_ms=rtt * 1e3) as link:
+        results = run_job(link, [sys.executable, "-m", "tests.workers.link_probe"],
+                          env={"PYTHONPATH": REPO}, timeout=300)
+    assert [code for code, _, _ in results] == [0, 0], results
+    outs = [json.loads(out.strip().splitlines()[-1])["torch"] for _, out, _ in results]
+    assert "error" not in outs[0], outs[0].get("error")
+    assert outs[0]["alpha"] == outs[1]["alpha"]
+    out = outs[0]
+    # a message waits at least a one-way trip; Horovod's negotiation adds round trips
+    assert rtt / 2 <= out["alpha"] <= 4 * rtt, out
+    # The rate of the messages it could time within its budget (~300 KB at this round
+    # trip): TCP's window grows over several round trips, so their effective rate is a
+    # fraction of the link's (measured: 4.2 of 12.5 MB/s); never above it
+    nominal = rate_mbit / 8 * 1e6
+    assert nominal / 4 <= out["bandwidth"] <= 1.2 * nominal, out
+    assert out["largest"] > 4 * 16384, out  # grown past its first size
+    assert out["seconds"] < 1.2, out
+
+
+
+def test_a_bad_cost_model_names_the_choices():
+    from hvd_dgc.config import DGCConfig
+    with pytest.raises(TypeError, match="or 'measure' \\(the link timed at wrap time\\)"):
+        DGCConfig(cost_model="fast")
+
+
+def test_measure_is_refused_under_elastic_horovod(loopback):
+    for out in loopback:
+        assert out["elastic"]["error"].startswith(
+            "cost_model='measure' does not run under elastic Horovod yet"), out["elastic"]

@@ -1,0 +1,74 @@
+"""Bodies of tests/test_linkprobe.py, run on every rank: ``cost_model="measure"`` through
+the PyTorch optimizer and the TensorFlow tape (2 real ranks, or across the emulated link
+when run as a script: ``python -m tests.workers.link_probe``)."""
+
+import contextlib
+import io
+import json
+import traceback
+
+
+def _torch():
+    import torch
+    import hvd_dgc.torch as hvd
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       cost_model="measure")
+    link = opt._planner.link
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
+            "largest": link.largest, "line": line.getvalue(),
+            "model": repr(opt._planner.cost_model)}
+
+
+def _tensorflow():
+    import tensorflow as tf
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    variables = [tf.Variable(tf.zeros([64, 64])), tf.Variable(tf.zeros([64]))]
+    exchange = GradientExchange(cost_model="measure")
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        exchange.build(variables)
+    link = exchange.planner.link
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
+            "largest": link.largest, "line": line.getvalue(),
+            "model": repr(exchange.planner.cost_model)}
+
+
+def _elastic():
+    """Under elastic Horovod the probe is refused (a worker that joins would wait alone)."""
+    import os
+    import torch
+    import hvd_dgc.torch as hvd
+    model = torch.nn.Linear(4, 2)
+    os.environ["HOROVOD_ELASTIC"] = "1"
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 cost_model="measure")
+        return {"error": "NO EXCEPTION"}
+    except ValueError as exc:
+        return {"error": str(exc)}
+    finally:
+        del os.environ["HOROVOD_ELASTIC"]
+
+
+def suite(names):
+    import horovod.torch as hvd_torch
+    import horovod.tensorflow as hvd_tf
+    hvd_torch.init()
+    hvd_tf.init()
+    out = {}
+    for name in names:
+        try:
+            out[name] = {"torch": _torch, "tensorflow": _tensorflow, "elastic": _elastic}[name]()
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+if __name__ == "__main__":  # one rank of a job across the emulated link (harness.launch)
+    print(json.dumps(suite(["torch"])), flush=True)
