@@ -121,6 +121,27 @@ def test_keras_fit_gains_a_worker_that_joins_in_step(tmp_path, version):
     assert first["final"] == newcomer["final"]
 
 
+def test_keras_fit_gains_a_worker_after_adamws_variance_froze(tmp_path):
+    """AdamW taken over, frozen at step 5; a worker joins after step 8: it takes rank 0's
+    frozen scales (optimizer variables) and step. Every rank applies the same average,
+    so the weights agree either way; the scales are what a newcomer without them would
+    get wrong (its gradients would enter the average unscaled: 10-1000x off)."""
+    job = _fit_job(tmp_path, "keras3", "keras_add_a_worker_adamw", 1, "localhost:1",
+                   "localhost:2")
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    joined = newcomer["log"][0]["step"]
+    assert joined > 8, joined
+    assert all(e["size"] == 2 for e in first["log"] + newcomer["log"] if e["step"] >= joined)
+    _assert_follows_the_world(first["log"] + newcomer["log"])
+    assert newcomer["stats"]["adam_phase"] == first["stats"]["adam_phase"] == "frozen variance"
+    assert all(e["density"] == 0.01 for e in newcomer["log"])  # sparse from the freeze
+    assert first["final"] == newcomer["final"]
+    assert len(newcomer["scales"]) == 20 * 64 + 64 + 64 * 5 + 5
+    assert newcomer["scales"] == first["scales"]  # rank 0's, not ones
+    assert min(abs(s - 1.0) for s in first["scales"]) > 1e-3
+
+
 def test_keras_fit_gains_a_worker_in_horovods_example_pattern(tmp_path):
     """Horovod's elastic Keras example fits one step before making its state and one in a
     reset callback, before the sync: the newcomer's first step is at DGC step 0 (here

@@ -15,14 +15,17 @@ from tests.workers.tf_dgc import _identical, _tf
 BATCH, STEPS_PER_EPOCH = 16, 10
 
 
-def _compiled(tf, hvd, seed, **options):
-    """A small MLP compiled with hvd_dgc's optimizer over SGD momentum 0.9."""
+def _compiled(tf, hvd, seed, adamw=False, **options):
+    """A small MLP compiled with hvd_dgc's optimizer over SGD momentum 0.9 (``adamw``:
+    over AdamW, taken over)."""
     keras = tf.keras
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.layers.Input((20,)),
                               keras.layers.Dense(64, activation="relu"),
                               keras.layers.Dense(5)])
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **options)
+    base = keras.optimizers.AdamW(0.003, weight_decay=0.01) if adamw else \
+        keras.optimizers.SGD(0.05, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, **options)
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     model.compile(optimizer=opt, **({} if legacy else {"jit_compile": False}),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -89,9 +92,13 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=
                   callbacks=callbacks, verbose=0)
 
     train(state)
+    from hvd_dgc.tensorflow.keras_optimizers import optimizer_variables
+    scales = [np.ravel(v.numpy()) for v in optimizer_variables(opt)
+              if "hvd_dgc_scale" in (getattr(v, "path", None) or v.name)]
     return {"log": log, "rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch,
             "final": np.concatenate([np.ravel(v) for v in model.get_weights()]).tolist(),
-            "stats": opt.compression_stats()}
+            "stats": opt.compression_stats(),
+            "scales": np.concatenate(scales).tolist() if scales else []}
 
 
 def keras_drop_a_worker(flag, epochs=4, trigger=15):
@@ -119,6 +126,14 @@ def keras_add_a_worker(flag, epochs=3, trigger=8):
     by step runs across the join), its residuals start empty."""
     return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
                         density=0.01, warmup=20, warmup_unit="step")
+
+
+def keras_add_a_worker_adamw(flag, epochs=3, trigger=8):
+    """One rank, then two, with AdamW taken over and frozen at step 5: the newcomer
+    joins after the freeze and takes rank 0's frozen scales with the optimizer's
+    variables (its memory's momentum starts empty, as its residuals do)."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4, adamw=True,
+                        density=0.01, freeze_variance=5, min_compress_size=256)
 
 
 def keras_state_commit_restore_sync(steps=6):
