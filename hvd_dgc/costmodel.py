@@ -36,6 +36,18 @@ cross the wire instead of about two, but one Horovod operation fewer waits its
 round trips (bench/results/round_trips.md: 3 round trips for one, 5 for two)::
 
     folded                    (N-1) * n * (w + i) * beta  <=  2(N-1) alpha + dense bytes beta
+
+DGC's own work: a sparse path also selects (thresholds and a scan of the memory, per
+element; the candidates kept, per record) and packs, unpacks and adds every rank's
+records, which the dense path does not. With ``select_element_seconds``,
+``select_record_seconds`` and ``record_seconds`` (0 by default: communication alone;
+``cost_model="measure"`` calibrates them on this device, hvd_dgc/localcost.py) every
+sparse path costs that much more::
+
+    local (sparse paths)      n sigma + k rho_select + k N rho_record
+
+so on a fast link the warm-up's dense-ish stages, where selecting and packing a quarter
+of a tensor costs more than the allreduce it replaces, go dense.
 """
 
 from dataclasses import dataclass
@@ -57,16 +69,23 @@ class CostModel:
 
     The defaults describe 1 Gbit/s Ethernet with 50 us per message, and shared memory
     (5 us, 10 GB/s) inside a host; only the ratio alpha*bandwidth matters for the
-    choice among flat methods, and only for small tensors.
+    choice among flat methods, and only for small tensors. ``select_element_seconds``
+    (per element of a sparse tensor), ``select_record_seconds`` (per record selected)
+    and ``record_seconds`` (per record of every rank unpacked and added): DGC's own
+    work on a sparse path (module docstring); 0, communication alone, by default.
     """
 
     alpha: float = 50e-6
     bandwidth: float = 1.25e8
     local_alpha: float = 5e-6
     local_bandwidth: float = 1e10
+    select_element_seconds: float = 0.0
+    select_record_seconds: float = 0.0
+    record_seconds: float = 0.0
 
     def __post_init__(self):
-        for name in ("alpha", "local_alpha"):
+        for name in ("alpha", "local_alpha", "select_element_seconds",
+                     "select_record_seconds", "record_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0 seconds, got "
                                  f"{getattr(self, name)!r}")
@@ -84,6 +103,11 @@ class CostModel:
         return n1 * self.alpha + allgather_bytes(k, world_size,
                                                  value_bytes + index_bytes) / self.bandwidth
 
+    def local_seconds(self, numel, k, world_size):
+        """DGC's own work on a sparse path beyond the dense path's (module docstring)."""
+        return (numel * self.select_element_seconds + k * self.select_record_seconds
+                + k * world_size * self.record_seconds)
+
     def choose(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                index_bytes=4):
         """DENSE or ALLGATHER for one tensor. Selecting everything is dense; ties go sparse,
@@ -91,7 +115,8 @@ class CostModel:
         if k >= numel:
             return DENSE
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
-        sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes)
+        sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes) + \
+            self.local_seconds(numel, k, world_size)
         return ALLGATHER if sparse <= dense else DENSE
 
     def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
@@ -157,12 +182,15 @@ class CostModel:
             return DENSE
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
+        local = self.local_seconds(numel, k, world_size)  # DGC's own work, sparse paths
         cost = {
             HIERARCHICAL: lambda: self.hierarchical_seconds(
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
-                index_bytes),
-            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes),
-            REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes, index_bytes),
+                index_bytes) + local,
+            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes,
+                                                   index_bytes) + local,
+            REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
+                                                index_bytes) + local,
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
         }
         best, best_cost = None, None
@@ -175,4 +203,5 @@ class CostModel:
 
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
-                self.local_bandwidth)
+                self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
+                self.record_seconds)

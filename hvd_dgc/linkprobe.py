@@ -83,6 +83,7 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
         spent += float(agree([sum(local)])[0])
         return float(agree([min(local)])[0])
 
+    agree([0.0])  # every rank here first: a rank still starting up is not the link
     small = timed(1, 3)  # 2 (N-1) alpha, and 4 bytes' transfer
     numel = FIRST_NUMEL
     while True:

@@ -15,6 +15,7 @@ TensorFlow exchange asks per density stage when it builds its graph.
     planner.consistency(**extra)            what every rank compares at wrap time
 """
 
+import dataclasses
 from typing import NamedTuple
 
 from hvd_dgc.costmodel import CostModel
@@ -58,19 +59,34 @@ class Planner:
         # "measure": the defaults until the wrapper's probe (linkprobe.py) gives the link
         self.measure = self.config.cost_model == "measure"
         self.cost_model = CostModel() if self.measure else self.config.cost_model or CostModel()
-        self.link = None  # the LinkMeasurement, once measured
+        self.link = self.local = None  # LinkMeasurement and LocalCost, once measured
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
             or (PathKind.DENSE,)
         self.replan(world_size, local_size)
 
-    def measured(self, link):
-        """The probe's ``LinkMeasurement`` (the same on every rank) becomes the cost
-        model between ranks; every choice is made afresh."""
+    def measured(self, link, local=None):
+        """The probe's ``LinkMeasurement`` and DGC's ``LocalCost`` on this device (both
+        the same on every rank; either may be None) become the cost model; every choice
+        is made afresh."""
         if link is not None:
             self.link, self.cost_model = link, link.cost_model(self.cost_model)
+        if local is not None:
+            self.local = local
+            self.cost_model = dataclasses.replace(self.cost_model, **local._asdict())
         self.replan(self.world_size)
+
+    def measured_words(self):
+        """What was measured, for the rank-0 line ("" if nothing)."""
+        words = [x.words() for x in (self.link, self.local) if x is not None]
+        large = [t for t in self.tensors if self.large(t)] if self.resolved.sparse else []
+        dense = [(d, sum(self.path(t, d) == PathKind.DENSE for t in large))
+                 for d in self.densities() if d < 1]
+        dense = [f"{n} of {len(large)} at density {d:g}" for d, n in dense if n]
+        if words and dense:  # said once; the statistics count each step's paths
+            words.append(f"dense where sparse would cost more: {', '.join(dense)}")
+        return "; ".join(words)
 
     def replan(self, world_size, local_size=None):
         """Plan for another world (an elastic reset): every choice is made afresh."""
@@ -252,8 +268,7 @@ class Planner:
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
                        len(self.tensors), framework, sums, period,
-                       self.resolved.taken_over.said,
-                       self.link.words() if self.link is not None else "")
+                       self.resolved.taken_over.said, self.measured_words())
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the

@@ -13,7 +13,7 @@ methods change:
 - the update step of a variable DGC exchanges is Adam's own until the freeze, then
   ``x -= lr / (1 - beta1^t) * average`` (t = ``iterations + 1``, Keras' count).
 
-At the end of step ``freeze - 1`` (exchange steps, every rank alike) ``freeze()`` sets
+At the end of step ``freeze - 1`` (exchange steps, every rank alike) ``freeze_now()`` sets
 the scales from Adam's second moment and moves its first moment into DGC's memory as
 ``u = P m``; from then on the memory applies ``beta1`` to the scaled gradient.
 
@@ -37,25 +37,26 @@ ADAM_CLASSES = ("Adam", "AdamW")
 #: The frozen scale's name among the optimizer's variables (and legacy slots).
 SCALE_NAME = "hvd_dgc_scale"
 
-#: Keras options that act on the averaged gradient before the update: after the freeze
-#: the average is of preconditioned momenta, which they would clip or smooth wrongly.
-_REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-            "gradient_accumulation_steps")
+#: Keras options that act on what the optimizer receives, with the fix: after the
+#: freeze it receives averaged preconditioned momenta, which they would act on wrongly.
+_REFUSED = {
+    "clipnorm": "hvd_dgc's clip_norm= (DGC's local clipping, before the memory)",
+    "clipvalue": "hvd_dgc's clip_norm= (DGC's local clipping, before the memory)",
+    "global_clipnorm": "hvd_dgc's clip_norm= (DGC's local clipping, before the memory)",
+    "use_ema": "an exponential moving average of the weights kept by a callback",
+    "gradient_accumulation_steps": "backward_passes_per_step= on hvd_dgc's "
+                                   "DistributedOptimizer (Horovod's accumulation)",
+}
 
 
 def check_keras_adam(name, config):
     """What the take-over cannot honour, refused with the fix (at wrap time)."""
-    for option in _REFUSED:
+    for option, instead in _REFUSED.items():
         if config.get(option):
             raise ValueError(
                 f"hvd_dgc: {name}({option}={config[option]!r}) cannot be taken over: after "
                 f"the freeze the optimizer receives averaged preconditioned momenta, which "
-                f"{option} would act on. Pass hvd_dgc's clip_norm= (DGC's local clipping) "
-                f"instead of Keras' clipping, or freeze_variance=False (Adam's own update "
-                f"on error feedback)." if "clip" in option else
-                f"hvd_dgc: {name}({option}={config[option]!r}) cannot be taken over (the "
-                f"frozen-variance step replaces Adam's). Use hvd_dgc's "
-                f"backward_passes_per_step for accumulation, or pass freeze_variance=False "
+                f"{option} would act on. Use {instead}, or pass freeze_variance=False "
                 f"(Adam's own update on error feedback).")
 
 

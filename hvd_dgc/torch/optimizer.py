@@ -47,7 +47,7 @@ from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelera
 from hvd_dgc.torch.engine import Engine, Member, StepPlace
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
-from hvd_dgc.torch.link import measure as measure_link
+from hvd_dgc.torch.link import measure as measure_link, measure_local
 from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.sgd import SGDTakeOver
@@ -108,7 +108,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                          process_set)
             if self._planner.measure:  # cost_model="measure": every rank agreed to probe
                 _refuse_elastic_probe()
-                self._planner.measured(measure_link(process_set))
+                link = measure_link(process_set)
+                local = None
+                if link is not None and resolved.sparse:  # DGC's own work, this device
+                    local = measure_local(resolved.compressor, process_set,
+                                          resolved.final_density() or 0.001,
+                                          trainable[0].device if trainable else "cpu")
+                self._planner.measured(link, local)
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)

@@ -11,16 +11,20 @@ import traceback
 def _torch():
     import torch
     import hvd_dgc.torch as hvd
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
     line = io.StringIO()
     with contextlib.redirect_stdout(line):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        cost_model="measure")
-    link = opt._planner.link
+    planner = opt._planner
+    link, local = planner.link, planner.local
+    weight = max(planner.tensors, key=lambda t: t.numel)
     return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
             "largest": link.largest, "line": line.getvalue(),
-            "model": repr(opt._planner.cost_model)}
+            "model": repr(planner.cost_model), "local": list(local),
+            "numel": weight.numel,
+            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
 
 
 def _tensorflow():
