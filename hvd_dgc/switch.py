@@ -131,7 +131,7 @@ def take_over(optimizer, freeze, framework):
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
             compressed, total, framework, sums=("sparse",), period=1, taken_over="",
-            link=""):
+            measured=""):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
@@ -157,6 +157,6 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
         what += f"; delayed averaging, delay={delay}"
     if period > 1:
         what += f"; an exchange every {period} steps (period={period})"
-    if link:
-        what += f"; {link}"
+    if measured:  # cost_model="measure": the link, DGC's own work, what runs dense
+        what += f"; {measured}"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."
