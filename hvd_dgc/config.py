@@ -66,9 +66,9 @@ class DGCConfig:
             and 50 us per message between hosts, 10 GB/s and 5 us inside a host.
             "measure": the link between ranks timed at wrap time with Horovod's own
             allreduce (well under a second; every rank uses the same numbers, said in
-            rank 0's line; hvd_dgc/linkprobe.py), and in PyTorch DGC's own work on
-            this device (hvd_dgc/localcost.py), so stages where sparse costs more than
-            dense run dense; not under elastic Horovod yet.
+            rank 0's line; hvd_dgc/linkprobe.py), and DGC's own work on this device
+            (hvd_dgc/localcost.py), so stages where sparse costs more than dense run
+            dense; not under elastic Horovod yet.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" (PyTorch) chooses D from measured compute and waits, the same on every

@@ -24,9 +24,9 @@ waited for one allreduce of ``numel`` float32, and ``agree(values)``, their elem
 maximum over the ranks. Written once for PyTorch and TensorFlow.
 
 The bandwidth is the effective rate of the largest message timed: on a long round trip
-TCP's window grows over several trips, so a few hundred kilobytes (what fits in the
-budget at 20 ms) see about a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py);
-the model then leans to sparse, the right side on such a link. Only the link between
+TCP's window grows over several trips, so the 64-300 KB that fit in the budget at 20 ms
+see a tenth to a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py); the model
+then leans to sparse, the right side on such a link. Only the link between
 ranks is measured; ``local_alpha`` and ``local_bandwidth`` (inside a host, for
 hierarchical DGC) keep their defaults.
 """

@@ -46,7 +46,7 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.tensorflow.link import measure as measure_link
+from hvd_dgc.tensorflow.link import measure as measure_link, measure_local
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire
 from hvd_dgc.tensorflow.statistics import Statistics
@@ -156,7 +156,12 @@ class GradientExchange(tf.Module):
                         "cost_model='measure' does not run under elastic Horovod yet (a "
                         "worker that joins later would wait in the probe's collectives "
                         "alone); pass a hvd_dgc.CostModel(alpha=..., bandwidth=...).")
-                self.planner.measured(measure_link(self.process_set))
+                link = measure_link(self.process_set)
+                local = None
+                if link is not None and self.resolved.sparse:  # DGC's own work, here
+                    local = measure_local(self.compression, self.process_set,
+                                          self.resolved.final_density() or 0.001)
+                self.planner.measured(link, local)
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")

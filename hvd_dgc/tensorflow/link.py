@@ -1,4 +1,6 @@
-"""The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager)."""
+"""The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager), and
+DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own selection
+and records, in a ``tf.function`` as a step runs them: ``cost_model="measure"``."""
 
 import time
 
@@ -7,8 +9,16 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
+from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
 
-__all__ = ["measure"]
+__all__ = ["measure", "measure_local"]
+
+
+def _agree(process_set, name):
+    def agree(values):
+        return _hvd.allreduce(tf.constant(values, tf.float64), op=Max, name=name,
+                              process_set=process_set).numpy().tolist()
+    return agree
 
 
 def measure(process_set):
@@ -20,8 +30,44 @@ def measure(process_set):
         _hvd.allreduce(tensor, op=Sum, name=f"hvd_dgc.probe.{numel}",
                        process_set=process_set).numpy()
         return time.perf_counter() - start
+    return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
+                        process_set.size())
 
-    def agree(values):
-        return _hvd.allreduce(tf.constant(values, tf.float64), op=Max,
-                              name="hvd_dgc.probe.agree", process_set=process_set).numpy().tolist()
-    return measure_link(allreduce, agree, process_set.size())
+
+def measure_local(compressor, process_set, density):
+    """The agreed ``LocalCost`` of a sparse ``compressor`` (``select``, ``pack``,
+    ``scatter_sum``): its selection over a synthetic memory, and the records taken out
+    of the memory, packed and summed, each in a ``tf.function`` (traced first)."""
+    v = tf.Variable(tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0]),
+                    trainable=False)
+    seed = tf.constant([0, 0])
+
+    @tf.function
+    def select(k):
+        return compressor.select(v.read_value(), k, seed)
+
+    @tf.function
+    def records(indices):
+        values = tf.gather(v, indices)  # what leaves the memory
+        v.scatter_nd_update(indices[:, None], tf.zeros_like(values))
+        return compressor.scatter_sum(compressor.pack(values, indices), CALIBRATION_NUMEL)
+
+    def fastest(fn, *args, times=3):
+        fn(*args)  # traced, not timed
+        best = float("inf")
+        for _ in range(times):
+            start = time.perf_counter()
+            out = fn(*args)
+            tf.nest.map_structure(lambda t: t.numpy(), out)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def timed_select(numel, k):
+        return fastest(select, tf.constant(k, tf.int32))
+
+    def timed_records(k):
+        indices = tf.random.stateless_uniform([k], seed=[1, 0], maxval=CALIBRATION_NUMEL,
+                                              dtype=tf.int32)
+        return fastest(records, indices)
+    return calibrate(timed_select, timed_records,
+                     _agree(process_set, "hvd_dgc.calibrate.agree"), density)

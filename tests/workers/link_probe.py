@@ -31,15 +31,20 @@ def _tensorflow():
     import tensorflow as tf
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow.exchange import GradientExchange
-    variables = [tf.Variable(tf.zeros([64, 64])), tf.Variable(tf.zeros([64]))]
+    variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024])),
+                 tf.Variable(tf.zeros([1024, 4]))]
     exchange = GradientExchange(cost_model="measure")
     line = io.StringIO()
     with contextlib.redirect_stdout(line):
         exchange.build(variables)
-    link = exchange.planner.link
+    planner = exchange.planner
+    link, local = planner.link, planner.local
+    weight = max(planner.tensors, key=lambda t: t.numel)
     return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
             "largest": link.largest, "line": line.getvalue(),
-            "model": repr(exchange.planner.cost_model)}
+            "model": repr(planner.cost_model), "local": list(local),
+            "numel": weight.numel,
+            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
 
 
 def _elastic():
