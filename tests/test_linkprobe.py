@@ -80,7 +80,8 @@ def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
 @pytest.fixture(scope="module")
 def loopback():
     return run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
-               kwargs={"names": ["torch", "tensorflow", "elastic"]})
+               kwargs={"names": ["torch", "tensorflow", "elastic", "keras_fit"]},
+               env={"TF_USE_LEGACY_KERAS": "0"})
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
@@ -180,6 +181,17 @@ def test_a_bad_cost_model_names_the_choices():
     from hvd_dgc.config import DGCConfig
     with pytest.raises(TypeError, match="or 'measure' \\(the link timed at wrap time\\)"):
         DGCConfig(cost_model="fast")
+
+
+def test_keras_fit_measures_inside_its_first_step_and_trains(loopback):
+    outs = [out["keras_fit"] for out in loopback]
+    for rank, out in enumerate(outs):
+        assert "error" not in out, (rank, out.get("error"))
+        assert out["measured"] and out["identical"]
+        assert out["loss"][-1] < out["loss"][0]
+    assert outs[0]["model"] == outs[1]["model"]
+    assert "link measured:" in outs[0]["line"] and "DGC's local work measured:" in \
+        outs[0]["line"]
 
 
 def test_measure_is_refused_under_elastic_horovod(loopback):

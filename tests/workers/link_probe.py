@@ -47,6 +47,34 @@ def _tensorflow():
             "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
 
 
+def _keras_fit():
+    """Keras 3 ``model.fit`` with ``cost_model="measure"``: the probe runs inside the
+    first traced step (the exchange's build lifts it out of the trace) on every rank."""
+    import numpy as np
+    import tensorflow as tf
+    import hvd_dgc.tensorflow.keras as hvd
+    from tests.workers.tf_dgc import _identical
+    keras = tf.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((32,)), keras.layers.Dense(64),
+                              keras.layers.Dense(4)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), density=0.01,
+                                   cost_model="measure")
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(hvd.rank())
+    x = rng.randn(64, 32).astype(np.float32)
+    y = rng.randint(0, 4, 64)
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    planner = opt._hvd_dgc.planner
+    return {"line": line.getvalue(), "loss": history.history["loss"],
+            "measured": planner.link is not None and planner.local is not None,
+            "model": repr(planner.cost_model),
+            "identical": _identical(tf, hvd, model.trainable_variables, "probe.fit")}
+
+
 def _elastic():
     """Under elastic Horovod the probe is refused (a worker that joins would wait alone)."""
     import os
@@ -73,7 +101,8 @@ def suite(names):
     out = {}
     for name in names:
         try:
-            out[name] = {"torch": _torch, "tensorflow": _tensorflow, "elastic": _elastic}[name]()
+            out[name] = {"torch": _torch, "tensorflow": _tensorflow, "elastic": _elastic,
+                         "keras_fit": _keras_fit}[name]()
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
