@@ -4,7 +4,6 @@ loopback and across the emulated 100 Mbit/s link."""
 
 import json
 import math
-import os
 import sys
 import threading
 
