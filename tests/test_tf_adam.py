@@ -6,14 +6,18 @@ a checkpoint, and what is refused."""
 import pytest
 
 from harness.hvdrun import run
+from tests.test_torch_optimizer import _checked
 
-SCENARIOS = ["reference_equivalence", "fit_digits", "checkpoint", "refusals"]
+# tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name")
+SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
+             "tf_adam.refusals"]
 
 
 def _launch(legacy, ckdir):
-    return run("tests.workers.tf_adam:suite", np=2, controller="gloo", timeout=480,
+    return run("tests.workers.tf_dgc:suite", np=2, controller="gloo", timeout=480,
                env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"},
-               kwargs={"names": SCENARIOS, "kwargs": {"checkpoint": {"ckdir": ckdir}}})
+               kwargs={"names": SCENARIOS,
+                       "kwargs": {"tf_adam.checkpoint": {"ckdir": ckdir}}})
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +35,10 @@ def results(request):
     return request.getfixturevalue(request.param), request.param
 
 
-def _checked(results, name):
-    for rank, out in enumerate(results):
-        if isinstance(out[name], dict) and "error" in out[name]:
-            pytest.fail(f"rank {rank} raised in {name}:\n{out[name]['error']}")
-    return [out[name] for out in results]
-
-
 def test_keras_adam_taken_over_equals_the_reference_at_density_one(results):
     outs, version = results
     classes = ("AdamW", "Adam") + (("legacy.Adam",) if version == "keras2" else ())
-    for out in _checked(outs, "reference_equivalence"):
+    for out in _checked(outs, "tf_adam.reference_equivalence"):
         assert set(out) == {f"{c}.{v}" for c in classes
                             for v in ("dense", "allgather", "clipped")}
         for name, res in out.items():
@@ -60,7 +57,7 @@ def test_keras_adam_taken_over_equals_the_reference_at_density_one(results):
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):
     outs, _ = results
-    for out in _checked(outs, "fit_digits"):
+    for out in _checked(outs, "tf_adam.fit_digits"):
         dense, dgc = out["dense"], out["dgc"]
         assert dense["ratio"] == 1.0 and dense["phase"] is None  # density=1.0: not taken
         assert dgc["phase"] == "frozen variance" and dgc["step"] > 100
@@ -74,7 +71,7 @@ def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):
 
 def test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum(results):
     outs, version = results
-    for out in _checked(outs, "checkpoint"):
+    for out in _checked(outs, "tf_adam.checkpoint"):
         assert out["restored"]["max_diff"] == 0.0, out
         assert out["restored"]["phase"] == "frozen variance" and out["restored"]["step"] == 8
         assert out["model_only"]["step"] == 3  # from step 0: exact Adam to the freeze again
@@ -87,7 +84,7 @@ def test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum(results)
 
 def test_keras_adam_refusals_name_the_option_and_the_fix(results):
     outs, _ = results
-    for out in _checked(outs, "refusals"):
+    for out in _checked(outs, "tf_adam.refusals"):
         assert "Adam(clipnorm=1.0) cannot be taken over" in out["clipnorm"]
         assert "clip_norm=" in out["clipnorm"] and "freeze_variance=False" in out["clipnorm"]
         assert "AdamW(use_ema=True) cannot be taken over" in out["ema"]

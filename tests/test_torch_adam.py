@@ -4,6 +4,7 @@ the NumPy reference step by step, sparse runs, checkpoints."""
 import pytest
 
 from harness.hvdrun import run
+from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
              "period_run", "late_tensor"]
@@ -13,13 +14,6 @@ SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_refer
 def gloo():
     return run("tests.workers.torch_adam:suite", np=2, controller="gloo",
                kwargs={"names": SCENARIOS})
-
-
-def _checked(results, name):
-    for rank, out in enumerate(results):
-        if isinstance(out[name], dict) and "error" in out[name]:
-            pytest.fail(f"rank {rank} raised in {name}:\n{out[name]['error']}")
-    return [out[name] for out in results]
 
 
 def test_frozen_adam_equals_the_reference_at_density_one(gloo):

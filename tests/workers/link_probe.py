@@ -8,6 +8,17 @@ import json
 import traceback
 
 
+def _measured(planner, line):
+    """What the planner measured, rank 0's line, and its largest tensor's path per stage."""
+    link, local = planner.link, planner.local
+    weight = max(planner.tensors, key=lambda t: t.numel)
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
+            "largest": link.largest, "line": line.getvalue(),
+            "model": repr(planner.cost_model), "local": list(local),
+            "numel": weight.numel,
+            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
+
+
 def _torch():
     import torch
     import hvd_dgc.torch as hvd
@@ -17,19 +28,11 @@ def _torch():
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        cost_model="measure")
-    planner = opt._planner
-    link, local = planner.link, planner.local
-    weight = max(planner.tensors, key=lambda t: t.numel)
-    return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
-            "largest": link.largest, "line": line.getvalue(),
-            "model": repr(planner.cost_model), "local": list(local),
-            "numel": weight.numel,
-            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
+    return _measured(opt._planner, line)
 
 
 def _tensorflow():
     import tensorflow as tf
-    import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow.exchange import GradientExchange
     variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024])),
                  tf.Variable(tf.zeros([1024, 4]))]
@@ -37,14 +40,7 @@ def _tensorflow():
     line = io.StringIO()
     with contextlib.redirect_stdout(line):
         exchange.build(variables)
-    planner = exchange.planner
-    link, local = planner.link, planner.local
-    weight = max(planner.tensors, key=lambda t: t.numel)
-    return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
-            "largest": link.largest, "line": line.getvalue(),
-            "model": repr(planner.cost_model), "local": list(local),
-            "numel": weight.numel,
-            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
+    return _measured(exchange.planner, line)
 
 
 def _keras_fit():

@@ -1,10 +1,10 @@
 """Bodies of tests/test_tf_adam.py, run on every rank under horovodrun: Keras' Adam and
 AdamW taken over (hvd_dgc/tensorflow/keras_adam.py) against the NumPy reference
 (tests/reference.py) step by step, in model.fit on digits, through a checkpoint.
-Keras 2 (tf_keras, with its legacy Adam) or Keras 3 by TF_USE_LEGACY_KERAS."""
+Keras 2 (tf_keras, with its legacy Adam) or Keras 3 by TF_USE_LEGACY_KERAS; run by
+tests/workers/tf_dgc.py's suite ("tf_adam.<name>")."""
 
 import os
-import traceback
 
 import numpy as np
 
@@ -258,15 +258,3 @@ def refusals():
     out["error_feedback_said"] = error_feedback._hvd_dgc.resolved.taken_over.said
     return out
 
-
-def suite(names, kwargs=None):
-    """Run the named scenarios in one launch; an error is returned, not raised."""
-    import hvd_dgc.tensorflow as hvd
-    hvd.init()
-    results = {}
-    for name in names:
-        try:
-            results[name] = globals()[name](**(kwargs or {}).get(name, {}))
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    return results
