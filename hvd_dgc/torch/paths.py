@@ -140,12 +140,18 @@ class DensePath(_Path):
     kind = PathKind.DENSE
     flat_rank = 3
 
-    def take(self, part):
-        """What leaves the memory: all of ``v`` over the part (stats counted)."""
-        ctx, block, launch = self.ctx, part.launch.block, part.launch
-        v = block.v[part.lo:part.hi]
+    def take(self, part, in_place=False):
+        """What leaves the memory: all of ``v`` over the part (stats counted). A rank's
+        non-finite gradient is in its ``v`` (the guard's flags are read off it), so the
+        payload carries it to every rank's average without being poisoned. ``in_place``:
+        ``v`` itself where it can go (fp32, nothing kept for delayed averaging), cleared
+        once its average is read (``collect``): one pass over it fewer than a copy."""
+        ctx, launch = self.ctx, part.launch
+        v = launch.block.v[part.lo:part.hi]
         if ctx.dense_fp16:
             payload = self._half(v)
+        elif in_place and self.sends_v(part):
+            payload = v
         else:
             payload = v.clone()
             v.zero_()  # every coordinate left: v cleared, u kept (memory.sent_range)
@@ -153,13 +159,12 @@ class DensePath(_Path):
         for m in part.members:
             ctx.stats.record(m.name, self.kind, m.numel, m.numel, m.numel * size,
                              launch.density)
-        if launch.poison is not None:  # skip_nonfinite: inf where this rank's was not finite
-            bad = launch.poison[list(part.index)].repeat_interleave(
-                counts_on(part.numels, str(v.device)), output_size=v.numel())
-            payload = torch.where(bad, float("inf"), payload)
         if part.own is not None:
             part.own[part.lo:part.hi] = payload
         return payload
+
+    def sends_v(self, part):
+        return not self.ctx.dense_fp16 and part.own is None
 
     def _half(self, v):
         """fp16wire.fp16_payload, in place on the memory's ``v``: at most the bound on the
@@ -172,16 +177,19 @@ class DensePath(_Path):
         return payload
 
     def launch(self, part):
-        payload = self.take(part)
+        payload = self.take(part, in_place=True)
         w = self.ctx.wire
         pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
+        sent_in_place = payload if self.sends_v(part) else None
         return _hvd.allreduce_async_(payload, name=part.launch.name + ".dense", op=w.op,
                                      prescale_factor=pre, postscale_factor=post,
-                                     process_set=w.process_set), part
+                                     process_set=w.process_set), part, sent_in_place
 
     def collect(self, handle, out):
-        handle, part = handle
+        handle, part, sent_in_place = handle
         out.assign(part.lo, part.hi, _hvd.synchronize(handle))
+        if sent_in_place is not None:  # the memory's v went: cleared once read
+            sent_in_place.zero_()
 
 
 class _Picked(NamedTuple):
