@@ -30,8 +30,9 @@ dgc = parser.add_argument_group("hvd_dgc")
 dgc.add_argument("--dgc", action="store_true", help="Deep Gradient Compression (hvd_dgc)")
 dgc.add_argument("--density", type=float, default=0.001)
 dgc.add_argument("--delay", type=int, default=0, help="delayed gradient averaging steps")
-dgc.add_argument("--measure", action="store_true",
-                 help="cost_model='measure': the link and DGC's own work timed at wrap time")
+dgc.add_argument("--assumed-link", action="store_true",
+                 help="cost_model=hvd_dgc.CostModel(): a 1 Gbit/s link assumed, not measured "
+                      "(by default the link and DGC's own work are timed at wrap time)")
 args = parser.parse_args()
 
 # The one-line switch: hvd_dgc.torch is horovod.torch plus DGC's optimizer and compressors.
@@ -75,8 +76,8 @@ def main():
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     if args.dgc:
         options = dict(density=args.density, delay=args.delay)
-        if args.measure:
-            options["cost_model"] = "measure"
+        if args.assumed_link:
+            options["cost_model"] = hvd.CostModel()
     else:
         options = {}
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),

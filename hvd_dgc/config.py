@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, freeze_steps
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
-from hvd_dgc.costmodel import CostModel
+from hvd_dgc.costmodel import CostModel, default_cost_model
 from hvd_dgc.masking import check_masking
 from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
 from hvd_dgc.schedule import DensitySchedule, as_schedule
@@ -62,13 +62,17 @@ class DGCConfig:
             the memory (DGC Sec. 3.3); None: off.
         cost_model: ``hvd_dgc.CostModel(alpha, bandwidth, local_alpha,
             local_bandwidth)`` choosing each tensor's path (dense allreduce, sparse
-            allgather, region reduce, hierarchical) per density stage. None: 1 Gbit/s
-            and 50 us per message between hosts, 10 GB/s and 5 us inside a host.
-            "measure": the link between ranks timed at wrap time with Horovod's own
-            allreduce (well under a second; every rank uses the same numbers, said in
-            rank 0's line; hvd_dgc/linkprobe.py), and DGC's own work on this device
-            (hvd_dgc/localcost.py), so stages where sparse costs more than dense run
-            dense; not under elastic Horovod yet.
+            allgather, region reduce, hierarchical) per density stage; ``CostModel()``:
+            1 Gbit/s and 50 us per message between hosts, 10 GB/s and 5 us inside a
+            host. "measure" (what None means, unless the environment sets
+            ``HVD_DGC_COST_MODEL=assumed``: ``CostModel()``, the same paths every run):
+            the link between ranks timed at wrap time with Horovod's own allreduce (well
+            under a second; every rank uses the same numbers, said in rank 0's line;
+            hvd_dgc/linkprobe.py), and DGC's own work on this device
+            (hvd_dgc/localcost.py), so tensors and stages where sparse costs more than
+            dense run dense. Under elastic Horovod PyTorch measures at each sync of
+            ``hvd.elastic.TorchState`` (after a reset too); TensorFlow keeps
+            ``CostModel()`` there.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" (PyTorch) chooses D from measured compute and waits, the same on every
@@ -323,9 +327,14 @@ class DGCConfig:
             # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
             # optimizer's checkpoint, not to the shared Compression.dgc default.
             compressor = compressor()
+        # the link is measured where the script names no cost model (and there is a
+        # choice to make: a dense optimizer has none)
+        cost_model = CostModel() if kind == "dense" and self.cost_model is None else \
+            self.cost_model if self.cost_model is not None else default_cost_model()
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
                         aggregations, freeze,
-                        take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver())
+                        take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
+                        cost_model)
 
 
 class Framework(NamedTuple):
@@ -385,6 +394,7 @@ class Resolved(NamedTuple):
     aggregations: tuple    # the PathKinds the cost model may choose among
     freeze: Optional[int] = None  # Adam taken over: its second moment frozen here (adam.py)
     taken_over: TakeOver = TakeOver()  # what of the optimizer's update DGC applies, in words
+    cost_model: Any = None  # a CostModel, or "measure" (the default: costmodel.py)
 
     @property
     def sparse(self):

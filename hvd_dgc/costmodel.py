@@ -48,14 +48,24 @@ sparse path costs that much more::
 
 so on a fast link the warm-up's dense-ish stages, where selecting and packing a quarter
 of a tensor costs more than the allreduce it replaces, go dense.
+
+Where the script passes no ``cost_model``, the link is measured (``"measure"``,
+hvd_dgc/linkprobe.py) unless the environment says ``HVD_DGC_COST_MODEL=assumed``: the
+defaults below, so that the same script takes the same paths on every run (the measured
+numbers move a little from run to run, and with them the paths of tensors near the
+break-even).
 """
 
+import os
 from dataclasses import dataclass
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.paths import AGGREGATIONS, PathKind
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "default_cost_model", "COST_MODEL_ENV"]
+
+#: The environment variable that chooses the cost model where the script passes none.
+COST_MODEL_ENV = "HVD_DGC_COST_MODEL"
 
 DENSE, ALLGATHER, REGION, HIERARCHICAL = (PathKind.DENSE, PathKind.ALLGATHER, PathKind.REGION,
                                           PathKind.HIERARCHICAL)
@@ -205,3 +215,17 @@ class CostModel:
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
                 self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
                 self.record_seconds)
+
+
+def default_cost_model(environ=None):
+    """The cost model where the script passes none: ``"measure"``, or ``CostModel()``
+    with ``HVD_DGC_COST_MODEL=assumed`` (module docstring)."""
+    raw = (os.environ if environ is None else environ).get(COST_MODEL_ENV, "")
+    value = raw.strip().lower() or "measure"
+    if value == "measure":
+        return "measure"
+    if value == "assumed":
+        return CostModel()
+    raise ValueError(f"{COST_MODEL_ENV}={raw!r}: expected 'measure' (the link timed at wrap "
+                     f"time, the default) or 'assumed' (1 Gbit/s and 50 us per message: "
+                     f"the same paths on every run); or pass cost_model= to the optimizer.")

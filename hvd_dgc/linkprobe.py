@@ -1,10 +1,11 @@
-"""The link measured, not assumed (``cost_model="measure"``).
+"""The link measured, not assumed (``cost_model="measure"``, the default).
 
 The cost model (costmodel.py) chooses each tensor's path from a latency ``alpha`` per
-message and a ``bandwidth``; its defaults describe 1 Gbit/s Ethernet. With
-``cost_model="measure"`` the wrapper times Horovod's own ring allreduce at wrap time
-instead, with the collectives the training will use (same process set, same
-controller), and fits the model's own formula for it::
+message and a ``bandwidth``; ``CostModel()``'s describe 1 Gbit/s Ethernet. Unless the
+script passes a ``CostModel`` (or the environment says ``HVD_DGC_COST_MODEL=assumed``)
+the wrapper times Horovod's own ring allreduce at wrap time instead (PyTorch under
+elastic Horovod: at each sync, where every rank is), with the collectives the training
+will use (same process set, same controller), and fits the model's own formula for it::
 
     dense allreduce of n float32:  t(n) = 2 (N-1) alpha + 2 (N-1)/N * 4n / bandwidth
 

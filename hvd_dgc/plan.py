@@ -56,10 +56,13 @@ class Planner:
         self.resolved = resolved
         self.config = resolved.config
         self.compressor = resolved.compressor
-        # "measure": the defaults until the wrapper's probe (linkprobe.py) gives the link
-        self.measure = self.config.cost_model == "measure"
-        self.cost_model = CostModel() if self.measure else self.config.cost_model or CostModel()
+        # "measure" (the default): CostModel()'s numbers until the wrapper's probe
+        # (linkprobe.py) gives the link
+        self.measure = resolved.cost_model == "measure"
+        self.cost_model = resolved.cost_model if isinstance(resolved.cost_model, CostModel) \
+            else CostModel()
         self.link = self.local = None  # LinkMeasurement and LocalCost, once measured
+        self.unmeasured = ""  # why the link was not measured where it was to be, in words
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -80,6 +83,8 @@ class Planner:
     def measured_words(self):
         """What was measured, for the rank-0 line ("" if nothing)."""
         words = [x.words() for x in (self.link, self.local) if x is not None]
+        if self.unmeasured:
+            words.append(self.unmeasured)
         large = [t for t in self.tensors if self.large(t)] if self.resolved.sparse else []
         dense = [(d, sum(self.path(t, d) == PathKind.DENSE for t in large))
                  for d in self.densities() if d < 1]
@@ -258,12 +263,15 @@ class Planner:
         sums = self._sums(final)
         sparse_at_final = not self.resolved.sparse or bool(sums - {PathKind.DENSE})
         return idle_warning(self.kind_name(), self.min_compress_size, large, sparse_at_final,
-                            final, self.world_size)
+                            final, self.world_size, self.link is not None)
 
     def summary(self, framework, delay, period=1, density_now=1.0):
         """The line rank 0 prints at wrap time: what runs and how to turn it off."""
         final, warm = self._final(density_now)
-        large = sum(1 for t in self.tensors if self.large(t))
+        large = [t for t in self.tensors if self.large(t)]
+        if self.resolved.sparse:  # those the cost model sends dense even at the final density
+            large = [t for t in large if self.path(t, final) != PathKind.DENSE]
+        large = len(large)
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,

@@ -84,14 +84,22 @@ def dense_requested(density, warmup):
             and float(density) == 1.0 and not warmup)
 
 
-def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world):
+def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world,
+                 measured=False):
     """Why DGC would do nothing with this set-up, or None: no tensor of
     ``min_compress_size`` elements (``large`` is False), or a final density at which the
-    cost model sends every large tensor dense (``sparse_at_final`` is False)."""
+    cost model sends every large tensor dense (``sparse_at_final`` is False; ``measured``:
+    on the link the probe timed, which is then the right choice)."""
     if not large:
         return (f"hvd_dgc: no trainable tensor has min_compress_size={min_compress_size} "
                 f"elements or more, so every tensor goes dense and {kind} does nothing; "
                 f"lower min_compress_size, or pass density=1.0 to say dense.")
+    if not sparse_at_final and measured:
+        return (f"hvd_dgc: on the link measured between the {world} ranks, a dense allreduce "
+                f"of each tensor costs less than selecting and sending density {density:g} "
+                f"of it, so DGC sends every tensor dense (as Horovod does); to compress "
+                f"anyway, pass cost_model=hvd_dgc.CostModel(alpha=..., bandwidth=...) for "
+                f"the link you expect.")
     if not sparse_at_final:
         return (f"hvd_dgc: at density {density:g} and {world} ranks the cost model sends "
                 f"every tensor dense (a sparse allgather would cost more), so DGC does "
@@ -147,7 +155,8 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
         what = (f"{'DGC' if kind == 'dgc' else kind} at density {density:g}"
                 f"{', ' + warmup if warmup else ', no warm-up'}: {compressed} of "
                 f"{total} tensors sparse ({values} records, {_sums(sums)}), the rest dense "
-                f"(< {min_compress_size} elements, {dense_values} allreduce)")
+                f"(< {min_compress_size} elements{', or dense costs less' if measured else ''}"
+                f", {dense_values} allreduce)")
     else:
         what = (f"compressor {kind} on {compressed} of {total} tensors, the rest dense "
                 f"({dense_values} allreduce)")

@@ -80,7 +80,7 @@ def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
 def loopback():
     return run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
                kwargs={"names": ["torch", "tensorflow", "elastic", "keras_fit"]},
-               env={"TF_USE_LEGACY_KERAS": "0"})
+               env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""})  # the default
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
@@ -126,7 +126,7 @@ def test_probe_across_the_emulated_link_measures_its_rate_and_round_trip():
     rate_mbit, rtt = 100, 0.020
     with WanLink(rate_mbit=rate_mbit, rtt_ms=rtt * 1e3) as link:
         results = run_job(link, [sys.executable, "-m", "tests.workers.link_probe"],
-                          env={"PYTHONPATH": REPO}, timeout=300)
+                          env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": ""}, timeout=300)
     assert [code for code, _, _ in results] == [0, 0], results
     outs = [json.loads(out.strip().splitlines()[-1])["torch"] for _, out, _ in results]
     assert "error" not in outs[0], outs[0].get("error")
@@ -193,7 +193,47 @@ def test_keras_fit_measures_inside_its_first_step_and_trains(loopback):
         outs[0]["line"]
 
 
-def test_measure_is_refused_under_elastic_horovod(loopback):
-    for out in loopback:
-        assert out["elastic"]["error"].startswith(
-            "cost_model='measure' does not run under elastic Horovod yet"), out["elastic"]
+def test_under_elastic_torch_measures_at_the_sync_and_tensorflow_assumes(loopback):
+    synced = [out["elastic"]["synced"] for out in loopback]
+    for rank, out in enumerate(loopback):
+        assert "error" not in out["elastic"], (rank, out["elastic"]["error"])
+        assert out["elastic"]["wrapped"] == "None"  # a joining worker wraps alone
+    assert synced[0]["model"] == synced[1]["model"]
+    assert synced[0]["alpha"] == synced[1]["alpha"] and synced[0]["bandwidth"] > 1e7
+    assert synced[0]["line"].startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")
+    assert synced[1]["line"] == ""
+    tf_default = loopback[0]["elastic"]["tf_default"]
+    assert tf_default["link"] == "None" and tf_default["model"] == repr(CostModel())
+    assert "link assumed (1 Gbit/s, 50 us per message): not measured under elastic " \
+        "Horovod in TensorFlow yet" in tf_default["line"]
+    assert loopback[0]["elastic"]["tf_measure"].startswith(
+        "cost_model='measure' does not run under elastic Horovod in TensorFlow yet")
+
+
+def test_the_default_is_measure_unless_the_environment_says_assumed():
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.costmodel import default_cost_model
+    assert default_cost_model({}) == "measure" == default_cost_model(
+        {"HVD_DGC_COST_MODEL": ""}) == default_cost_model({"HVD_DGC_COST_MODEL": "Measure"})
+    assert default_cost_model({"HVD_DGC_COST_MODEL": "assumed"}) == CostModel()
+    with pytest.raises(ValueError, match="HVD_DGC_COST_MODEL='fast': expected 'measure'"):
+        default_cost_model({"HVD_DGC_COST_MODEL": "fast"})
+    # what a wrapper resolves: the environment only where the script names no cost model
+    model = CostModel(alpha=1e-3)
+    assert _resolved(DGCConfig(cost_model=model), "") == model
+    assert _resolved(DGCConfig(cost_model="measure"), "assumed") == "measure"
+    assert _resolved(DGCConfig(), "assumed") == CostModel()
+    assert _resolved(DGCConfig(), "") == "measure"
+    # a dense optimizer has nothing to choose: nothing measured
+    assert _resolved(DGCConfig(density=1.0), "") == CostModel()
+
+
+def _resolved(config, environ):
+    import os
+    from unittest import mock
+    from hvd_dgc.config import HorovodArguments
+    from hvd_dgc.torch.compression import Compression
+    from hvd_dgc.torch.optimizer import TORCH
+    args = HorovodArguments("average", 1.0, 1, None, ("average", "sum", "adasum"))
+    with mock.patch.dict(os.environ, {"HVD_DGC_COST_MODEL": environ}):
+        return config.resolve(TORCH, Compression.dgc, args, (True, "SGD")).cost_model

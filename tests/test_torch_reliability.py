@@ -200,9 +200,9 @@ def test_killed_rank_fails_the_job_within_bounded_time():
             job.stdout), job.output()
 
 
-def _elastic_job(tmp_path, worker, np, slots_before, slots_after, max_np=2):
+def _elastic_job(tmp_path, worker, np, slots_before, slots_after, max_np=2, env=None):
     job = elastic_launch(f"tests.workers.torch_elastic:{worker}", tmp_path, np, slots_before,
-                         slots_after, max_np)
+                         slots_after, max_np, env=env)
     assert job.returncode == 0, job.output()
     return job
 
@@ -266,8 +266,10 @@ def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     """Start with one slot; at step 8 the discovery script offers two. The newcomer
     wraps its optimizer alone (no wrap-time config collective under elastic, or it
     would hang), receives the last commit and hvd_dgc's step (elastic_state.py), and
-    trains in lock-step with rank 0 through a warm-up by step."""
-    job = _elastic_job(tmp_path, "add_a_worker", 1, "localhost:1", "localhost:2")
+    trains in lock-step with rank 0 through a warm-up by step. With the default cost
+    model: the link is measured at the sync after the join, on both ranks alike."""
+    job = _elastic_job(tmp_path, "add_a_worker", 1, "localhost:1", "localhost:2",
+                       env={"HVD_DGC_COST_MODEL": ""})
     assert sorted(job.results) == [0, 1], job.output()
     first, newcomer = job.results[0]["log"], job.results[1]["log"]
     assert first[-1]["step"] == 30 and newcomer[-1]["step"] == 30
@@ -278,3 +280,8 @@ def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
                if e["step"] >= joined)
     # hvd_dgc's step came from rank 0 (its warm-up by step decides every rank's density)
     assert all(e["dgc_step"] == e["step"] for e in first + newcomer)
+    # alone there is no link; after the join both measured the same one at the sync
+    assert all(e["link"] is None for e in first if e["step"] < joined)
+    links = {tuple(e["link"]) for e in first + newcomer if e["step"] >= joined}
+    assert len(links) == 1 and list(links)[0][1] > 1e7, links
+    assert "hvd_dgc: elastic sync at 2 ranks: link measured:" in job.stdout

@@ -150,12 +150,17 @@ class GradientExchange(tf.Module):
                 _check_consistent_config(self.planner.consistency(
                     momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
                     self.process_set)
-            if self.planner.measure:  # cost_model="measure": every rank agreed to probe
-                if self.elastic:
+            if self.planner.measure and self.elastic:
+                if self.config.cost_model == "measure":
                     raise ValueError(
-                        "cost_model='measure' does not run under elastic Horovod yet (a "
-                        "worker that joins later would wait in the probe's collectives "
-                        "alone); pass a hvd_dgc.CostModel(alpha=..., bandwidth=...).")
+                        "cost_model='measure' does not run under elastic Horovod in "
+                        "TensorFlow yet (a worker that joins later would wait in the "
+                        "probe's collectives alone; PyTorch measures at each sync); pass a "
+                        "hvd_dgc.CostModel(alpha=..., bandwidth=...).")
+                self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per message): "
+                                           "not measured under elastic Horovod in "
+                                           "TensorFlow yet")
+            elif self.planner.measure:  # every rank agreed to probe (the default)
                 link = measure_link(self.process_set)
                 local = None
                 if link is not None and self.resolved.sparse:  # DGC's own work, here

@@ -106,15 +106,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 _check_consistent_config(self._planner.consistency(**self._horovod_config()),
                                          process_set)
-            if self._planner.measure:  # cost_model="measure": every rank agreed to probe
-                _refuse_elastic_probe()
-                link = measure_link(process_set)
-                local = None
-                if link is not None and resolved.sparse:  # DGC's own work, this device
-                    local = measure_local(resolved.compressor, process_set,
-                                          resolved.final_density() or 0.001,
-                                          trainable[0].device if trainable else "cpu")
-                self._planner.measured(link, local)
+            if os.environ.get("HOROVOD_ELASTIC") != "1":
+                self._measure(process_set, trainable)  # elastic: at each sync instead
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
@@ -134,6 +127,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda *_, p=p: self._scheduler.ready(p)))
+
+    def _measure(self, process_set, trainable):
+        """The link and DGC's own work on this device, measured (the default cost model:
+        hvd_dgc/linkprobe.py, hvd_dgc/localcost.py): every rank of ``process_set`` calls
+        this at the same point (the wrapper; elastic: each sync)."""
+        if not self._planner.measure:
+            return
+        resolved = self._resolved
+        link = measure_link(process_set)
+        local = None
+        if link is not None and resolved.sparse:  # DGC's own work, this device
+            local = measure_local(resolved.compressor, process_set,
+                                  resolved.final_density() or 0.001,
+                                  trainable[0].device if trainable else "cpu")
+        self._planner.measured(link, local)
 
     def _take_over(self, included):
         """What of the wrapped optimizer's update DGC's memory applies: SGD's momentum
@@ -437,6 +445,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         window of measurements."""
         self._progress.step, self._progress.epoch, delay = state
         self._lagging.resume_delay(delay)
+        if self.process_set.included() and self._planner.measure:
+            # every rank is in this sync: the link of this world measured afresh
+            self._planner.replan(self.process_set.size())
+            self._measure(self.process_set, [p for p in self._param_index if p.requires_grad])
+            if _hvd.rank() == 0 and self._planner.measured_words():
+                print(f"hvd_dgc: elastic sync at {self.process_set.size()} ranks: "
+                      f"{self._planner.measured_words()}", flush=True)
 
 
 # -- wrap time -----------------------------------------------------------------------------
@@ -513,13 +528,6 @@ def _fusion_threshold(value):
         raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got "
                          f"{raw!r}")
     return value
-
-
-def _refuse_elastic_probe():
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise ValueError("cost_model='measure' does not run under elastic Horovod yet (a "
-                         "worker that joins later would wait in the probe's collectives "
-                         "alone); pass a hvd_dgc.CostModel(alpha=..., bandwidth=...).")
 
 
 def _check_consistent_config(config, process_set):

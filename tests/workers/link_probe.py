@@ -1,6 +1,8 @@
-"""Bodies of tests/test_linkprobe.py, run on every rank: ``cost_model="measure"`` through
-the PyTorch optimizer and the TensorFlow tape (2 real ranks, or across the emulated link
-when run as a script: ``python -m tests.workers.link_probe``)."""
+"""Bodies of tests/test_linkprobe.py, run on every rank: the link measured (the default
+where the script names no cost model and ``HVD_DGC_COST_MODEL`` is unset, or
+``cost_model="measure"``) through the PyTorch optimizer and the TensorFlow tape (2 real
+ranks, or across the emulated link when run as a script: ``python -m
+tests.workers.link_probe``)."""
 
 import contextlib
 import io
@@ -24,10 +26,9 @@ def _torch():
     import hvd_dgc.torch as hvd
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
     line = io.StringIO()
-    with contextlib.redirect_stdout(line):
+    with contextlib.redirect_stdout(line):  # the default: the link measured
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       cost_model="measure")
+                                       named_parameters=model.named_parameters())
     return _measured(opt._planner, line)
 
 
@@ -36,7 +37,7 @@ def _tensorflow():
     from hvd_dgc.tensorflow.exchange import GradientExchange
     variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024])),
                  tf.Variable(tf.zeros([1024, 4]))]
-    exchange = GradientExchange(cost_model="measure")
+    exchange = GradientExchange()  # the default: the link measured
     line = io.StringIO()
     with contextlib.redirect_stdout(line):
         exchange.build(variables)
@@ -72,21 +73,41 @@ def _keras_fit():
 
 
 def _elastic():
-    """Under elastic Horovod the probe is refused (a worker that joins would wait alone)."""
+    """Under elastic Horovod a worker that joins wraps alone, so nothing is measured at
+    wrap time: PyTorch measures at each sync of ``hvd.elastic.TorchState`` (every rank is
+    in it; called here as its handler calls it); TensorFlow keeps the assumed link (and
+    refuses an explicit ``cost_model="measure"``)."""
     import os
     import torch
+    import tensorflow as tf
     import hvd_dgc.torch as hvd
-    model = torch.nn.Linear(4, 2)
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
     os.environ["HOROVOD_ELASTIC"] = "1"
+    out = {}
     try:
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(),
-                                 cost_model="measure")
-        return {"error": "NO EXCEPTION"}
-    except ValueError as exc:
-        return {"error": str(exc)}
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        out["wrapped"] = repr(opt._planner.link)
+        line = io.StringIO()
+        with contextlib.redirect_stdout(line):
+            opt.load_shared_state(opt.shared_state())  # as the sync after a reset
+        out["synced"] = _measured(opt._planner, line)
+        variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024]))]
+        exchange = GradientExchange()
+        line = io.StringIO()
+        with contextlib.redirect_stdout(line):
+            exchange.build(variables)
+        out["tf_default"] = {"link": repr(exchange.planner.link), "line": line.getvalue(),
+                             "model": repr(exchange.planner.cost_model)}
+        try:
+            GradientExchange(cost_model="measure").build(variables)
+            out["tf_measure"] = "NO EXCEPTION"
+        except ValueError as exc:
+            out["tf_measure"] = str(exc)
     finally:
         del os.environ["HOROVOD_ELASTIC"]
+    return out
 
 
 def suite(names):

@@ -65,9 +65,11 @@ def add_a_worker(flag, steps=30, grow_at=8, density=0.01):
             loss_of(model, state.step, hvd.rank()).backward()
             opt.step()
             state.step += 1
+            link = opt._planner.link  # the default cost model: measured at each sync
             log.append({"step": state.step, "size": hvd.size(),
                         "identical": ranks_identical(model, f"ea.{state.step}.{hvd.size()}"),
-                        "dgc_step": opt.compression_stats()["step"]})
+                        "dgc_step": opt.compression_stats()["step"],
+                        "link": None if link is None else [link.alpha, link.bandwidth]})
             if state.step == grow_at and hvd.rank() == 0:
                 open(flag, "w").close()
             if state.step >= grow_at and hvd.size() == 1:
