@@ -289,3 +289,37 @@ def frozen_adam_apply(x, average, t, lr, beta1, decoupled_decay=0.0):
     if decoupled_decay:
         x = x * F32(1.0 - lr * decoupled_decay)
     return x - F32(lr / (1.0 - beta1 ** t)) * f32(average)
+
+
+# -- the outer loop (hvd_dgc/outer.py) -------------------------------------------------------
+def outer_average(deltas, residuals, sizes, ks=None):
+    """Every rank's pseudo-gradient ``deltas[r]`` (flat) averaged as the outer loop sends
+    it: whole (``ks`` None), or per tensor (``sizes``) the ``ks`` largest
+    ``|residual + delta|`` as records, the rest kept in ``residuals[r]`` (updated in
+    place). Returns the average."""
+    world = len(deltas)
+    if ks is None:
+        return sum(f32(d) for d in deltas) / F32(world)
+    total = np.zeros_like(f32(deltas[0]))
+    for r, delta in enumerate(deltas):
+        v = residuals[r]
+        v += f32(delta)
+        offset = 0
+        for numel, k in zip(sizes, ks):
+            part = v[offset:offset + numel]
+            chosen = np.arange(numel) if k >= numel else np.argsort(-np.abs(part))[:k]
+            total[offset + chosen] += part[chosen]
+            part[chosen] = 0.0
+            offset += numel
+    return total / F32(world)
+
+
+def outer_update(anchor, average, buffer, lr, momentum=0.0, nesterov=False):
+    """The outer step: ``(anchor, buffer)`` after it (buffer None before the first round
+    and with momentum 0)."""
+    anchor, average = f32(anchor), f32(average)
+    if not momentum:
+        return anchor - F32(lr) * average, None
+    buffer = average if buffer is None else f32(buffer) * F32(momentum) + average
+    step = average + buffer * F32(momentum) if nesterov else buffer
+    return anchor - F32(lr) * step, buffer

@@ -13,6 +13,7 @@ from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for read
 
 from hvd_dgc.autodelay import AutoDelay  # noqa: F401
 from hvd_dgc.costmodel import CostModel  # noqa: F401
+from hvd_dgc.outer import OuterLoop  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.torch.compression import (  # noqa: F401
     BF16Compressor, Compression, DGCCompressor, PowerSGDCompressor, QSGDCompressor,

@@ -40,6 +40,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
+from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
@@ -48,6 +49,7 @@ from hvd_dgc.torch.engine import Engine, Member, StepPlace
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
 from hvd_dgc.torch.link import measure as measure_link, measure_local
+from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.sgd import SGDTakeOver
@@ -545,7 +547,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, dense_compression=None,
-                         grad_scaler=None, **options):
+                         grad_scaler=None, outer=None, **options):
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
@@ -566,7 +568,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     the dense path; fp16's rounding error stays in the residual; default fp16 with
     ``compression=Compression.fp16``, else none) and ``grad_scaler`` (the
     ``torch.amp.GradScaler`` in use, so the memory holds unscaled gradients and
-    overflowed steps never enter it).
+    overflowed steps never enter it). ``outer=hvd_dgc.OuterLoop(steps=H, lr=0.7,
+    momentum=0.9)``: an outer loop instead (DiLoCo; hvd_dgc/outer.py): ``optimizer``
+    steps locally and every H-th step the weights' change is averaged (whole, or at
+    ``density`` with error feedback) and applied by outer Nesterov momentum.
 
     With ``torch.optim.SGD`` the memory applies SGD's momentum (momentum correction)
     and weight decay, and the base step runs with both switched off. Sparse gradients
@@ -575,6 +580,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     densifies them first, and they then go through DGC like any dense gradient.
     """
     config = DGCConfig.from_options(options, "torch", "DistributedOptimizer")
+    if outer is not None:
+        check_outer(outer, config, compression in (Compression.dgc, Compression.none),
+                    op == Average)
+        return outer_optimizer(optimizer, named_parameters, outer, config, process_set)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
                       "removed in v0.23.0.", DeprecationWarning)

@@ -1,0 +1,200 @@
+"""The outer loop in PyTorch (hvd_dgc/outer.py says what and why).
+
+``DistributedOptimizer(opt, named_parameters=..., outer=hvd_dgc.OuterLoop(steps=H))``
+returns this: ``step()`` runs the user's own optimizer on this rank's gradients, with no
+collective, and every H-th step ends a round:
+
+    delta = anchor - x                   the weights' change since the last round (flat)
+    v += delta                           this rank's residual (error feedback)
+    send the density's largest |v| of each tensor (records), v -= what was sent
+    a = sum of every rank's records / N  (density 1.0: an allreduce of delta)
+    anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank
+    x = anchor                           every rank starts the next round alike
+
+No backward hook is registered: between rounds the job never waits on the network.
+"""
+
+import contextlib
+import os
+import warnings
+
+import torch
+import horovod.torch as _hvd
+from horovod.torch.mpi_ops import Average
+
+from hvd_dgc.outer import outer_step
+from hvd_dgc.schedule import num_selected
+
+OUTER_KEY = "hvd_dgc_outer"
+INDEX_BYTES = VALUE_BYTES = 4
+
+
+class _OuterLoopOptimizer(torch.optim.Optimizer):
+    # Horovod's broadcast_optimizer_state runs the *base* step (no round) to create
+    # the inner optimizer's state for classes from horovod.torch.optimizer's module.
+    __module__ = "horovod.torch.optimizer"
+    _hvd_dgc_optimizer = True  # hvd.elastic.TorchState's handler (elastic_state.py)
+
+    def __init__(self, params, names, outer, density, min_compress_size, process_set):
+        super(self.__class__, self).__init__(params)
+        self.process_set = process_set
+        self._outer = outer
+        self._density = density
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._names = [names[p] for p in self._params]
+        numels = [p.numel() for p in self._params]
+        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self._numel = sum(numels)
+        self._ks = [n if density >= 1 or n < min_compress_size else num_selected(n, density)
+                    for n in numels]
+        self._anchor = None    # flat float32: the weights every rank holds after a round
+        self._buffer = None    # the outer momentum (flat), the same on every rank
+        self._residual = None  # what this rank has not sent yet (flat; density < 1)
+        self._inner = 0        # inner steps taken
+        self._rounds = 0
+        self._bytes_sent = 0
+
+    # -- the round ----------------------------------------------------------------------
+    def _flat(self):
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+    def _take_anchor(self):
+        """The weights of the first step (after the script's broadcast)."""
+        self._anchor = self._flat()
+
+    def _average(self, delta):
+        """Every rank's ``delta`` averaged: whole (density 1.0), or the density's largest
+        coordinates of ``residual + delta`` per tensor, the rest kept in the residual."""
+        size = self.process_set.size()
+        if self._density >= 1:
+            self._bytes_sent += delta.numel() * VALUE_BYTES
+            return _hvd.allreduce(delta, op=Average, name="hvd_dgc.outer.dense",
+                                  process_set=self.process_set)
+        if self._residual is None:
+            self._residual = torch.zeros_like(delta)
+        v = self._residual.add_(delta)
+        picked = []
+        for offset, numel, k in zip(self._offsets, (p.numel() for p in self._params),
+                                    self._ks):
+            part = v[offset:offset + numel]
+            if k >= numel:
+                picked.append(torch.arange(offset, offset + numel, device=v.device))
+            else:
+                picked.append(part.abs().topk(k, sorted=False).indices + offset)
+        positions = torch.cat(picked)
+        values = v[positions]
+        v[positions] = 0.0  # sent: what stays is owed to a later round
+        self._bytes_sent += positions.numel() * (INDEX_BYTES + VALUE_BYTES)
+        every_pos = _hvd.allgather(positions.to(torch.int32), name="hvd_dgc.outer.positions",
+                                   process_set=self.process_set)
+        every_val = _hvd.allgather(values, name="hvd_dgc.outer.values",
+                                   process_set=self.process_set)
+        total = torch.zeros_like(delta)
+        total.index_add_(0, every_pos.long(), every_val)
+        return total.div_(size)
+
+    def _round(self):
+        with torch.no_grad():
+            delta = self._anchor - self._flat()
+            average = self._average(delta)
+            step, self._buffer = outer_step(self._outer, average, self._buffer)
+            self._anchor.add_(step, alpha=-self._outer.lr)
+            views = [self._anchor[o:o + p.numel()].view_as(p)
+                     for o, p in zip(self._offsets, self._params)]
+            for p, view in zip(self._params, views):
+                p.copy_(view)
+        self._rounds += 1
+
+    # -- Horovod's optimizer API --------------------------------------------------------
+    def step(self, closure=None):
+        """One inner step of the wrapped optimizer; every ``steps``-th ends a round."""
+        if self._anchor is None:
+            self._take_anchor()
+        loss = super(self.__class__, self).step(closure)
+        self._inner += 1
+        if self._inner % self._outer.steps == 0:
+            self._round()
+        return loss
+
+    def synchronize(self):
+        """Nothing to wait for: gradients stay local between rounds."""
+
+    def skip_synchronize(self):
+        return contextlib.nullcontext()
+
+    def flush(self):
+        """Nothing in flight: rounds are synchronous."""
+
+    def compression_stats(self):
+        """The outer loop's counts (this rank): bytes sent over the rounds vs dense fp32."""
+        return {"mode": "outer", "inner_steps": self._inner, "rounds": self._rounds,
+                "steps_per_round": self._outer.steps, "density": self._density,
+                "bytes_sent": self._bytes_sent,
+                "dense_fp32_bytes": self._rounds * self._numel * VALUE_BYTES,
+                "world_size": self.process_set.size()}
+
+    # -- checkpoints and elastic Horovod ------------------------------------------------
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state[OUTER_KEY] = {"inner": self._inner, "rounds": self._rounds,
+                            "bytes_sent": self._bytes_sent, "anchor": self._anchor,
+                            "buffer": self._buffer, "residual": self._residual,
+                            "rank": _hvd.rank()}
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        outer = state_dict.pop(OUTER_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if outer is None:
+            warnings.warn("hvd_dgc: the loaded optimizer state has no outer-loop entry; the "
+                          "round starts afresh from the current weights", UserWarning)
+            self._anchor = self._buffer = self._residual = None
+            return
+        if outer["rank"] != _hvd.rank() and outer["residual"] is not None:
+            warnings.warn(f"hvd_dgc: loading rank {outer['rank']}'s outer-loop residual on "
+                          f"rank {_hvd.rank()}: it holds what that rank had not sent yet",
+                          UserWarning)
+        self._inner, self._rounds = outer["inner"], outer["rounds"]
+        self._bytes_sent = outer["bytes_sent"]
+        self._anchor, self._buffer, self._residual = (
+            None if t is None else t.clone() for t in
+            (outer["anchor"], outer["buffer"], outer["residual"]))
+
+    def shared_state(self):
+        """What every rank must hold alike after an elastic sync: rank 0's count of inner
+        steps, anchor and outer momentum (a rank that joins has no residual)."""
+        return self._inner, self._rounds, self._anchor, self._buffer
+
+    def load_shared_state(self, state):
+        self._inner, self._rounds, self._anchor, self._buffer = state
+
+
+def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
+    """The outer-loop optimizer for ``DistributedOptimizer(..., outer=...)`` (its options
+    checked there)."""
+    from hvd_dgc.torch.optimizer import _name_parameters
+    names = _name_parameters(named_parameters, optimizer.param_groups)
+    density = 1.0 if config.density is None else float(config.density)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_OuterLoopOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, names, outer, density, config.min_compress_size,
+                  process_set)
+    if process_set.included():
+        if os.environ.get("HOROVOD_ELASTIC") != "1":
+            _check_same(wrapped, outer, density, config, process_set)
+        if _hvd.rank() == 0:
+            values = "whole (allreduce)" if density >= 1 else (
+                f"as error-feedback records at density {density:g} of each tensor")
+            print(f"[hvd_dgc] torch: {outer.words()}; the change sent {values}; "
+                  f"{type(optimizer).__name__} steps locally between rounds.", flush=True)
+    return wrapped
+
+
+def _check_same(wrapped, outer, density, config, process_set):
+    """Every rank wrapped alike (one allgather at wrap time, hvd_dgc/consistency.py)."""
+    from hvd_dgc.torch.optimizer import _check_consistent_config
+    _check_consistent_config({"outer": list(outer), "density": density,
+                              "min_compress_size": config.min_compress_size,
+                              "tensors": [[n, list(p.shape)] for n, p in
+                                          zip(wrapped._names, wrapped._params)]}, process_set)

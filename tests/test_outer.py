@@ -1,0 +1,163 @@
+"""The outer loop (hvd_dgc/outer.py, hvd_dgc/torch/outer.py): the update against the
+NumPy reference (hand vectors, then whole runs replayed), synchronous training at H = 1,
+AdamW inside, checkpoints, and the options it refuses. 2 ranks under horovodrun."""
+
+import numpy as np
+import pytest
+import torch
+
+from harness.hvdrun import run
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.outer import OuterLoop, check_outer, outer_step
+from tests import reference as ref
+from tests.test_torch_optimizer import _checked
+from tests.workers.torch_outer import targets
+
+SCENARIOS = ["reference_quadratic", "sync_equivalence", "adamw_trains",
+             "checkpoint_resumes_exactly", "elastic_sync_takes_rank_0s_round"]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    return run("tests.workers.torch_outer:suite", np=2, controller="gloo",
+               kwargs={"names": SCENARIOS})
+
+
+def test_outer_update_hand_vectors():
+    """Nesterov, lr 0.5, momentum 0.9, by hand: round 1 b = a = (0.5, -1), step = a +
+    0.9 b = (0.95, -1.9), anchor (1, 2) -> (0.525, 2.95); round 2 a = (1, 0): b = 0.9 b +
+    a = (1.45, -0.9), step = (2.305, -0.81), anchor -> (-0.6275, 3.355). Heavy ball
+    steps by b itself."""
+    anchor, b = ref.outer_update([1.0, 2.0], [0.5, -1.0], None, 0.5, 0.9, nesterov=True)
+    np.testing.assert_allclose(anchor, [0.525, 2.95], rtol=1e-6)
+    anchor, b = ref.outer_update(anchor, [1.0, 0.0], b, 0.5, 0.9, nesterov=True)
+    np.testing.assert_allclose(b, [1.45, -0.9], rtol=1e-6)
+    np.testing.assert_allclose(anchor, [-0.6275, 3.355], rtol=1e-6)
+    heavy, _ = ref.outer_update([1.0, 2.0], [0.5, -1.0], np.float32([1.0, 1.0]), 0.5, 0.9)
+    np.testing.assert_allclose(heavy, [1 - 0.5 * 1.4, 2 - 0.5 * -0.1], rtol=1e-6)
+    plain, none = ref.outer_update([1.0, 2.0], [0.5, -1.0], None, 1.0)
+    np.testing.assert_allclose(plain, [0.5, 3.0]) and none is None
+    # the framework-free step (what torch runs) is the reference's
+    config = OuterLoop(steps=1, lr=0.5, momentum=0.9, nesterov=True)
+    step, buffer = outer_step(config, np.float32([0.5, -1.0]), None)
+    np.testing.assert_allclose(step, [0.95, -1.9], rtol=1e-6)
+    step, buffer = outer_step(config, np.float32([1.0, 0.0]), buffer)
+    np.testing.assert_allclose(step, [2.305, -0.81], rtol=1e-6)
+
+
+def test_outer_average_hand_vectors():
+    """Two ranks, one tensor of 4, k = 1: rank 0 sends its largest |v| (-3 at 1), rank 1
+    its (2 at 3); the average is their sum / 2 and each keeps the rest."""
+    residuals = [np.zeros(4, np.float32), np.float32([0, 0, 0, 1])]
+    avg = ref.outer_average([np.float32([1, -3, 0.5, 0]), np.float32([0.5, 0, 0, 1])],
+                            residuals, [4], [1])
+    np.testing.assert_allclose(avg, [0, -1.5, 0, 1.0])
+    np.testing.assert_allclose(residuals[0], [1, 0, 0.5, 0])
+    np.testing.assert_allclose(residuals[1], [0.5, 0, 0, 0])
+
+
+def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
+    """The whole run in NumPy: inner SGD on x - T per rank, a round every H steps."""
+    anchor = np.float32(start)
+    xs = [anchor.copy() for _ in range(world)]
+    residuals = [np.zeros_like(anchor) for _ in range(world)]
+    buffer = None
+    for step in range(steps):
+        for r in range(world):
+            t = np.concatenate([a.reshape(-1) for a in targets(step, r)])
+            xs[r] = xs[r] - np.float32(lr) * (xs[r] - t)
+        if (step + 1) % outer.steps == 0:
+            avg = ref.outer_average([anchor - x for x in xs], residuals, sizes, ks)
+            anchor, buffer = ref.outer_update(anchor, avg, buffer, outer.lr, outer.momentum,
+                                              outer.nesterov)
+            xs = [anchor.copy() for _ in range(world)]
+    return xs
+
+
+@pytest.mark.parametrize("variant,ks,steps,nesterov", [
+    ("dense", None, 10, True), ("sparse", [200, 30], 10, True),
+    ("heavy_ball", [500, 30], 9, False)])
+def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, nesterov):
+    outs = [out[variant] for out in _checked(gloo, "reference_quadratic")]
+    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov)
+    xs = _replay(outs[0]["start"], steps, 0.1, outer, [2000, 30], ks)
+    for rank, out in enumerate(outs):
+        np.testing.assert_allclose(out["final"], xs[rank], rtol=1e-5, atol=1e-5)
+        assert out["stats"]["rounds"] == steps // 3 and out["stats"]["inner_steps"] == steps
+    if steps % 3 == 0:  # right after a round every rank holds the anchor, bit for bit
+        assert all(out["identical"] for out in outs)
+    else:  # a round under way: each rank on its own
+        assert not any(out["identical"] for out in outs)
+    stats = outs[0]["stats"]
+    per_round = 2030 * 4 if ks is None else sum(ks) * 8
+    assert stats["bytes_sent"] == stats["rounds"] * per_round
+    assert stats["dense_fp32_bytes"] == stats["rounds"] * 2030 * 4
+
+
+def test_one_inner_step_a_round_with_outer_sgd_of_lr_1_is_synchronous_training(gloo):
+    for out in _checked(gloo, "sync_equivalence"):
+        assert out["moved"] > 1e-2
+        assert max(out["diffs"]) < 2e-6, out["diffs"]  # float rounding of x - (x - lr g)
+        assert all(out["identical"])
+
+
+def test_adamw_inside_trains_and_ranks_meet_at_every_round(gloo):
+    outs = _checked(gloo, "adamw_trains")
+    for out in outs:
+        log = out["log"]
+        assert all(e["identical"] for e in log if e["step"] % 4 == 0)
+        assert not any(e["identical"] for e in log if e["step"] % 4)  # local steps
+        first, last = np.mean([e["loss"] for e in log[:4]]), np.mean([e["loss"] for e in
+                                                                      log[-4:]])
+        assert last < 0.8 * first, (first, last)
+    stats, numels = outs[0]["stats"], outs[0]["numels"]
+    assert stats["rounds"] == 10 and stats["steps_per_round"] == 4
+    ks = [n if n < 1000 else max(1, int(np.ceil(0.05 * n))) for n in numels]
+    assert stats["bytes_sent"] == 10 * 8 * sum(ks)
+    # per inner step, against dense data-parallel's fp32 gradient every step
+    assert stats["bytes_sent"] / (40 * 4 * sum(numels)) < 0.05
+
+
+def test_checkpoint_in_the_middle_of_a_round_resumes_bit_for_bit(gloo):
+    for out in _checked(gloo, "checkpoint_resumes_exactly"):
+        assert out["equal"] and out["rounds"] == 3 and out["inner"] == 14
+
+
+def test_an_elastic_sync_hands_every_rank_rank_0s_round(gloo):
+    for out in _checked(gloo, "elastic_sync_takes_rank_0s_round"):
+        assert out["same"] and out["inner"] == 5 and out["weights_identical"]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"delay": 2}, "with delay=2: the outer loop already exchanges once every 8 steps"),
+    ({"period": 4}, "with period=4"),
+    ({"density": 0.01, "warmup": 2}, "takes density as a number in \\(0, 1\\]"),
+    ({"density": lambda step, epoch: 0.1}, "takes density as a number"),
+])
+def test_options_that_mean_nothing_in_an_outer_loop_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        check_outer(OuterLoop(steps=8), DGCConfig(**options), True, True)
+
+
+@pytest.mark.parametrize("outer,message", [
+    (OuterLoop(steps=0), "steps=0\\): the inner steps per round must be an int >= 1"),
+    (OuterLoop(steps=2.5), "must be an int >= 1"),
+    (OuterLoop(lr=0.0), "lr=0.0\\): the outer learning rate"),
+    (OuterLoop(momentum=1.0), "momentum=1.0\\) must be in \\[0, 1\\)"),
+    (OuterLoop(momentum=0.0), "nesterov=True\\) needs momentum > 0"),
+])
+def test_bad_outer_settings_name_the_fix(outer, message):
+    with pytest.raises(ValueError, match=message):
+        outer.check()
+
+
+def test_the_wrapper_refuses_what_the_outer_loop_cannot_honour():
+    import hvd_dgc.torch as hvd
+    model = torch.nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="outer must be a hvd_dgc.OuterLoop"):
+        hvd.DistributedOptimizer(sgd, outer=8)
+    with pytest.raises(ValueError, match="sends the weights' change as DGC's records"):
+        hvd.DistributedOptimizer(sgd, outer=OuterLoop(), compression=hvd.Compression.powersgd)
+    with pytest.raises(ValueError, match="op must be Average"):
+        hvd.DistributedOptimizer(sgd, outer=OuterLoop(), op=hvd.Sum)
