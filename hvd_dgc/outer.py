@@ -14,6 +14,19 @@ kept in this rank's residual and sent in a later round, nothing lost; ``density=
 sends it whole (an allreduce). With momentum 0, lr 1 and H = 1 the outer step is
 synchronous training exactly (tests/test_outer.py).
 
+``overlap=True`` (Streaming DiLoCo, DiLoCoX): a round's exchange runs while the next
+round's inner steps do, and its average is applied one round late, as delayed gradient
+averaging applies a step's: at the end of round j the average of round j-1 moves the
+shared weights, and each rank goes on from them plus its own change of round j (whose
+average is not known yet)::
+
+    anchor <- anchor - lr * step(average of round j-1)
+    x      <- anchor - d_j            d_j: this rank's own change in round j
+
+so every rank is back on the common trajectory but for its latest round; ``flush()``
+waits for what is in flight and ends the round under way at once (every rank then
+holds the same weights: before evaluating, checkpointing, or at the end).
+
 The outer update, on the average ``a`` of what the ranks sent::
 
     b <- momentum * b + a                  (b: the outer momentum, every rank alike)
@@ -32,12 +45,14 @@ __all__ = ["OuterLoop", "outer_step", "check_outer"]
 
 class OuterLoop(NamedTuple):
     """The outer loop's settings: ``steps`` inner steps per round (H), the outer
-    optimizer's ``lr``, ``momentum`` and ``nesterov``."""
+    optimizer's ``lr``, ``momentum`` and ``nesterov``; ``overlap``: each round's exchange
+    behind the next round's inner steps, applied one round late."""
 
     steps: int = 32
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    overlap: bool = False
 
     def check(self):
         """Raises ValueError naming the bad setting and what works; returns self."""
@@ -57,6 +72,8 @@ class OuterLoop(NamedTuple):
                              f"(DiLoCo uses 0.9; 0: no outer momentum)")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"OuterLoop(nesterov={self.nesterov!r}) must be True or False")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"OuterLoop(overlap={self.overlap!r}) must be True or False")
         if self.nesterov and self.momentum == 0:
             raise ValueError("OuterLoop(nesterov=True) needs momentum > 0; pass "
                              "nesterov=False for a plain outer SGD step")
@@ -67,7 +84,9 @@ class OuterLoop(NamedTuple):
         return (f"outer loop (DiLoCo): {self.steps} inner step(s) per round, then the "
                 f"weights' change averaged and applied by outer {kind} "
                 f"(lr {self.lr:g}" + (f", momentum {self.momentum:g})" if self.momentum
-                                      else ")"))
+                                      else ")")
+                + ("; each exchange overlapped with the next round, applied one round "
+                   "late (flush() before evaluating)" if self.overlap else ""))
 
 
 def outer_step(config, average, momentum_buffer):

@@ -14,7 +14,8 @@ from tests.test_torch_optimizer import _checked
 from tests.workers.torch_outer import targets
 
 SCENARIOS = ["reference_quadratic", "sync_equivalence", "adamw_trains",
-             "checkpoint_resumes_exactly", "elastic_sync_takes_rank_0s_round"]
+             "checkpoint_resumes_exactly", "elastic_sync_takes_rank_0s_round",
+             "overlap_checkpoint_needs_flush"]
 
 
 @pytest.fixture(scope="module")
@@ -57,38 +58,63 @@ def test_outer_average_hand_vectors():
 
 
 def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
-    """The whole run in NumPy: inner SGD on x - T per rank, a round every H steps."""
+    """The whole run in NumPy: inner SGD on x - T per rank, a round every H steps (with
+    ``overlap``, each round's average applied at the end of the next), then ``flush()``.
+    Returns each rank's weights before the flush and after it."""
     anchor = np.float32(start)
     xs = [anchor.copy() for _ in range(world)]
+    starts = [anchor.copy() for _ in range(world)]
     residuals = [np.zeros_like(anchor) for _ in range(world)]
-    buffer = None
+    buffer = pending = None
     for step in range(steps):
         for r in range(world):
             t = np.concatenate([a.reshape(-1) for a in targets(step, r)])
             xs[r] = xs[r] - np.float32(lr) * (xs[r] - t)
         if (step + 1) % outer.steps == 0:
-            avg = ref.outer_average([anchor - x for x in xs], residuals, sizes, ks)
-            anchor, buffer = ref.outer_update(anchor, avg, buffer, outer.lr, outer.momentum,
-                                              outer.nesterov)
-            xs = [anchor.copy() for _ in range(world)]
-    return xs
+            own = [s - x for s, x in zip(starts, xs)]
+            average = ref.outer_average(own, residuals, sizes, ks)
+            if not outer.overlap:
+                anchor, buffer = ref.outer_update(anchor, average, buffer, outer.lr,
+                                                  outer.momentum, outer.nesterov)
+                starts = [anchor.copy() for _ in range(world)]
+            else:
+                if pending is not None:
+                    anchor, buffer = ref.outer_update(anchor, pending, buffer, outer.lr,
+                                                      outer.momentum, outer.nesterov)
+                pending = average
+                starts = [anchor - d for d in own]
+            xs = [s.copy() for s in starts]
+    before = [x.copy() for x in xs]
+    if pending is not None:  # flush: what is in flight, then the round under way
+        anchor, buffer = ref.outer_update(anchor, pending, buffer, outer.lr, outer.momentum,
+                                          outer.nesterov)
+    if steps % outer.steps:
+        average = ref.outer_average([s - x for s, x in zip(starts, xs)], residuals, sizes, ks)
+        anchor, buffer = ref.outer_update(anchor, average, buffer, outer.lr, outer.momentum,
+                                          outer.nesterov)
+    return before, anchor
 
 
-@pytest.mark.parametrize("variant,ks,steps,nesterov", [
-    ("dense", None, 10, True), ("sparse", [200, 30], 10, True),
-    ("heavy_ball", [500, 30], 9, False)])
-def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, nesterov):
+@pytest.mark.parametrize("variant,ks,steps,nesterov,overlap", [
+    ("dense", None, 10, True, False), ("sparse", [200, 30], 10, True, False),
+    ("heavy_ball", [500, 30], 9, False, False), ("overlap", None, 10, True, True),
+    ("overlap_sparse", [200, 30], 9, True, True)])
+def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, nesterov,
+                                                    overlap):
     outs = [out[variant] for out in _checked(gloo, "reference_quadratic")]
-    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov)
-    xs = _replay(outs[0]["start"], steps, 0.1, outer, [2000, 30], ks)
+    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov, overlap=overlap)
+    xs, flushed = _replay(outs[0]["start"], steps, 0.1, outer, [2000, 30], ks)
     for rank, out in enumerate(outs):
         np.testing.assert_allclose(out["final"], xs[rank], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out["flushed"], flushed, rtol=1e-5, atol=1e-5)
         assert out["stats"]["rounds"] == steps // 3 and out["stats"]["inner_steps"] == steps
-    if steps % 3 == 0:  # right after a round every rank holds the anchor, bit for bit
-        assert all(out["identical"] for out in outs)
-    else:  # a round under way: each rank on its own
-        assert not any(out["identical"] for out in outs)
-    stats = outs[0]["stats"]
+        assert out["stats"]["in_flight"] == int(overlap)
+        assert out["identical_after_flush"] and out["flushed_stats"]["in_flight"] == 0
+    # right after a round every rank holds the anchor, bit for bit; with overlap each
+    # also holds its own change of that round, whose average is in flight
+    assert all(out["identical"] for out in outs) == (steps % 3 == 0 and not overlap)
+    stats = outs[0]["flushed_stats"]
+    assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
     per_round = 2030 * 4 if ks is None else sum(ks) * 8
     assert stats["bytes_sent"] == stats["rounds"] * per_round
     assert stats["dense_fp32_bytes"] == stats["rounds"] * 2030 * 4
@@ -123,6 +149,14 @@ def test_checkpoint_in_the_middle_of_a_round_resumes_bit_for_bit(gloo):
         assert out["equal"] and out["rounds"] == 3 and out["inner"] == 14
 
 
+def test_with_overlap_a_checkpoint_asks_for_flush_first(gloo):
+    for out in _checked(gloo, "overlap_checkpoint_needs_flush"):
+        assert out["refused"].startswith("hvd_dgc: a round's exchange is in flight"), out
+        assert "Call optimizer.flush() after step() before optimizer.state_dict()" in \
+            out["refused"]
+        assert out["saved"] and out["identical"]
+
+
 def test_an_elastic_sync_hands_every_rank_rank_0s_round(gloo):
     for out in _checked(gloo, "elastic_sync_takes_rank_0s_round"):
         assert out["same"] and out["inner"] == 5 and out["weights_identical"]
@@ -145,6 +179,7 @@ def test_options_that_mean_nothing_in_an_outer_loop_are_refused(options, message
     (OuterLoop(lr=0.0), "lr=0.0\\): the outer learning rate"),
     (OuterLoop(momentum=1.0), "momentum=1.0\\) must be in \\[0, 1\\)"),
     (OuterLoop(momentum=0.0), "nesterov=True\\) needs momentum > 0"),
+    (OuterLoop(overlap="yes"), "overlap='yes'\\) must be True or False"),
 ])
 def test_bad_outer_settings_name_the_fix(outer, message):
     with pytest.raises(ValueError, match=message):

@@ -4,19 +4,22 @@
 returns this: ``step()`` runs the user's own optimizer on this rank's gradients, with no
 collective, and every H-th step ends a round:
 
-    delta = anchor - x                   the weights' change since the last round (flat)
-    v += delta                           this rank's residual (error feedback)
+    d = start - x                        this rank's change in the round (flat)
+    v += d                               this rank's residual (error feedback)
     send the density's largest |v| of each tensor (records), v -= what was sent
-    a = sum of every rank's records / N  (density 1.0: an allreduce of delta)
+    a = sum of every rank's records / N  (density 1.0: an allreduce of d)
     anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank
     x = anchor                           every rank starts the next round alike
 
-No backward hook is registered: between rounds the job never waits on the network.
+With ``overlap=True`` the exchange of round j is waited for at the end of round j+1,
+and x = anchor - d_(j+1) there (hvd_dgc/outer.py). No backward hook is registered:
+between rounds the job never waits on the network.
 """
 
 import contextlib
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import horovod.torch as _hvd
@@ -27,6 +30,13 @@ from hvd_dgc.schedule import num_selected
 
 OUTER_KEY = "hvd_dgc_outer"
 INDEX_BYTES = VALUE_BYTES = 4
+
+
+class InFlight(NamedTuple):
+    """A round's exchange under way: Horovod's handles, and the buffer's shape."""
+
+    handles: tuple    # (allreduce,) or (allgather of positions, allgather of values)
+    like: object      # a flat tensor of the buffer's size, dtype and device
 
 
 class _OuterLoopOptimizer(torch.optim.Optimizer):
@@ -47,10 +57,13 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._numel = sum(numels)
         self._ks = [n if density >= 1 or n < min_compress_size else num_selected(n, density)
                     for n in numels]
-        self._anchor = None    # flat float32: the weights every rank holds after a round
+        self._anchor = None    # flat float32: the shared weights (overlap: a round behind)
+        self._start = None     # flat: where this rank's current round began
         self._buffer = None    # the outer momentum (flat), the same on every rank
         self._residual = None  # what this rank has not sent yet (flat; density < 1)
+        self._inflight = None  # overlap: the last round's exchange (InFlight)
         self._inner = 0        # inner steps taken
+        self._round_began = 0  # the inner step the current round began after
         self._rounds = 0
         self._bytes_sent = 0
 
@@ -61,49 +74,71 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
     def _take_anchor(self):
         """The weights of the first step (after the script's broadcast)."""
         self._anchor = self._flat()
+        self._start = self._anchor.clone() if self._outer.overlap else self._anchor
 
-    def _average(self, delta):
-        """Every rank's ``delta`` averaged: whole (density 1.0), or the density's largest
-        coordinates of ``residual + delta`` per tensor, the rest kept in the residual."""
-        size = self.process_set.size()
+    def _set_weights(self, flat):
+        for o, p in zip(self._offsets, self._params):
+            p.copy_(flat[o:o + p.numel()].view_as(p))
+
+    def _launch(self, delta):
+        """Every rank's ``delta`` on its way to the average: whole (density 1.0), or the
+        density's largest coordinates of ``residual + delta`` per tensor, the rest kept in
+        the residual."""
+        self._rounds += 1
         if self._density >= 1:
             self._bytes_sent += delta.numel() * VALUE_BYTES
-            return _hvd.allreduce(delta, op=Average, name="hvd_dgc.outer.dense",
-                                  process_set=self.process_set)
+            return InFlight((_hvd.allreduce_async_(delta, op=Average,
+                                                   name="hvd_dgc.outer.dense",
+                                                   process_set=self.process_set),), delta)
         if self._residual is None:
             self._residual = torch.zeros_like(delta)
         v = self._residual.add_(delta)
         picked = []
         for offset, numel, k in zip(self._offsets, (p.numel() for p in self._params),
                                     self._ks):
-            part = v[offset:offset + numel]
             if k >= numel:
                 picked.append(torch.arange(offset, offset + numel, device=v.device))
             else:
+                part = v[offset:offset + numel]
                 picked.append(part.abs().topk(k, sorted=False).indices + offset)
         positions = torch.cat(picked)
         values = v[positions]
         v[positions] = 0.0  # sent: what stays is owed to a later round
         self._bytes_sent += positions.numel() * (INDEX_BYTES + VALUE_BYTES)
-        every_pos = _hvd.allgather(positions.to(torch.int32), name="hvd_dgc.outer.positions",
-                                   process_set=self.process_set)
-        every_val = _hvd.allgather(values, name="hvd_dgc.outer.values",
-                                   process_set=self.process_set)
-        total = torch.zeros_like(delta)
-        total.index_add_(0, every_pos.long(), every_val)
-        return total.div_(size)
+        return InFlight((
+            _hvd.allgather_async(positions.to(torch.int32), name="hvd_dgc.outer.positions",
+                                 process_set=self.process_set),
+            _hvd.allgather_async(values, name="hvd_dgc.outer.values",
+                                 process_set=self.process_set)), delta)
+
+    def _average(self, flight):
+        """Wait for ``flight``: the average of every rank's change."""
+        if len(flight.handles) == 1:
+            return _hvd.synchronize(flight.handles[0])
+        positions, values = (_hvd.synchronize(h) for h in flight.handles)
+        total = torch.zeros_like(flight.like)
+        total.index_add_(0, positions.long(), values)
+        return total.div_(self.process_set.size())
+
+    def _apply(self, average):
+        """The outer step on the shared weights, the same on every rank."""
+        step, self._buffer = outer_step(self._outer, average, self._buffer)
+        self._anchor.add_(step, alpha=-self._outer.lr)
 
     def _round(self):
         with torch.no_grad():
-            delta = self._anchor - self._flat()
-            average = self._average(delta)
-            step, self._buffer = outer_step(self._outer, average, self._buffer)
-            self._anchor.add_(step, alpha=-self._outer.lr)
-            views = [self._anchor[o:o + p.numel()].view_as(p)
-                     for o, p in zip(self._offsets, self._params)]
-            for p, view in zip(self._params, views):
-                p.copy_(view)
-        self._rounds += 1
+            delta = self._start - self._flat()  # this rank's change in the round
+            self._round_began = self._inner
+            if not self._outer.overlap:
+                self._apply(self._average(self._launch(delta)))
+                self._set_weights(self._anchor)
+                return
+            if self._inflight is not None:  # the last round's average, a round late
+                self._apply(self._average(self._inflight))  # (before the next launch:
+            # Horovod refuses a second collective of a name still in flight)
+            self._inflight = self._launch(delta.clone())  # (the allreduce is in place)
+            self._start = self._anchor - delta  # the common trajectory, and own round
+            self._set_weights(self._start)
 
     # -- Horovod's optimizer API --------------------------------------------------------
     def step(self, closure=None):
@@ -123,7 +158,20 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         return contextlib.nullcontext()
 
     def flush(self):
-        """Nothing in flight: rounds are synchronous."""
+        """Every rank on the same weights: the exchange in flight (``overlap``) applied,
+        and the round under way ended now (its change averaged and applied). Before
+        evaluating, checkpointing, or at the end of training."""
+        if self._anchor is None:
+            return
+        with torch.no_grad():
+            if self._inflight is not None:
+                self._apply(self._average(self._inflight))
+                self._inflight = None
+            if self._inner != self._round_began:  # (the same count on every rank)
+                self._apply(self._average(self._launch(self._start - self._flat())))
+                self._round_began = self._inner
+            self._set_weights(self._anchor)
+            self._start = self._anchor.clone() if self._outer.overlap else self._anchor
 
     def compression_stats(self):
         """The outer loop's counts (this rank): bytes sent over the rounds vs dense fp32."""
@@ -131,13 +179,19 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
                 "steps_per_round": self._outer.steps, "density": self._density,
                 "bytes_sent": self._bytes_sent,
                 "dense_fp32_bytes": self._rounds * self._numel * VALUE_BYTES,
+                "in_flight": int(self._inflight is not None),
                 "world_size": self.process_set.size()}
 
     # -- checkpoints and elastic Horovod ------------------------------------------------
     def state_dict(self):
+        if self._inflight is not None:
+            raise RuntimeError("hvd_dgc: a round's exchange is in flight (OuterLoop(overlap="
+                               "True)); its average cannot be saved. Call optimizer.flush() "
+                               "after step() before optimizer.state_dict().")
         state = super(self.__class__, self).state_dict()
-        state[OUTER_KEY] = {"inner": self._inner, "rounds": self._rounds,
-                            "bytes_sent": self._bytes_sent, "anchor": self._anchor,
+        state[OUTER_KEY] = {"inner": self._inner, "round_began": self._round_began,
+                            "rounds": self._rounds, "bytes_sent": self._bytes_sent,
+                            "anchor": self._anchor, "start": self._start,
                             "buffer": self._buffer, "residual": self._residual,
                             "rank": _hvd.rank()}
         return state
@@ -146,28 +200,40 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         outer = state_dict.pop(OUTER_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
+        self._inflight = None  # (an elastic restore: what was in flight is gone)
         if outer is None:
             warnings.warn("hvd_dgc: the loaded optimizer state has no outer-loop entry; the "
                           "round starts afresh from the current weights", UserWarning)
-            self._anchor = self._buffer = self._residual = None
+            self._anchor = self._start = self._buffer = self._residual = None
+            self._round_began = self._inner
             return
         if outer["rank"] != _hvd.rank() and outer["residual"] is not None:
             warnings.warn(f"hvd_dgc: loading rank {outer['rank']}'s outer-loop residual on "
                           f"rank {_hvd.rank()}: it holds what that rank had not sent yet",
                           UserWarning)
         self._inner, self._rounds = outer["inner"], outer["rounds"]
-        self._bytes_sent = outer["bytes_sent"]
-        self._anchor, self._buffer, self._residual = (
+        self._round_began, self._bytes_sent = outer["round_began"], outer["bytes_sent"]
+        self._anchor, self._start, self._buffer, self._residual = (
             None if t is None else t.clone() for t in
-            (outer["anchor"], outer["buffer"], outer["residual"]))
+            (outer["anchor"], outer["start"], outer["buffer"], outer["residual"]))
+        if self._anchor is not None and not self._outer.overlap:
+            self._start = self._anchor  # (one tensor: the round starts from the anchor)
 
     def shared_state(self):
         """What every rank must hold alike after an elastic sync: rank 0's count of inner
         steps, anchor and outer momentum (a rank that joins has no residual)."""
-        return self._inner, self._rounds, self._anchor, self._buffer
+        return self._inner, self._round_began, self._rounds, self._anchor, self._buffer
 
     def load_shared_state(self, state):
-        self._inner, self._rounds, self._anchor, self._buffer = state
+        """Rank 0's round; this rank goes on from where its weights are (Horovod's sync
+        gave it rank 0's), its change since the round began kept as its own."""
+        self._inflight = None
+        self._inner, self._round_began, self._rounds, anchor, self._buffer = state
+        if anchor is None:
+            self._anchor = self._start = None
+            return
+        self._anchor = anchor.clone()
+        self._start = self._anchor.clone() if self._outer.overlap else self._anchor
 
 
 def outer_optimizer(optimizer, named_parameters, outer, config, process_set):

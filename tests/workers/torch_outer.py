@@ -41,9 +41,13 @@ def _quadratic(tag, steps, lr, **options):
         opt.zero_grad()
         model.loss(step, hvd.rank()).backward()
         opt.step()
-    return {"start": start, "final": flat_params(model).tolist(),
-            "identical": ranks_identical(model, f"outer.q.{tag}"),
-            "stats": opt.compression_stats()}
+    out = {"start": start, "final": flat_params(model).tolist(),
+           "identical": ranks_identical(model, f"outer.q.{tag}"),
+           "stats": opt.compression_stats()}
+    opt.flush()
+    out.update(flushed=flat_params(model).tolist(), flushed_stats=opt.compression_stats(),
+               identical_after_flush=ranks_identical(model, f"outer.qf.{tag}"))
+    return out
 
 
 def reference_quadratic():
@@ -52,7 +56,11 @@ def reference_quadratic():
             "sparse": _quadratic("sparse", 10, 0.1, outer=outer, density=0.1,
                                  min_compress_size=100),
             "heavy_ball": _quadratic("heavy", 9, 0.1, outer=outer._replace(nesterov=False),
-                                     density=0.25, min_compress_size=100)}
+                                     density=0.25, min_compress_size=100),
+            "overlap": _quadratic("overlap", 10, 0.1, outer=outer._replace(overlap=True)),
+            "overlap_sparse": _quadratic("overlap_sparse", 9, 0.1,
+                                         outer=outer._replace(overlap=True), density=0.1,
+                                         min_compress_size=100)}
 
 
 def sync_equivalence():
@@ -126,6 +134,25 @@ def checkpoint_resumes_exactly():
     return {"equal": torch.equal(flat_params(model), flat_params(resumed_model)),
             "rounds": resumed_opt.compression_stats()["rounds"],
             "inner": resumed_opt.compression_stats()["inner_steps"]}
+
+
+def overlap_checkpoint_needs_flush():
+    model = mlp(seed=2)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+        outer=hvd.OuterLoop(steps=2, overlap=True))
+    for step in range(4):
+        opt.zero_grad()
+        loss_of(model, step, hvd.rank()).backward()
+        opt.step()
+    try:
+        opt.state_dict()
+        refused = "NO EXCEPTION"
+    except RuntimeError as exc:
+        refused = str(exc)
+    opt.flush()
+    return {"refused": refused, "saved": "hvd_dgc_outer" in opt.state_dict(),
+            "identical": ranks_identical(model, "outer.ovck")}
 
 
 def elastic_sync_takes_rank_0s_round():
