@@ -1,0 +1,155 @@
+"""The one-line switch against stock Horovod on fast and slow links (issue 33).
+
+    sudo python bench/never_slower.py                    # loopback + 3 emulated links
+    python bench/never_slower.py --links loopback         # a part of it
+
+The same script, examples/pytorch_synthetic_benchmark.py (Horovod's synthetic
+benchmark, 2 ranks, one CPU thread each, the built-in 25M-parameter ``wide_mlp``),
+run side by side in one go: stock Horovod, and the import switched (``--dgc``) with
+hvd_dgc's default cost model, the link and DGC's own work measured at wrap time, at
+the warm-up's first stage (density 0.25, where a fast link should run dense) and at
+the final 0.001; and, for contrast, density 0.25 with the assumed 1 Gbit/s link
+(``--assumed-link``). Over loopback (``horovodrun -np 2 -H localhost:2 --gloo``) and
+over the emulated links of harness/wan.py (rate in Mbit/s, round trip in ms; one rank in
+each of two network namespaces). Prints and writes, from this one run:
+
+    bench/results/never_slower.csv   every configuration: img/s (the median of --repeats
+                                     runs over loopback, taking turns), ratio to stock
+    bench/results/never_slower.md    the table, with what rank 0 said it measured and
+                                     how many tensors it sent dense
+"""
+
+import argparse
+import csv
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+SCRIPT = [sys.executable, os.path.join(REPO, "examples", "pytorch_synthetic_benchmark.py"),
+          "--model", "wide_mlp", "--batch-size", "32"]
+CONFIGS = {  # name: the example's flags
+    "stock Horovod": [],
+    "hvd_dgc 0.25 (measured)": ["--dgc", "--density", "0.25"],
+    "hvd_dgc 0.001 (measured)": ["--dgc", "--density", "0.001"],
+    "hvd_dgc 0.25 (assumed 1 Gbit/s)": ["--dgc", "--density", "0.25", "--assumed-link"],
+}
+ENV = {"HVD_DGC_COST_MODEL": "", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def steps(link):
+    """Few steps where a dense step takes seconds (134 MB each way per step)."""
+    if link == "loopback":
+        return ["--num-warmup-batches", "3", "--num-batches-per-iter", "3", "--num-iters", "4"]
+    return ["--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
+
+
+def run(link, flags, timeout):
+    """Rank 0's output of one run of the example over ``link``."""
+    argv = SCRIPT + steps(link) + flags
+    if link == "loopback":
+        env = dict(os.environ, **ENV, PYTHONPATH=REPO)
+        proc = subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"] + argv,
+                              capture_output=True, text=True, env=env, timeout=timeout,
+                              cwd=REPO)
+        lines = [line.split(":", 1)[1] for line in proc.stdout.splitlines()
+                 if line.startswith("[0]<stdout>:")]
+        return proc.returncode, "\n".join(lines), proc.stderr
+    from harness.launch import run_job
+    from harness.wan import WanLink
+    rate, rtt = link
+    with WanLink(rate_mbit=rate, rtt_ms=rtt) as wan:
+        (code, out, err), (code1, _, err1) = run_job(wan, argv, env=ENV, timeout=timeout)
+    return code if code else code1, out, err + err1
+
+
+def parse(out):
+    rate = re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", out)
+    measured = re.search(r"link measured: ([^;]*?\))", out)
+    dense = re.search(r"dense where sparse would cost more: (.*?)(?:;|\. For )", out)
+    sent = re.search(r"Compression: .*\((\d+)x\)", out)
+    return {"img_s": float(rate.group(1)) if rate else None,
+            "link_measured": measured.group(1) if measured else "",
+            "dense_by_cost": dense.group(1) if dense else "",
+            "compression": f"{sent.group(1)}x" if sent else ""}
+
+
+def link_name(link):
+    return "loopback" if link == "loopback" else f"{link[0]:g} Mbit/s, RTT {link[1]:g} ms"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--links", nargs="*", default=["loopback", "1000:0", "100:0", "100:50"],
+                    help="loopback, or RATE_MBIT:RTT_MS over the emulated link")
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each configuration over loopback (the median is kept)")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    args = ap.parse_args()
+    links = []
+    for spec in args.links:
+        if spec == "loopback":
+            links.append(spec)
+        else:
+            rate, rtt = spec.split(":")
+            links.append((float(rate), float(rtt)))
+    if any(link != "loopback" for link in links):
+        from harness.wan import available
+        ok, why = available()
+        if not ok:
+            sys.exit(f"the WAN emulator is unavailable here ({why}); run with --links "
+                     f"loopback, or as root")
+    rows = []
+    for link in links:
+        # loopback is noisy (both ranks share this machine's cores): the configurations
+        # take turns, and each row is the median of its runs
+        repeats = args.repeats if link == "loopback" else 1
+        runs = {name: [] for name in CONFIGS}
+        for _ in range(repeats):
+            for name, flags in CONFIGS.items():
+                code, out, err = run(link, flags, args.timeout)
+                row = parse(out)
+                if code != 0 or row["img_s"] is None:
+                    sys.exit(f"{name} over {link_name(link)} failed (exit {code}):\n{out}\n"
+                             f"{err[-3000:]}")
+                runs[name].append(row)
+        stock = statistics.median(r["img_s"] for r in runs["stock Horovod"])
+        for name, parsed in runs.items():
+            row = {"link": link_name(link), "config": name, **parsed[-1],
+                   "img_s": statistics.median(r["img_s"] for r in parsed),
+                   "runs": " ".join(f"{r['img_s']:.1f}" for r in parsed)}
+            row["vs_stock"] = round(row["img_s"] / stock, 3)
+            rows.append(row)
+            print(f"{row['link']:24s} {name:34s} {row['img_s']:8.1f} img/s  "
+                  f"{row['vs_stock']:.2f}x stock  {row['compression']:>6s}  "
+                  f"{row['dense_by_cost']}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    fields = ["link", "config", "img_s", "runs", "vs_stock", "compression", "dense_by_cost",
+              "link_measured"]
+    with open(os.path.join(args.out, "never_slower.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(os.path.join(args.out, "never_slower.md"), "w") as f:
+        f.write("# The one-line switch vs stock Horovod, fast and slow links\n\n"
+                "`python bench/never_slower.py` (one run; 2 ranks, one CPU thread each, "
+                "examples/pytorch_synthetic_benchmark.py `--model wide_mlp`, 25M "
+                "parameters; hvd_dgc with its default cost model: the link and DGC's own "
+                "work measured at wrap time).\n\n"
+                "| link | run | img/s (median of runs) | vs stock | sent less | large tensors "
+                "sent dense (cost model) | link measured |\n|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['link']} | {r['config']} | {r['img_s']:.1f} ({r['runs']}) | "
+                    f"{r['vs_stock']:.2f}x | "
+                    f"{r['compression']} | {r['dense_by_cost']} | {r['link_measured']} |\n")
+    print(f"wrote {args.out}/never_slower.csv and never_slower.md")
+
+
+if __name__ == "__main__":
+    main()
