@@ -124,6 +124,10 @@ def main():
             row = {"link": link_name(link), "config": name, **parsed[-1],
                    "img_s": statistics.median(r["img_s"] for r in parsed),
                    "runs": " ".join(f"{r['img_s']:.1f}" for r in parsed)}
+            decided = sorted({r["dense_by_cost"] or "none" for r in parsed})
+            if len(decided) > 1:  # (the measured numbers moved a path: each run's)
+                row["dense_by_cost"] = "; ".join(
+                    f"{r['img_s']:.1f}: {r['dense_by_cost'] or 'none'}" for r in parsed)
             row["vs_stock"] = round(row["img_s"] / stock, 3)
             rows.append(row)
             print(f"{row['link']:24s} {name:34s} {row['img_s']:8.1f} img/s  "

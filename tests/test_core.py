@@ -398,6 +398,65 @@ def test_a_skipped_step_leaves_the_memory_exactly_as_it_was():
     torch.testing.assert_close(block.u, 0.9 * before[0] + g, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, False), (0.9, True), (0.0, False)])
+@pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_v_sent_whole_in_place_reads_as_zeros_bit_for_bit(momentum, nesterov, guarded,
+                                                            direct):
+    """The dense path leaves the v it sent in place uncleared (MemoryBlock.clear_later);
+    the next update reads zeros for it. Against clearing it at once, step after step: the
+    same bits of u, v and the block maxima, whether v went whole, in two parts or one
+    part only (that part cleared at the update), with a guarded step rolled back and a
+    reader (a checkpoint) between steps."""
+    from hvd_dgc.torch import memory as M
+    gen = torch.Generator().manual_seed(7)
+    numels = (32 * 300 + 5, 77)
+    mems = {}
+    for name in ("lazy", "eager"):
+        mem = M.FlatMemory()
+        mems[name] = (mem, mem.block(("a", "b"), numels, 2))  # (aligned: block maxima)
+    (lazy, lb), (eager, eb) = mems["lazy"], mems["eager"]
+    total, cut = lb.total, lb.offsets[1]
+    runs = [M.Run(0, total, momentum, nesterov)]
+    # how v leaves at each step: whole, in two parts, one part only
+    sendings = [[(0, total)], [(0, cut), (cut, total)], [(cut, total)], [(0, total)],
+                [(0, total)], [(0, cut), (cut, total)], [(0, total)]]
+    read_zeros = 0
+    for step, parts in enumerate(sendings):
+        grads = [torch.randn(k, generator=gen) for k in numels]
+        g = torch.zeros(total)
+        for o, gr in zip(lb.offsets, grads):
+            g[o:o + gr.numel()] = gr
+        sources = (grads, [torch.zeros(k) for k in numels], (0.0, 0.0), (None, None))
+        if lb.stale_whole(lb.stale):  # the last v, not cleared: this update reads zeros
+            read_zeros += bool(lb.v.abs().sum() > 0)
+        undo = guarded and step == 3
+        for mem, block in mems.values():
+            if guarded:
+                mem.snapshot(block)
+            mem.accumulate(block, g, runs, True, sources=sources if direct else None)
+        assert torch.equal(lb.v, eb.v) and torch.equal(lb.block_max, eb.block_max), step
+        assert momentum == 0 or torch.equal(lb.u, eb.u)
+        for mem, block in mems.values():
+            if undo:
+                mem.sent(block, torch.tensor([1, 2]), torch.tensor([1]))
+                mem.rollback()
+            elif guarded:
+                mem.commit()
+        if undo:  # back to the v of step 2, its part that went cleared by the update
+            assert not lb.stale and torch.equal(lazy.residual("b"), torch.zeros(77))
+            assert torch.equal(lazy.residual("a"), eager.residual("a"))
+            continue
+        for lo, hi in parts:
+            lb.clear_later(lb.v[lo:hi], lo, hi)
+            eb.v[lo:hi].zero_()
+        if step == 5:  # a checkpoint between steps: what it reads is zero where v went
+            assert torch.equal(lazy.state_dict()["a"]["v"], torch.zeros(numels[0]))
+            assert not lb.stale  # (settled: cleared there and then)
+    # the updates of steps 1, 2, 4 (none after a rollback), 5 read zeros for a stale v
+    assert read_zeros == (3 if guarded else 4)
+
+
 def test_blocks_move_tensors_between_them_and_checkpoints_stay_per_tensor():
     """A tensor's u and v follow it into a new block (its launch's layout changed), and
     the checkpoint format is one entry per tensor whatever the blocks."""

@@ -69,6 +69,8 @@ class NonFiniteGuard:
         if not bad:
             return None
         block, saved = layout.block, []
+        if block is not None:
+            block.settle()  # (what it saves is read as it is)
         for i in bad:
             self.dropped.append(layout.members[i].name)
             layout.g_views[layout.dense_grads.index(i)].zero_()

@@ -135,6 +135,35 @@ class MemoryBlock:
         self.u = None
         self.block_max = None   # max |v| per BLOCK of the aligned part, after an update
         self.previous = None    # (u, v) before a step that may be undone (snapshot)
+        self.stale = []         # ranges of v that mean zero, not cleared yet (clear_later)
+        self.previous_stale = []
+
+    def clear_later(self, sent, lo, hi):
+        """``v[lo:hi]`` (``sent``) left this worker whole, in place (the dense path): it
+        means zero from now on. It is not cleared: where the next ``accumulate`` rewrites
+        the whole block it reads zeros instead of it (one pass over the model fewer than
+        clearing); anything else that reads ``v`` settles it first."""
+        if sent.numel() == hi - lo and hi > lo and \
+                sent.data_ptr() == self.v[lo:hi].data_ptr():
+            self.stale.append((lo, hi))
+        else:  # (not this v's: cleared now)
+            sent.zero_()
+
+    def settle(self):
+        """Clears what ``clear_later`` left: before ``v`` is read other than by
+        ``accumulate``."""
+        for lo, hi in self.stale:
+            self.v[lo:hi].zero_()
+        self.stale = []
+
+    def stale_whole(self, stale):
+        """Do the ranges ``stale`` cover all of v (each coordinate once)?"""
+        end = 0
+        for lo, hi in sorted(stale):
+            if lo != end:
+                return False
+            end = hi
+        return end == self.total
 
     def span(self, i):
         return self.offsets[i], self.offsets[i] + self.numels[i]
@@ -179,6 +208,7 @@ class FlatMemory:
         for i, key in enumerate(keys):
             old = self._where.get(key)
             if old is not None:
+                old.settle()
                 j = old.index[key]
                 self._place(block, i, old.slice_of(old.v, j),
                             None if old.u is None else old.slice_of(old.u, j))
@@ -214,6 +244,7 @@ class FlatMemory:
         where they lie instead of ``g`` (the kernel: ``g_i = (grad_i + decay_i * p_i) *
         scale_i``, no copy into a flat buffer first; see ``direct``)."""
         src_u, src_v = block.previous if block.previous is not None else (block.u, block.v)
+        src_v = self._stale_source(block, src_v, sources is not None or _fused(g))
         if sources is not None:
             return self._accumulate_from(block, sources, runs, with_block_max, src_u, src_v)
         v = block.v
@@ -252,6 +283,25 @@ class FlatMemory:
         if with_block_max and not fused:
             block.block_max = block_abs_max(v[:block.aligned_end])
         return v
+
+    @staticmethod
+    def _stale_source(block, src_v, fused):
+        """The ``v`` the update reads: where all of it means zero (``clear_later``) and
+        the kernel runs, none (an empty tensor: the kernel reads zeros); else ``src_v``,
+        its stale ranges cleared first. A guarded step keeps the old v's ranges for
+        ``rollback``; otherwise the update rewrites every coordinate of v."""
+        guarded = block.previous is not None
+        stale = block.previous_stale if guarded else block.stale
+        if not stale:
+            return src_v
+        if fused and _fused(src_v) and block.stale_whole(stale):
+            if not guarded:
+                block.stale = []
+            return src_v.new_empty(0)
+        for lo, hi in stale:
+            src_v[lo:hi].zero_()
+        stale.clear()
+        return src_v
 
     def _accumulate_from(self, block, sources, runs, with_block_max, src_u, src_v):
         grads, params, decays, scales = sources
@@ -353,6 +403,7 @@ class FlatMemory:
         if block.previous is not None:
             return
         block.previous = (block.u, block.v)
+        block.previous_stale, block.stale = block.stale, []
         spare = self._spare.pop(id(block), None)
         if spare is None:
             spare = (None if block.u is None else torch.zeros_like(block.u),
@@ -368,13 +419,13 @@ class FlatMemory:
         for block in self._guarded:
             self._spare[id(block)] = (block.u, block.v)
             block.u, block.v = block.previous
-            block.previous = None
+            block.previous, block.stale, block.previous_stale = None, block.previous_stale, []
         self._guarded = []
 
     def commit(self):
         for block in self._guarded:
             self._spare[id(block)] = block.previous
-            block.previous = None
+            block.previous, block.previous_stale = None, []
         self._guarded = []
 
     # -- per tensor: checkpoints, tests --------------------------------------------------
@@ -384,6 +435,7 @@ class FlatMemory:
         if block is None:
             saved = self._loaded.get(key)
             return None if saved is None else saved["v"]
+        block.settle()
         return block.slice_of(block.v, block.index[key])
 
     def velocity(self, key):

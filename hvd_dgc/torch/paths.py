@@ -144,8 +144,9 @@ class DensePath(_Path):
         """What leaves the memory: all of ``v`` over the part (stats counted). A rank's
         non-finite gradient is in its ``v`` (the guard's flags are read off it), so the
         payload carries it to every rank's average without being poisoned. ``in_place``:
-        ``v`` itself where it can go (fp32, nothing kept for delayed averaging), cleared
-        once its average is read (``collect``): one pass over it fewer than a copy."""
+        ``v`` itself where it can go (fp32, nothing kept for delayed averaging), zero
+        once its average is read (``collect``; MemoryBlock.clear_later: the next update
+        reads zeros instead): two passes over it fewer than a copy and a clear."""
         ctx, launch = self.ctx, part.launch
         v = launch.block.v[part.lo:part.hi]
         if ctx.dense_fp16:
@@ -188,8 +189,8 @@ class DensePath(_Path):
     def collect(self, handle, out):
         handle, part, sent_in_place = handle
         out.assign(part.lo, part.hi, _hvd.synchronize(handle))
-        if sent_in_place is not None:  # the memory's v went: cleared once read
-            sent_in_place.zero_()
+        if sent_in_place is not None:  # the memory's v went: zero once read (lazily)
+            part.launch.block.clear_later(sent_in_place, part.lo, part.hi)
 
 
 class _Picked(NamedTuple):

@@ -11,7 +11,8 @@
 //
 // u' and v' may be u and v themselves (in place), or other buffers: a step that may
 // be undone (skip_nonfinite) writes its update beside the old memory instead of
-// copying the old memory first, at no extra cost.
+// copying the old memory first, at no extra cost. An empty v stands for zeros (kZero):
+// a v sent whole in place by the dense path is not cleared, nor read again (memory.py).
 //
 // Registered as the operator torch.ops.hvd_dgc.accumulate, so it dispatches (and a
 // TorchDispatchMode counts it) like any other operation.
@@ -52,27 +53,27 @@ constexpr int64_t kBlock = 32;
 // is in cache, in loops the compiler vectorizes (-fopenmp enables the pragmas). The max
 // is NaN for a block holding one: a non-finite gradient shows in the maxima (the guard
 // reads them; guard.py).
-template <int kMode>  // 0: no momentum, 1: momentum, 2: Nesterov
+template <int kMode, bool kZero>  // 0: no momentum, 1: momentum, 2: Nesterov; kZero: v = 0
 inline void chunk(const float* g, const float* u, const float* v, float* uo, float* vo,
                   float m, float* bmax, int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end; ++b) {
     const int64_t o = b * kBlock;
     if (kMode == 0) {
 #pragma omp simd
-      for (int64_t j = o; j < o + kBlock; ++j) vo[j] = v[j] + g[j];
+      for (int64_t j = o; j < o + kBlock; ++j) vo[j] = (kZero ? 0.f : v[j]) + g[j];
     } else if (kMode == 1) {
 #pragma omp simd
       for (int64_t j = o; j < o + kBlock; ++j) {
         const float uu = m * u[j] + g[j];
         uo[j] = uu;
-        vo[j] = v[j] + uu;
+        vo[j] = (kZero ? 0.f : v[j]) + uu;
       }
     } else {
 #pragma omp simd
       for (int64_t j = o; j < o + kBlock; ++j) {
         const float uu = m * (u[j] + g[j]);
         uo[j] = uu;
-        vo[j] = (v[j] + uu) + g[j];
+        vo[j] = ((kZero ? 0.f : v[j]) + uu) + g[j];
       }
     }
     if (bmax == nullptr) continue;
@@ -90,19 +91,31 @@ inline void chunk(const float* g, const float* u, const float* v, float* uo, flo
 
 HVD_DGC_CLONES void chunk_plain(const float* g, const float* v, float* vo, float* bmax,
                                 int64_t begin, int64_t end) {
-  chunk<0>(g, nullptr, v, nullptr, vo, 0.f, bmax, begin, end);
+  if (v != nullptr) {
+    chunk<0, false>(g, nullptr, v, nullptr, vo, 0.f, bmax, begin, end);
+  } else {
+    chunk<0, true>(g, nullptr, v, nullptr, vo, 0.f, bmax, begin, end);
+  }
 }
 
 HVD_DGC_CLONES void chunk_momentum(const float* g, const float* u, const float* v, float* uo,
                                    float* vo, float m, float* bmax, int64_t begin,
                                    int64_t end) {
-  chunk<1>(g, u, v, uo, vo, m, bmax, begin, end);
+  if (v != nullptr) {
+    chunk<1, false>(g, u, v, uo, vo, m, bmax, begin, end);
+  } else {
+    chunk<1, true>(g, u, v, uo, vo, m, bmax, begin, end);
+  }
 }
 
 HVD_DGC_CLONES void chunk_nesterov(const float* g, const float* u, const float* v, float* uo,
                                    float* vo, float m, float* bmax, int64_t begin,
                                    int64_t end) {
-  chunk<2>(g, u, v, uo, vo, m, bmax, begin, end);
+  if (v != nullptr) {
+    chunk<2, false>(g, u, v, uo, vo, m, bmax, begin, end);
+  } else {
+    chunk<2, true>(g, u, v, uo, vo, m, bmax, begin, end);
+  }
 }
 
 // The update of a step that may be undone (skip_nonfinite) goes beside the old memory:
@@ -113,7 +126,7 @@ HVD_DGC_CLONES void chunk_nesterov(const float* g, const float* u, const float* 
 // then an add: no fused multiply-add, as in chunk()), so the same bits.
 #ifdef HVD_DGC_STREAM
 
-template <int kMode>
+template <int kMode, bool kZero>
 __attribute__((target("avx2"))) void chunk_stream(const float* g, const float* u,
                                                   const float* v, float* uo, float* vo,
                                                   float m, float* bmax, int64_t begin,
@@ -128,15 +141,17 @@ __attribute__((target("avx2"))) void chunk_stream(const float* g, const float* u
       const __m256 gg = _mm256_loadu_ps(g + j);
       __m256 vv;
       if (kMode == 0) {
-        vv = _mm256_add_ps(_mm256_loadu_ps(v + j), gg);
+        vv = kZero ? _mm256_add_ps(_mm256_setzero_ps(), gg)
+                   : _mm256_add_ps(_mm256_loadu_ps(v + j), gg);
       } else if (kMode == 1) {
         const __m256 uu = _mm256_add_ps(_mm256_mul_ps(mm, _mm256_loadu_ps(u + j)), gg);
         _mm256_stream_ps(uo + j, uu);
-        vv = _mm256_add_ps(_mm256_loadu_ps(v + j), uu);
+        vv = _mm256_add_ps(kZero ? _mm256_setzero_ps() : _mm256_loadu_ps(v + j), uu);
       } else {
         const __m256 uu = _mm256_mul_ps(mm, _mm256_add_ps(_mm256_loadu_ps(u + j), gg));
         _mm256_stream_ps(uo + j, uu);
-        vv = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v + j), uu), gg);
+        vv = _mm256_add_ps(
+            _mm256_add_ps(kZero ? _mm256_setzero_ps() : _mm256_loadu_ps(v + j), uu), gg);
       }
       _mm256_stream_ps(vo + j, vv);
       if (bmax != nullptr) {
@@ -169,12 +184,16 @@ void update_blocks(int mode, bool stream, const float* g, const float* u, const 
                    float* uo, float* vo, float m, float* bmax, int64_t begin, int64_t end) {
 #ifdef HVD_DGC_STREAM
   if (stream) {
+    const bool zero = v == nullptr;
     if (mode == 0) {
-      chunk_stream<0>(g, u, v, uo, vo, m, bmax, begin, end);
+      zero ? chunk_stream<0, true>(g, u, v, uo, vo, m, bmax, begin, end)
+           : chunk_stream<0, false>(g, u, v, uo, vo, m, bmax, begin, end);
     } else if (mode == 1) {
-      chunk_stream<1>(g, u, v, uo, vo, m, bmax, begin, end);
+      zero ? chunk_stream<1, true>(g, u, v, uo, vo, m, bmax, begin, end)
+           : chunk_stream<1, false>(g, u, v, uo, vo, m, bmax, begin, end);
     } else {
-      chunk_stream<2>(g, u, v, uo, vo, m, bmax, begin, end);
+      zero ? chunk_stream<2, true>(g, u, v, uo, vo, m, bmax, begin, end)
+           : chunk_stream<2, false>(g, u, v, uo, vo, m, bmax, begin, end);
     }
     return;
   }
@@ -193,16 +212,17 @@ void update_blocks(int mode, bool stream, const float* g, const float* u, const 
 void update_range(int mode, const float* g, const float* u, const float* v, float* uo,
                   float* vo, float m, int64_t lo, int64_t hi) {
   for (int64_t j = lo; j < hi; ++j) {
+    const float vj = v != nullptr ? v[j] : 0.f;
     if (mode == 0) {
-      vo[j] = v[j] + g[j];
+      vo[j] = vj + g[j];
     } else if (mode == 1) {
       const float uu = m * u[j] + g[j];
       uo[j] = uu;
-      vo[j] = v[j] + uu;
+      vo[j] = vj + uu;
     } else {
       const float uu = m * (u[j] + g[j]);
       uo[j] = uu;
-      vo[j] = (v[j] + uu) + g[j];
+      vo[j] = (vj + uu) + g[j];
     }
   }
 }
@@ -227,10 +247,11 @@ void check(const at::Tensor& t, const char* name, int64_t n) {
 void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
                 const at::Tensor& u_out, const at::Tensor& v_out, double momentum,
                 bool nesterov, const c10::optional<at::Tensor>& block_max) {
-  const int64_t n = v.numel();
+  const int64_t n = v_out.numel();
   check(g, "g", n);
-  check(v, "v", n);
+  if (v.numel() > 0) check(v, "v", n);  // (empty: the old v is zero; see kZero)
   check(v_out, "v_out", n);
+  const float* vp = v.numel() > 0 ? v.data_ptr<float>() : nullptr;
   float* bm = nullptr;
   if (block_max.has_value() && block_max->defined()) {
     check(*block_max, "block_max", n / kBlock);
@@ -238,13 +259,12 @@ void accumulate(const at::Tensor& g, const at::Tensor& u, const at::Tensor& v,
   }
   const float m = static_cast<float>(momentum);
   if (momentum == 0.0) {
-    run(0, g.data_ptr<float>(), nullptr, v.data_ptr<float>(), nullptr,
-        v_out.data_ptr<float>(), m, bm, n);
+    run(0, g.data_ptr<float>(), nullptr, vp, nullptr, v_out.data_ptr<float>(), m, bm, n);
     return;
   }
   check(u, "u", n);
   check(u_out, "u_out", n);
-  run(nesterov ? 2 : 1, g.data_ptr<float>(), u.data_ptr<float>(), v.data_ptr<float>(),
+  run(nesterov ? 2 : 1, g.data_ptr<float>(), u.data_ptr<float>(), vp,
       u_out.data_ptr<float>(), v_out.data_ptr<float>(), m, bm, n);
 }
 
@@ -499,12 +519,12 @@ void accumulate_from(at::TensorList grads, at::TensorList params, at::TensorList
       sp[i] = scales[i].data_ptr<float>();
     }
   }
-  check(v, "v", v.numel());
-  check(v_out, "v_out", v.numel());
+  if (v.numel() > 0) check(v, "v", v_out.numel());  // (empty: the old v is zero)
+  check(v_out, "v_out", v_out.numel());
   const float m = static_cast<float>(momentum), sc = static_cast<float>(scale);
   const float* uu = momentum != 0.0 ? u.data_ptr<float>() : nullptr;
   float* uo = momentum != 0.0 ? u_out.data_ptr<float>() : nullptr;
-  const float* vv = v.data_ptr<float>();
+  const float* vv = v.numel() > 0 ? v.data_ptr<float>() : nullptr;
   float* vo = v_out.data_ptr<float>();
   float* bm = nullptr;
   if (block_max.has_value() && block_max->defined()) {
