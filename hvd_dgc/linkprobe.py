@@ -12,7 +12,8 @@ will use (same process set, same controller), and fits the model's own formula f
 A one-element allreduce gives the latency; then larger ones, 64 KiB first, each sized from
 the last so that its transfer outweighs the latency (at most 64x larger), until one does
 or the next would overrun the budget; the line through the two gives alpha and the
-bandwidth. Each size is timed twice and the faster kept (the first call of a shape
+bandwidth. Each size is timed twice and the faster kept, the two points of the line
+three times more where that fits in half the budget (the first call of a shape
 negotiates it with Horovod's coordinator; later ones hit its response cache, as a step's
 collectives do). What Horovod adds to a message (its cycle time, the cache's bit
 allreduce) is counted in alpha, as every collective of a step pays it too.
@@ -88,7 +89,8 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
     small = timed(1, 3)  # 2 (N-1) alpha, and 4 bytes' transfer
     numel = FIRST_NUMEL
     while True:
-        transfer = max(timed(numel, 2) - small, 0.0)
+        big = timed(numel, 2)
+        transfer = max(big - small, 0.0)
         if transfer >= TRANSFER_OVER_LATENCY * small or numel >= LARGEST_NUMEL:
             break
         grow = min(64.0, max(4.0, TRANSFER_OVER_LATENCY * small / max(transfer, small / 64)))
@@ -96,6 +98,12 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
         if spent + 2 * (small + transfer * bigger / numel) > budget:
             break  # the next size would overrun the budget: the line through this one
         numel = bigger
+    if spent + 3 * (small + big) <= budget / 2:
+        # a rank descheduled during both timings of a size (ranks sharing cores) reads as
+        # a slow link, and a slow link sends everything sparse: where the budget allows,
+        # both points are timed three times more and the fastest kept
+        small = min(small, timed(1, 3))
+        transfer = max(min(big, timed(numel, 3)) - small, 0.0)
     # the line through the two points: t(n) = latency + dense_bytes(n) / bandwidth
     extra_bytes = dense_bytes(numel, world, 4) - dense_bytes(1, world, 4)
     bandwidth = extra_bytes / max(transfer, 1e-9)  # (1e-9: a link too fast to time)
