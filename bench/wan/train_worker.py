@@ -13,6 +13,9 @@ on rank 0: steps/s and samples/s over the timed steps, after warm-up steps.
              dga     hvd_dgc, DGC + delayed averaging (--delay)
              dts     hvd_dgc, DGC + delayed averaging + temporally sparse updates
                      (--delay, --period: an exchange every period-th step)
+             outer   hvd_dgc's outer loop (DiLoCo): --outer-steps inner steps a round,
+                     the weights' change sent whole or at --outer-density, --overlap
+    --optimizer adamw: AdamW instead of momentum SGD (the inner optimizer for outer).
     hvd_dgc's methods take --fusion-threshold (bytes; 0: one launch per tensor).
 """
 
@@ -27,7 +30,7 @@ import torch.nn as nn
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--method", required=True, choices=["local", "floor", "dense", "fp16", "dgc",
-                                                          "dga", "dts"])
+                                                          "dga", "dts", "outer"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
@@ -36,6 +39,10 @@ def main():
     ap.add_argument("--delay", default="4", help="an int, or auto (delay=\"auto\")")
     ap.add_argument("--period", type=int, default=4)
     ap.add_argument("--fusion-threshold", type=int, default=None)
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    ap.add_argument("--outer-steps", type=int, default=32)
+    ap.add_argument("--outer-density", type=float, default=1.0)
+    ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--cost-alpha", type=float, default=None,
                     help="hvd_dgc CostModel alpha (s); 0: a bucket's dense tensors keep "
                          "their own allreduce (CostModel.folds)")
@@ -45,7 +52,8 @@ def main():
     model = nn.Sequential(nn.Linear(1024, args.width), nn.ReLU(),
                           nn.Linear(args.width, args.width), nn.ReLU(),
                           nn.Linear(args.width, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) \
+        if args.optimizer == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank, size = 0, 1
     floor = None
     if args.method == "floor":
@@ -58,6 +66,10 @@ def main():
             import horovod.torch as hvd
             compression = hvd.Compression.fp16 if args.method == "fp16" else hvd.Compression.none
             options = {}
+        elif args.method == "outer":
+            import hvd_dgc.torch as hvd
+            options = dict(outer=hvd.OuterLoop(steps=args.outer_steps, overlap=args.overlap),
+                           density=args.outer_density)
         else:
             import hvd_dgc.torch as hvd
             compression = hvd.Compression.dgc
@@ -71,8 +83,12 @@ def main():
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=compression, **options)
+        if args.method == "outer":  # (compression: the outer loop's default)
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           **options)
+        else:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression=compression, **options)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 1024, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
@@ -93,11 +109,11 @@ def main():
         loss = step()
     elapsed = time.perf_counter() - start
     flush = 0.0
-    if args.method in ("dga", "dts"):  # once per epoch/evaluation, not per step: timed apart
+    if args.method in ("dga", "dts", "outer"):  # once per evaluation, not per step: apart
         start = time.perf_counter()
         opt.flush()
         flush = time.perf_counter() - start
-    if rank == 0:
+    if rank == 0 or args.method == "outer":  # (outer: each rank's own rate; they drift)
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({"method": args.method, "steps": args.steps, "seconds": elapsed,
                           "steps_per_s": args.steps / elapsed,
@@ -108,7 +124,11 @@ def main():
                           "launches": getattr(opt, "compression_stats", dict)().get(
                               "last_step", {}).get("launches"),
                           "delay_decisions": getattr(opt, "compression_stats",
-                                                     dict)().get("delay_decisions")}),
+                                                     dict)().get("delay_decisions"),
+                          "outer_rounds": getattr(opt, "compression_stats", dict)().get(
+                              "rounds"),
+                          "outer_bytes_sent": getattr(opt, "compression_stats", dict)().get(
+                              "bytes_sent")}),
               flush=True)
 
 

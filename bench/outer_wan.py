@@ -1,0 +1,180 @@
+"""AdamW across the world: the outer loop (DiLoCo) against dense Horovod over an emulated
+WAN (issue 34).
+
+    sudo python bench/outer_wan.py                          # 100 Mbit/s, RTT 0-700 ms
+    python bench/outer_wan.py --rtts 200 --configs horovod "H=32, overlap"
+
+Two workers, one CPU thread each, in two network namespaces joined by the user-space
+link of harness/wan.py (rate cap, one-way delay); the same training in every run
+(bench/wan/train_worker.py: an MLP of 2.1M parameters, 8.4 MB of fp32 gradient, batch
+128, AdamW, synthetic data): dense Horovod AdamW (an allreduce every step), and
+hvd_dgc's outer loop, H inner AdamW steps a round, the weights' change sent whole or at
+a density (error feedback), with or without its exchange behind the next round
+(``OuterLoop(overlap=True)``). Each run times whole rounds (4, or 2 for H = 128) after
+warm-up rounds (with overlap, once an exchange is in flight), on each rank, and the
+slower rank's rate counts (with overlap a rank may run up to a round ahead of the
+other); the final ``flush()`` is timed apart, as an evaluation would be. The bound: the two workers training at once, never talking.
+
+Throughput only: what the link costs. The loss does not depend on the link (the same
+arithmetic), so the accuracy of the same settings is measured over loopback by
+bench/adam_lm.py. Writes, from this one run:
+
+    bench/results/outer_wan.csv   every measurement
+    bench/results/outer_wan.md    samples/s and % of the bound, bytes per round
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from harness.launch import run_job  # noqa: E402
+from harness.wan import WanLink, available  # noqa: E402
+
+WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
+MODEL = ["--width", "1024", "--batch", "128", "--optimizer", "adamw"]
+#: an H no timed window reaches: the same ranks, Horovod and link, no exchange
+NO_ROUND = 10 ** 6
+#: config -> (method, H, density, overlap); H None: an exchange every step
+CONFIGS = {
+    "no exchange": ("outer", NO_ROUND, 1.0, False),
+    "horovod": ("dense", None, 1.0, False),
+    "H=8": ("outer", 8, 1.0, False),
+    "H=32": ("outer", 32, 1.0, False),
+    "H=128": ("outer", 128, 1.0, False),
+    "H=8, overlap": ("outer", 8, 1.0, True),
+    "H=32, overlap": ("outer", 32, 1.0, True),
+    "H=32, density 0.01, overlap": ("outer", 32, 0.01, True),
+}
+LABELS = {"horovod": "Horovod AdamW (dense, every step)",
+          "no exchange": "no exchange (the bound)"}
+
+
+def label(config):
+    return LABELS.get(config, f"outer loop {config}")
+
+
+def local_rate():
+    """Two workers training at once on this machine, never talking: the bound."""
+    argv = WORKER + ["--method", "local", "--steps", "120", "--warmup-steps", "10", *MODEL]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    return sum(json.loads(p.communicate()[0].strip().splitlines()[-1])["samples_per_s"]
+               for p in procs)
+
+
+def measure(link, config, dense_steps, timeout):
+    method, h, density, overlap = CONFIGS[config]
+    if h is None:  # every step waits for its exchange: a few steps tell its rate
+        steps, warmup = dense_steps, 2
+        extra = []
+    elif h == NO_ROUND:  # as many steps as H=32's window, none of them a round's end
+        steps, warmup = 4 * 32, 32
+        extra = ["--outer-steps", str(h)]
+    else:  # whole rounds; with overlap a round's exchange must be in flight first
+        steps, warmup = (4 if h <= 32 else 2) * h, (2 if overlap else 1) * h
+        extra = ["--outer-steps", str(h), "--outer-density", str(density)] + (
+            ["--overlap"] if overlap else [])
+    argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
+                     str(warmup), *MODEL, *extra]
+    results = run_job(link, argv, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    code, out, err = results[0]
+    if code != 0 or results[1][0] != 0:
+        raise RuntimeError(f"{config} over {link.description} failed: rank 0 rc={code}, "
+                           f"rank 1 rc={results[1][0]}\n{err[-2000:]}\n{results[1][2][-2000:]}")
+    r = json.loads(out.strip().splitlines()[-1])
+    if method == "outer":  # with overlap a rank may run a round ahead: the slower decides
+        other = json.loads(results[1][1].strip().splitlines()[-1])
+        r["samples_per_s"] = min(r["samples_per_s"], other["samples_per_s"])
+        r["seconds"] = max(r["seconds"], other["seconds"])
+    rounds = r.get("outer_rounds")
+    r["bytes_per_round"] = (r["outer_bytes_sent"] / rounds if h != NO_ROUND else 0) \
+        if rounds else 4 * r["params"]
+    return steps, r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rate", type=float, default=100.0, help="Mbit/s")
+    ap.add_argument("--rtts", type=float, nargs="*", default=[0, 50, 200, 700], help="ms")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--dense-steps", type=int, default=6)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of --out's CSV that this run does not measure again")
+    args = ap.parse_args()
+    ok, why = available()
+    if not ok:
+        sys.exit(f"outer_wan: the WAN emulator is unavailable here ({why}); run as root")
+    started = time.time()
+    bound = local_rate()
+    print(f"two workers without Horovod: {bound:.1f} samples/s", flush=True)
+    rows = []
+    for rtt in args.rtts:
+        with WanLink(rate_mbit=args.rate, rtt_ms=rtt) as link:
+            for config in args.configs:
+                steps, r = measure(link, config, args.dense_steps, args.timeout)
+                rows.append({"rate_mbit": args.rate, "rtt_ms": rtt, "config": config,
+                             "steps": steps, "seconds": round(r["seconds"], 3),
+                             "samples_per_s": round(r["samples_per_s"], 1),
+                             "bytes_per_round": int(r["bytes_per_round"]),
+                             "flush_seconds": round(r["flush_seconds"], 3)})
+                print(f"{link.description:>28}  {label(config):<40} "
+                      f"{r['samples_per_s']:8.1f} samples/s  {time.time() - started:5.0f} s "
+                      f"so far", flush=True)
+    path = os.path.join(args.out, "outer_wan.csv")
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            again = {(r["rtt_ms"], r["config"]) for r in rows}
+            kept = [r for r in csv.DictReader(f)
+                    if (float(r["rtt_ms"]), r["config"]) not in again]
+        rows = [{k: (float(v) if k in ("rate_mbit", "rtt_ms", "samples_per_s",
+                                       "bytes_per_round") else v)
+                 for k, v in r.items() if k != "vs_bound"} for r in kept] + rows
+    write(rows, bound, args)
+
+
+def write(rows, bound, args):
+    """vs_bound: against the same link's "no exchange" row (else two workers without
+    Horovod)."""
+    bounds = {r["rtt_ms"]: r["samples_per_s"] for r in rows if r["config"] == "no exchange"}
+    if bounds:  # (no exchange: the link does not matter; where one was measured, its)
+        bound = sum(bounds.values()) / len(bounds)
+    for r in rows:
+        r["vs_bound"] = round(r["samples_per_s"] / bounds.get(r["rtt_ms"], bound), 4)
+    rows.sort(key=lambda r: (r["rtt_ms"], list(CONFIGS).index(r["config"])))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "outer_wan.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    rtts = sorted({r["rtt_ms"] for r in rows})
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    cell = {(r["config"], r["rtt_ms"]): r for r in rows}
+    with open(os.path.join(args.out, "outer_wan.md"), "w") as f:
+        f.write("# The outer loop over an emulated WAN: AdamW, 2 workers\n\n"
+                f"`python bench/outer_wan.py` (one run; {args.rate:g} Mbit/s, 2 workers x 1 "
+                "CPU thread, bench/wan/train_worker.py's MLP of 2.1M parameters with AdamW, "
+                "batch 128 per worker). Cells: samples/s (% of the bound: the same two ranks "
+                "over the link, Horovod initialised, an H that no timed window reaches, "
+                f"{bound:.0f} samples/s where it was measured at one RTT only).\n\n")
+        f.write("| run | bytes sent per exchange (a round; Horovod: a step) | " + " | ".join(
+            f"RTT {t:g} ms" for t in rtts) + " |\n|---|---|" + "---|" * len(rtts) + "\n")
+        for c in configs:
+            some = next(cell[(c, t)] for t in rtts if (c, t) in cell)
+            f.write(f"| {label(c)} | {some['bytes_per_round'] / 1e6:.2f} MB | " + " | ".join(
+                f"{cell[(c, t)]['samples_per_s']:.0f} ({100 * cell[(c, t)]['vs_bound']:.0f}%)"
+                if (c, t) in cell else "" for t in rtts) + " |\n")
+    print(f"wrote {args.out}/outer_wan.csv and outer_wan.md")
+
+
+if __name__ == "__main__":
+    main()
