@@ -136,9 +136,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             if self._inflight is not None:  # the last round's average, a round late
                 self._apply(self._average(self._inflight))  # (before the next launch:
             # Horovod refuses a second collective of a name still in flight)
-            self._inflight = self._launch(delta.clone())  # (the allreduce is in place)
             self._start = self._anchor - delta  # the common trajectory, and own round
             self._set_weights(self._start)
+            self._inflight = self._launch(delta)  # (after: the allreduce is in place)
 
     # -- Horovod's optimizer API --------------------------------------------------------
     def step(self, closure=None):
