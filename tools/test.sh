@@ -17,7 +17,7 @@ targets=(tests)
 for arg in "$@"; do
   case "$arg" in tests/*|tests) targets=() ;; esac
 done
-"$VENV/bin/python" -m pytest -ra --timeout=900 "$@" ${targets[@]+"${targets[@]}"}
+"$VENV/bin/python" -m pytest -ra --timeout=900 --durations=40 "$@" ${targets[@]+"${targets[@]}"}
 rc=$?
 set -e
 # pytest's 5 means no test ran: that is a failure here.
