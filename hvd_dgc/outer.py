@@ -40,7 +40,11 @@ is tests/reference.py ``outer_round``.
 
 from typing import NamedTuple
 
-__all__ = ["OuterLoop", "outer_step", "check_outer"]
+__all__ = ["OuterLoop", "outer_step", "check_outer", "round_bytes", "outer_stats",
+           "VALUE_BYTES", "RECORD_BYTES"]
+
+#: fp32 on the dense path; a record is an int32 position and an fp32 value.
+VALUE_BYTES, RECORD_BYTES = 4, 8
 
 
 class OuterLoop(NamedTuple):
@@ -97,6 +101,27 @@ def outer_step(config, average, momentum_buffer):
         return average, None
     buffer = average if momentum_buffer is None else momentum_buffer * m + average
     return (average + buffer * m if config.nesterov else buffer), buffer
+
+
+def round_bytes(numels, ks, density):
+    """What one rank sends a round: the change whole (fp32), or its records."""
+    return sum(numels) * VALUE_BYTES if density >= 1 else sum(ks) * RECORD_BYTES
+
+
+def outer_stats(outer, density, inner, rounds, bytes_sent, numels, in_flight, world_size):
+    """``compression_stats()`` of the outer loop (this rank), the same keys in PyTorch
+    and TensorFlow and the same meaning as DGC's: ``dense_fp32_bytes`` is what Horovod
+    would have sent (the fp32 gradient every inner step), ``compression_ratio`` it over
+    ``bytes_sent``; ``round_fp32_bytes`` the change sent whole every round."""
+    numel = sum(numels)
+    dense = inner * numel * VALUE_BYTES
+    return {"mode": "outer", "inner_steps": inner, "rounds": rounds,
+            "steps_per_round": outer.steps, "density": density, "current_density": density,
+            "bytes_sent": bytes_sent, "dense_fp32_bytes": dense,
+            "round_fp32_bytes": rounds * numel * VALUE_BYTES,
+            "compression_ratio": dense / bytes_sent if bytes_sent else 1.0,
+            "paths": {"dense" if density >= 1 else "sparse": rounds * len(numels)},
+            "in_flight": int(in_flight), "world_size": world_size}
 
 
 def check_outer(outer, config, compression_is_default, op_is_average):

@@ -292,6 +292,13 @@ def frozen_adam_apply(x, average, t, lr, beta1, decoupled_decay=0.0):
 
 
 # -- the outer loop (hvd_dgc/outer.py) -------------------------------------------------------
+def outer_targets(step, rank):
+    """The quadratic both frameworks' outer-loop tests pull a (40, 50) and a (30,) tensor
+    towards, per rank and step: the gradient is ``x - T``, so a run replays in NumPy."""
+    rng = np.random.RandomState(1000 * rank + step)
+    return rng.randn(40, 50).astype(np.float32), rng.randn(30).astype(np.float32)
+
+
 def outer_average(deltas, residuals, sizes, ks=None):
     """Every rank's pseudo-gradient ``deltas[r]`` (flat) averaged as the outer loop sends
     it: whole (``ks`` None), or per tensor (``sizes``) the ``ks`` largest

@@ -11,7 +11,6 @@ from hvd_dgc.config import DGCConfig
 from hvd_dgc.outer import OuterLoop, check_outer, outer_step
 from tests import reference as ref
 from tests.test_torch_optimizer import _checked
-from tests.workers.torch_outer import targets
 
 SCENARIOS = ["reference_quadratic", "sync_equivalence", "adamw_trains",
              "checkpoint_resumes_exactly", "elastic_sync_takes_rank_0s_round",
@@ -68,7 +67,7 @@ def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
     buffer = pending = None
     for step in range(steps):
         for r in range(world):
-            t = np.concatenate([a.reshape(-1) for a in targets(step, r)])
+            t = np.concatenate([a.reshape(-1) for a in ref.outer_targets(step, r)])
             xs[r] = xs[r] - np.float32(lr) * (xs[r] - t)
         if (step + 1) % outer.steps == 0:
             own = [s - x for s, x in zip(starts, xs)]
@@ -117,7 +116,10 @@ def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, ne
     assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
     per_round = 2030 * 4 if ks is None else sum(ks) * 8
     assert stats["bytes_sent"] == stats["rounds"] * per_round
-    assert stats["dense_fp32_bytes"] == stats["rounds"] * 2030 * 4
+    assert stats["round_fp32_bytes"] == stats["rounds"] * 2030 * 4
+    assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
+    assert stats["compression_ratio"] == stats["dense_fp32_bytes"] / stats["bytes_sent"]
+    assert stats["paths"] == {"dense" if ks is None else "sparse": 2 * stats["rounds"]}
 
 
 def test_one_inner_step_a_round_with_outer_sgd_of_lr_1_is_synchronous_training(gloo):

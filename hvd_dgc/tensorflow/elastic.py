@@ -81,8 +81,7 @@ class TensorFlowKerasState(_HorovodKerasState):
     def _load_model(self):
         for var, value in self._saved:
             var.assign(value)
-        if self._exchange.memory is not None:
-            self._exchange.set_epoch(self._exchange.current_epoch())
+        self._exchange.set_epoch(self._exchange.current_epoch())  # (its variable too)
 
     def reset(self):
         """The world changed: plan the exchange for it and trace the step again."""

@@ -25,11 +25,10 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
-from hvd_dgc.outer import outer_step
+from hvd_dgc.outer import RECORD_BYTES, VALUE_BYTES, outer_stats, outer_step
 from hvd_dgc.schedule import num_selected
 
 OUTER_KEY = "hvd_dgc_outer"
-INDEX_BYTES = VALUE_BYTES = 4
 
 
 class InFlight(NamedTuple):
@@ -104,7 +103,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         positions = torch.cat(picked)
         values = v[positions]
         v[positions] = 0.0  # sent: what stays is owed to a later round
-        self._bytes_sent += positions.numel() * (INDEX_BYTES + VALUE_BYTES)
+        self._bytes_sent += positions.numel() * RECORD_BYTES
         return InFlight((
             _hvd.allgather_async(positions.to(torch.int32), name="hvd_dgc.outer.positions",
                                  process_set=self.process_set),
@@ -174,13 +173,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             self._start = self._anchor.clone() if self._outer.overlap else self._anchor
 
     def compression_stats(self):
-        """The outer loop's counts (this rank): bytes sent over the rounds vs dense fp32."""
-        return {"mode": "outer", "inner_steps": self._inner, "rounds": self._rounds,
-                "steps_per_round": self._outer.steps, "density": self._density,
-                "bytes_sent": self._bytes_sent,
-                "dense_fp32_bytes": self._rounds * self._numel * VALUE_BYTES,
-                "in_flight": int(self._inflight is not None),
-                "world_size": self.process_set.size()}
+        """The outer loop's counts (this rank): bytes sent over the rounds against dense
+        fp32 rounds and against Horovod's allreduce every inner step (hvd_dgc/outer.py)."""
+        return outer_stats(self._outer, self._density, self._inner, self._rounds,
+                           self._bytes_sent, [p.numel() for p in self._params],
+                           self._inflight is not None, self.process_set.size())
 
     # -- checkpoints and elastic Horovod ------------------------------------------------
     def state_dict(self):

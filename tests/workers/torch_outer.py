@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import hvd_dgc.torch as hvd
+from tests import reference as ref
 from tests.workers.torch_dgc import flat_params, loss_of, mlp, ranks_identical, wide_mlp
 
 
@@ -22,14 +23,9 @@ class Quadratic(nn.Module):
         self.b = nn.Parameter(torch.from_numpy(rng.randn(30).astype(np.float32)))
 
     def loss(self, step, rank):
-        tw, tb = targets(step, rank)
+        tw, tb = ref.outer_targets(step, rank)
         return 0.5 * ((self.w - torch.from_numpy(tw)) ** 2).sum() + \
             0.5 * ((self.b - torch.from_numpy(tb)) ** 2).sum()
-
-
-def targets(step, rank):
-    rng = np.random.RandomState(1000 * rank + step)
-    return rng.randn(40, 50).astype(np.float32), rng.randn(30).astype(np.float32)
 
 
 def _quadratic(tag, steps, lr, **options):

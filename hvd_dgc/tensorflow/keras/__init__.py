@@ -29,13 +29,16 @@ import tensorflow as tf
 
 from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
+import horovod.tensorflow as _hvd
 
 from hvd_dgc.config import DGCConfig
+from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTakeOver, \
     check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_legacy
+from hvd_dgc.tensorflow.outer import OuterRounds
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
 elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its KerasState
@@ -266,12 +269,82 @@ def _set_epoch(self, epoch):
     self._hvd_dgc.set_epoch(epoch)
 
 
+# -- the outer loop (outer=hvd_dgc.OuterLoop(...), hvd_dgc/tensorflow/outer.py): the
+# user's optimizer steps on this rank's own gradients; every H-th step ends a round
+def _outer_step(self, variables, apply):
+    rounds = self._hvd_dgc
+    rounds.build(variables)
+    rounds.begin(variables)  # (the first step: the shared weights are rank 0's)
+    out = apply()
+    rounds.end_step(variables)
+    return out
+
+
+def _outer_apply(self, grads, trainable_variables=None):  # Keras 3
+    variables = self._trainable_variables if trainable_variables is None else trainable_variables
+    base = super(self.__class__, self)
+    return _outer_step(self, list(variables), lambda: base.apply(grads, trainable_variables))
+
+
+def _outer_apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
+    grads_and_vars = list(grads_and_vars)
+    base = super(self.__class__, self)
+    return _outer_step(self, [v for _, v in grads_and_vars],
+                       lambda: base.apply_gradients(grads_and_vars, *args, **kwargs))
+
+
+def _outer_flush(self):
+    """End the round under way now, so every rank holds the same weights (before
+    evaluating, checkpointing, or at the end; ``callbacks.DGCCallback`` calls it before
+    evaluation and when ``fit`` ends). Returns whether a round was ended."""
+    return self._hvd_dgc.flush()
+
+
+def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
+    """The user's optimizer class, stepping locally, with the outer loop's round."""
+    if passes > 1:
+        raise ValueError(f"outer=OuterLoop(...) with backward_passes_per_step={passes}: "
+                         f"the inner steps are local already; use "
+                         f"OuterLoop(steps=...) for fewer exchanges and "
+                         f"backward_passes_per_step=1.")
+    if outer.overlap:
+        raise ValueError("OuterLoop(overlap=True) runs in hvd_dgc.torch only so far (a TF "
+                         "step cannot leave a collective in flight); use overlap=False "
+                         "with Keras: each round's exchange then ends its last step.")
+    density = 1.0 if config.density is None else float(config.density)
+    rounds = OuterRounds(outer, density, config.min_compress_size, process_set)
+    methods = {"compression_stats": lambda self: self._hvd_dgc.stats(),
+               "set_epoch": lambda self, epoch: self._hvd_dgc.set_epoch(epoch),
+               "dgc_state": property(_dgc_state), "flush": _outer_flush,
+               "in_flight": property(lambda self: 0), "_hvd_dgc_passes": None,
+               "_hvd_dgc_keras3": is_keras3(optimizer)}
+    if is_keras3(optimizer):
+        methods["apply"] = _outer_apply
+    else:
+        methods["apply_gradients"] = _outer_apply_gradients
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    keras_config = optimizer.get_config()
+    if name is not None:
+        keras_config["name"] = name
+    new = cls.from_config(keras_config)
+    if is_keras3(optimizer):
+        object.__setattr__(new, "_hvd_dgc", rounds)  # keep it out of Keras 3's tracker
+    else:
+        new._hvd_dgc = rounds  # tracked: tf.train.Checkpoint saves the outer state
+    if process_set.included() and _hvd.rank() == 0:
+        values = "whole (allreduce)" if density >= 1 else (
+            f"as error-feedback records at density {density:g} of each variable")
+        print(f"[hvd_dgc] tensorflow: {outer.words()}; the change sent {values}; "
+              f"{type(optimizer).__name__} steps locally between rounds.", flush=True)
+    return new
+
+
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
                          compression=Compression.dgc, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True,
-                         **options):
+                         outer=None, **options):
     """Horovod's Keras DistributedOptimizer with Deep Gradient Compression.
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
@@ -304,8 +377,20 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     Horovod: P calls' gradients are summed locally (their mean with
     ``average_aggregated_gradients=True``), then exchanged through DGC and applied
     once; ``iterations`` counts every call. Needs ``delay=0``.
+
+    ``outer=hvd_dgc.OuterLoop(steps=H, lr=0.7, momentum=0.9)``: an outer loop instead
+    (DiLoCo; hvd_dgc/outer.py, hvd_dgc/tensorflow/outer.py): ``optimizer`` (AdamW, SGD,
+    anything) steps on this rank's gradients, and every H-th step the weights' change
+    is averaged over the ranks (whole, or as records at ``density`` with error
+    feedback) and applied by outer Nesterov momentum. ``opt.flush()`` ends the round
+    under way (every rank then holds the same weights).
     """
     config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
+    if outer is not None:
+        check_outer(outer, config, compression in (Compression.dgc, Compression.none),
+                    op == Average)
+        return _outer_optimizer(optimizer, name, outer, config, process_set,
+                                backward_passes_per_step)
     is_sgd = type(optimizer).__name__ == "SGD"
     is_adam = type(optimizer).__name__ in ADAM_CLASSES
     keras_config = optimizer.get_config()
