@@ -14,6 +14,7 @@ from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["tf_outer.reference_quadratic", "tf_outer.sync_equivalence",
              "tf_outer.fit_adamw_digits", "tf_outer.checkpoint_resumes_exactly",
+             "tf_outer.overlap_checkpoint_needs_flush",
              "tf_outer.elastic_sync_takes_rank_0s_round", "tf_outer.refusals"]
 
 
@@ -21,7 +22,9 @@ def _launch(legacy, ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, controller="gloo", timeout=480,
                env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"},
                kwargs={"names": SCENARIOS,
-                       "kwargs": {"tf_outer.checkpoint_resumes_exactly": {"ckdir": ckdir}}})
+                       "kwargs": {"tf_outer.checkpoint_resumes_exactly": {"ckdir": ckdir},
+                                  "tf_outer.overlap_checkpoint_needs_flush": {
+                                      "ckdir": ckdir}}})
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +42,43 @@ def outs(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.mark.parametrize("variant,ks,steps,nesterov", [
-    ("dense", None, 10, True), ("sparse", [200, 30], 10, True),
-    ("heavy_ball", [500, 30], 9, False)])
-def test_keras_matches_the_reference_round_by_round(outs, variant, ks, steps, nesterov):
+@pytest.mark.parametrize("variant,ks,steps,nesterov,overlap", [
+    ("dense", None, 10, True, False), ("sparse", [200, 30], 10, True, False),
+    ("heavy_ball", [500, 30], 9, False, False), ("overlap", None, 10, True, True),
+    ("overlap_sparse", [200, 30], 9, True, True)])
+def test_keras_matches_the_reference_round_by_round(outs, variant, ks, steps, nesterov,
+                                                    overlap):
     ranks = [out[variant] for out in _checked(outs, "tf_outer.reference_quadratic")]
-    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov)
+    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov, overlap=overlap)
     xs, flushed = _replay(ranks[0]["start"], steps, 0.1, outer, [2000, 30], ks)
     for rank, out in enumerate(ranks):
         np.testing.assert_allclose(out["final"], xs[rank], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out["flushed"], flushed, rtol=1e-5, atol=1e-5)
         assert out["stats"]["rounds"] == steps // 3 and out["stats"]["inner_steps"] == steps
-        assert out["identical_after_flush"] and out["ended"] == bool(steps % 3)
+        assert out["in_flight"] == out["stats"]["in_flight"] == int(overlap)
+        assert out["identical_after_flush"] and out["flushed_stats"]["in_flight"] == 0
+        assert out["ended"] == (overlap or bool(steps % 3))
         assert not out["ended_again"]  # nothing left to end
-    assert all(out["identical"] for out in ranks) == (steps % 3 == 0)
+    # right after a round every rank holds the anchor, bit for bit; with overlap each
+    # also holds its own change of that round, whose average is in flight
+    assert all(out["identical"] for out in ranks) == (steps % 3 == 0 and not overlap)
     stats = ranks[0]["flushed_stats"]
     assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
     per_round = 2030 * 4 if ks is None else sum(ks) * 8
     assert stats["bytes_sent"] == stats["rounds"] * per_round
     assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
     assert stats["paths"] == {"dense" if ks is None else "sparse": 2 * stats["rounds"]}
+
+
+def test_with_overlap_a_checkpoint_asks_for_flush_first(outs):
+    for out in _checked(outs, "tf_outer.overlap_checkpoint_needs_flush"):
+        assert out["refused"].startswith("hvd_dgc: a round's exchange is in flight"), out
+        assert "Call optimizer.flush() after the step, before writing a checkpoint" in \
+            out["refused"]
+        assert out["in_flight"] == 1 and out["after_flush"] == 0
+        assert out["saved"] and out["identical"]
+        assert "OuterLoop(overlap=True) under elastic Horovod runs in hvd_dgc.torch only" \
+            in out["elastic"]
 
 
 def test_one_inner_step_a_round_with_outer_sgd_of_lr_1_is_synchronous_training(outs):
@@ -103,7 +123,6 @@ def test_an_elastic_sync_hands_a_joining_rank_rank_0s_round(outs):
 
 def test_what_the_keras_outer_loop_cannot_honour_is_refused_with_the_fix(outs):
     for out in _checked(outs, "tf_outer.refusals"):
-        assert "OuterLoop(overlap=True) runs in hvd_dgc.torch only so far" in out["overlap"]
         assert "backward_passes_per_step=2" in out["passes"] and \
             "backward_passes_per_step=1" in out["passes"]
         assert "with delay=2: the outer loop already exchanges once every 8 steps" in \

@@ -212,8 +212,9 @@ def render():
         "Horovod's own arguments (`named_parameters`, `compression`, "
         "`backward_passes_per_step`, `op`, `process_set`, ...) keep Horovod's meaning; "
         "what `compression=` becomes is in [the README](../README.md#the-one-line-switch). "
-        "PyTorch's `dense_compression`, `grad_scaler` and `outer` (the outer loop) are in "
-        "[pytorch.md](pytorch.md); "
+        "PyTorch's `dense_compression` and `grad_scaler` are in [pytorch.md](pytorch.md); "
+        "`outer` (the outer loop) in [pytorch.md](pytorch.md) and "
+        "[tensorflow.md](tensorflow.md); "
         "the Keras optimizer's and callbacks' arguments are in "
         "[tensorflow.md](tensorflow.md).",
     ]

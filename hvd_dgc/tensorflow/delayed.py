@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
-__all__ = ["DelayedAveraging"]
+__all__ = ["DelayedAveraging", "check_inter_op_threads"]
 
 
 class DelayedAveraging:
@@ -52,7 +52,7 @@ class DelayedAveraging:
     synchronous path."""
 
     def __init__(self, paths, delay, variables):
-        _check_inter_op_threads(delay)
+        check_inter_op_threads(f"delay={delay}", "delay=0")
         self.paths, self.delay = paths, delay
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self.gives_back = paths.gives_back()
@@ -163,16 +163,16 @@ class DelayedAveraging:
         return total
 
 
-def _check_inter_op_threads(delay):
-    """The step's graph holds one inter-op thread while it waits for step i-D; the
-    collectives' functions need another to start on."""
+def check_inter_op_threads(setting, instead):
+    """The step's graph holds one inter-op thread while it waits for an average launched
+    earlier; the collectives' functions need another to start on."""
     configured = tf.config.threading.get_inter_op_parallelism_threads()
     threads = configured or os.cpu_count() or 1
     if threads < 2:
         raise RuntimeError(
-            f"hvd_dgc: delay={delay} in TensorFlow needs at least 2 inter-op threads (this "
+            f"hvd_dgc: {setting} in TensorFlow needs at least 2 inter-op threads (this "
             f"process has {threads}{' (set by the user)' if configured else ', one per CPU'}): "
-            f"one waits inside the training step for the average of step i-{delay}, another "
+            f"one waits inside the training step for an average launched earlier, another "
             f"starts the collectives. Call tf.config.threading."
             f"set_inter_op_parallelism_threads(2) (or more) before TensorFlow runs anything, "
-            f"or use delay=0.")
+            f"or use {instead}.")

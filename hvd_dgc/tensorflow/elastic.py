@@ -57,6 +57,10 @@ class TensorFlowKerasState(_HorovodKerasState):
                 f"{type(optimizer).__name__}: wrap the optimizer with hvd_dgc.tensorflow."
                 f"keras.DistributedOptimizer and compile the model with it (the "
                 f"DistributedGradientTape under elastic Horovod is not supported yet).")
+        if getattr(getattr(exchange, "outer", None), "overlap", False):
+            raise ValueError("OuterLoop(overlap=True) under elastic Horovod runs in "
+                             "hvd_dgc.torch only so far: a round's exchange in flight would "
+                             "be lost at a reset. Use overlap=False with KerasState.")
         if exchange.delay:
             raise ValueError(f"delay={exchange.delay} (delayed averaging) under elastic "
                              f"Horovod runs in hvd_dgc.torch only so far: steps in flight "

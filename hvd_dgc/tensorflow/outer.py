@@ -13,6 +13,13 @@ so every rank takes the same branch and joins the same collectives)::
     anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank
     x = anchor                           every rank starts the next round alike
 
+``overlap=True``: a TF step cannot leave a collective in flight, so the round's payload
+goes to a worker thread (``tf.py_function``, as hvd_dgc/tensorflow/delayed.py does) whose
+collectives run during the next round's inner steps; the end of that round waits for the
+average and applies it, a round late, and each rank goes on from the shared weights
+plus its own latest change (hvd_dgc/outer.py). A checkpoint is refused while an
+exchange is in flight (``flush()`` first).
+
 The shared weights start as rank 0's (one broadcast at the first step): Horovod's Keras
 callback and its TF2 examples broadcast after the first batch, so the weights a rank
 holds at its first step may still be its own. The state is a ``tf.Module``
@@ -22,13 +29,16 @@ the optimizer); ``hvd.elastic.KerasState`` commits it and a rank that joins take
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.outer import outer_stats, outer_step, round_bytes
 from hvd_dgc.schedule import num_selected
+from hvd_dgc.tensorflow.delayed import check_inter_op_threads
 from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
 
 __all__ = ["OuterRounds"]
@@ -49,6 +59,9 @@ class OuterRounds(tf.Module):
         self._epoch = 0.0
         self._shared = None     # rank 0's round, for a build after an elastic sync
         self.numels = self.ks = None
+        self._inflight = None   # overlap: the last round's exchange (a Future)
+        self._function = None   # overlap: its collectives, traced once
+        self._pool = None
 
     # -- set-up (eager, once) -----------------------------------------------------------
     def build(self, variables):
@@ -71,6 +84,9 @@ class OuterRounds(tf.Module):
                     "tensors": [[n, list(v.shape)] for n, v in zip(names, variables)]},
                     self.process_set)
         object.__setattr__(self, "_watched", tuple(variables))
+        if self.outer.overlap:
+            check_inter_op_threads("OuterLoop(overlap=True)", "overlap=False")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_outer")
         self.numels = numels
         self.ks = [n if self.density >= 1 or n < self.min_compress_size
                    else num_selected(n, self.density) for n in numels]
@@ -80,6 +96,8 @@ class OuterRounds(tf.Module):
                                 name=f"{name}_{i}") for i, n in enumerate(self.numels)]
         with tf.init_scope():
             self.anchor = zeros("anchor")  # the shared weights (taken at the first step)
+            # where this rank's round began: the anchor, or (overlap) a round behind it
+            self.start = zeros("start") if self.outer.overlap else self.anchor
             self.buffer = zeros("momentum") if self.outer.momentum else []
             self.residual = zeros("residual") if self.density < 1 else []
             self.started = tf.Variable(False, trainable=False, name="started")
@@ -94,9 +112,11 @@ class OuterRounds(tf.Module):
     def begin(self, variables):
         """Before the first inner step: the shared weights are rank 0's."""
         def take():
-            for i, (a, v) in enumerate(zip(self.anchor, variables)):
+            for i, (a, s, v) in enumerate(zip(self.anchor, self.start, variables)):
                 a.assign(_hvd.broadcast(_flat(v), 0, name=f"hvd_dgc.outer.anchor.{i}",
                                         process_set=self.process_set))
+                if s is not a:
+                    s.assign(a)
             self.started.assign(True)
             return tf.constant(True)
         return tf.cond(self.started, lambda: tf.constant(False), take)
@@ -109,26 +129,57 @@ class OuterRounds(tf.Module):
 
     def end_round(self, variables):
         """This rank's change since the round began, averaged and applied to the shared
-        weights; every rank goes on from them."""
-        average = self._average([a - _flat(v) for a, v in zip(self.anchor, variables)])
-        for i, (a, v) in enumerate(zip(self.anchor, variables)):
+        weights; every rank goes on from them (``overlap``: from them plus its own change
+        of this round, whose average is on its way)."""
+        if self.outer.overlap:
+            return self._end_round_overlapped(variables)
+        self._apply(self._average_now(self.anchor, variables))
+        for a, v in zip(self.anchor, variables):
+            v.assign(tf.cast(tf.reshape(a.read_value(), v.shape), v.dtype))
+        return self._count_round()
+
+    def _end_round_overlapped(self, variables):
+        """Round j's change launched on a worker thread; round j-1's average, waited for
+        now (a round of inner steps after its launch), applied a round late."""
+        delta = [s - _flat(v) for s, v in zip(self.start, variables)]
+        average, had = tf.py_function(self._swap, self._payload(delta),
+                                      Tout=[tf.float32, tf.bool])
+        average.set_shape([sum(self.numels)])
+        applied = tf.cond(had, lambda: self._apply(tf.split(average, self.numels)),
+                          lambda: tf.constant(False))
+        with tf.control_dependencies([applied]):
+            for a, s, d, v in zip(self.anchor, self.start, delta, variables):
+                s.assign(a.read_value() - d)  # the common trajectory, and own round
+                v.assign(tf.cast(tf.reshape(s.read_value(), v.shape), v.dtype))
+        return self._count_round()
+
+    def _count_round(self):
+        self.round_began.assign(self.inner)
+        self.rounds.assign_add(1)
+        return tf.constant(True)
+
+    def _apply(self, average):
+        """The outer step on the shared weights, the same on every rank."""
+        for i, a in enumerate(self.anchor):
             # the outer momentum's zeros before the first round give b = a exactly
             step, buffer = outer_step(self.outer, average[i],
                                       self.buffer[i].read_value() if self.buffer else None)
             if self.buffer:
                 self.buffer[i].assign(buffer)
             a.assign_sub(self.outer.lr * step)
-            v.assign(tf.cast(tf.reshape(a.read_value(), v.shape), v.dtype))
-        self.round_began.assign(self.inner)
-        self.rounds.assign_add(1)
         return tf.constant(True)
 
-    def _average(self, delta):
-        """Every rank's ``delta`` averaged: whole (density 1.0), or the density's largest
-        coordinates of ``residual + delta`` per variable, the rest kept in the residual."""
+    def _average_now(self, starts, variables):
+        """Every rank's change since ``starts``, averaged (this step's collectives)."""
+        delta = [s - _flat(v) for s, v in zip(starts, variables)]
+        return tf.split(self._collectives(*self._payload(delta)), self.numels)
+
+    def _payload(self, delta):
+        """What this rank sends: its change whole (one flat tensor; density 1.0), or the
+        density's largest coordinates of ``residual + delta`` per variable as records
+        (flat positions, values), the rest kept in the residual."""
         if self.density >= 1:
-            return _hvd.grouped_allreduce(delta, op=Average, process_set=self.process_set,
-                                          name="hvd_dgc.outer.dense")
+            return [tf.concat(delta, 0)]
         positions, values, offset = [], [], 0
         for v, d, n, k in zip(self.residual, delta, self.numels, self.ks):
             v.assign_add(d, read_value=False)
@@ -141,23 +192,72 @@ class OuterRounds(tf.Module):
             v.scatter_nd_update(picked[:, None], tf.zeros([k], tf.float32))  # sent
             positions.append(picked + offset)
             offset += n
-        positions = _hvd.allgather(tf.concat(positions, 0), name="hvd_dgc.outer.positions",
-                                   process_set=self.process_set)
-        values = _hvd.allgather(tf.concat(values, 0), name="hvd_dgc.outer.values",
-                                process_set=self.process_set)
-        total = tf.math.unsorted_segment_sum(values, positions, offset)
-        total /= tf.cast(self.process_set.size(), tf.float32)
-        return tf.split(total, self.numels)
+        return [tf.concat(positions, 0), tf.concat(values, 0)]
+
+    def _collectives(self, *payload):
+        """The average of every rank's payload, flat."""
+        if self.density >= 1:
+            return _hvd.allreduce(payload[0], op=Average, process_set=self.process_set,
+                                  name="hvd_dgc.outer.dense")
+        positions, values = (_hvd.allgather(t, name=f"hvd_dgc.outer.{part}",
+                                            process_set=self.process_set)
+                             for t, part in zip(payload, ("positions", "values")))
+        total = tf.math.unsorted_segment_sum(values, positions, sum(self.numels))
+        return total / tf.cast(self.process_set.size(), tf.float32)
+
+    # -- overlap: the exchange on a worker thread (tf.py_function), as delayed.py's -------
+    def _swap(self, *payload):
+        """The last round's average (zeros and False before the first), then this round's
+        payload launched (after: one collective of each name in flight)."""
+        had = self._inflight is not None
+        average = self._inflight.result() if had else np.zeros(sum(self.numels), np.float32)
+        arrays = [t.numpy() for t in payload]
+        self._inflight = self._pool.submit(lambda: self._exchange(*arrays).numpy())
+        return average, had
+
+    def _exchange(self, *arrays):
+        """The collectives in a tf.function of their own: eager Horovod ops are named by
+        their type, and the step's graph is waiting on this thread's result."""
+        if self._function is None:
+            specs = [tf.TensorSpec([a.size], tf.as_dtype(a.dtype)) for a in arrays]
+            self._function = tf.function(self._collectives, input_signature=specs)
+        return self._function(*arrays)
+
+    def _drain(self):
+        """Wait for the exchange in flight and apply it (eager)."""
+        if self._inflight is not None:
+            average, self._inflight = self._inflight.result(), None
+            self._apply(tf.split(tf.constant(average), self.numels))
 
     def flush(self):
-        """Every rank on the same weights: the round under way ended now (eagerly, on
-        every rank: the count of inner steps is the same everywhere). Returns whether a
-        round was ended."""
-        if self.numels is None or not bool(self.started.numpy()) or \
-                int(self.inner.numpy()) == int(self.round_began.numpy()):
+        """Every rank on the same weights: the exchange in flight (``overlap``) applied,
+        and the round under way ended now (eagerly, on every rank: the count of inner
+        steps is the same everywhere). Returns whether anything was in flight or under
+        way."""
+        if self.numels is None or not bool(self.started.numpy()):
             return False
-        self.end_round(self._watched)
-        return True
+        ended = self._inflight is not None
+        self._drain()
+        if int(self.inner.numpy()) != int(self.round_began.numpy()):
+            self._apply(self._average_now(self.start, self._watched))
+            self._count_round()
+            ended = True
+        for a, s, v in zip(self.anchor, self.start, self._watched):
+            if s is not a:
+                s.assign(a)
+            v.assign(tf.cast(tf.reshape(a, v.shape), v.dtype))
+        return ended
+
+    @property
+    def in_flight(self):
+        return int(self._inflight is not None)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if self._inflight is not None and save_type == "checkpoint":
+            raise RuntimeError("hvd_dgc: a round's exchange is in flight (OuterLoop(overlap="
+                               "True)); its average cannot be saved. Call optimizer.flush() "
+                               "after the step, before writing a checkpoint.")
+        return super()._trackable_children(save_type, **kwargs)
 
     # -- statistics, epochs ---------------------------------------------------------------
     def stats(self):
@@ -166,7 +266,7 @@ class OuterRounds(tf.Module):
         inner = int(self.inner.numpy()) if self.numels is not None else 0
         return outer_stats(self.outer, self.density, inner, rounds,
                            rounds * round_bytes(numels, self.ks or [], self.density),
-                           numels, False, self.process_set.size())
+                           numels, self._inflight is not None, self.process_set.size())
 
     def set_epoch(self, epoch):
         """(DGCCallback calls it; the outer loop has no warm-up.)"""

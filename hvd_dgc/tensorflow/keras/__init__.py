@@ -294,9 +294,9 @@ def _outer_apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (t
 
 
 def _outer_flush(self):
-    """End the round under way now, so every rank holds the same weights (before
-    evaluating, checkpointing, or at the end; ``callbacks.DGCCallback`` calls it before
-    evaluation and when ``fit`` ends). Returns whether a round was ended."""
+    """Apply the exchange in flight (``overlap``) and end the round under way now, so
+    every rank holds the same weights (before evaluating, checkpointing, or at the end;
+    ``callbacks.DGCCallback`` calls it before evaluation and when ``fit`` ends)."""
     return self._hvd_dgc.flush()
 
 
@@ -307,16 +307,13 @@ def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
                          f"the inner steps are local already; use "
                          f"OuterLoop(steps=...) for fewer exchanges and "
                          f"backward_passes_per_step=1.")
-    if outer.overlap:
-        raise ValueError("OuterLoop(overlap=True) runs in hvd_dgc.torch only so far (a TF "
-                         "step cannot leave a collective in flight); use overlap=False "
-                         "with Keras: each round's exchange then ends its last step.")
     density = 1.0 if config.density is None else float(config.density)
     rounds = OuterRounds(outer, density, config.min_compress_size, process_set)
     methods = {"compression_stats": lambda self: self._hvd_dgc.stats(),
                "set_epoch": lambda self, epoch: self._hvd_dgc.set_epoch(epoch),
                "dgc_state": property(_dgc_state), "flush": _outer_flush,
-               "in_flight": property(lambda self: 0), "_hvd_dgc_passes": None,
+               "in_flight": property(lambda self: self._hvd_dgc.in_flight),
+               "_hvd_dgc_passes": None,
                "_hvd_dgc_keras3": is_keras3(optimizer)}
     if is_keras3(optimizer):
         methods["apply"] = _outer_apply
