@@ -165,7 +165,8 @@ def test_keras_fit_gains_a_worker_in_horovods_example_pattern(tmp_path):
 @pytest.fixture(scope="module", params=["keras3", "keras2"])
 def commits(request):
     return run("tests.workers.tf_dgc:suite", np=2, env=KERAS[request.param], timeout=300,
-               kwargs={"names": ["tf_elastic.keras_state_commit_restore_sync"]})
+               kwargs={"names": ["tf_elastic.keras_state_commit_restore_sync",
+                                 "tf_elastic.plain_optimizer_state"]})
 
 
 def test_keras_state_restores_the_dgc_memory_with_the_weights(commits):
@@ -195,4 +196,20 @@ def test_keras_state_refuses_what_it_cannot_carry(commits):
     refused = commits[0]["tf_elastic.keras_state_commit_restore_sync"]["refused"]
     assert "delay=1" in refused["delay"] and "Use delay=0" in refused["delay"]
     assert "backward_passes_per_step" in refused["passes"]
-    assert "got SGD" in refused["plain"] and "DistributedOptimizer" in refused["plain"]
+
+
+def test_keras_state_with_a_plain_optimizer_syncs_restores_and_commits_as_horovods(commits):
+    """Horovod's KerasState takes an unwrapped optimizer; so does hvd_dgc's."""
+    outs = [out["tf_elastic.plain_optimizer_state"] for out in commits]
+    for out in outs:
+        assert "error" not in out, out.get("error")
+    # each rank took one local Adam step from weights rank + 1: rank 1's differ
+    assert outs[0]["synced"]["before"] != outs[1]["synced"]["before"]
+    for out in outs:
+        synced = out["synced"]  # rank 0's weights, batch and epoch everywhere
+        assert synced["weights"] == outs[0]["synced"]["before"]
+        assert (synced["batch"], synced["epoch"]) == (20, 10)
+        assert synced["identical"] and synced["optimizer_identical"]
+        assert out["restored"] == {"weights": synced["weights"], "batch": 20, "epoch": 10}
+        assert out["committed"] == {"weights": [[[-5.0, -5.0]] * 3, [0.0, 0.0]],
+                                    "batch": 22, "epoch": 12}

@@ -41,7 +41,9 @@ class TensorFlowKerasState(_HorovodKerasState):
 
     Args:
         model: the Keras model, built.
-        optimizer: hvd_dgc's DistributedOptimizer (default: ``model.optimizer``).
+        optimizer: hvd_dgc's DistributedOptimizer (default: ``model.optimizer``), or a
+            plain Keras optimizer, as Horovod's state takes (then the weights and its
+            variables are committed and synced, as Horovod does).
         kwargs: further values to commit and sync (``batch``, ``epoch``...), as Horovod's.
     """
 
@@ -50,13 +52,10 @@ class TensorFlowKerasState(_HorovodKerasState):
             raise ValueError("hvd_dgc's elastic state needs TF 2's eager mode (TF 1 graph "
                              "sessions are not supported).")
         optimizer = optimizer or getattr(model, "optimizer", None)
+        # a plain optimizer (Horovod's state takes one): weights and its variables only
         exchange = getattr(optimizer, "_hvd_dgc", None)
         if exchange is None:
-            raise ValueError(
-                f"hvd_dgc's elastic state commits hvd_dgc's Keras DistributedOptimizer, got "
-                f"{type(optimizer).__name__}: wrap the optimizer with hvd_dgc.tensorflow."
-                f"keras.DistributedOptimizer and compile the model with it (the "
-                f"DistributedGradientTape under elastic Horovod is not supported yet).")
+            exchange = _NoExchange()
         if getattr(getattr(exchange, "outer", None), "overlap", False):
             raise ValueError("OuterLoop(overlap=True) under elastic Horovod runs in "
                              "hvd_dgc.torch only so far: a round's exchange in flight would "
@@ -97,7 +96,8 @@ class TensorFlowKerasState(_HorovodKerasState):
 
     def sync(self):
         # a worker that joined has not stepped yet: its optimizer's slots are made now
-        create_optimizer_variables(self.optimizer, self.model.trainable_variables)
+        if self.optimizer is not None:
+            create_optimizer_variables(self.optimizer, self.model.trainable_variables)
         for i, v in enumerate(list(self.model.variables) + optimizer_variables(self.optimizer)):
             v.assign(_hvd.broadcast(tf.convert_to_tensor(v), 0, name=f"hvd_dgc.elastic.{i}"))
         self._exchange.load_shared_state(broadcast_object(
@@ -105,6 +105,29 @@ class TensorFlowKerasState(_HorovodKerasState):
         self._exchange.resuming = True
         self._save_model()
         ObjectState.sync(self)
+
+
+class _NoExchange:
+    """What the state asks of hvd_dgc's exchange, for an optimizer without one (Horovod's
+    state accepts a plain Keras optimizer: its weights and variables are committed and
+    synced as Horovod does)."""
+
+    delay, variables, resuming = 0, (), False
+
+    def set_epoch(self, epoch):
+        pass
+
+    def current_epoch(self):
+        return 0.0
+
+    def replan(self):
+        pass
+
+    def shared_state(self):
+        return None
+
+    def load_shared_state(self, state):
+        pass
 
 
 #: What the message of a collective that lost a peer holds: Horovod's op names (what

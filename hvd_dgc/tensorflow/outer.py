@@ -9,7 +9,7 @@ so every rank takes the same branch and joins the same collectives)::
     d = start - x                        this rank's change in the round (per variable)
     v += d                               this rank's residual (error feedback)
     send the density's largest |v| of each variable (records), v -= what was sent
-    a = sum of every rank's records / N  (density 1.0: a grouped allreduce of d)
+    a = sum of every rank's records / N  (density 1.0: an allreduce of d, flat)
     anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank
     x = anchor                           every rank starts the next round alike
 

@@ -202,8 +202,7 @@ def keras_state_commit_restore_sync(steps=6):
     for tag, make in {
             "delay": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), delay=1),
             "passes": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                                       backward_passes_per_step=2),
-            "plain": lambda: keras.optimizers.SGD(0.1)}.items():
+                                                       backward_passes_per_step=2)}.items():
         try:
             hvd.elastic.KerasState(model, optimizer=make())
             refused[tag] = None
@@ -211,6 +210,48 @@ def keras_state_commit_restore_sync(steps=6):
             refused[tag] = str(e)
     out["refused"] = refused
     return out
+
+
+def plain_optimizer_state():
+    """``KerasState`` with a plain (unwrapped) Keras optimizer, which Horovod's state takes:
+    ``sync`` gives every rank rank 0's weights, optimizer variables and values; ``restore``
+    puts back the last commit; ``commit`` moves what ``restore`` returns to."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    from hvd_dgc.tensorflow.keras_optimizers import optimizer_variables
+    keras = tf.keras
+    rank = hvd.rank()
+    model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([np.full((3, 2), rank + 1.0, np.float32),
+                       np.full(2, rank + 1.0, np.float32)])
+    optimizer = keras.optimizers.Adam(0.01)
+    with tf.GradientTape() as tape:  # one local step: Adam's moments differ per rank
+        loss = tf.reduce_sum(model(np.full((1, 3), rank + 1.0, np.float32)) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables))
+
+    def now():
+        return [np.array(w).tolist() for w in model.get_weights()]
+    before = now()
+    state = hvd.elastic.KerasState(model, optimizer, batch=20 + rank, epoch=10 + rank)
+    state.sync()
+    synced = {"before": before, "weights": now(), "batch": state.batch, "epoch": state.epoch,
+              "identical": _identical(tf, hvd, model.variables, "el.plain.w"),
+              "optimizer_identical": _identical(
+                  tf, hvd, [v for v in optimizer_variables(optimizer)
+                            if v.dtype == tf.float32], "el.plain.o")}
+    other = [np.full((3, 2), -5.0, np.float32), np.zeros(2, np.float32)]
+    model.set_weights(other)
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    restored = {"weights": now(), "batch": state.batch, "epoch": state.epoch}
+    model.set_weights(other)
+    state.batch, state.epoch = 22, 12
+    state.commit()
+    model.set_weights([np.ones((3, 2), np.float32), np.ones(2, np.float32)])
+    state.restore()
+    committed = {"weights": now(), "batch": state.batch, "epoch": state.epoch}
+    return {"synced": synced, "restored": restored, "committed": committed}
 
 
 def keras_add_a_worker_horovod_pattern(flag, epochs=4, trigger=25):

@@ -21,6 +21,10 @@ update SGD's own momentum makes of Horovod's averaged slices.
 With Adam and AdamW (Keras 3, tf_keras, tf_keras' legacy Adam) exact Adam runs to
 ``freeze_variance`` steps, then its second moment is frozen and DGC takes its first
 moment over (hvd_dgc/adam.py; the Keras side: hvd_dgc/tensorflow/keras_adam.py).
+
+``outer=hvd.OuterLoop(steps=H)`` gives an outer loop instead (DiLoCo, any optimizer):
+the optimizer steps locally and every H-th step ends a round that averages the weights'
+change (hvd_dgc/tensorflow/outer.py).
 """
 
 import importlib
