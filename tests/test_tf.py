@@ -18,7 +18,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
-        "tape_world_guard"]
+        "tape_world_guard", "tf_local.keras_local_vars"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -47,7 +47,7 @@ def keras2(ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, env=KERAS2, timeout=900, kwargs={
         "names": ["keras_dense_equivalence", "checkpoint_keras", "keras_fit_digits",
                   "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
-                  "tf_dga.keras_nonfinite_skips_the_step"],
+                  "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT}})
 
 
@@ -425,3 +425,30 @@ def test_delayed_averaging_drops_a_nonfinite_gradient_on_its_rank(tape, kind):
     assert outs[1]["moved"]["tensor0"] == [False] * n
     assert outs[0]["moved"]["tensor0"] == [True] * n
     assert outs[1]["moved"]["tensor1"] == outs[0]["moved"]["tensor1"] == [False, True][:n]
+
+
+@pytest.mark.parametrize("launch", ["tape", "keras2"])  # Keras 3, Keras 2
+def test_register_local_var_keeps_those_gradients_on_their_rank(launch, request):
+    """Horovod's ``register_local_var``: a local variable steps on this rank's own
+    gradient / N (``scale_local_gradients``), the others on the average; with SGD's
+    momentum taken over by DGC, the local ones keep SGD's momentum too."""
+    outs = _checked(request.getfixturevalue(launch), "tf_local.keras_local_vars")
+    world, steps, lr = len(outs), 5, 0.1
+    for tag, momentum in (("sgd", 0.0), ("momentum", 0.9)):
+        per_rank = [out[tag] for out in outs]
+        # u_t = m u_(t-1) + g with g constant: the weights move by lr g sum_t sum_(j<t) m^j
+        factor = sum(sum(momentum ** j for j in range(t)) for t in range(1, steps + 1))
+        for rank, out in enumerate(per_rank):
+            for i, (start, final) in enumerate(zip(out["start"], out["final"])):
+                if i < 2:  # local
+                    g = np.float32(out["grads"][i]) / world
+                else:
+                    g = np.mean([np.float32(o["grads"][i]) for o in per_rank], axis=0)
+                np.testing.assert_allclose(final, np.float32(start) - lr * factor * g,
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{tag} var {i}")
+            assert "register_local_var" in out["late"] and "before training" in out["late"]
+            assert out["exchanged"] == {"dense": 2 * steps}  # the shared two, each step
+            assert len(out["velocity"]) == (2 if momentum else 0), out["velocity"]
+        # the local variables differ across the ranks, the shared ones do not
+        assert per_rank[0]["final"][0] != per_rank[1]["final"][0]
+        assert per_rank[0]["final"][2:] == per_rank[1]["final"][2:]

@@ -130,3 +130,5 @@ def test_what_the_keras_outer_loop_cannot_honour_is_refused_with_the_fix(outs):
         assert "sends the weights' change as DGC's records" in out["powersgd"]
         assert "op must be Average" in out["sum"]
         assert out["not_outer"].startswith("outer must be a hvd_dgc.OuterLoop")
+        assert "register_local_var('mine" in out["local"] and \
+            "an optimizer of its own" in out["local"]

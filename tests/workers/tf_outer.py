@@ -269,7 +269,14 @@ def refusals():
         except (ValueError, TypeError) as exc:
             return str(exc)
         return "NO EXCEPTION"
-    return {"passes": error_of(outer=OuterLoop(), backward_passes_per_step=2),
+    try:
+        hvd.DistributedOptimizer(sgd, outer=OuterLoop()).register_local_var(
+            tf.Variable([1.0], name="mine"))
+        local = "NO EXCEPTION"
+    except ValueError as exc:
+        local = str(exc)
+    return {"local": local,
+            "passes": error_of(outer=OuterLoop(), backward_passes_per_step=2),
             "delay": error_of(outer=OuterLoop(steps=8), delay=2),
             "powersgd": error_of(outer=OuterLoop(), compression=hvd.Compression.powersgd),
             "sum": error_of(outer=OuterLoop(), op=hvd.Sum),

@@ -37,6 +37,7 @@ import horovod.tensorflow as _hvd
 
 from hvd_dgc.config import DGCConfig
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
+from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTakeOver, \
@@ -123,6 +124,8 @@ def _exchange_and_apply(self, grads, variables, apply):
     """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
     every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
     optimizer's step, built first so no variable is created inside the cond)."""
+    if self._hvd_dgc_local:
+        grads, variables, apply = _keep_local(self, grads, variables, apply)
     exchange, adam = self._hvd_dgc, self._hvd_dgc_adam
     if adam is not None:
         create_optimizer_variables(self, variables)  # the frozen scales, for the memory
@@ -138,6 +141,69 @@ def _exchange_and_apply(self, grads, variables, apply):
         apply(grads)
         return tf.constant(True)
     return tf.cond(skipped, lambda: tf.constant(False), step)
+
+
+def _keep_local(self, grads, variables, apply):
+    """``register_local_var``: those variables' gradients stay on this rank, as in
+    Horovod (divided by the number of ranks with ``scale_local_gradients``, Horovod's
+    default; with SGD's momentum taken over, the momentum SGD would have applied, kept
+    in ``dgc_state``). The shared ones are exchanged; ``apply`` gets every gradient."""
+    local = [i for i, v in enumerate(variables) if _ref(v) in self._hvd_dgc_local]
+    if not local:
+        return grads, variables, apply
+    shared = [i for i in range(len(variables)) if i not in set(local)]
+    create_optimizer_variables(self, variables)  # every variable's slots, local ones too
+    velocity = _local_velocity(self, [variables[i] for i in local])
+    scale = (1.0 / self._hvd_dgc.world_size()) if self._hvd_dgc_scale_local else 1.0
+
+    def own(g, u):
+        if isinstance(g, tf.IndexedSlices) and u is None:
+            return tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
+        g = tf.convert_to_tensor(g) * scale
+        if u is None:
+            return g
+        momentum, nesterov = self._hvd_dgc_local_momentum
+        if nesterov:  # as the memory's velocity (hvd_dgc/tensorflow/memory.py)
+            u.assign(momentum * (u + g))
+            return u.read_value() + g
+        u.assign(momentum * u + g)
+        return u.read_value()
+
+    def apply_all(shared_grads):  # (inside the step's cond: a skipped step moves nothing)
+        out = list(grads)
+        for i, g in zip(shared, shared_grads):  # (made in the graph the local ones are)
+            out[i] = tf.identity(g) if isinstance(g, tf.Tensor) else g
+        for j, i in enumerate(local):
+            out[i] = own(grads[i], velocity[j] if velocity else None)
+        return apply(out)
+    return [grads[i] for i in shared], [variables[i] for i in shared], apply_all
+
+
+def _local_velocity(self, variables):
+    """SGD's momentum for the local variables when DGC took it over (else [])."""
+    if self._hvd_dgc_local_momentum is None:
+        return []
+    holder = getattr(self._hvd_dgc, "local_velocity", None)
+    if holder is None:
+        with tf.init_scope():
+            holder = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False,
+                                  name=f"local_velocity_{i}") for i, v in enumerate(variables)]
+        self._hvd_dgc.local_velocity = holder  # tracked: checkpoints and KerasState
+    return holder
+
+
+def _register_local_var(self, var):
+    """As Horovod's: ``var``'s gradient stays on this rank, never exchanged (divided by
+    the number of ranks with ``scale_local_gradients=True``, Horovod's default). Call it
+    before the first step, on every rank alike."""
+    if self._hvd_dgc.memory is not None:
+        raise ValueError(f"hvd_dgc: register_local_var({variable_name(var, 0)!r}) after the "
+                         f"first step: the exchange was built for the variables it had "
+                         f"then. Register local variables before training.")
+    if self._hvd_dgc_passes is not None:
+        raise ValueError("hvd_dgc: register_local_var with backward_passes_per_step > 1 is "
+                         "not supported yet; use backward_passes_per_step=1.")
+    self._hvd_dgc_local.add(_ref(var))
 
 
 def _then_freeze(self, apply, adam):
@@ -304,6 +370,12 @@ def _outer_flush(self):
     return self._hvd_dgc.flush()
 
 
+def _outer_local_var(self, var):
+    raise ValueError(f"hvd_dgc: register_local_var({variable_name(var, 0)!r}) with "
+                     f"outer=OuterLoop(...): the outer loop averages the change of every "
+                     f"variable it steps. Step a local variable with an optimizer of its own.")
+
+
 def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
     """The user's optimizer class, stepping locally, with the outer loop's round."""
     if passes > 1:
@@ -316,6 +388,7 @@ def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
     methods = {"compression_stats": lambda self: self._hvd_dgc.stats(),
                "set_epoch": lambda self, epoch: self._hvd_dgc.set_epoch(epoch),
                "dgc_state": property(_dgc_state), "flush": _outer_flush,
+               "register_local_var": _outer_local_var,
                "in_flight": property(lambda self: self._hvd_dgc.in_flight),
                "_hvd_dgc_passes": None,
                "_hvd_dgc_keras3": is_keras3(optimizer)}
@@ -413,6 +486,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind)
         exchange.momentum = adam.beta1  # the memory's, once frozen
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
+               "register_local_var": _register_local_var,
+               "_hvd_dgc_scale_local": bool(scale_local_gradients),
+               "_hvd_dgc_local_momentum": (momentum, nesterov) if momentum else None,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),
                "_hvd_dgc_passes": _Accumulation(
@@ -436,4 +512,5 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
     else:
         new._hvd_dgc = exchange  # tracked: tf.train.Checkpoint saves the memory
+    object.__setattr__(new, "_hvd_dgc_local", set())  # register_local_var's
     return new
