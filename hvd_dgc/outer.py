@@ -40,8 +40,10 @@ is tests/reference.py ``outer_round``.
 
 from typing import NamedTuple
 
-__all__ = ["OuterLoop", "outer_step", "check_outer", "round_bytes", "outer_stats",
-           "VALUE_BYTES", "RECORD_BYTES"]
+from hvd_dgc.schedule import num_selected
+
+__all__ = ["OuterLoop", "outer_step", "check_outer", "round_ks", "round_bytes",
+           "outer_stats", "VALUE_BYTES", "RECORD_BYTES"]
 
 #: fp32 on the dense path; a record is an int32 position and an fp32 value.
 VALUE_BYTES, RECORD_BYTES = 4, 8
@@ -101,6 +103,13 @@ def outer_step(config, average, momentum_buffer):
         return average, None
     buffer = average if momentum_buffer is None else momentum_buffer * m + average
     return (average + buffer * m if config.nesterov else buffer), buffer
+
+
+def round_ks(numels, density, min_compress_size):
+    """Coordinates each tensor sends a round: all of it (density 1.0, or a tensor below
+    ``min_compress_size``), else the density's share (at least one)."""
+    return [n if density >= 1 or n < min_compress_size else num_selected(n, density)
+            for n in numels]
 
 
 def round_bytes(numels, ks, density):

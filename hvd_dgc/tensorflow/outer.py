@@ -36,8 +36,7 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.outer import outer_stats, outer_step, round_bytes
-from hvd_dgc.schedule import num_selected
+from hvd_dgc.outer import outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.tensorflow.delayed import check_inter_op_threads
 from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
 
@@ -88,8 +87,7 @@ class OuterRounds(tf.Module):
             check_inter_op_threads("OuterLoop(overlap=True)", "overlap=False")
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_outer")
         self.numels = numels
-        self.ks = [n if self.density >= 1 or n < self.min_compress_size
-                   else num_selected(n, self.density) for n in numels]
+        self.ks = round_ks(numels, self.density, self.min_compress_size)
 
         def zeros(name):
             return [tf.Variable(tf.zeros([n], tf.float32), trainable=False,

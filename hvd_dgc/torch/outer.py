@@ -25,8 +25,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
-from hvd_dgc.outer import RECORD_BYTES, VALUE_BYTES, outer_stats, outer_step
-from hvd_dgc.schedule import num_selected
+from hvd_dgc.outer import outer_stats, outer_step, round_bytes, round_ks
 
 OUTER_KEY = "hvd_dgc_outer"
 
@@ -51,11 +50,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._density = density
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._names = [names[p] for p in self._params]
-        numels = [p.numel() for p in self._params]
+        self._numels = numels = [p.numel() for p in self._params]
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self._numel = sum(numels)
-        self._ks = [n if density >= 1 or n < min_compress_size else num_selected(n, density)
-                    for n in numels]
+        self._ks = round_ks(numels, density, min_compress_size)
         self._anchor = None    # flat float32: the shared weights (overlap: a round behind)
         self._start = None     # flat: where this rank's current round began
         self._buffer = None    # the outer momentum (flat), the same on every rank
@@ -64,7 +61,6 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._inner = 0        # inner steps taken
         self._round_began = 0  # the inner step the current round began after
         self._rounds = 0
-        self._bytes_sent = 0
 
     # -- the round ----------------------------------------------------------------------
     def _flat(self):
@@ -85,7 +81,6 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         the residual."""
         self._rounds += 1
         if self._density >= 1:
-            self._bytes_sent += delta.numel() * VALUE_BYTES
             return InFlight((_hvd.allreduce_async_(delta, op=Average,
                                                    name="hvd_dgc.outer.dense",
                                                    process_set=self.process_set),), delta)
@@ -93,8 +88,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             self._residual = torch.zeros_like(delta)
         v = self._residual.add_(delta)
         picked = []
-        for offset, numel, k in zip(self._offsets, (p.numel() for p in self._params),
-                                    self._ks):
+        for offset, numel, k in zip(self._offsets, self._numels, self._ks):
             if k >= numel:
                 picked.append(torch.arange(offset, offset + numel, device=v.device))
             else:
@@ -103,7 +97,6 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         positions = torch.cat(picked)
         values = v[positions]
         v[positions] = 0.0  # sent: what stays is owed to a later round
-        self._bytes_sent += positions.numel() * RECORD_BYTES
         return InFlight((
             _hvd.allgather_async(positions.to(torch.int32), name="hvd_dgc.outer.positions",
                                  process_set=self.process_set),
@@ -176,8 +169,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         """The outer loop's counts (this rank): bytes sent over the rounds against dense
         fp32 rounds and against Horovod's allreduce every inner step (hvd_dgc/outer.py)."""
         return outer_stats(self._outer, self._density, self._inner, self._rounds,
-                           self._bytes_sent, [p.numel() for p in self._params],
-                           self._inflight is not None, self.process_set.size())
+                           self._rounds * round_bytes(self._numels, self._ks, self._density),
+                           self._numels, self._inflight is not None,
+                           self.process_set.size())
 
     # -- checkpoints and elastic Horovod ------------------------------------------------
     def state_dict(self):
@@ -187,7 +181,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
                                "after step() before optimizer.state_dict().")
         state = super(self.__class__, self).state_dict()
         state[OUTER_KEY] = {"inner": self._inner, "round_began": self._round_began,
-                            "rounds": self._rounds, "bytes_sent": self._bytes_sent,
+                            "rounds": self._rounds,
                             "anchor": self._anchor, "start": self._start,
                             "buffer": self._buffer, "residual": self._residual,
                             "rank": _hvd.rank()}
@@ -209,7 +203,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
                           f"rank {_hvd.rank()}: it holds what that rank had not sent yet",
                           UserWarning)
         self._inner, self._rounds = outer["inner"], outer["rounds"]
-        self._round_began, self._bytes_sent = outer["round_began"], outer["bytes_sent"]
+        self._round_began = outer["round_began"]
         self._anchor, self._start, self._buffer, self._residual = (
             None if t is None else t.clone() for t in
             (outer["anchor"], outer["start"], outer["buffer"], outer["residual"]))
