@@ -299,6 +299,21 @@ def outer_targets(step, rank):
     return rng.randn(40, 50).astype(np.float32), rng.randn(30).astype(np.float32)
 
 
+#: The quadratic runs both frameworks' workers make and tests/test_outer.py replays, by
+#: name: (inner SGD steps at lr 0.1, ``OuterLoop(steps=3, lr=0.7, momentum=0.9,
+#: nesterov=True)``'s fields changed, the wrapper's options, each tensor's k for the
+#: replay: None when the change is sent whole).
+OUTER_RUNS = {
+    "dense": (10, {}, {}, None),
+    "sparse": (10, {}, {"density": 0.1, "min_compress_size": 100}, [200, 30]),
+    "heavy_ball": (9, {"nesterov": False}, {"density": 0.25, "min_compress_size": 100},
+                   [500, 30]),
+    "overlap": (10, {"overlap": True}, {}, None),
+    "overlap_sparse": (9, {"overlap": True}, {"density": 0.1, "min_compress_size": 100},
+                       [200, 30]),
+}
+
+
 def outer_average(deltas, residuals, sizes, ks=None):
     """Every rank's pseudo-gradient ``deltas[r]`` (flat) averaged as the outer loop sends
     it: whole (``ks`` None), or per tensor (``sizes``) the ``ks`` largest

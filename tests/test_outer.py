@@ -94,25 +94,23 @@ def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
     return before, anchor
 
 
-@pytest.mark.parametrize("variant,ks,steps,nesterov,overlap", [
-    ("dense", None, 10, True, False), ("sparse", [200, 30], 10, True, False),
-    ("heavy_ball", [500, 30], 9, False, False), ("overlap", None, 10, True, True),
-    ("overlap_sparse", [200, 30], 9, True, True)])
-def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, nesterov,
-                                                    overlap):
-    outs = [out[variant] for out in _checked(gloo, "reference_quadratic")]
-    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov, overlap=overlap)
-    xs, flushed = _replay(outs[0]["start"], steps, 0.1, outer, [2000, 30], ks)
-    for rank, out in enumerate(outs):
+def assert_as_replayed(ranks, variant):
+    """Each rank's run ``variant`` of tests/reference.py ``OUTER_RUNS`` (a framework's
+    worker) against the NumPy replay: its weights before and after ``flush()``, which
+    ranks are identical, its counts and bytes. Returns the replay's settings."""
+    steps, changes, _, ks = ref.OUTER_RUNS[variant]
+    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=True)._replace(**changes)
+    xs, flushed = _replay(ranks[0]["start"], steps, 0.1, outer, [2000, 30], ks)
+    for rank, out in enumerate(ranks):
         np.testing.assert_allclose(out["final"], xs[rank], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out["flushed"], flushed, rtol=1e-5, atol=1e-5)
         assert out["stats"]["rounds"] == steps // 3 and out["stats"]["inner_steps"] == steps
-        assert out["stats"]["in_flight"] == int(overlap)
+        assert out["stats"]["in_flight"] == int(outer.overlap)
         assert out["identical_after_flush"] and out["flushed_stats"]["in_flight"] == 0
     # right after a round every rank holds the anchor, bit for bit; with overlap each
     # also holds its own change of that round, whose average is in flight
-    assert all(out["identical"] for out in outs) == (steps % 3 == 0 and not overlap)
-    stats = outs[0]["flushed_stats"]
+    assert all(out["identical"] for out in ranks) == (steps % 3 == 0 and not outer.overlap)
+    stats = ranks[0]["flushed_stats"]
     assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
     per_round = 2030 * 4 if ks is None else sum(ks) * 8
     assert stats["bytes_sent"] == stats["rounds"] * per_round
@@ -120,6 +118,13 @@ def test_torch_matches_the_reference_round_by_round(gloo, variant, ks, steps, ne
     assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
     assert stats["compression_ratio"] == stats["dense_fp32_bytes"] / stats["bytes_sent"]
     assert stats["paths"] == {"dense" if ks is None else "sparse": 2 * stats["rounds"]}
+    return steps, outer
+
+
+@pytest.mark.parametrize("variant", list(ref.OUTER_RUNS))
+def test_torch_matches_the_reference_round_by_round(gloo, variant):
+    assert_as_replayed([out[variant] for out in _checked(gloo, "reference_quadratic")],
+                       variant)
 
 
 def test_one_inner_step_a_round_with_outer_sgd_of_lr_1_is_synchronous_training(gloo):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from harness.hvdrun import run
-from hvd_dgc.outer import OuterLoop
-from tests.test_outer import _replay
+from tests import reference as ref
+from tests.test_outer import assert_as_replayed
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["tf_outer.reference_quadratic", "tf_outer.sync_equivalence",
@@ -42,32 +42,14 @@ def outs(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.mark.parametrize("variant,ks,steps,nesterov,overlap", [
-    ("dense", None, 10, True, False), ("sparse", [200, 30], 10, True, False),
-    ("heavy_ball", [500, 30], 9, False, False), ("overlap", None, 10, True, True),
-    ("overlap_sparse", [200, 30], 9, True, True)])
-def test_keras_matches_the_reference_round_by_round(outs, variant, ks, steps, nesterov,
-                                                    overlap):
+@pytest.mark.parametrize("variant", list(ref.OUTER_RUNS))
+def test_keras_matches_the_reference_round_by_round(outs, variant):
     ranks = [out[variant] for out in _checked(outs, "tf_outer.reference_quadratic")]
-    outer = OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=nesterov, overlap=overlap)
-    xs, flushed = _replay(ranks[0]["start"], steps, 0.1, outer, [2000, 30], ks)
-    for rank, out in enumerate(ranks):
-        np.testing.assert_allclose(out["final"], xs[rank], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(out["flushed"], flushed, rtol=1e-5, atol=1e-5)
-        assert out["stats"]["rounds"] == steps // 3 and out["stats"]["inner_steps"] == steps
-        assert out["in_flight"] == out["stats"]["in_flight"] == int(overlap)
-        assert out["identical_after_flush"] and out["flushed_stats"]["in_flight"] == 0
-        assert out["ended"] == (overlap or bool(steps % 3))
+    steps, outer = assert_as_replayed(ranks, variant)
+    for out in ranks:
+        assert out["in_flight"] == int(outer.overlap)  # (the optimizer's own count)
+        assert out["ended"] == (outer.overlap or bool(steps % 3))
         assert not out["ended_again"]  # nothing left to end
-    # right after a round every rank holds the anchor, bit for bit; with overlap each
-    # also holds its own change of that round, whose average is in flight
-    assert all(out["identical"] for out in ranks) == (steps % 3 == 0 and not overlap)
-    stats = ranks[0]["flushed_stats"]
-    assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
-    per_round = 2030 * 4 if ks is None else sum(ks) * 8
-    assert stats["bytes_sent"] == stats["rounds"] * per_round
-    assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
-    assert stats["paths"] == {"dense" if ks is None else "sparse": 2 * stats["rounds"]}
 
 
 def test_with_overlap_a_checkpoint_asks_for_flush_first(outs):

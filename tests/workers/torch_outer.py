@@ -48,15 +48,8 @@ def _quadratic(tag, steps, lr, **options):
 
 def reference_quadratic():
     outer = hvd.OuterLoop(steps=3, lr=0.7, momentum=0.9, nesterov=True)
-    return {"dense": _quadratic("dense", 10, 0.1, outer=outer),
-            "sparse": _quadratic("sparse", 10, 0.1, outer=outer, density=0.1,
-                                 min_compress_size=100),
-            "heavy_ball": _quadratic("heavy", 9, 0.1, outer=outer._replace(nesterov=False),
-                                     density=0.25, min_compress_size=100),
-            "overlap": _quadratic("overlap", 10, 0.1, outer=outer._replace(overlap=True)),
-            "overlap_sparse": _quadratic("overlap_sparse", 9, 0.1,
-                                         outer=outer._replace(overlap=True), density=0.1,
-                                         min_compress_size=100)}
+    return {name: _quadratic(name, steps, 0.1, outer=outer._replace(**changes), **options)
+            for name, (steps, changes, options, _) in ref.OUTER_RUNS.items()}
 
 
 def sync_equivalence():
