@@ -27,7 +27,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,8 +34,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from harness.launch import run_job  # noqa: E402
 from harness.wan import WanLink, available  # noqa: E402
+from bench.wan_throughput import WORKER, local_rate  # noqa: E402
 
-WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "train_worker.py")]
 MODEL = ["--width", "1024", "--batch", "128", "--optimizer", "adamw"]
 #: an H no timed window reaches: the same ranks, Horovod and link, no exchange
 NO_ROUND = 10 ** 6
@@ -57,16 +56,6 @@ LABELS = {"horovod": "Horovod AdamW (dense, every step)",
 
 def label(config):
     return LABELS.get(config, f"outer loop {config}")
-
-
-def local_rate():
-    """Two workers training at once on this machine, never talking: the bound."""
-    argv = WORKER + ["--method", "local", "--steps", "120", "--warmup-steps", "10", *MODEL]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    return sum(json.loads(p.communicate()[0].strip().splitlines()[-1])["samples_per_s"]
-               for p in procs)
 
 
 def measure(link, config, dense_steps, timeout):
@@ -115,7 +104,7 @@ def main():
     if not ok:
         sys.exit(f"outer_wan: the WAN emulator is unavailable here ({why}); run as root")
     started = time.time()
-    bound = local_rate()
+    bound = local_rate(MODEL, steps=120, warmup_steps=10)
     print(f"two workers without Horovod: {bound:.1f} samples/s", flush=True)
     rows = []
     for rtt in args.rtts:

@@ -31,7 +31,7 @@ def main():
     ok, why = available()
     if not ok:
         sys.exit(f"period_sweep: {why}")
-    bound = local_rate(args)
+    bound = local_rate()
     print(f"no-communication bound: {bound:.0f} samples/s; link {args.rate:g} Mbit/s, "
           f"RTT {args.rtt:g} ms; {args.steps} timed steps after period + delay\n")
     print("| period, delay, HOROVOD_CYCLE_TIME | samples/s | of the bound | D at the end "

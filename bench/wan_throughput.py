@@ -80,12 +80,13 @@ def measure(link, method, steps, args):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def local_rate(args):
+def local_rate(model=MODEL, steps=10, warmup_steps=2):
     """Two workers training at the same time on this machine, never talking: what
     the two ranks could do with a free network (they share its cores, as the ranks
-    of the measured runs do)."""
+    of the measured runs do). ``model``: bench/wan/train_worker.py's model arguments."""
     import subprocess
-    argv = WORKER + ["--method", "local", "--steps", "10", *MODEL]
+    argv = WORKER + ["--method", "local", "--steps", str(steps), "--warmup-steps",
+                     str(warmup_steps), *model]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
@@ -184,7 +185,7 @@ def main():
     if not ok:
         sys.exit(f"wan_throughput: {why}")
     started = time.time()
-    bound = local_rate(args)
+    bound = local_rate()
     print(f"no-communication bound: {bound:.1f} samples/s (2 workers, no Horovod)", flush=True)
     rows = []
     for rate in args.rates:

@@ -68,6 +68,7 @@ def main():
             options = {}
         elif args.method == "outer":
             import hvd_dgc.torch as hvd
+            compression = hvd.Compression.dgc  # (the outer loop's records, or whole)
             options = dict(outer=hvd.OuterLoop(steps=args.outer_steps, overlap=args.overlap),
                            density=args.outer_density)
         else:
@@ -83,12 +84,8 @@ def main():
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        if args.method == "outer":  # (compression: the outer loop's default)
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           **options)
-        else:
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=compression, **options)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression, **options)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 1024, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
@@ -115,20 +112,16 @@ def main():
         flush = time.perf_counter() - start
     if rank == 0 or args.method == "outer":  # (outer: each rank's own rate; they drift)
         params = sum(p.numel() for p in model.parameters())
+        stats = getattr(opt, "compression_stats", dict)()  # (stock Horovod: none)
         print(json.dumps({"method": args.method, "steps": args.steps, "seconds": elapsed,
                           "steps_per_s": args.steps / elapsed,
                           "samples_per_s": args.steps * args.batch * size / elapsed,
                           "workers": size, "params": params, "loss": float(loss.detach()),
-                          "flush_seconds": flush,
-                          "delay": getattr(opt, "compression_stats", dict)().get("delay"),
-                          "launches": getattr(opt, "compression_stats", dict)().get(
-                              "last_step", {}).get("launches"),
-                          "delay_decisions": getattr(opt, "compression_stats",
-                                                     dict)().get("delay_decisions"),
-                          "outer_rounds": getattr(opt, "compression_stats", dict)().get(
-                              "rounds"),
-                          "outer_bytes_sent": getattr(opt, "compression_stats", dict)().get(
-                              "bytes_sent")}),
+                          "flush_seconds": flush, "delay": stats.get("delay"),
+                          "launches": stats.get("last_step", {}).get("launches"),
+                          "delay_decisions": stats.get("delay_decisions"),
+                          "outer_rounds": stats.get("rounds"),
+                          "outer_bytes_sent": stats.get("bytes_sent")}),
               flush=True)
 
 
