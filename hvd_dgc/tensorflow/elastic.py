@@ -56,18 +56,9 @@ class TensorFlowKerasState(_HorovodKerasState):
         exchange = getattr(optimizer, "_hvd_dgc", None)
         if exchange is None:
             exchange = _NoExchange()
-        if getattr(getattr(exchange, "outer", None), "overlap", False):
-            raise ValueError("OuterLoop(overlap=True) under elastic Horovod runs in "
-                             "hvd_dgc.torch only so far: a round's exchange in flight would "
-                             "be lost at a reset. Use overlap=False with KerasState.")
-        if exchange.delay:
-            raise ValueError(f"delay={exchange.delay} (delayed averaging) under elastic "
-                             f"Horovod runs in hvd_dgc.torch only so far: steps in flight "
-                             f"would be lost at a reset. Use delay=0 with KerasState.")
-        if getattr(optimizer, "_hvd_dgc_passes", None) is not None:
-            raise ValueError("backward_passes_per_step > 1 under elastic Horovod is not "
-                             "supported by hvd_dgc.tensorflow yet (a reset would drop the "
-                             "passes summed so far); use backward_passes_per_step=1.")
+        refused = exchange.elastic_refusal()  # what a reset would lose
+        if refused:
+            raise ValueError(refused)
         self._exchange = exchange
         super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
 
@@ -112,7 +103,10 @@ class _NoExchange:
     state accepts a plain Keras optimizer: its weights and variables are committed and
     synced as Horovod does)."""
 
-    delay, variables, resuming = 0, (), False
+    variables, resuming = (), False
+
+    def elastic_refusal(self):
+        return None
 
     def set_epoch(self, epoch):
         pass

@@ -86,6 +86,7 @@ class GradientExchange(tf.Module):
             optimizer)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.sparse_as_dense = sparse_as_dense
+        self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
         self.wire = Wire(process_set, op, gradient_predivide_factor)
         self.densities = stage_densities(self.resolved.schedule)
         self.memory = None
@@ -209,6 +210,18 @@ class GradientExchange(tf.Module):
             print(self.planner.summary("tensorflow", self.delay), flush=True)
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
+    def elastic_refusal(self):
+        """Why these settings cannot run under elastic Horovod (None: they can)."""
+        if self.delay:
+            return (f"delay={self.delay} (delayed averaging) under elastic Horovod runs in "
+                    f"hvd_dgc.torch only so far: steps in flight would be lost at a reset. "
+                    f"Use delay=0 with KerasState.")
+        if self.passes > 1:
+            return ("backward_passes_per_step > 1 under elastic Horovod is not supported "
+                    "by hvd_dgc.tensorflow yet (a reset would drop the passes summed so "
+                    "far); use backward_passes_per_step=1.")
+        return None
+
     def replan(self):
         """After an elastic reset (Horovod re-initialised, no collective yet): each
         tensor's path for the new number of ranks; the 1/N scales and the clipping and

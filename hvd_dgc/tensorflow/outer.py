@@ -53,7 +53,6 @@ class OuterRounds(tf.Module):
         super().__init__(name="hvd_dgc_outer")
         self.outer, self.density = outer, density
         self.min_compress_size, self.process_set = min_compress_size, process_set
-        self.delay = 0          # (what the elastic state asks of an exchange)
         self.resuming = False   # an elastic reset happened; DGCCallback reads and clears it
         self._epoch = 0.0
         self._shared = None     # rank 0's round, for a build after an elastic sync
@@ -274,6 +273,14 @@ class OuterRounds(tf.Module):
         return self._epoch
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) ----------------------------------
+    def elastic_refusal(self):
+        """Why this loop cannot run under elastic Horovod (None: it can)."""
+        if self.outer.overlap:
+            return ("OuterLoop(overlap=True) under elastic Horovod runs in hvd_dgc.torch "
+                    "only so far: a round's exchange in flight would be lost at a reset. "
+                    "Use overlap=False with KerasState.")
+        return None
+
     def replan(self):
         """After an elastic reset: the average's 1/N follows when the step is traced
         again; the state stays."""
