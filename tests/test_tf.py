@@ -18,7 +18,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
-        "tape_world_guard", "tf_local.keras_local_vars"]
+        "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes"]
 FIT = {"keras_fit_digits": {"delay": 2}}  # dense, DGC, and DGC with delayed averaging
 
 
@@ -39,7 +39,8 @@ def _ckpt(ckdir, phase, *names):
 def tape(ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, timeout=600, env=KERAS3, kwargs={
         "names": TAPE + ["checkpoint_tape", "checkpoint_keras"],
-        "kwargs": _ckpt(ckdir, "save", "checkpoint_tape", "checkpoint_keras")})
+        "kwargs": {**_ckpt(ckdir, "save", "checkpoint_tape", "checkpoint_keras"),
+                   "tf_keras_api.keras_passes": {"how": "apply"}}})
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,10 @@ def keras2(ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, env=KERAS2, timeout=900, kwargs={
         "names": ["keras_dense_equivalence", "checkpoint_keras", "keras_fit_digits",
                   "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
-                  "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars"],
-        "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT}})
+                  "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars",
+                  "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes"],
+        "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT,
+                   "tf_keras_api.keras_passes": {"how": "compute"}}})
 
 
 @pytest.fixture(scope="module")
@@ -452,3 +455,92 @@ def test_register_local_var_keeps_those_gradients_on_their_rank(launch, request)
         # the local variables differ across the ranks, the shared ones do not
         assert per_rank[0]["final"][0] != per_rank[1]["final"][0]
         assert per_rank[0]["final"][2:] == per_rank[1]["final"][2:]
+
+
+def test_keras2_compute_gradients_hands_out_the_average_and_apply_does_not_exchange_again(
+        keras2):
+    """Horovod's aggregation API: ``_compute_gradients`` returns the gradients averaged
+    over the ranks, and ``apply_gradients`` applies what it is given (here halved by
+    the user in between) without a second exchange: one exchange per step. Keras'
+    public ``compute_gradients`` returns this rank's own, exchanged by
+    ``apply_gradients``, so a LossScaleOptimizer around DGC changes nothing (its
+    scaled gradients never reach DGC's memory). A user's own subclass of Keras' SGD
+    (density 1.0, lr 0.1, gradient the constant c(rank): w = w0 - 0.1 t mean(c))."""
+    outs = _checked(keras2, "tf_keras_api.keras_compute_gradients")
+    mean = [np.mean([np.float32(o["coef"][i]) for o in outs], axis=0) for i in range(2)]
+    for out in outs:
+        for mode, factor in (("eager", 1.0), ("function", 1.0), ("public", 1.0),
+                             ("halved", 0.5)):
+            res, steps = out[mode], len(out[mode]["returned"])
+            assert res["exchanges"] == steps and res["iterations"] == steps, (mode, res)
+            handed = [np.float32(c) for c in out["coef"]] if mode == "public" else mean
+            for returned in res["returned"]:
+                for i in range(2):
+                    np.testing.assert_allclose(returned[i], factor * handed[i], rtol=1e-6,
+                                               err_msg=mode)
+            for i in range(2):
+                np.testing.assert_allclose(
+                    res["final"][i], np.float32(res["start"][i]) - 0.1 * steps * factor *
+                    mean[i], rtol=1e-5, atol=1e-6, err_msg=f"{mode} var {i}")
+        assert "apply_gradients got other variables than _compute_gradients" in \
+            out["other_variables"], out["other_variables"]
+        # loss scale 2^10, doubled every step: DGC at 25% saw the same gradients bit for bit
+        assert out["loss_scaled"] == out["unscaled"]
+        assert out["unscaled"]["paths"] == {"sparse": 3, "dense": 3}
+        assert out["unscaled"]["weights"] != outs[0]["eager"]["start"]  # (it trained)
+        # the outer loop's inner steps are local: this rank's own gradients
+        assert out["outer"]["returned"] == out["coef"] and out["outer"]["agg_helper"] is None
+
+
+def _assert_passes(outs, with_returned, passes=3):
+    """tests/workers/tf_keras_api.py keras_passes: variable 0 local, 1 shared; every
+    ``passes``-th call exchanges the sum (or mean) of the calls' gradients, the calls
+    between move nothing and return the local sum so far; a non-finite pass makes every
+    rank skip that exchange (its sum dropped, ``iterations`` not counted)."""
+    world = len(outs)
+    mean = np.mean([np.float32(o["coef"][1]) for o in outs], axis=0)
+    for out in outs:
+        own = [np.float32(c) for c in out["coef"]]
+        for variant in ("sum", "mean", "nonfinite"):
+            res = out[variant]
+            calls = len(res["weights"])
+            scale = 1.0 if variant == "mean" else float(passes)
+            skipped = {3} if variant == "nonfinite" else set()
+            assert res["counter"] == [k % passes for k in range(1, calls + 1)], res["counter"]
+            skips = [sum(1 for s in skipped if s <= k) for k in range(1, calls + 1)]
+            assert res["iterations"] == [k - s for k, s in zip(range(1, calls + 1), skips)]
+            exchanges = calls // passes - len(skipped)
+            assert res["exchanges"] == exchanges and res["paths"] == {"dense": exchanges}
+            assert res["nonfinite"] == len(skipped)
+            for k in range(1, calls + 1):
+                applied = sum(1 for e in range(passes, k + 1, passes) if e not in skipped)
+                local = own[0] * scale / world  # this rank's own / N (scale_local_gradients)
+                np.testing.assert_allclose(
+                    res["weights"][k - 1][0], np.float32(res["start"][0]) - 0.1 * applied *
+                    local, rtol=1e-5, atol=1e-6, err_msg=f"{variant} call {k} local")
+                np.testing.assert_allclose(
+                    res["weights"][k - 1][1], np.float32(res["start"][1]) - 0.1 * applied *
+                    scale * mean, rtol=1e-5, atol=1e-6, err_msg=f"{variant} call {k} shared")
+                if not with_returned or variant == "nonfinite":
+                    continue
+                returned = res["returned"][k - 1]
+                if k % passes:  # Horovod hands out the local sum so far
+                    for i in range(2):
+                        np.testing.assert_allclose(returned[i], (k % passes) * own[i],
+                                                   rtol=1e-6)
+                else:
+                    np.testing.assert_allclose(returned[0], local, rtol=1e-6)
+                    np.testing.assert_allclose(returned[1], scale * mean, rtol=1e-6)
+            if variant == "nonfinite" and with_returned:
+                assert np.all(np.isfinite(res["returned"][-1][1]))  # the next sums are clean
+
+
+def test_keras2_compute_gradients_with_backward_passes_and_local_variables(keras2):
+    """Horovod's aggregation API (``_compute_gradients``, ``_agg_helper.counter``) with
+    ``backward_passes_per_step=3`` and a local variable, Keras 2."""
+    _assert_passes(_checked(keras2, "tf_keras_api.keras_passes"), with_returned=True)
+
+
+def test_keras3_backward_passes_with_local_variables_and_a_nonfinite_pass(tape):
+    """The same through ``apply_gradients`` (``model.fit``'s path), Keras 3."""
+    _assert_passes(_checked(tape, "tf_keras_api.keras_passes"), with_returned=False)

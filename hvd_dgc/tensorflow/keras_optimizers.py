@@ -3,7 +3,13 @@ the Keras DistributedOptimizer, its callbacks and the elastic state."""
 
 import tensorflow as tf
 
-__all__ = ["is_legacy", "optimizer_variables", "create_optimizer_variables"]
+__all__ = ["is_keras3", "is_legacy", "optimizer_variables", "create_optimizer_variables"]
+
+
+def is_keras3(optimizer):
+    """Not a tf_keras optimizer (a user's subclass of one included: Horovod's own
+    tests define theirs in the test module)."""
+    return not any(c.__module__.startswith("tf_keras") for c in type(optimizer).__mro__)
 
 
 def is_legacy(optimizer):

@@ -28,6 +28,7 @@ change (hvd_dgc/tensorflow/outer.py).
 """
 
 import importlib
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -42,7 +43,8 @@ from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTakeOver, \
     check_keras_adam
-from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_legacy
+from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
+    is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
@@ -50,16 +52,14 @@ elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its
 
 
 
-def is_keras3(optimizer):
-    return not type(optimizer).__module__.startswith("tf_keras")
-
-
 class _Accumulation:
     """``backward_passes_per_step=P`` as Horovod's Keras optimizer does it
     (LocalGradientAggregationHelper): each call adds its gradients to a local sum;
     every P-th call exchanges the sum (divided by P with
     ``average_aggregated_gradients``) and applies it; the calls between only count
-    in ``optimizer.iterations``. DGC's memory sees one gradient per exchange."""
+    in ``optimizer.iterations``. DGC's memory sees one gradient per exchange.
+    ``counter`` is Horovod's name (``opt._agg_helper.counter``): calls since the
+    last exchange."""
 
     def __init__(self, passes, average, sparse_as_dense):
         self.passes, self.average, self.sparse_as_dense = passes, average, sparse_as_dense
@@ -68,12 +68,14 @@ class _Accumulation:
     def build(self, variables):
         if self.sums is None:
             with tf.init_scope():
-                self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False)
                 self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                              for v in variables]
 
     def add(self, grads, names):
-        """Add this pass's gradients; whether the sum is complete (a bool tensor)."""
+        """Add this pass's gradients; whether the sum is complete (a bool tensor, made
+        after the sums: whatever reads them next waits for it)."""
+        added = []
         for s, g, name in zip(self.sums, grads, names):
             if isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
@@ -83,8 +85,13 @@ class _Accumulation:
                         f"densely. Pass sparse_as_dense=True, as Horovod requires.")
                 g = tf.convert_to_tensor(g)
             if g is not None:
-                s.assign_add(tf.cast(g, s.dtype))
-        return tf.equal(self.count.assign_add(1), self.passes)
+                added.append(s.assign_add(tf.cast(g, s.dtype)))
+        with tf.control_dependencies(added):
+            return tf.equal(self.counter.assign_add(1), self.passes)
+
+    def partial(self):
+        """The sums so far (what Horovod hands out on the calls between exchanges)."""
+        return [s.read_value() for s in self.sums]
 
     def take(self):
         """The complete sum (over P if averaged), and a fresh start."""
@@ -93,67 +100,86 @@ class _Accumulation:
         with tf.control_dependencies(out):
             for s in self.sums:
                 s.assign(tf.zeros_like(s))
-            self.count.assign(0)
+            self.counter.assign(0)
         return [tf.identity(g) for g in out]
 
 
-def _exchange_grads(self, grads, variables, apply):
-    """With ``backward_passes_per_step=P``: sum P passes locally, then exchange and
-    apply (every rank counts alike, so every rank takes the same branch and joins the
-    same collectives); ``iterations`` counts every pass, as in Horovod."""
+class _Prepared(NamedTuple):
+    """One call's gradients, exchanged and waiting to be applied. Horovod's
+    ``_compute_gradients`` hands them out exchanged and the next ``apply_gradients``
+    applies what it is given without exchanging again; a plain ``apply_gradients``
+    (``model.fit``, a custom loop) prepares and applies at once."""
+    grads: list  # every variable's: averaged, or this rank's own (a local variable)
+    variables: list
+    apply: object  # bool tensor, or None (always): False when every rank skips the step
+    counts: object  # bool tensor, or None (never): a pass that only counts in iterations
+    graph: object  # where the tensors live (a stale one is not applied)
+
+
+def _graph():
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def _prepare(self, grads, variables):
+    """Exchange one call's gradients. With ``backward_passes_per_step=P`` the call adds
+    to a local sum and every P-th call exchanges it (every rank counts alike, so every
+    rank takes the same branch and joins the same collectives); the calls between hand
+    out the sum so far and only count in ``iterations``, as in Horovod."""
+    create_optimizer_variables(self, variables)  # no variable may be born in a cond below
+    local = _local(self, variables)
     accumulation = self._hvd_dgc_passes
     if accumulation is None:
-        return _exchange_and_apply(self, grads, variables, apply)
+        out, apply = _exchange(self, grads, variables, local)
+        return _Prepared(out, variables, apply, None, _graph())
     accumulation.build(variables)
-    create_optimizer_variables(self, variables)  # variables born outside the cond below
-    self._hvd_dgc.build(variables)  # (after the optimizer's: Adam's frozen scales)
+    # (after the optimizer's variables: Adam's frozen scales)
+    self._hvd_dgc.build([v for i, v in enumerate(variables) if i not in local])
+    if local:
+        _local_velocity(self, [variables[i] for i in local])
     names = [variable_name(v, i) for i, v in enumerate(variables)]
     complete = accumulation.add(grads, names)
 
     def exchange():
-        _exchange_and_apply(self, accumulation.take(), variables, apply)
-        return tf.constant(True)
+        out, apply = _exchange(self, accumulation.take(), variables, local)
+        return [tf.identity(g) for g in out], tf.constant(True) if apply is None else apply
 
-    def count_only():
-        self.iterations.assign_add(1)
-        return tf.constant(False)
-    return tf.cond(complete, exchange, count_only)
+    def wait():
+        return accumulation.partial(), tf.constant(False)
+    out, apply = tf.cond(complete, exchange, wait)
+    return _Prepared(out, variables, apply, tf.logical_not(complete), _graph())
 
 
-def _exchange_and_apply(self, grads, variables, apply):
-    """Exchange, then ``apply(grads)`` unless a non-finite gradient on some rank made
-    every rank skip the step (as Keras' LossScaleOptimizer: a cond around the inner
-    optimizer's step, built first so no variable is created inside the cond)."""
-    if self._hvd_dgc_local:
-        grads, variables, apply = _keep_local(self, grads, variables, apply)
-    exchange, adam = self._hvd_dgc, self._hvd_dgc_adam
-    if adam is not None:
-        create_optimizer_variables(self, variables)  # the frozen scales, for the memory
-    exchange.build(variables, grads)
-    grads, skipped = exchange.exchange(grads)
-    if adam is not None:
-        apply = _then_freeze(self, apply, adam)
-    if not exchange.skip_nonfinite or exchange.delay:
-        return apply(grads)
-    create_optimizer_variables(self, variables)
+def _local(self, variables):
+    """Positions of the variables ``register_local_var`` kept on their rank."""
+    return [i for i, v in enumerate(variables) if _ref(v) in self._hvd_dgc_local]
 
-    def step():
-        apply(grads)
-        return tf.constant(True)
-    return tf.cond(skipped, lambda: tf.constant(False), step)
+
+def _exchange(self, grads, variables, local):
+    """``(gradients to apply, apply)``: the shared variables' averaged through DGC, the
+    ``local`` ones' kept (``register_local_var``); ``apply`` is False when a non-finite
+    gradient on some rank made every rank skip the step (None: no such check)."""
+    shared = [i for i in range(len(variables)) if i not in set(local)]
+    exchange = self._hvd_dgc
+    exchange.build([variables[i] for i in shared], [grads[i] for i in shared])
+    averaged, skipped = exchange.exchange([grads[i] for i in shared])
+    apply = None if not exchange.skip_nonfinite or exchange.delay else tf.logical_not(skipped)
+    out = list(grads)
+    for i, g in zip(shared, averaged):
+        out[i] = g
+    if local:
+        kept = _keep_local(self, [grads[i] for i in local], [variables[i] for i in local],
+                           apply)
+        for i, g in zip(local, kept):
+            out[i] = g
+    return out, apply
 
 
 def _keep_local(self, grads, variables, apply):
     """``register_local_var``: those variables' gradients stay on this rank, as in
     Horovod (divided by the number of ranks with ``scale_local_gradients``, Horovod's
     default; with SGD's momentum taken over, the momentum SGD would have applied, kept
-    in ``dgc_state``). The shared ones are exchanged; ``apply`` gets every gradient."""
-    local = [i for i, v in enumerate(variables) if _ref(v) in self._hvd_dgc_local]
-    if not local:
-        return grads, variables, apply
-    shared = [i for i in range(len(variables)) if i not in set(local)]
-    create_optimizer_variables(self, variables)  # every variable's slots, local ones too
-    velocity = _local_velocity(self, [variables[i] for i in local])
+    in ``dgc_state``, which a skipped step leaves alone)."""
+    velocity = _local_velocity(self, variables)
     scale = (1.0 / self._hvd_dgc.world_size()) if self._hvd_dgc_scale_local else 1.0
 
     def own(g, u):
@@ -163,20 +189,36 @@ def _keep_local(self, grads, variables, apply):
         if u is None:
             return g
         momentum, nesterov = self._hvd_dgc_local_momentum
-        if nesterov:  # as the memory's velocity (hvd_dgc/tensorflow/memory.py)
-            u.assign(momentum * (u + g))
-            return u.read_value() + g
-        u.assign(momentum * u + g)
-        return u.read_value()
+        # as the memory's velocity (hvd_dgc/tensorflow/memory.py)
+        moved = momentum * (u + g) if nesterov else momentum * u + g
+        u.assign(moved if apply is None else tf.where(apply, moved, u))
+        return u.read_value() + g if nesterov else u.read_value()
+    return [own(g, velocity[j] if velocity else None) for j, g in enumerate(grads)]
 
-    def apply_all(shared_grads):  # (inside the step's cond: a skipped step moves nothing)
-        out = list(grads)
-        for i, g in zip(shared, shared_grads):  # (made in the graph the local ones are)
-            out[i] = tf.identity(g) if isinstance(g, tf.Tensor) else g
-        for j, i in enumerate(local):
-            out[i] = own(grads[i], velocity[j] if velocity else None)
-        return apply(out)
-    return [grads[i] for i in shared], [variables[i] for i in shared], apply_all
+
+def _finish(self, prepared, apply, grads=None):
+    """``apply(grads)`` (the prepared ones by default) unless every rank skips this
+    step (as Keras' LossScaleOptimizer: a cond around the inner optimizer's step); a
+    pass that only counts adds one to ``iterations``."""
+    grads = prepared.grads if grads is None else grads
+    if self._hvd_dgc_adam is not None:
+        apply = _then_freeze(self, apply, self._hvd_dgc_adam)
+    if prepared.apply is None:
+        return apply(grads)
+
+    def step():  # (the gradients made anew in the branch's graph)
+        apply([tf.identity(g) if isinstance(g, tf.Tensor) else g for g in grads])
+        return tf.constant(True)
+
+    def count():
+        self.iterations.assign_add(1)
+        return tf.constant(False)
+
+    def other():
+        if prepared.counts is None:
+            return tf.constant(False)
+        return tf.cond(prepared.counts, count, lambda: tf.constant(False))
+    return tf.cond(prepared.apply, step, other)
 
 
 def _local_velocity(self, variables):
@@ -200,9 +242,6 @@ def _register_local_var(self, var):
         raise ValueError(f"hvd_dgc: register_local_var({variable_name(var, 0)!r}) after the "
                          f"first step: the exchange was built for the variables it had "
                          f"then. Register local variables before training.")
-    if self._hvd_dgc_passes is not None:
-        raise ValueError("hvd_dgc: register_local_var with backward_passes_per_step > 1 is "
-                         "not supported yet; use backward_passes_per_step=1.")
     self._hvd_dgc_local.add(_ref(var))
 
 
@@ -288,18 +327,57 @@ def _adam_methods(optimizer):
 
 
 def _apply(self, grads, trainable_variables=None):  # Keras 3
-    variables = self._trainable_variables if trainable_variables is None else trainable_variables
+    variables = list(self._trainable_variables if trainable_variables is None
+                     else trainable_variables)
     base = super(self.__class__, self)
-    return _exchange_grads(self, list(grads), list(variables),
-                           lambda g: base.apply(g, trainable_variables))
+    return _finish(self, _prepare(self, list(grads), variables),
+                   lambda g: base.apply(g, trainable_variables))
 
 
 def _apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
+    """Applies the gradients ``_compute_gradients`` just handed out (exchanged there,
+    as in Horovod) as they are given; any others are exchanged first."""
     grads_and_vars = list(grads_and_vars)
-    variables = [v for _, v in grads_and_vars]
+    grads, variables = [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars]
     base = super(self.__class__, self)
-    return _exchange_grads(self, [g for g, _ in grads_and_vars], variables,
-                           lambda g: base.apply_gradients(zip(g, variables), *args, **kwargs))
+
+    def apply(gs):
+        return base.apply_gradients(zip(gs, variables), *args, **kwargs)
+    prepared = self.__dict__.pop("_hvd_dgc_prepared", None)
+    if prepared is None or prepared.graph is not _graph():
+        return _finish(self, _prepare(self, grads, variables), apply)
+    if [_ref(v) for v in prepared.variables] != [_ref(v) for v in variables]:
+        raise ValueError(
+            "hvd_dgc: apply_gradients got other variables than _compute_gradients "
+            "exchanged the gradients of just before: pass apply_gradients the "
+            "(gradient, variable) pairs _compute_gradients returned (the gradients may "
+            "be changed in between; the variables must be the same, in the same order).")
+    return _finish(self, prepared, apply, grads)
+
+
+def _own_gradients(self, loss, var_list, grad_loss, tape):
+    """This rank's (gradient, variable) pairs, by Keras 2's ``compute_gradients``."""
+    if grad_loss is not None:
+        raise ValueError("hvd_dgc: _compute_gradients(grad_loss=...) is not supported by "
+                         "Keras 2's optimizers (nor applied by Horovod's); scale the loss "
+                         "instead.")
+    tape = tf.GradientTape() if tape is None else tape
+    return list(super(self.__class__, self).compute_gradients(loss, var_list, tape=tape))
+
+
+def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):  # Keras 2
+    """Horovod's aggregation API (its own tests and scripts call it): the gradients
+    come back averaged (through DGC here) and the next ``apply_gradients`` applies them
+    as given, without a second exchange. With ``backward_passes_per_step=P`` the calls
+    between exchanges return the local sum so far, and their ``apply_gradients`` only
+    counts. (Keras' public ``compute_gradients`` returns this rank's gradients, which
+    ``apply_gradients`` exchanges: a LossScaleOptimizer around this one calls it with
+    the scaled loss, and DGC's memory must not keep scaled gradients.)"""
+    grads_and_vars = _own_gradients(self, loss, var_list, grad_loss, tape)
+    variables = [v for _, v in grads_and_vars]
+    prepared = _prepare(self, [g for g, _ in grads_and_vars], variables)
+    self.__dict__["_hvd_dgc_prepared"] = prepared  # (untracked: not a Keras attribute)
+    return list(zip(prepared.grads, variables))
 
 
 def _compression_stats(self):
@@ -376,6 +454,12 @@ def _outer_local_var(self, var):
                      f"variable it steps. Step a local variable with an optimizer of its own.")
 
 
+def _outer_compute_gradients(self, loss, var_list, grad_loss=None, tape=None):  # Keras 2
+    """Horovod's ``_compute_gradients``: this rank's own gradients (the inner steps are
+    local; the round exchanges the weights' change)."""
+    return _own_gradients(self, loss, var_list, grad_loss, tape)
+
+
 def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
     """The user's optimizer class, stepping locally, with the outer loop's round."""
     if passes > 1:
@@ -390,12 +474,14 @@ def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
                "dgc_state": property(_dgc_state), "flush": _outer_flush,
                "register_local_var": _outer_local_var,
                "in_flight": property(lambda self: self._hvd_dgc.in_flight),
-               "_hvd_dgc_passes": None,
+               "_hvd_dgc_passes": None, "_agg_helper": None,  # (Horovod's, with P = 1)
                "_hvd_dgc_keras3": is_keras3(optimizer)}
     if is_keras3(optimizer):
         methods["apply"] = _outer_apply
     else:
         methods["apply_gradients"] = _outer_apply_gradients
+        if not is_legacy(optimizer):
+            methods["_compute_gradients"] = _outer_compute_gradients
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     keras_config = optimizer.get_config()
     if name is not None:
@@ -494,6 +580,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                "_hvd_dgc_passes": _Accumulation(
                    backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
                if backward_passes_per_step > 1 else None,
+               "_agg_helper": property(lambda self: self._hvd_dgc_passes),  # Horovod's name
                "_hvd_dgc_adam": adam}
     if adam is not None:
         methods.update(adam_methods)
@@ -501,6 +588,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         methods["apply"] = _apply
     else:
         methods["apply_gradients"] = _apply_gradients
+        if not is_legacy(optimizer):  # (OptimizerV2's own minimize calls its own)
+            methods["_compute_gradients"] = _compute_gradients
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     if name is not None:
         keras_config["name"] = name
