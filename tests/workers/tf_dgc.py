@@ -366,10 +366,10 @@ def digits(rank, size):
     return (x[shard], y[shard]), (x[test], y[test])
 
 
-def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0, compressors=()):
-    """model.fit on digits: dense baseline vs DGC 0.1% with warm-up (Keras 2 or 3 by env),
-    with ``delay`` also DGC + delayed averaging, and each of ``compressors`` (names of
-    hvd.Compression's quantisers)."""
+def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0, compressors=(), dense=True):
+    """model.fit on digits: DGC 0.1% with warm-up (Keras 2 or 3 by env), with ``dense``
+    the dense baseline, with ``delay`` also DGC + delayed averaging, and each of
+    ``compressors`` (names of hvd.Compression's quantisers)."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     keras = tf.keras
@@ -385,8 +385,9 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0, compressors=()):
         runs[name] = dict(compression=getattr(hvd.Compression, name))
     if legacy:
         import horovod.tensorflow.keras as hvd_stock
-        runs = {"dense": "horovod", **runs}
-    else:  # Horovod's own optimizer fails under Keras 3 (horovod #4290): dense via hvd_dgc
+        if dense:
+            runs = {"dense": "horovod", **runs}
+    elif dense:  # Horovod's own optimizer fails under Keras 3 (horovod #4290): hvd_dgc's
         runs = {"dense": dict(density=1.0), **runs}
     for tag, options in runs.items():
         keras.utils.set_random_seed(0)
