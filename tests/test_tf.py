@@ -476,8 +476,8 @@ def test_keras2_compute_gradients_hands_out_the_average_and_apply_does_not_excha
     outs = _checked(keras2, "tf_keras_api.keras_compute_gradients")
     mean = [np.mean([np.float32(o["coef"][i]) for o in outs], axis=0) for i in range(2)]
     for out in outs:
-        for mode, factor in (("eager", 1.0), ("function", 1.0), ("public", 1.0),
-                             ("halved", 0.5)):
+        for mode, factor in (("eager", 1.0), ("function", 1.0), ("in_cond", 1.0),
+                             ("public", 1.0), ("halved", 0.5)):
             res, steps = out[mode], len(out[mode]["returned"])
             assert res["exchanges"] == steps and res["iterations"] == steps, (mode, res)
             handed = [np.float32(c) for c in out["coef"]] if mode == "public" else mean

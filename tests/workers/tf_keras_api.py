@@ -1,7 +1,7 @@
 """Horovod's Keras optimizer API beyond ``apply_gradients`` on every rank: the gradients
-``compute_gradients`` / ``_compute_gradients`` hand out (exchanged there, applied as
-given), ``backward_passes_per_step`` seen through them (``_agg_helper.counter``), local
-variables among the passes, a non-finite pass. Bodies of tests/test_tf.py, run by
+``_compute_gradients`` hands out (exchanged there, applied as given) and Keras'
+``compute_gradients`` (this rank's own), ``backward_passes_per_step`` seen through them
+(``_agg_helper.counter``), local variables among the passes, a non-finite pass. Bodies of tests/test_tf.py, run by
 tests/workers/tf_dgc.py's suite ("tf_keras_api.<name>"), Keras 2 or 3 by
 TF_USE_LEGACY_KERAS.
 
@@ -42,10 +42,15 @@ def _values(variables):
     return [v.numpy().tolist() for v in variables]
 
 
+def _applied(tf, opt, pairs):
+    opt.apply_gradients(pairs)
+    return tf.constant(True)
+
+
 def keras_compute_gradients(steps=3):
     """Keras 2: ``_compute_gradients(loss_fn, var_list)`` (eagerly and in a
-    tf.function), Keras' public ``compute_gradients(loss, vars, tape)``, and the
-    gradients halved by the user between compute and apply. The gradients returned,
+    tf.function, and applied in a ``tf.cond``), Keras' public ``compute_gradients(loss,
+    vars, tape)``, and the gradients halved by the user between compute and apply. The gradients returned,
     the weights, the exchanges counted, ``iterations``; what ``apply_gradients`` says
     when given other variables than ``_compute_gradients`` just exchanged; DGC at 25%
     trained by ``minimize`` with and without a LossScaleOptimizer around it; and what
@@ -53,7 +58,7 @@ def keras_compute_gradients(steps=3):
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     out = {"coef": [c.tolist() for c in _coefficients(hvd.rank())]}
-    for mode in ("eager", "function", "public", "halved"):
+    for mode in ("eager", "function", "in_cond", "public", "halved"):
         variables, _, loss, opt = _setup(tf, hvd, {})
 
         def call():
@@ -65,7 +70,11 @@ def keras_compute_gradients(steps=3):
                 pairs = opt._compute_gradients(loss, var_list=variables)
             if mode == "halved":
                 pairs = [(g * 0.5, v) for g, v in pairs]
-            opt.apply_gradients(pairs)
+            if mode == "in_cond":  # (as a LossScaleOptimizer applies: in a branch)
+                tf.cond(tf.constant(True), lambda: _applied(tf, opt, pairs),
+                        lambda: tf.constant(False))
+            else:
+                opt.apply_gradients(pairs)
             return [g for g, _ in pairs]
         step = call if mode == "eager" else tf.function(call)
         start = _values(variables)

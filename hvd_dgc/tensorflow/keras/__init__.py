@@ -117,7 +117,13 @@ class _Prepared(NamedTuple):
 
 
 def _graph():
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    """The tf.function being traced (None eagerly); a cond's branch belongs to it."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):  # FuncGraphs
+        graph = graph.outer_graph
+    return graph
 
 
 def _prepare(self, grads, variables):
