@@ -491,6 +491,7 @@ def test_keras2_compute_gradients_hands_out_the_average_and_apply_does_not_excha
                     mean[i], rtol=1e-5, atol=1e-6, err_msg=f"{mode} var {i}")
         assert "apply_gradients got other variables than _compute_gradients" in \
             out["other_variables"], out["other_variables"]
+        assert "`tape` is required" in out["no_tape"], out["no_tape"]  # Keras' own words
         # loss scale 2^10, doubled every step: DGC at 25% saw the same gradients bit for bit
         assert out["loss_scaled"] == out["unscaled"]
         assert out["unscaled"]["paths"] == {"sparse": 3, "dense": 3}

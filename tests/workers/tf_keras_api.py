@@ -52,7 +52,8 @@ def keras_compute_gradients(steps=3):
     tf.function, and applied in a ``tf.cond``), Keras' public ``compute_gradients(loss,
     vars, tape)``, and the gradients halved by the user between compute and apply. The gradients returned,
     the weights, the exchanges counted, ``iterations``; what ``apply_gradients`` says
-    when given other variables than ``_compute_gradients`` just exchanged; DGC at 25%
+    when given other variables than ``_compute_gradients`` just exchanged, and given a
+    loss tensor without its tape; DGC at 25%
     trained by ``minimize`` with and without a LossScaleOptimizer around it; and what
     ``_compute_gradients`` returns with the outer loop."""
     tf = _tf()
@@ -105,6 +106,11 @@ def keras_compute_gradients(steps=3):
         out["other_variables"] = "NO EXCEPTION"
     except ValueError as exc:
         out["other_variables"] = str(exc)
+    try:  # a loss already computed, without the tape that recorded it
+        opt._compute_gradients(loss(), var_list=variables)
+        out["no_tape"] = "NO EXCEPTION"
+    except ValueError as exc:
+        out["no_tape"] = str(exc)
     return out
 
 

@@ -132,21 +132,21 @@ def _prepare(self, grads, variables):
     rank takes the same branch and joins the same collectives); the calls between hand
     out the sum so far and only count in ``iterations``, as in Horovod."""
     create_optimizer_variables(self, variables)  # no variable may be born in a cond below
-    local = _local(self, variables)
+    local, shared = _split(self, variables)
     accumulation = self._hvd_dgc_passes
     if accumulation is None:
-        out, apply = _exchange(self, grads, variables, local)
+        out, apply = _exchange(self, grads, variables, local, shared)
         return _Prepared(out, variables, apply, None, _graph())
     accumulation.build(variables)
     # (after the optimizer's variables: Adam's frozen scales)
-    self._hvd_dgc.build([v for i, v in enumerate(variables) if i not in local])
+    self._hvd_dgc.build([variables[i] for i in shared])
     if local:
         _local_velocity(self, [variables[i] for i in local])
     names = [variable_name(v, i) for i, v in enumerate(variables)]
     complete = accumulation.add(grads, names)
 
     def exchange():
-        out, apply = _exchange(self, accumulation.take(), variables, local)
+        out, apply = _exchange(self, accumulation.take(), variables, local, shared)
         return [tf.identity(g) for g in out], tf.constant(True) if apply is None else apply
 
     def wait():
@@ -155,16 +155,19 @@ def _prepare(self, grads, variables):
     return _Prepared(out, variables, apply, tf.logical_not(complete), _graph())
 
 
-def _local(self, variables):
-    """Positions of the variables ``register_local_var`` kept on their rank."""
-    return [i for i, v in enumerate(variables) if _ref(v) in self._hvd_dgc_local]
+def _split(self, variables):
+    """Positions of the variables ``register_local_var`` kept on their rank, and of the
+    shared ones."""
+    refs = [_ref(v) for v in variables]
+    return ([i for i, r in enumerate(refs) if r in self._hvd_dgc_local],
+            [i for i, r in enumerate(refs) if r not in self._hvd_dgc_local])
 
 
-def _exchange(self, grads, variables, local):
-    """``(gradients to apply, apply)``: the shared variables' averaged through DGC, the
-    ``local`` ones' kept (``register_local_var``); ``apply`` is False when a non-finite
-    gradient on some rank made every rank skip the step (None: no such check)."""
-    shared = [i for i in range(len(variables)) if i not in set(local)]
+def _exchange(self, grads, variables, local, shared):
+    """``(gradients to apply, apply)``: the ``shared`` variables' averaged through DGC,
+    the ``local`` ones' kept (``register_local_var``); ``apply`` is False when a
+    non-finite gradient on some rank made every rank skip the step (None: no such
+    check)."""
     exchange = self._hvd_dgc
     exchange.build([variables[i] for i in shared], [grads[i] for i in shared])
     averaged, skipped = exchange.exchange([grads[i] for i in shared])
@@ -367,7 +370,8 @@ def _own_gradients(self, loss, var_list, grad_loss, tape):
         raise ValueError("hvd_dgc: _compute_gradients(grad_loss=...) is not supported by "
                          "Keras 2's optimizers (nor applied by Horovod's); scale the loss "
                          "instead.")
-    tape = tf.GradientTape() if tape is None else tape
+    # (no tape made here: Keras refuses a Tensor loss without the tape that computed it,
+    # where a fresh tape would give None gradients)
     return list(super(self.__class__, self).compute_gradients(loss, var_list, tape=tape))
 
 
