@@ -112,27 +112,41 @@ def _launch_block(numels, seed=0):
 NUMELS = (5000, 70000, 1024, 300000, 33)
 
 
+@pytest.mark.parametrize("how", ["kernel", "torch"])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
-def test_a_launch_selection_is_the_reference_rule_for_each_tensor(density):
+def test_a_launch_selection_is_the_reference_rule_for_each_tensor(density, how, monkeypatch):
     """cpu_select.adapt_block, every tensor of a launch at once, chooses for each tensor
-    what the NumPy reference chooses from the same first threshold."""
-    from hvd_dgc.torch.cpu_select import adapt_block
+    what the NumPy reference chooses from the same first threshold: in the kernel
+    library (every round of every tensor in one call) and in torch operations (a call a
+    round), in each branch of the rule, a tensor whose k covers it among them."""
+    import hvd_dgc.torch.cpu_select as cpu_select
+    from hvd_dgc.torch.memory import fused_kernel_available
+    assert fused_kernel_available()
+    if how == "torch":
+        monkeypatch.setattr(cpu_select, "_fused", lambda *tensors: False)
     block = _launch_block(NUMELS)
     ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
+    ks = ks[:-1] + (NUMELS[-1],)  # the last: every coordinate
     # first thresholds in every branch of the rule: too many, in the window, too few
+    # (lowered until in it), nothing passes in any round (the exact top-k)
     firsts = []
     for i, (n, k) in enumerate(zip(NUMELS, ks)):
         flat = block.slice_of(block.v, i).numpy()
-        j = [int(1.3 * k) + 1, k, max(1, int(0.5 * k))][i % 3]
-        firsts.append(np.sort(np.abs(flat))[-min(j, n)])
-    positions, counts = adapt_block(block.v, block.block_max, block.offsets, NUMELS, ks,
-                                    torch.tensor(firsts))
+        j = [int(1.3 * k) + 1, k, max(1, int(0.5 * k)), None][i % 4]
+        firsts.append(np.sort(np.abs(flat))[-min(j, n)] if j else np.float32(1e30))
+    positions, counts = cpu_select.adapt_block(block.v, block.block_max, block.offsets,
+                                               NUMELS, ks, torch.tensor(firsts))
     for i, part in enumerate(positions.split(list(counts))):
         flat = block.slice_of(block.v, i).numpy()
         expected = dgc_adapt(flat, ks[i], np.float32(firsts[i])) if ks[i] < NUMELS[i] \
             else np.arange(NUMELS[i])
         np.testing.assert_array_equal(np.sort(part.numpy() - block.offsets[i]), expected,
                                       err_msg=f"tensor {i}")
+    # the branches were reached: tensor 2's first threshold passes too few (lowered), no
+    # round reaches tensor 3's (its exact top-k)
+    v = [block.slice_of(block.v, i).abs() for i in (2, 3)]
+    assert int((v[0] >= firsts[2]).sum()) < 0.8 * ks[2] <= counts[2]
+    assert float(v[1].max()) < firsts[3] * 0.8 ** 10 and counts[3] == ks[3]
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
@@ -158,3 +172,23 @@ def test_the_kernel_and_torch_choose_the_same_coordinates(density):
         assert torch.equal(torch.sort(a).values, torch.sort(b).values)
     for count, k in zip(kernel.counts, ks):
         assert 0.8 * k <= count <= k
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
+def test_the_kernel_and_torch_estimate_the_same_thresholds(density):
+    """The sampled thresholds, per tensor the k-th largest |v| of its sample: the kernel
+    library's (a min-heap of the few largest at DGC's final density, a partial sort at
+    the warm-up's) and one top-k over a matrix of samples in torch, bit for bit."""
+    import hvd_dgc.torch.cpu_select as cpu_select
+    block = _launch_block(NUMELS, seed=5)
+    ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
+    layout = cpu_select.SampleLayout(block.offsets, NUMELS, 0.01, 64, "cpu")
+    args = (block.v, ks, 1.3, tuple(range(len(NUMELS))), 0, 1, 7)
+    kernel = layout.thresholds(*args)
+    saved, cpu_select._fused = cpu_select._fused, lambda *tensors: False
+    try:
+        eager = layout.thresholds(*args)
+    finally:
+        cpu_select._fused = saved
+    assert torch.equal(kernel, eager), (kernel, eager)
+    assert bool((kernel > 0).all())

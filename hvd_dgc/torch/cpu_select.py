@@ -13,8 +13,11 @@ reference code; tests/reference.py ``dgc_adapt`` is its NumPy form), per tensor:
 Here each stage is a fixed number of operations for all of a launch's tensors: one
 gather and one top-k over a [tensors, samples] matrix for the thresholds, and per round
 one scan of the block maxima (``memory.BLOCK`` elements each, computed by the memory's
-update on its way) and of the few blocks that pass. Per-tensor work made a ResNet-50 step
-a few thousand operations (bench/results/step_overhead.md); this is a few dozen.
+update on its way) and of the few blocks that pass. Where the kernel library is built
+(hvd_dgc/torch/csrc) the thresholds are one call and the scan with all its rounds is one
+more: a tensor's rounds follow each other on one thread, with no trip back to Python.
+Per-tensor work made a ResNet-50 step a few thousand operations
+(bench/results/step_overhead.md); this is a few dozen.
 
 The sampling start of each tensor comes from (seed, rank, step, tensor), not from a
 generator's stream: the same draw whichever tensors share the launch, and nothing to
@@ -154,18 +157,45 @@ def adapt_block(v, block_max, offsets, numels, ks, thresholds, window=(0.8, 1.3)
     """DGC's rule from a first threshold per segment (module doc, stage 3), for all the
     segments ``(offsets, numels)`` of the flat ``v`` at once. ``block_max``: max |v| of
     every BLOCK elements of v (segments start at multiples of BLOCK). Returns the chosen
-    positions grouped by segment, and their counts; a fixed number of operations per
-    round, whatever the number of segments."""
+    positions grouped by segment, and their counts; one kernel call for every round
+    (else a fixed number of operations per round), whatever the number of segments."""
     offsets, numels, ks = tuple(offsets), tuple(numels), tuple(ks)
     layout = _blocks(offsets, numels, str(v.device))
     device, count = v.device, len(ks)
     t = thresholds.to(v.dtype).clone()
     inf = torch.tensor(math.inf, dtype=t.dtype, device=device)
     k_t = torch.tensor(ks, dtype=torch.long, device=device)
+    pending = [i for i, (n, k) in enumerate(zip(numels, ks)) if k < n]
+    if _fused(v, block_max):  # every round of every segment in one call
+        skipped = len(pending) < count
+        if skipped:
+            active = torch.zeros(count, dtype=torch.bool, device=device)
+            active[pending] = True
+            t = torch.where(active, t, inf)
+        found, counts, short = torch.ops.hvd_dgc.scan(
+            v, block_max, layout.starts, layout.numels, t.float(), k_t, float(window[0]),
+            float(decay), int(rounds))
+        final = counts.tolist()
+        pending = [i for i, s in enumerate(short.tolist()) if s]
+        if not pending and not skipped:  # DGC's final density: every segment decided
+            return found, tuple(final)
+        groups = [(found, torch.arange(count, device=device).repeat_interleave(
+            counts, output_size=found.numel()))]
+    else:
+        final, groups, pending = _rounds(v, block_max, layout, t, k_t, ks, pending, window,
+                                         decay, rounds)
+    return _merged(v, groups, pending, offsets, numels, ks, final)
+
+
+def _rounds(v, block_max, layout, t, k_t, ks, pending, window, decay, rounds):
+    """adapt_block's rounds in torch operations, one scan of every pending segment a
+    round: ``(counts, groups, still pending)``; groups: per round (positions, their
+    segments), grouped by segment."""
+    device, count = v.device, len(ks)
+    inf = torch.tensor(math.inf, dtype=t.dtype, device=device)
     low = [window[0] * k for k in ks]
     final = [0] * count
-    pending = [i for i, (n, k) in enumerate(zip(numels, ks)) if k < n]
-    groups = []  # per round: (positions, their segments), grouped by segment
+    groups = []
     for _ in range(rounds + 1):
         if not pending:
             break
@@ -193,6 +223,14 @@ def adapt_block(v, block_max, offsets, numels, ks, thresholds, window=(0.8, 1.3)
             lower = torch.zeros(count, dtype=torch.bool, device=device)
             lower[pending] = True
             t = torch.where(lower, t * decay, t)
+    return final, groups, pending
+
+
+def _merged(v, groups, pending, offsets, numels, ks, final):
+    """The positions of ``groups`` and, for the segments still ``pending`` and those
+    whose k covers them, the exact top-k (every coordinate), each segment's at its
+    place."""
+    device = v.device
     for i in pending + [i for i, (n, k) in enumerate(zip(numels, ks)) if k >= n]:
         a, n = offsets[i], numels[i]  # every coordinate, or nothing in the window after
         top = torch.arange(n, device=device) if ks[i] >= n else \
@@ -215,13 +253,8 @@ def adapt_block(v, block_max, offsets, numels, ks, thresholds, window=(0.8, 1.3)
 
 def _scan(v, block_max, layout, thresholds, ks):
     """Per segment, the positions with |v| >= its threshold (an infinite one: none), in
-    increasing order, the ``ks[s]`` largest where there are more, and their counts: the
-    kernel library's scan where it is built (one pass over the block maxima, as few of
-    the blocks as pass), else the same in torch operations."""
-    if _fused(v, block_max):
-        found, _, counts = torch.ops.hvd_dgc.scan(v, block_max, layout.starts, layout.numels,
-                                                  thresholds.float(), ks)
-        return found, counts
+    increasing order, the ``ks[s]`` largest where there are more, and their counts, in
+    torch operations (the kernel library's ``scan`` does this and the rounds)."""
     lo = layout.lo
     hi = lo + layout.segment.numel() * BLOCK
     blocks = v[lo:hi].view(-1, BLOCK)

@@ -341,63 +341,40 @@ void keep_largest(const float* x, std::vector<int64_t>& f, int64_t k,
   f.resize(out);
 }
 
-// DGC's scan, one round for every segment s of a flat v (it starts at offsets[s], a
-// multiple of the block, and holds numels[s] elements): the positions with
-// |v| >= thresholds[s], in increasing order, scanning only the blocks whose maximum
-// reaches it (what DGC's selection needs: ~0.1% of them), fetched a few blocks ahead
-// so the scattered loads overlap. A segment with more than ks[s] of them keeps the
-// ks[s] largest (DGC's "too many: the exact top-k of the candidates"); an infinite
-// threshold skips its segment. Returns (positions, |values| there, counts).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
-    const at::Tensor& v, const at::Tensor& block_max, const at::Tensor& offsets,
-    const at::Tensor& numels, const at::Tensor& thresholds, const at::Tensor& ks) {
-  check(v, "v", v.numel());
-  check(block_max, "block_max", block_max.numel());
-  const int64_t segments = offsets.numel();
-  auto off = offsets.to(at::kLong).contiguous();
-  auto num = numels.to(at::kLong).contiguous();
-  auto kk = ks.to(at::kLong).contiguous();
-  auto thr = thresholds.to(at::kFloat).contiguous();
-  const float* x = v.data_ptr<float>();
-  const float* bm = block_max.data_ptr<float>();
-  const int64_t* o = off.data_ptr<int64_t>();
-  const int64_t* n = num.data_ptr<int64_t>();
-  const int64_t* k = kk.data_ptr<int64_t>();
-  const float* t = thr.data_ptr<float>();
-  std::vector<std::vector<int64_t>> found(segments);
-  for_each_segment(segments, [&](int64_t s) {
-    thread_local std::vector<int64_t> hit;
-    thread_local std::vector<uint32_t> bits;
-    thread_local std::vector<int64_t> hist;
-    {
-      const float ts = t[s];
-      if (std::isinf(ts) && ts > 0) return;
-      const int64_t lo = o[s], hi = o[s] + n[s];
-      hit.clear();  // the blocks that reach the threshold: a pass over the maxima
-      for (int64_t b = lo / kBlock; b * kBlock < hi; ++b) {
-        if (bm[b] >= ts) hit.push_back(b);
-      }
-      constexpr size_t kAhead = 8;
-      auto& f = found[s];
-      for (size_t i = 0; i < hit.size(); ++i) {
-        if (i + kAhead < hit.size()) {
-          __builtin_prefetch(x + hit[i + kAhead] * kBlock);
-          __builtin_prefetch(x + hit[i + kAhead] * kBlock + 16);
-        }
-        const int64_t start = hit[i] * kBlock, stop = std::min(hi, start + kBlock);
-        int64_t block[kBlock];  // without a branch: at the warm-up's densities a
-        int64_t c = 0;          // quarter or more pass, and mispredictions dominated
-        for (int64_t j = start; j < stop; ++j) {
-          block[c] = j;
-          c += std::fabs(x[j]) >= ts;
-        }
-        f.insert(f.end(), block, block + c);
-      }
-      if (static_cast<int64_t>(f.size()) > k[s]) {  // the k largest, in position order
-        keep_largest(x, f, k[s], bits, hist);
-      }
+// One segment's round of DGC's scan: the positions in [lo, hi) of v with |v| >= ts, in
+// increasing order, scanning only the blocks whose maximum reaches it (what DGC's
+// selection needs: ~0.1% of them), fetched a few blocks ahead so the scattered loads
+// overlap; more than k of them: the k largest (DGC's "too many: the exact top-k of the
+// candidates"). ``f`` gets them.
+void scan_segment(const float* x, const float* bm, int64_t lo, int64_t hi, float ts,
+                  int64_t k, std::vector<int64_t>& f, std::vector<int64_t>& hit,
+                  std::vector<uint32_t>& bits, std::vector<int64_t>& hist) {
+  f.clear();
+  hit.clear();  // the blocks that reach the threshold: a pass over the maxima
+  for (int64_t b = lo / kBlock; b * kBlock < hi; ++b) {
+    if (bm[b] >= ts) hit.push_back(b);
+  }
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < hit.size(); ++i) {
+    if (i + kAhead < hit.size()) {
+      __builtin_prefetch(x + hit[i + kAhead] * kBlock);
+      __builtin_prefetch(x + hit[i + kAhead] * kBlock + 16);
     }
-  });
+    const int64_t start = hit[i] * kBlock, stop = std::min(hi, start + kBlock);
+    int64_t block[kBlock];  // without a branch: at the warm-up's densities a
+    int64_t c = 0;          // quarter or more pass, and mispredictions dominated
+    for (int64_t j = start; j < stop; ++j) {
+      block[c] = j;
+      c += std::fabs(x[j]) >= ts;
+    }
+    f.insert(f.end(), block, block + c);
+  }
+  if (static_cast<int64_t>(f.size()) > k) keep_largest(x, f, k, bits, hist);
+}
+
+// Positions grouped by segment, in segment order, and their counts.
+std::tuple<at::Tensor, at::Tensor> concat(const std::vector<std::vector<int64_t>>& found) {
+  const int64_t segments = static_cast<int64_t>(found.size());
   int64_t total = 0;
   auto counts = at::empty({segments}, at::kLong);
   for (int64_t s = 0; s < segments; ++s) {
@@ -405,16 +382,87 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
     total += found[s].size();
   }
   auto positions = at::empty({total}, at::kLong);
-  auto values = at::empty({total}, at::kFloat);
   int64_t* pp = positions.data_ptr<int64_t>();
-  float* vp = values.data_ptr<float>();
-  for (const auto& f : found) {
-    for (const auto& e : f) {
-      *vp++ = std::fabs(x[e]);
-      *pp++ = e;
+  for (const auto& f : found) pp = std::copy(f.begin(), f.end(), pp);
+  return std::make_tuple(positions, counts);
+}
+
+struct Segments {  // a launch's segments of a flat v, read once
+  at::Tensor off, num, kk, thr;
+  const int64_t *o, *n, *k;
+  const float* t;
+  Segments(const at::Tensor& offsets, const at::Tensor& numels, const at::Tensor& ks,
+           const at::Tensor& thresholds)
+      : off(offsets.to(at::kLong).contiguous()), num(numels.to(at::kLong).contiguous()),
+        kk(ks.to(at::kLong).contiguous()), thr(thresholds.to(at::kFloat).contiguous()),
+        o(off.data_ptr<int64_t>()), n(num.data_ptr<int64_t>()), k(kk.data_ptr<int64_t>()),
+        t(thr.data_ptr<float>()) {}
+};
+
+// DGC's scan and its rounds (cpu_select.adapt_block; tests/reference.py dgc_adapt), for
+// every segment s of a flat v (it starts at offsets[s], a multiple of the block, and
+// holds numels[s] elements), each on its own: scan_segment at thresholds[s]; fewer than
+// ``low`` * ks[s] found: the threshold times ``decay`` (in float32, as the reference)
+// and scan again, at most ``rounds`` more times. One call for every round: a
+// segment's rounds follow each other on one thread, with no trip back to Python
+// between them. An infinite threshold skips its segment. Returns (positions grouped
+// by segment, counts, short): short[s] where every round found too few (its count 0;
+// the caller takes the exact top-k of the whole segment). One round alone: low 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scan(
+    const at::Tensor& v, const at::Tensor& block_max, const at::Tensor& offsets,
+    const at::Tensor& numels, const at::Tensor& thresholds, const at::Tensor& ks,
+    double low, double decay, int64_t rounds) {
+  check(v, "v", v.numel());
+  check(block_max, "block_max", block_max.numel());
+  Segments seg(offsets, numels, ks, thresholds);
+  const float* x = v.data_ptr<float>();
+  const float* bm = block_max.data_ptr<float>();
+  const int64_t segments = seg.off.numel();
+  const float d = static_cast<float>(decay);
+  std::vector<std::vector<int64_t>> found(segments);
+  auto short_ = at::zeros({segments}, at::kBool);
+  bool* sp = short_.data_ptr<bool>();
+  for_each_segment(segments, [&](int64_t s) {
+    thread_local std::vector<int64_t> hit;
+    thread_local std::vector<uint32_t> bits;
+    thread_local std::vector<int64_t> hist;
+    float ts = seg.t[s];
+    if (std::isinf(ts) && ts > 0) return;
+    const double wanted = low * static_cast<double>(seg.k[s]);
+    for (int64_t r = 0; r <= rounds; ++r) {
+      scan_segment(x, bm, seg.o[s], seg.o[s] + seg.n[s], ts, seg.k[s], found[s], hit, bits,
+                   hist);
+      if (static_cast<double>(found[s].size()) >= wanted) return;
+      ts = ts * d;
+    }
+    found[s].clear();
+    sp[s] = true;
+  });
+  auto [positions, counts] = concat(found);
+  return std::make_tuple(positions, counts, short_);
+}
+
+// The k-th largest (0: the largest) of ``sample``, which it may reorder. DGC's final
+// density asks for a few dozen of tens of thousands: one pass keeping the k+1 largest
+// in a min-heap (most values fail one comparison with its top) costs a fraction of a
+// partial sort; the warm-up's densities ask for more, and get nth_element.
+float kth_largest(std::vector<float>& sample, int64_t k) {
+  const size_t size = sample.size(), keep = static_cast<size_t>(k) + 1;
+  if (keep * 64 > size) {
+    auto nth = sample.begin() + k;
+    std::nth_element(sample.begin(), nth, sample.end(), std::greater<float>());
+    return *nth;
+  }
+  std::vector<float> heap(sample.begin(), sample.begin() + keep);
+  std::make_heap(heap.begin(), heap.end(), std::greater<float>());  // smallest on top
+  for (size_t j = keep; j < size; ++j) {
+    if (sample[j] > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = sample[j];
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
     }
   }
-  return std::make_tuple(positions, values, counts);
+  return heap.front();
 }
 
 // Per segment s, the kth[s]-th largest |v| (0: the largest) of its sample: sizes[s]
@@ -446,9 +494,7 @@ at::Tensor thresholds(const at::Tensor& v, const at::Tensor& base, const at::Ten
         if (j + 64 < szp[s]) __builtin_prefetch(x + at_[j + 64] + shp[s]);
         sample[j] = std::fabs(x[at_[j] + shp[s]]);
       }
-      auto nth = sample.begin() + ktp[s];
-      std::nth_element(sample.begin(), nth, sample.end(), std::greater<float>());
-      op[s] = *nth;
+      op[s] = kth_largest(sample, ktp[s]);
     }
   });
   return out;
@@ -664,7 +710,8 @@ TORCH_LIBRARY(hvd_dgc, lib) {
   lib.def("accumulate(Tensor g, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
           "float momentum, bool nesterov, Tensor(c!)? block_max) -> ()");
   lib.def("scan(Tensor v, Tensor block_max, Tensor offsets, Tensor numels, "
-          "Tensor thresholds, Tensor ks) -> (Tensor, Tensor, Tensor)");
+          "Tensor thresholds, Tensor ks, float low, float decay, int rounds) "
+          "-> (Tensor, Tensor, Tensor)");
   lib.def("thresholds(Tensor v, Tensor base, Tensor sizes, Tensor shifts, Tensor kth) "
           "-> Tensor");
   lib.def("take(Tensor(a!) v, Tensor(b!)? u, Tensor positions) -> Tensor");
