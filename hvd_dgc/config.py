@@ -258,10 +258,6 @@ class DGCConfig:
         fw = framework.name
         horovod.check(framework)
         lagging, undo = self.lagging, self.undo_lagging
-        if fw == "tensorflow" and horovod.backward_passes_per_step > 1 and self.delay:
-            raise ValueError(f"backward_passes_per_step={horovod.backward_passes_per_step} "
-                             f"with delay={self.delay} runs in hvd_dgc.torch only so far; in "
-                             f"Keras use one of them (delay=0, or backward_passes_per_step=1).")
         if lagging and grad_scaler is not None:
             raise ValueError(f"{lagging} with grad_scaler is not supported: an overflow seen "
                              f"steps later cannot be undone. Use {undo} with mixed precision.")

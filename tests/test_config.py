@@ -181,11 +181,10 @@ def test_compressors_refuse_options_they_do_not_have(compression):
         compression(sample_ratio=0.05))
 
 
-def test_keras_backward_passes_with_delay_is_refused_naming_both():
-    kind, message = _error(_keras, backward_passes_per_step=2, delay=2)
-    assert kind is ValueError
-    assert "backward_passes_per_step=2 with delay=2 runs in hvd_dgc.torch only" in message
-    assert _keras(backward_passes_per_step=2)._hvd_dgc_passes.passes == 2
+def test_keras_backward_passes_with_delay_are_taken_together():
+    """Both, as in PyTorch (their maths: tests/test_tf.py, on two ranks)."""
+    opt = _keras(backward_passes_per_step=2, delay=2)
+    assert opt._hvd_dgc_passes.passes == 2 and opt._hvd_dgc.delay == 2
 
 
 def _same_words(message, framework, compression):

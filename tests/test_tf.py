@@ -18,7 +18,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
-        "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes"]
+        "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
+        "tf_dga.keras_passes_with_delay"]
 # Keras 2: Horovod's dense and DGC; Keras 3: DGC, DGC with delayed averaging, EF-SignSGD,
 # held to Keras 2's dense Horovod (the same model, data and seed)
 FIT2 = {"keras_fit_digits": {}}
@@ -52,7 +53,8 @@ def keras2(ckdir):
         "names": ["keras_dense_equivalence", "checkpoint_keras", "keras_fit_digits",
                   "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
                   "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars",
-                  "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes"],
+                  "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes",
+                  "tf_dga.keras_passes_with_delay"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT2,
                    "tf_keras_api.keras_passes": {"how": "compute"}}})
 
@@ -358,6 +360,26 @@ def _assert_dga_formula(out):
     assert out["in_flight_after_flush"] == 0 and out["identical_after_flush"]
     assert out["max_diff_after_flush"] < 1e-5, out
     assert out["iterations"] == 7  # the flush is not an optimizer iteration
+
+
+@pytest.mark.parametrize("version", ["keras2", "keras3"])
+def test_keras_backward_passes_with_delay_follow_the_dga_update_over_their_sums(
+        version, tape, keras2):
+    """backward_passes_per_step=3 with delay=2 (Keras SGD, momentum taken over): every
+    third call exchanges its passes' sum and the weights follow the DGA formula over
+    the sums; DGC at 5% delayed then flushed ends where its synchronous run does."""
+    for out in _checked(keras2 if version == "keras2" else tape,
+                        "tf_dga.keras_passes_with_delay"):
+        assert out["moved"] > 0.1 and out["moved_between"] == 0.0
+        assert out["max_diff_each_exchange"] < 1e-5, out
+        assert not any(out["identical_before_flush"])
+        assert out["in_flight_before_flush"] == 2 and out["flushed"]
+        assert out["identical_after_flush"] and out["max_diff_after_flush"] < 1e-5, out
+        assert out["iterations"] == 15  # every call counts, as in Horovod
+        # 5 exchanges, not 15: two tensors sparse and the bias dense each time
+        assert out["sparse_paths"] == {"sparse": 10, "dense": 5}, out
+        assert out["sparse_in_flight_before_flush"] == 2
+        assert out["sparse_delayed_vs_sync"] <= 1e-6 and out["sparse_identical_after_flush"]
 
 
 def test_tape_delay_two_follows_the_dga_update_and_flush_makes_ranks_identical(tape):

@@ -25,13 +25,14 @@ def _init(tf, offset=0):
             for i, s in enumerate(SHAPES)]
 
 
-def _expected(w0, size, rank, steps, delay, lr, momentum, flushed):
+def _expected(w0, size, rank, steps, delay, lr, momentum, flushed, grads_at=None):
     """Weights of one rank after ``steps`` steps of dense DGA with DGC's momentum
-    correction (dense: own = u = m u + g), and after a flush if ``flushed``."""
+    correction (dense: own = u = m u + g), and after a flush if ``flushed``;
+    ``grads_at(i)``: every rank's gradients of step i (default: ``_fixed_grads``)."""
     u = [[np.zeros(s, np.float64) for s in SHAPES] for _ in range(size)]
     owns, w = [], [x.astype(np.float64) for x in w0]
     for i in range(steps):
-        grads = _fixed_grads(i, None, size)
+        grads = grads_at(i) if grads_at else _fixed_grads(i, None, size)
         for r in range(size):
             u[r] = [momentum * a + g for a, g in zip(u[r], grads[r])]
         owns.append([list(x) for x in u])
@@ -115,6 +116,72 @@ def keras_delay_dense_matches_formula(steps=7, delay=2, lr=0.05, momentum=0.9):
                      opt.flush, lambda: opt.in_flight)
     out["iterations"] = int(opt.iterations.numpy())
     return out
+
+
+def keras_passes_with_delay(exchanges=5, passes=3, delay=2, lr=0.05, momentum=0.9):
+    """Keras SGD (momentum taken over by DGC), dense, ``delay=2`` with
+    ``backward_passes_per_step=3`` inside tf.function: every third call exchanges the
+    sum of its three passes' gradients, and the weights follow the DGA formula over
+    those sums (one step of it per exchange); the calls between leave them alone; then
+    opt.flush() ends where the formula's flush does."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank, size = hvd.rank(), hvd.size()
+    variables = _init(tf, 3)
+    w0 = [v.numpy() for v in variables]
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum),
+                                   density=1.0, delay=delay, backward_passes_per_step=passes)
+
+    @tf.function
+    def train_step(grads):
+        opt.apply_gradients(zip(grads, variables))
+
+    def summed(e):  # every rank's sum of exchange e's passes
+        calls = [_fixed_grads(e * passes + p, None, size) for p in range(passes)]
+        return [[sum(c[r][t] for c in calls) for t in range(len(SHAPES))] for r in range(size)]
+
+    per_exchange, between, identical = [], [], []
+    for e in range(exchanges):
+        for p in range(passes):
+            before = _flat(tf, variables).numpy()
+            train_step([tf.constant(g) for g in _fixed_grads(e * passes + p, rank)])
+            if p < passes - 1:
+                between.append(float(np.max(np.abs(_flat(tf, variables).numpy() - before))))
+        per_exchange.append(_max_diff(tf, variables, _expected(
+            w0, size, rank, e + 1, delay, lr, momentum, False, summed)))
+        identical.append(_identical(tf, hvd, variables, f"dgap.{e}"))
+    in_flight = opt.in_flight
+    flushed = opt.flush()
+    # DGC at 5%: delayed then flushed ends where the synchronous run does (the gradients
+    # do not depend on the weights, so both send the same records)
+    sparse = {}
+    for d in (0, delay):
+        v = _init(tf, 4)  # the same values each time, other variables
+        sgd = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum),
+                                       density=0.05, min_compress_size=64, delay=d,
+                                       backward_passes_per_step=passes)
+
+        @tf.function
+        def sparse_step(grads, v=v, sgd=sgd):
+            sgd.apply_gradients(zip(grads, v))
+        for i in range(exchanges * passes):
+            sparse_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+        sparse[d] = {"in_flight": sgd.in_flight, "flushed": sgd.flush(), "variables": v,
+                     "weights": _flat(tf, v),
+                     "sparse_sent": sgd.compression_stats()["paths"]}
+    return {"max_diff_each_exchange": max(per_exchange), "moved_between": max(between),
+            "sparse_in_flight_before_flush": sparse[delay]["in_flight"],
+            "sparse_paths": sparse[delay]["sparse_sent"],
+            "sparse_delayed_vs_sync": float(np.max(np.abs(
+                (sparse[0]["weights"] - sparse[delay]["weights"]).numpy()))),
+            "sparse_identical_after_flush": _identical(tf, hvd, sparse[delay]["variables"],
+                                                       "dgap.sparse"),
+            "identical_before_flush": identical, "in_flight_before_flush": in_flight,
+            "flushed": flushed, "iterations": int(opt.iterations.numpy()),
+            "max_diff_after_flush": _max_diff(tf, variables, _expected(
+                w0, size, rank, exchanges, delay, lr, momentum, True, summed)),
+            "identical_after_flush": _identical(tf, hvd, variables, "dgap.flushed"),
+            "moved": max(float(np.max(np.abs(v.numpy() - x))) for v, x in zip(variables, w0))}
 
 
 def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):

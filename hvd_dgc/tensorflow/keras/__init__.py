@@ -546,7 +546,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ``backward_passes_per_step=P`` (and ``average_aggregated_gradients``) as in
     Horovod: P calls' gradients are summed locally (their mean with
     ``average_aggregated_gradients=True``), then exchanged through DGC and applied
-    once; ``iterations`` counts every call. Needs ``delay=0``.
+    once; ``iterations`` counts every call. With ``delay=D`` each exchange is one
+    step of delayed averaging (applied D exchanges later).
 
     ``outer=hvd_dgc.OuterLoop(steps=H, lr=0.7, momentum=0.9)``: an outer loop instead
     (DiLoCo; hvd_dgc/outer.py, hvd_dgc/tensorflow/outer.py): ``optimizer`` (AdamW, SGD,
