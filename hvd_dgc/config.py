@@ -112,9 +112,8 @@ class DGCConfig:
             averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
-            correction, masking), and ``delay`` and ``period`` apply from the freeze on
-            (PyTorch);
-            the density schedule starts at the freeze (with no ``density`` or
+            correction, masking), and ``delay`` (PyTorch and Keras) and ``period``
+            (PyTorch) apply from the freeze on; the density schedule starts at the freeze (with no ``density`` or
             ``warmup``: SGD's default, counted from the freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
     """
@@ -312,10 +311,6 @@ class DGCConfig:
                              f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
                              f"DistributedGradientTape does not know the optimizer (an Adam "
                              f"after it runs on error feedback). Pass no freeze_variance.")
-        if fw == "tensorflow" and freeze is not None and self.delay:
-            raise ValueError(f"delay={self.delay} with Keras' {optimizer[1]} taken over runs "
-                             f"in hvd_dgc.torch only so far; in Keras use delay=0 (or a "
-                             f"Keras SGD optimizer with delay).")
         if optimizer is not None:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
                                 adam=adam)
@@ -497,10 +492,9 @@ def check_linear_update(config, linear, optimizer_name, framework, adam=False):
     variance is frozen: adam.py). ``linear``: the wrapped optimizer's update is."""
     if config.lagging and not linear:
         kind = "torch.optim.SGD" if framework == "torch" else "a Keras SGD optimizer"
-        if framework == "torch":
-            kind += " or Adam/AdamW with its variance frozen (freeze_variance)"
+        kind += " or Adam/AdamW with its variance frozen (freeze_variance)"
         fix = f"Use {config.undo_lagging}"
-        if adam and framework == "torch":
+        if adam:
             fix += (", or a sparse compressor with freeze_variance='auto' (the default)"
                     if config.freeze_variance is not False else
                     ", or freeze_variance='auto' (the default)")

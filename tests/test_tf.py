@@ -411,7 +411,8 @@ def test_delay_bad_inputs_give_clear_errors(tape):
     for out in _checked(tape, "tf_dga.delay_bad_inputs"):
         assert "delay must be an int >= 0" in out["negative"] and "-1" in out["negative"]
         assert "delay must be an int >= 0" in out["float"]
-        assert "delay=2 with Keras' Adam taken over runs in hvd_dgc.torch only" in out["adam"]
+        assert "delay=2 needs a Keras SGD optimizer or Adam/AdamW with its variance " \
+            "frozen" in out["rmsprop"] and "RMSprop is not" in out["rmsprop"], out
 
 
 def _assert_skipped(out):

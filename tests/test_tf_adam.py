@@ -10,7 +10,7 @@ from tests.test_torch_optimizer import _checked
 
 # tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name")
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
-             "tf_adam.refusals"]
+             "tf_adam.refusals", "tf_adam.delay_reference"]
 
 
 def _launch(legacy, ckdir):
@@ -55,18 +55,44 @@ def test_keras_adam_taken_over_equals_the_reference_at_density_one(results):
         assert out["AdamW.clipped"]["clipped"] and out["Adam.clipped"]["clipped"]
 
 
+def test_keras_adam_with_delay_equals_the_reference_on_each_rank(results):
+    """delay=2, dense, frozen at step 3: synchronous exact Adam to the freeze, then each
+    rank's own frozen-Adam step now and the average two steps later in its place (the
+    reference PyTorch's is held to, with Keras' eps and decay); flush() applies what is
+    in flight at Adam's count then, no decay, and leaves the ranks identical."""
+    outs, version = results
+    classes = ("AdamW", "Adam") + (("legacy.Adam",) if version == "keras2" else ())
+    for out in _checked(outs, "tf_adam.delay_reference"):
+        nan = out.pop("nan_in_warm_up")
+        assert set(out) == set(classes)
+        # a NaN on rank 1 in the exact warm-up skipped the step on every rank
+        assert nan["nonfinite_steps"] == 1 and nan["step"] == nan["iterations"] == 9, nan
+        assert nan["diff"] < 2e-5, nan
+        for name, res in out.items():
+            assert max(res["diffs"]) < 2e-5, (name, res["diffs"])
+            # identical through the exact warm-up, apart while averages are in flight
+            assert res["identical"][:3] == [True] * 3 and not any(res["identical"][3:]), name
+            assert res["apart"] > 1e-4, name  # (the reference's ranks differ too)
+            assert res["in_flight"] == [0, 0, 0, 1, 2, 2, 2, 2, 2], (name, res["in_flight"])
+            assert res["phase"] == "frozen variance" and res["flushed"], name
+            assert res["iterations"] == 9, name  # the flush is not a step
+            assert res["flushed_diff"] < 2e-5 and res["flushed_identical"], (name, res)
+
+
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):
     outs, _ = results
     for out in _checked(outs, "tf_adam.fit_digits"):
-        dense, dgc = out["dense"], out["dgc"]
+        dense = out["dense"]
         assert dense["ratio"] == 1.0 and dense["phase"] is None  # density=1.0: not taken
-        assert dgc["phase"] == "frozen variance" and dgc["step"] > 100
-        assert dgc["scales"] == 4
-        assert dgc["paths"].get("sparse", 0) > 0
-        assert dgc["ratio"] > 3.0, dgc
-        assert dense["identical"] and dgc["identical"]
-        assert dense["accuracy"] > 0.9, dense
-        assert dgc["accuracy"] > dense["accuracy"] - 0.04, (dense, dgc)
+        assert dense["identical"] and dense["accuracy"] > 0.9, dense
+        for tag in ("dgc", "dgc_delay"):  # synchronous, and with delay=2 (flushed by fit)
+            dgc = out[tag]
+            assert dgc["phase"] == "frozen variance" and dgc["step"] > 100, (tag, dgc)
+            assert dgc["scales"] == 4
+            assert dgc["paths"].get("sparse", 0) > 0
+            assert dgc["ratio"] > 3.0, (tag, dgc)
+            assert dgc["identical"], tag
+            assert dgc["accuracy"] > dense["accuracy"] - 0.04, (tag, dense, dgc)
 
 
 def test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum(results):
@@ -88,7 +114,6 @@ def test_keras_adam_refusals_name_the_option_and_the_fix(results):
         assert "Adam(clipnorm=1.0) cannot be taken over" in out["clipnorm"]
         assert "clip_norm=" in out["clipnorm"] and "freeze_variance=False" in out["clipnorm"]
         assert "AdamW(use_ema=True) cannot be taken over" in out["ema"]
-        assert "delay=2 with Keras' Adam taken over runs in hvd_dgc.torch only" in out["delay"]
         assert "needs a Keras SGD optimizer" in out["delay_unfrozen"]
         assert not out["error_feedback_taken"]
         assert out["error_feedback_said"] == "Adam not taken over: error feedback on its " \

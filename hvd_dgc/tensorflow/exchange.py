@@ -179,7 +179,7 @@ class GradientExchange(tf.Module):
                 self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))
             self.memory = DGCMemory([t.numel for t in self.tensors], self.momentum,
                                     self.nesterov, self.config.momentum_masking,
-                                    snapshots=self.skip_nonfinite and not self.delay,
+                                    snapshots=self.may_skip,
                                     no_residual=sliced, preconditioner=None
                                     if self.adam is None else self.adam.bind(
                                         self, variables, sliced))
@@ -352,20 +352,56 @@ class GradientExchange(tf.Module):
             return tf.constant(0)
         tf.cond(tf.logical_and(tf.equal(before, 0), now > 0), say, lambda: tf.constant(0))
 
+    @property
+    def may_skip(self):
+        """Whether a non-finite gradient can make every rank skip a step (guard.py): in
+        a synchronous step, and in Adam's exact warm-up with delay (synchronous too);
+        under delayed averaging the rank that has it drops it instead."""
+        return self.skip_nonfinite and (not self.delay or self.adam is not None)
+
     def _guarded(self, grads, at):
         """skip_nonfinite: a NaN/Inf gradient never enters the memory (guard.py)."""
         if not self.skip_nonfinite:
             return self._step(grads, at), tf.constant(False)
-        if self.delay:
-            return self._step(grads, at, dropped=self.guard.drop(grads)), tf.constant(False)
-        return self.guard.skip(grads, lambda poison: [
-            self.paths.synchronous(i, grad, at, poison) for i, grad in enumerate(grads)])
+        if not self.delay:
+            return self._skipping(grads, at)
+        if self.adam is None:
+            return self._delayed(grads, at, self.guard.drop(grads)), tf.constant(False)
 
-    def _step(self, grads, at, dropped=None):
-        if self.delay:
-            out = self.dga.step(grads, at, dropped)
+        def warm_up():  # Adam's exact steps: synchronous, skipped as such
+            out, bad = self._skipping(grads, at)
+            return out + [bad]
+
+        def frozen():
+            return self._delayed(grads, at, self.guard.drop(grads)) + [tf.constant(False)]
+        *out, bad = tf.cond(self.step < self.adam.freeze, warm_up, frozen)
+        return out, bad
+
+    def _skipping(self, grads, at):
+        """A synchronous step every rank skips when any rank's gradient is not finite
+        (the guard counts the step when it is kept)."""
+        return self.guard.skip(grads, lambda poison: self._synchronous(grads, at, poison))
+
+    def _synchronous(self, grads, at, poison=None):
+        return [self.paths.synchronous(i, grad, at, poison) for i, grad in enumerate(grads)]
+
+    def _step(self, grads, at):
+        """A step without the guard: synchronous, or delayed averaging; with Adam taken
+        over, delayed from its freeze on (its exact warm-up is not linear in the
+        gradient, so nothing of it may be replaced later: every rank takes the same
+        branch, the step being theirs)."""
+        if not self.delay:
+            out = self._synchronous(grads, at)
+        elif self.adam is None:
+            out = self.dga.step(grads, at)
         else:
-            out = [self.paths.synchronous(i, grad, at) for i, grad in enumerate(grads)]
+            out = tf.cond(self.step < self.adam.freeze, lambda: self._synchronous(grads, at),
+                          lambda: self.dga.step(grads, at))
+        self.step.assign_add(1)
+        return out
+
+    def _delayed(self, grads, at, dropped):
+        out = self.dga.step(grads, at, dropped)
         self.step.assign_add(1)
         return out
 

@@ -15,7 +15,8 @@ methods change:
 
 At the end of step ``freeze - 1`` (exchange steps, every rank alike) ``freeze_now()`` sets
 the scales from Adam's second moment and moves its first moment into DGC's memory as
-``u = P m``; from then on the memory applies ``beta1`` to the scaled gradient.
+``u = P m``; from then on the memory applies ``beta1`` to the scaled gradient, and the
+update, linear in it, may be delayed (``delay``; a flush's corrections: ``correct``).
 
 Keras adds eps outside the bias correction (``x -= lr sqrt(1 - beta2^t) / (1 - beta1^t)
 m / (sqrt(v) + eps)``), so its preconditioner at the freeze T is
@@ -161,6 +162,13 @@ class KerasAdamTakeOver:
                                                    tf.cast(local_step, dtype)))
         variable.assign_sub(alpha * tf.cast(average, dtype))
         return tf.constant(True)
+
+    def correct(self, corrections, variables, lr, iterations):
+        """A flush's corrections (``avg - own`` of the steps in flight), which is not a
+        step: ``x -= lr / (1 - beta1^t) * correction`` at Adam's count now, no decay (as
+        the PyTorch side's ``correct``)."""
+        for correction, variable in zip(corrections, variables):
+            self.frozen_step(variable, correction, lr, tf.maximum(iterations, 1))
 
     def is_taken(self, variable):
         """Whether ``variable``'s update is taken over (DGC exchanges it)."""

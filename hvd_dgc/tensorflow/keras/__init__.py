@@ -171,7 +171,7 @@ def _exchange(self, grads, variables, local, shared):
     exchange = self._hvd_dgc
     exchange.build([variables[i] for i in shared], [grads[i] for i in shared])
     averaged, skipped = exchange.exchange([grads[i] for i in shared])
-    apply = None if not exchange.skip_nonfinite or exchange.delay else tf.logical_not(skipped)
+    apply = tf.logical_not(skipped) if exchange.may_skip else None
     out = list(grads)
     for i, g in zip(shared, averaged):
         out[i] = g
@@ -407,14 +407,25 @@ def _flush(self):
     every rank with the same weights. ``callbacks.DGCCallback`` calls it before
     evaluation and at the end of ``model.fit``; call it yourself before
     checkpointing. Returns whether anything was in flight."""
-    base = super(self.__class__, self)
+    base, adam = super(self.__class__, self), self._hvd_dgc_adam
 
     def apply(corrections, variables):  # SGD, its momentum taken over: w -= lr * c
-        if self._hvd_dgc_keras3:
+        if adam is not None:  # Adam taken over (in flight only after its freeze)
+            adam.correct(corrections, variables, _current_lr(self), self.iterations)
+        elif self._hvd_dgc_keras3:
             base.apply(corrections, variables)
         else:
             base.apply_gradients(zip(corrections, variables))
     return self._hvd_dgc.flush(apply, self.iterations)
+
+
+def _current_lr(self):
+    """The learning rate Keras would step with now (its schedule at ``iterations``)."""
+    if is_legacy(self):
+        return self._decayed_lr(tf.float32)
+    if self._hvd_dgc_keras3:
+        return self._get_current_learning_rate()
+    return self.learning_rate
 
 
 def _in_flight(self):
@@ -528,7 +539,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     collectives have no XLA kernels here.
 
     ``delay=D``: delayed gradient averaging (needs SGD, whose momentum DGC takes
-    over): each step applies ``own_i - own_(i-D) + avg_(i-D)`` while the average
+    over, or Adam/AdamW taken over: delayed from its freeze on, its exact warm-up
+    synchronous): each step applies ``own_i - own_(i-D) + avg_(i-D)`` while the average
     of step i travels; ``opt.flush()`` (``callbacks.DGCCallback`` calls it before
     evaluation and when ``fit`` ends) applies the rest and leaves every rank with
     the same weights.
