@@ -53,12 +53,41 @@ def byte_lm(context=128, width=128, layers=2, heads=4):
     return ByteLM()
 
 
+def keras_byte_lm(keras, context=128, width=128, layers=2, heads=4):
+    """``byte_lm`` in Keras (2 or 3, the module given): the same layers and sizes
+    (478,720 parameters at the defaults), for the TensorFlow side of the benchmark."""
+    import tensorflow as tf
+
+    class AddPositions(keras.layers.Layer):  # learned positions, as byte_lm's ``pos``
+        def build(self, shape):
+            self.pos = self.add_weight(
+                name="pos", shape=(context, width),
+                initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+        def call(self, h):
+            return h + self.pos[:tf.shape(h)[1]]
+
+    tokens = keras.Input((context,), dtype="int32")
+    h = AddPositions()(keras.layers.Embedding(256, width)(tokens))
+    for _ in range(layers):  # pre-norm encoder layers, causal, no dropout
+        a = keras.layers.LayerNormalization(epsilon=1e-5)(h)
+        a = keras.layers.MultiHeadAttention(heads, width // heads)(a, a, use_causal_mask=True)
+        h = keras.layers.Add()([h, a])
+        f = keras.layers.LayerNormalization(epsilon=1e-5)(h)
+        f = keras.layers.Dense(width)(keras.layers.Dense(4 * width, activation="relu")(f))
+        h = keras.layers.Add()([h, f])
+    return keras.Model(tokens, keras.layers.Dense(256)(h))
+
+
 class Batches:
     """Windows of ``context + 1`` bytes: a rank's training batches from its own
-    generator (seeded by seed and rank), and one fixed validation set for everyone."""
+    generator (seeded by seed and rank), and one fixed validation set for everyone;
+    torch tensors, or NumPy arrays (``as_numpy``: the TensorFlow side)."""
 
-    def __init__(self, context, seed, rank, valid_windows=256, limit=6_000_000):
+    def __init__(self, context, seed, rank, valid_windows=256, limit=6_000_000,
+                 as_numpy=False):
         import numpy as np
+        self.as_numpy = as_numpy
         train, valid, self.root = corpus(limit)
         self.train = np.frombuffer(train, dtype=np.uint8)
         self.valid = np.frombuffer(valid, dtype=np.uint8)
@@ -69,9 +98,12 @@ class Batches:
 
     def _take(self, data, starts):
         import numpy as np
-        import torch
         x = np.stack([data[s:s + self.context + 1] for s in starts]).astype(np.int64)
-        x = torch.from_numpy(x)
+        if self.as_numpy:
+            x = x.astype(np.int32)
+        else:
+            import torch
+            x = torch.from_numpy(x)
         return x[:, :-1], x[:, 1:]
 
     def next(self, batch):

@@ -113,8 +113,9 @@ class DGCConfig:
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
             correction, masking), and ``delay`` (PyTorch and Keras) and ``period``
-            (PyTorch) apply from the freeze on; the density schedule starts at the freeze (with no ``density`` or
-            ``warmup``: SGD's default, counted from the freeze; hvd_dgc/adam.py).
+            (PyTorch) apply from the freeze on; the density schedule starts at the
+            freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
+            freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
     """
 

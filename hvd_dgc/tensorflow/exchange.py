@@ -401,6 +401,7 @@ class GradientExchange(tf.Module):
         return out
 
     def _delayed(self, grads, at, dropped):
+        """A delayed step, this rank's non-finite tensors ``dropped`` (guard.py)."""
         out = self.dga.step(grads, at, dropped)
         self.step.assign_add(1)
         return out

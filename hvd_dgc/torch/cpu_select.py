@@ -163,15 +163,14 @@ def adapt_block(v, block_max, offsets, numels, ks, thresholds, window=(0.8, 1.3)
     layout = _blocks(offsets, numels, str(v.device))
     device, count = v.device, len(ks)
     t = thresholds.to(v.dtype).clone()
-    inf = torch.tensor(math.inf, dtype=t.dtype, device=device)
     k_t = torch.tensor(ks, dtype=torch.long, device=device)
     pending = [i for i, (n, k) in enumerate(zip(numels, ks)) if k < n]
     if _fused(v, block_max):  # every round of every segment in one call
-        skipped = len(pending) < count
+        skipped = len(pending) < count  # (k covers the segment: an infinite threshold)
         if skipped:
             active = torch.zeros(count, dtype=torch.bool, device=device)
             active[pending] = True
-            t = torch.where(active, t, inf)
+            t = torch.where(active, t, torch.tensor(math.inf, dtype=t.dtype, device=device))
         found, counts, short = torch.ops.hvd_dgc.scan(
             v, block_max, layout.starts, layout.numels, t.float(), k_t, float(window[0]),
             float(decay), int(rounds))
