@@ -95,8 +95,9 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
     """``worker`` in Keras 2 (tf_keras; its launch sets TF_USE_LEGACY_KERAS=1): the same
     model, batches and AdamW in a custom loop. Stock Horovod as its TF2 examples train
     a custom loop, ``hvd.DistributedGradientTape`` (its Keras DistributedOptimizer
-    averages in ``model.fit``'s gradient computation only: ``apply_gradients`` alone
-    leaves each rank on its own gradient, measured with tf_keras 2.21); hvd_dgc's Keras
+    averages in ``model.fit``'s gradient computation: with tf_keras' current
+    optimizers ``apply_gradients`` alone leaves each rank on its own gradient,
+    measured with tf_keras 2.21; docs/tensorflow.md); hvd_dgc's Keras
     DistributedOptimizer, which averages in ``apply_gradients`` and takes AdamW over.
     ``sparse_as_dense=True`` for the embeddings in both (a dense gradient through DGC;
     Horovod's allgather of 4,096 looked-up rows would send more than the table)."""
