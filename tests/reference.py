@@ -345,3 +345,62 @@ def outer_update(anchor, average, buffer, lr, momentum=0.0, nesterov=False):
     buffer = average if buffer is None else f32(buffer) * F32(momentum) + average
     step = average + buffer * F32(momentum) if nesterov else buffer
     return anchor - F32(lr) * step, buffer
+
+
+def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, wd, delay,
+                        floor, keras=False):
+    """Adam taken over with delayed averaging [1-bit Adam] [DGA], dense: the reference
+    both frameworks' are held to. Synchronous exact Adam on the ranks' average to the
+    freeze; then each rank's memory takes (1 - beta1) P g at momentum beta1 and sends it
+    whole (its own), and the rank applies ``own_i - own_(i-D) + avg_(i-D)`` (own alone
+    while i - D is before the freeze), its gradients ``grads_at(x, step, rank)`` taken at
+    its own weights x. ``keras``: Keras' Adam (eps outside the bias correction) and
+    decoupled decay before the step; else torch's AdamW. Returns per rank the weights
+    (per tensor) after each step, and every rank's after the flush: the D corrections
+    still due, at Adam's count then and without decay, then the ranks' average."""
+    x = [[f32(a).copy() for a in start] for _ in range(world)]
+    n = len(start)
+    m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
+    owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
+    for step in range(steps):
+        t = step + 1
+        grads = [grads_at(x[r], step, r) for r in range(world)]
+        if step < freeze:
+            avg = [average([g[i] for g in grads]) for i in range(n)]
+            for i in range(n):
+                x[0][i], m[i], v[i] = keras_adam(x[0][i], m[i], v[i], avg[i], t, lr, betas,
+                                                 eps, wd) if keras else \
+                    adam(x[0][i], m[i], v[i], avg[i], t, lr, betas, eps, wd, True)
+            x = [[a.copy() for a in x[0]] for _ in range(world)]
+            if t == freeze:
+                pre = [frozen_precondition(v[i], t, betas, eps, floor, keras=keras)
+                       for i in range(n)]
+                u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
+                res = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
+            owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
+        else:
+            owns_now = [[None] * n for _ in range(world)]
+            for r in range(world):
+                for i in range(n):
+                    g = frozen_adam_gradient(grads[r][i], pre[i], betas[0])
+                    u[r][i], res[r][i] = accumulate(u[r][i], res[r][i], g, betas[0])
+                    owns_now[r][i] = res[r][i]
+                    u[r][i], res[r][i] = sent_all(u[r][i], res[r][i])
+        avgs.append([average([own[i] for own in owns_now]) for i in range(n)])
+        for r in range(world):
+            owns[r].append(owns_now[r])
+            if step >= freeze:  # (the warm-up's steps, never delayed, hold zeros)
+                for i in range(n):
+                    update = dga_update([o[i] for o in owns[r]], [a[i] for a in avgs], step,
+                                        delay)
+                    if keras and wd:
+                        x[r][i] = x[r][i] - x[r][i] * F32(wd) * F32(lr)
+                    x[r][i] = frozen_adam_apply(x[r][i], update, t, lr, betas[0],
+                                                0.0 if keras else wd)
+            out[r].append([a.copy() for a in x[r]])
+    for r in range(world):
+        for i in range(n):
+            due = [avgs[j][i] - owns[r][j][i] for j in range(max(freeze, steps - delay), steps)]
+            x[r][i] = frozen_adam_apply(x[r][i], sum(due), steps, lr, betas[0])
+    flushed = [np.mean([x[r][i] for r in range(world)], axis=0, dtype=F32) for i in range(n)]
+    return out, flushed

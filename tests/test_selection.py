@@ -112,6 +112,18 @@ def _launch_block(numels, seed=0):
 NUMELS = (5000, 70000, 1024, 300000, 33)
 
 
+def _kernel_and_torch(monkeypatch, call):
+    """``call()`` through the kernel library (where built: asserted), then in torch
+    operations."""
+    import hvd_dgc.torch.cpu_select as cpu_select
+    from hvd_dgc.torch.memory import fused_kernel_available
+    assert fused_kernel_available()
+    kernel = call()
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_select, "_fused", lambda *tensors: False)
+        return kernel, call()
+
+
 @pytest.mark.parametrize("how", ["kernel", "torch"])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
 def test_a_launch_selection_is_the_reference_rule_for_each_tensor(density, how, monkeypatch):
@@ -150,22 +162,14 @@ def test_a_launch_selection_is_the_reference_rule_for_each_tensor(density, how, 
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
-def test_the_kernel_and_torch_choose_the_same_coordinates(density):
+def test_the_kernel_and_torch_choose_the_same_coordinates(density, monkeypatch):
     """The kernel library's thresholds and scan (where built) and the same in torch
     operations (elsewhere) pick the same records of a launch."""
-    import hvd_dgc.torch.cpu_select as cpu_select
-    from hvd_dgc.torch.memory import fused_kernel_available
-    assert fused_kernel_available()
     block = _launch_block(NUMELS, seed=3)
     ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
     comp = TorchCompression.dgc()
     args = (block.v, block.block_max, block.offsets, NUMELS, ks, range(len(NUMELS)), 0, 7)
-    kernel = comp.pick(*args)
-    saved, cpu_select._fused = cpu_select._fused, lambda *tensors: False
-    try:
-        eager = comp.pick(*args)
-    finally:
-        cpu_select._fused = saved
+    kernel, eager = _kernel_and_torch(monkeypatch, lambda: comp.pick(*args))
     assert kernel.counts == eager.counts
     for a, b in zip(kernel.positions.split(list(kernel.counts)),
                     eager.positions.split(list(eager.counts))):
@@ -175,7 +179,7 @@ def test_the_kernel_and_torch_choose_the_same_coordinates(density):
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
-def test_the_kernel_and_torch_estimate_the_same_thresholds(density):
+def test_the_kernel_and_torch_estimate_the_same_thresholds(density, monkeypatch):
     """The sampled thresholds, per tensor the k-th largest |v| of its sample: the kernel
     library's (a min-heap of the few largest at DGC's final density, a partial sort at
     the warm-up's) and one top-k over a matrix of samples in torch, bit for bit."""
@@ -184,11 +188,6 @@ def test_the_kernel_and_torch_estimate_the_same_thresholds(density):
     ks = tuple(int(np.ceil(n * density)) for n in NUMELS)
     layout = cpu_select.SampleLayout(block.offsets, NUMELS, 0.01, 64, "cpu")
     args = (block.v, ks, 1.3, tuple(range(len(NUMELS))), 0, 1, 7)
-    kernel = layout.thresholds(*args)
-    saved, cpu_select._fused = cpu_select._fused, lambda *tensors: False
-    try:
-        eager = layout.thresholds(*args)
-    finally:
-        cpu_select._fused = saved
+    kernel, eager = _kernel_and_torch(monkeypatch, lambda: layout.thresholds(*args))
     assert torch.equal(kernel, eager), (kernel, eager)
     assert bool((kernel > 0).all())

@@ -160,64 +160,13 @@ def reference_equivalence():
 
 def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd, delay,
                      batches=None):
-    """Keras' Adam taken over with delayed averaging [DGA], dense: synchronous exact Adam
-    to the freeze, then each rank applies ``own_i - own_(i-D) + avg_(i-D)`` (``own_i``
-    alone while i - D is before the freeze), its gradients taken at its own weights;
-    per rank the weights after each step, and every rank's after the flush (the D
-    corrections still due at Adam's count then, no decay; then the ranks' average).
-    As tests/workers/torch_adam.py's, with Keras' eps and decay before the step.
-    ``batches``: which batch each step takes (default: step i the i-th)."""
+    """tests/reference.py ``delayed_frozen_adam`` with Keras' Adam, each rank's gradients
+    at its own weights on its batch; ``batches``: which batch each step takes (default:
+    step i the i-th)."""
     batches = list(range(steps)) if batches is None else batches
-    x = [[a.copy() for a in start] for _ in range(world)]
-    n = len(start)
-    m, v = [np.zeros_like(a) for a in start], [np.zeros_like(a) for a in start]
-    owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
-    for step in range(steps):
-        t = step + 1
-        grads = [_grads_at(tf, model, x[r], *_batch(batches[step], r)) for r in range(world)]
-        zeros = [[np.zeros_like(a) for a in start] for _ in range(world)]
-        if step < freeze:
-            avg = [ref.average([g[i] for g in grads]) for i in range(n)]
-            for i in range(n):
-                x[0][i], m[i], v[i] = ref.keras_adam(x[0][i], m[i], v[i], avg[i], t, lr, betas,
-                                                     eps, wd)
-            x = [[a.copy() for a in x[0]] for _ in range(world)]
-            if t == freeze:
-                pre = [ref.frozen_precondition(v[i], t, betas, eps, VARIANCE_FLOOR, keras=True)
-                       for i in range(n)]
-                u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
-                res = [[np.zeros_like(a) for a in start] for _ in range(world)]
-            owns_now = zeros
-            avgs.append(zeros[0])
-        else:
-            owns_now = []
-            for r in range(world):
-                mine = []
-                for i in range(n):
-                    g = ref.frozen_adam_gradient(grads[r][i], pre[i], betas[0])
-                    u[r][i], res[r][i] = ref.accumulate(u[r][i], res[r][i], g, betas[0])
-                    mine.append(res[r][i])
-                    u[r][i], res[r][i] = ref.sent_all(u[r][i], res[r][i])
-                owns_now.append(mine)
-            avgs.append([ref.average([owns_now[r][i] for r in range(world)]) for i in range(n)])
-            for r in range(world):
-                for i in range(n):
-                    update = owns_now[r][i]
-                    if step - delay >= freeze:
-                        update = update - owns[r][step - delay][i] + avgs[step - delay][i]
-                    if wd:
-                        x[r][i] = x[r][i] - x[r][i] * np.float32(wd) * np.float32(lr)
-                    x[r][i] = ref.frozen_adam_apply(x[r][i], update, t, lr, betas[0])
-        for r in range(world):
-            owns[r].append(owns_now[r])
-            out[r].append([a.copy() for a in x[r]])
-    for r in range(world):  # the flush: what is still due, at Adam's count now, no decay
-        for i in range(n):
-            due = [avgs[j][i] - owns[r][j][i] for j in range(max(freeze, steps - delay), steps)]
-            x[r][i] = ref.frozen_adam_apply(x[r][i], sum(due), steps, lr, betas[0])
-    flushed = [np.mean([x[r][i] for r in range(world)], axis=0, dtype=np.float32)
-               for i in range(n)]
-    return out, flushed
+    return ref.delayed_frozen_adam(
+        start, lambda x, step, r: _grads_at(tf, model, x, *_batch(batches[step], r)), steps,
+        world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True)
 
 
 def delay_reference():

@@ -103,69 +103,19 @@ def reference_equivalence():
     return results
 
 
-def _reference_delay(steps, world, freeze, lr, betas, eps, wd, delay, seed=5):
-    """AdamW taken over with delayed averaging [DGA], dense: synchronous exact Adam to the
-    freeze, then each rank applies ``own_i - own_(i-D) + avg_(i-D)`` (``own_i`` alone
-    while i - D is before the freeze); per rank, the parameters after each step, and
-    every rank's after the flush (the D corrections still due, then the ranks' average)."""
-    shadow = wide_mlp(seed).cpu()
-    x = [[p.detach().numpy().reshape(-1).copy() for p in shadow.parameters()]
-         for _ in range(world)]
-    n = len(x[0])
-    m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
-    owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
-    for step in range(steps):
-        t = step + 1
-        grads = [_grads(shadow, x[r], step, r) for r in range(world)]
-        if step < freeze:
-            avg = [ref.average([g[i] for g in grads]) for i in range(n)]
-            for i in range(n):
-                x[0][i], m[i], v[i] = ref.adam(x[0][i], m[i], v[i], avg[i], t, lr, betas, eps,
-                                               wd, True)
-            x = [[a.copy() for a in x[0]] for _ in range(world)]
-            if t == freeze:
-                pre = [ref.frozen_precondition(v[i], t, betas, eps, VARIANCE_FLOOR)
-                       for i in range(n)]
-                u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
-                res = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
-            owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
-            avgs.append([np.zeros_like(a) for a in x[0]])
-        else:
-            owns_now = []
-            for r in range(world):
-                mine = []
-                for i in range(n):
-                    g = ref.frozen_adam_gradient(grads[r][i], pre[i], betas[0])
-                    u[r][i], res[r][i] = ref.accumulate(u[r][i], res[r][i], g, betas[0])
-                    mine.append(res[r][i])
-                    u[r][i], res[r][i] = ref.sent_all(u[r][i], res[r][i])
-                owns_now.append(mine)
-            avgs.append([ref.average([owns_now[r][i] for r in range(world)])
-                         for i in range(n)])
-            for r in range(world):
-                for i in range(n):
-                    update = owns_now[r][i]
-                    if step - delay >= freeze:
-                        update = update - owns[r][step - delay][i] + avgs[step - delay][i]
-                    x[r][i] = ref.frozen_adam_apply(x[r][i], update, t, lr, betas[0], wd)
-        for r in range(world):
-            owns[r].append(owns_now[r])
-            out[r].append(np.concatenate(x[r]))
-    for r in range(world):  # the flush: what is still due, at Adam's count now, no decay
-        for i in range(n):
-            due = [avgs[j][i] - owns[r][j][i] for j in range(max(freeze, steps - delay), steps)]
-            x[r][i] = ref.frozen_adam_apply(x[r][i], sum(due), steps, lr, betas[0])
-    flushed = np.mean([np.concatenate(x[r]) for r in range(world)], axis=0, dtype=np.float32)
-    return out, flushed
-
-
 def lagging_reference():
     """AdamW taken over with delay=2, dense: the reference step by step on each rank (the
     ranks differ until the flush), synchronous before the freeze, and the same
     parameters everywhere after ``flush()``."""
     rank, world = hvd.rank(), hvd.size()
     steps, freeze, lr, betas, eps, wd, delay = 10, 4, 0.01, (0.9, 0.99), 1e-8, 0.05, 2
-    per_rank, flushed = _reference_delay(steps, world, freeze, lr, betas, eps, wd, delay)
+    shadow = wide_mlp(5).cpu()
+    per_rank, flushed = ref.delayed_frozen_adam(
+        [p.detach().numpy().reshape(-1) for p in shadow.parameters()],
+        lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr, betas, eps,
+        wd, delay, VARIANCE_FLOOR)
+    per_rank = [[np.concatenate(w) for w in weights] for weights in per_rank]
+    flushed = np.concatenate(flushed)
     model = wide_mlp(5)
     opt = hvd.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
