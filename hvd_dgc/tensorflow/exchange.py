@@ -374,7 +374,7 @@ class GradientExchange(tf.Module):
 
         def frozen():
             return self._delayed(grads, at, self.guard.drop(grads)) + [tf.constant(False)]
-        *out, bad = tf.cond(self.step < self.adam.freeze, warm_up, frozen)
+        *out, bad = tf.cond(self.adam.frozen(), frozen, warm_up)
         return out, bad
 
     def _skipping(self, grads, at):
@@ -395,8 +395,8 @@ class GradientExchange(tf.Module):
         elif self.adam is None:
             out = self.dga.step(grads, at)
         else:
-            out = tf.cond(self.step < self.adam.freeze, lambda: self._synchronous(grads, at),
-                          lambda: self.dga.step(grads, at))
+            out = tf.cond(self.adam.frozen(), lambda: self.dga.step(grads, at),
+                          lambda: self._synchronous(grads, at))
         self.step.assign_add(1)
         return out
 

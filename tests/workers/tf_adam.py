@@ -218,8 +218,8 @@ def delay_reference():
         x, y = _batch(s, rank)
         step(np.full_like(x, np.nan) if (s, rank) == (1, 1) else x, y)
     shadow = _model(tf.keras, 0)
-    per_rank, _ = _reference_delay(tf, shadow, _flat(v.numpy() for v in shadow.trainable_variables),
-                                   steps, world, freeze, lr, betas, eps,
+    start = _flat(v.numpy() for v in shadow.trainable_variables)
+    per_rank, _ = _reference_delay(tf, shadow, start, steps, world, freeze, lr, betas, eps,
                                    wd if decoupled else 0.0, delay,
                                    batches=[0] + list(range(2, steps + 1)))
     ours = _flat(v.numpy() for v in model.trainable_variables)
