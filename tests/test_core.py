@@ -11,7 +11,7 @@ from hvd_dgc.paths import PathKind
 
 DENSE, SPARSE = PathKind.DENSE, PathKind.ALLGATHER
 from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS, as_schedule, num_selected
-from hvd_dgc.torch.compression import Compression, DGCCompressor
+from hvd_dgc.torch.compression import Compression, DGCCompressor, coalesce_sorted
 from hvd_dgc.torch.gpu_select import select_many
 from hvd_dgc.torch.memory import local_gradient
 from tests.flatmem import OneTensor
@@ -198,6 +198,23 @@ def test_gpu_form_selects_many_tensors_at_once_as_each_alone():
         assert torch.equal(total, expect)
 
 
+def test_gpu_form_sends_every_coordinate_where_k_covers_the_tensor():
+    """Density 1 through the sparse path (forced, or a warm-up stage): every coordinate,
+    zeros included, in its own slot, beside tensors selected as usual. The threshold
+    aimed at 2k from a sample used to leave a few of the smallest out (7 of 16,384),
+    which training on a GPU then applied a step late."""
+    gen = torch.Generator().manual_seed(4)
+    sizes, ks = (16384, 1000, 33), (16384, 5, 33)
+    flats = [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < 0.7)
+             for n in sizes]
+    for (indices, values), flat, k in zip(select_many(flats, ks, [0.3] * 3).split(),
+                                          flats, ks):
+        assert indices.numel() == k
+        if k >= flat.numel():
+            assert torch.equal(indices.sort().values, torch.arange(flat.numel()))
+        assert torch.equal(values, flat[indices])
+
+
 def test_gpu_form_with_few_non_zeros_and_spikes_the_sample_misses():
     comp = DGCCompressor(sample_ratio=0.001, min_sample=10)
     x = torch.zeros(200_000)
@@ -212,6 +229,28 @@ def test_gpu_form_with_few_non_zeros_and_spikes_the_sample_misses():
     # the CPU form: distinct indices, no padding
     cpu = comp.sparsify(x, 150).indices
     assert cpu.unique().numel() == cpu.numel() <= 150
+
+
+@pytest.mark.parametrize("shape,sparse_dim", [((50, 20), 1), ((7, 9, 4), 2), ((30,), 1)])
+def test_rows_summed_in_record_order_as_a_gpu_coalesces_them(shape, sparse_dim):
+    """A sparse gradient's repeated rows (an embedding looked up twice, every rank's rows
+    gathered) are summed on a GPU by a stable sort and index_put_ (coalesce_sorted): the
+    same rows as coalesce(), each sum taken in record order, bit for bit, whatever the
+    device, so ranks holding the same records hold the same sums."""
+    gen = torch.Generator().manual_seed(3)
+    nnz = 300
+    idx = torch.stack([torch.randint(0, shape[d], (nnz,), generator=gen)
+                       for d in range(sparse_dim)])
+    vals = torch.randn((nnz,) + shape[sparse_dim:], generator=gen)
+    out = coalesce_sorted(torch.sparse_coo_tensor(idx, vals, shape))
+    sums = {}
+    for i in range(nnz):  # record order, one add at a time
+        row = tuple(idx[:, i].tolist())
+        sums[row] = sums[row] + vals[i] if row in sums else vals[i].clone()
+    rows = sorted(sums)
+    assert out.is_coalesced()
+    assert [tuple(c) for c in out.indices().t().tolist()] == rows
+    assert torch.equal(out.values(), torch.stack([sums[r] for r in rows]))
 
 
 def test_compressor_options_and_errors():

@@ -6,6 +6,7 @@ are bench/step_overhead.py's."""
 import pytest
 
 from harness.hvdrun import run
+from hvd_dgc.torch.memory import fused_kernel_available
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,10 @@ def test_dense_averaging_launches_per_tensor_at_a_fixed_cost_each(counts):
     overlaps the rest of the backward pass), so each pays one launch's operations."""
     stock = counts["stock"]["many"] - counts["stock"]["few"]
     ours = counts["dense"]["many"] - counts["dense"]["few"]
-    assert ours - stock <= 64 * 16, counts
+    # without the kernel library (no compiler at install, or a GPU machine's checkout)
+    # the memory's update is PyTorch's two adds and a zero where the kernel makes a call
+    per_launch = 16 if fused_kernel_available() else 18
+    assert ours - stock <= 64 * per_launch, counts
 
 
 def test_resnet50_step_is_within_100_operations_of_stock(counts):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from harness.hvdrun import run
+from hvd_dgc.torch.memory import fused_kernel_available
 from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
@@ -292,6 +293,8 @@ def test_step_applies_sparse_averages_where_they_landed(gloo):
     stepped = {"sgd": {"explicit": 0, "step": 48, "kept": 48, "mixed": 30},
                "adamw": {"explicit": 0, "step": 36, "kept": 36, "mixed": 24}}
     stepped["sgd maximize"] = stepped["sgd"]
+    if device_kind() != "cpu" or not fused_kernel_available():  # the kernel's: CPU only
+        stepped = {variant: dict.fromkeys(counts, 0) for variant, counts in stepped.items()}
     for out in _checked(gloo, "sparse_step"):
         assert set(out) == set(stepped)
         for variant, res in out.items():

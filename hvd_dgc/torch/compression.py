@@ -66,6 +66,33 @@ def add_in_order(out, positions, values):
     return out.index_add_(0, positions, values)
 
 
+def coalesce_in_order(t):
+    """``t.coalesce()`` with repeated rows summed in record order on every device: CUDA's
+    coalesce sorts unstably, so the order, and the rounding, of a repeated row's sum
+    would differ between ranks holding the same records."""
+    return coalesce_sorted(t) if on_accelerator(t) else t.coalesce()
+
+
+def coalesce_sorted(t):
+    """A sparse COO tensor's rows, each once, summed by a stable sort and index_put_
+    (add_in_order's sum): one read-back (the number of distinct rows)."""
+    dims = t.shape[:t.sparse_dim()]
+    indices, values = t._indices(), t._values()
+    linear = torch.zeros(indices.shape[1], dtype=torch.long, device=indices.device)
+    for d, size in enumerate(dims):
+        linear = linear * size + indices[d]
+    rows, inverse = torch.unique(linear, sorted=True, return_inverse=True)
+    summed = values.new_zeros((rows.numel(),) + tuple(values.shape[1:]))
+    summed.index_put_((inverse,), values, accumulate=True)
+    out_indices = torch.empty((len(dims), rows.numel()), dtype=torch.long,
+                              device=indices.device)
+    rest = rows
+    for d in range(len(dims) - 1, -1, -1):
+        out_indices[d] = rest % dims[d]
+        rest = rest // dims[d]
+    return torch.sparse_coo_tensor(out_indices, summed, t.shape, is_coalesced=True)
+
+
 class SparseCompressor(Options, Compressor):
     """Base of the top-k style compressors: ``select`` differs, packing is shared.
 
@@ -282,19 +309,29 @@ class DGCCompressor(SparseCompressor):
         draws = [draw(self.seed, rank, step, key) for key in keys]
         sel = select_many([v[o:o + n] for o, n in zip(offsets, numels)], ks, draws,
                           self.sample_ratio, self.min_sample)
-        start = torch.tensor(list(offsets), dtype=torch.long).repeat_interleave(
-            torch.tensor(list(ks))).to(v.device)
+        start = slot_starts(tuple(offsets), tuple(ks), str(v.device))
         return Picked(sel.indices + start, sel.values, tuple(ks))
 
     def select(self, flat, k, rank=0, block_max=None):
-        """One tensor (standalone use): its indices, as ``pick`` chooses them."""
+        """One tensor (standalone use): its indices, as ``pick`` chooses them. On an
+        accelerator a slot no coordinate fills repeats a sent index: ``sparsify`` gives
+        it the value 0, so a sum of what is sent counts each coordinate once."""
+        return self._pick_one(flat, k, rank).positions
+
+    def sparsify(self, flat, k, rank=0, block_max=None):
+        picked = self._pick_one(flat, k, rank)
+        values = picked.values if picked.values is not None else \
+            flat.index_select(0, picked.positions)
+        return Selected(picked.positions, values)
+
+    def _pick_one(self, flat, k, rank):
         n = flat.numel()
         if k >= n:
-            return torch.arange(n, device=flat.device)
+            return Picked(torch.arange(n, device=flat.device), None, (n,))
         step = self.__dict__.get("_calls", 0)
         self.__dict__["_calls"] = step + 1
         v = _padded(flat)
-        return self.pick(v, block_abs_max(v), (0,), (n,), (k,), (0,), rank, step).positions
+        return self.pick(v, block_abs_max(v), (0,), (n,), (k,), (0,), rank, step)
 
     def adapt(self, flat, k, threshold, block_max=None):
         """Indices of ``flat`` (CPU) chosen from a first ``threshold``: the rounds of

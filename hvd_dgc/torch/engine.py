@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 
 from hvd_dgc.paths import ORDER, PathKind
+from hvd_dgc.torch.compression import coalesce_in_order
+from hvd_dgc.torch.gpu_select import on_device
 from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dtype, \
     prepare_gradients
 from hvd_dgc.torch.paths import CLASSES, Part, PathContext, make_paths
@@ -119,8 +121,8 @@ class Layout:
             blocks = [(self.block.offsets[i] // BLOCK,
                        (self.block.offsets[i] + aligned_size(self.members[i].numel)) // BLOCK)
                       for i in range(self.block.aligned)]
-            self.block_spans = (torch.tensor([e for _, e in blocks], device=device),
-                                torch.tensor([b for b, _ in blocks], device=device))
+            self.block_spans = (on_device(tuple(e for _, e in blocks), str(device)),
+                                on_device(tuple(b for b, _ in blocks), str(device)))
         self.decay = [(wd, [j for j, i in enumerate(self.dense_grads)
                             if self.members[i].weight_decay == wd])
                       for wd in sorted({self.members[i].weight_decay
@@ -337,7 +339,7 @@ class Engine:
                     f"averaging and temporally sparse updates need dense gradients. Pass "
                     f"sparse_as_dense=True to DistributedOptimizer, or "
                     f"{self.config.undo_lagging}.")
-            g = m.param.grad.coalesce()
+            g = coalesce_in_order(m.param.grad)
             if at.scale is not None:
                 g = g / at.scale
             launch.sparse.append((g.indices().t().contiguous(), g.values()))

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "prime_at_least", "AIM",
+__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "on_device", "prime_at_least", "AIM",
            "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
 
 RUN = 16       # sampled elements read together: 64 bytes of float32
@@ -128,6 +128,10 @@ class _Plan:
         self.slot_start_ext = to(torch.cat([torch.cumsum(ks_t, 0) - ks_t,
                                             torch.tensor([self.k_total])]))
         self.starts = to(starts)
+        # a tensor whose k covers it (density 1) sends every coordinate: its threshold is
+        # 0, so all of it passes, its zeros and then its padding last (a stable sort)
+        self.everything = to(torch.tensor([k >= n for n, k in zip(sizes, ks)]))
+        self.any_everything = any(k >= n for n, k in zip(sizes, ks))
         self.slot_tensor = to(slot_tensor)
         self.slot_start = to(starts[slot_tensor])
         self.capacity = min(self.total, CAPACITY * self.k_total)
@@ -163,6 +167,8 @@ def select_many(flats, ks, draws, sample_ratio=0.001, min_sample=1000):
     best = torch.topk(sample, plan.top, dim=1).values  # sorted, largest first
     # Zeros are never worth a record: an all-zero tensor must not fill the buffer.
     threshold = best.gather(1, plan.kth).view(-1).clamp_(min=_smallest_positive(dtype))
+    if plan.any_everything:
+        threshold = threshold.masked_fill(plan.everything, 0)
 
     # 3. candidates of every tensor, in one fixed-size buffer
     blocks = x.view(-1, BLOCK)
@@ -211,11 +217,22 @@ def slot_starts(offsets, ks, device):
         torch.tensor(ks, dtype=torch.long)).to(device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
+def on_device(values, device, dtype=torch.long):
+    """``values`` (a tuple: a launch's offsets, counts, members, flags) as a tensor on
+    ``device`` (a string), made once: a copy from the host's pageable memory waits for
+    the device, so one a step would be a host synchronisation a step (counted in
+    tests/test_cuda.py); from pinned memory, not even the first copy waits. Shared: never
+    written to."""
+    host = torch.tensor(values, dtype=dtype)
+    if device == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def counts_on(ks, device):
-    """``ks`` as a tensor on ``device``, made once (a copy from the host per step would
-    wait for the device)."""
-    return torch.tensor(ks, dtype=torch.long).to(device)
+    """``ks`` as a tensor on ``device``, made once."""
+    return on_device(tuple(ks), str(device))
 
 
 def _smallest_positive(dtype):

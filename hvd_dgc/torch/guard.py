@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from hvd_dgc.torch.gpu_select import on_device
+
 __all__ = ["NonFiniteGuard"]
 
 
@@ -123,9 +125,11 @@ class NonFiniteGuard:
         bad = []
         for pairs in by_device.values():
             ok = torch.isfinite(torch.stack([t for t, _ in pairs])).tolist()
-            for good, (_, named) in zip(ok, pairs):
-                if not good:
-                    bad += [n for n, t in named() if not bool(torch.isfinite(t).all())]
+            suspects = [nt for good, (_, named) in zip(ok, pairs) if not good
+                        for nt in named()]
+            if suspects:  # the rare bad step: one more read-back names them all
+                finite = torch.stack([torch.isfinite(t).all() for _, t in suspects]).tolist()
+                bad += [n for (n, _), f in zip(suspects, finite) if not f]
         return bad
 
     def settle(self, memory, bad, step):
@@ -195,7 +199,7 @@ def _flags(layout):
         if len(checked) < len(layout.members):
             return torch.zeros(len(layout.members), dtype=torch.bool,
                                device=flags.device).index_put_(
-                (torch.tensor(checked, device=flags.device),), flags)
+                (on_device(tuple(checked), str(flags.device)),), flags)
         return flags
     if len(checked) < len(layout.members):
         flags = torch.cat([flags, flags.new_zeros(len(layout.members) - len(flags))])

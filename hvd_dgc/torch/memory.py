@@ -268,18 +268,8 @@ class FlatMemory:
                     (u if m else v)[lo:hi], v[lo:hi], float(m), bool(run.nesterov), maxima)
                 if not m and u is not None and su is not u:  # a guarded step: carry u
                     u[lo:hi].copy_(su[lo:hi])
-            elif m and run.nesterov:
-                torch.add(su[lo:hi], g[lo:hi], out=u[lo:hi])
-                u[lo:hi].mul_(m)
-                torch.add(src_v[lo:hi], u[lo:hi], out=v[lo:hi])
-                v[lo:hi].add_(g[lo:hi])
-            elif m:
-                torch.add(g[lo:hi], su[lo:hi], alpha=m, out=u[lo:hi])  # u = m u + g
-                torch.add(src_v[lo:hi], u[lo:hi], out=v[lo:hi])
             else:
-                torch.add(src_v[lo:hi], g[lo:hi], out=v[lo:hi])
-                if u is not None and su is not u:  # a guarded step: carry u over
-                    u[lo:hi].copy_(su[lo:hi])
+                _accumulate_eager(g, su, src_v, u, v, lo, hi, m, run.nesterov)
         if with_block_max and not fused:
             block.block_max = block_abs_max(v[:block.aligned_end])
         return v
@@ -476,6 +466,27 @@ class FlatMemory:
             self._loaded[key] = {
                 "u": None if s["u"] is None else s["u"].to(device, copy=True),
                 "v": s["v"].to(device, copy=True)}
+
+
+def _accumulate_eager(g, su, src_v, u, v, lo, hi, m, nesterov):
+    """The memory's update over ``[lo, hi)`` in PyTorch operations (no kernel built, or
+    not a CPU): two or three kernels on a GPU. A buffer the run covers whole (a dense
+    tensor's own launch, a block of one run) is taken as it is, no view made."""
+    def cut(t):
+        return t if t is None or (lo == 0 and t.numel() == hi) else t[lo:hi]
+    g, su, src_v, u, v = cut(g), cut(su), cut(src_v), cut(u), cut(v)
+    if m and nesterov:
+        torch.add(su, g, out=u)
+        u.mul_(m)
+        torch.add(src_v, u, out=v)
+        v.add_(g)
+    elif m:
+        torch.add(g, su, alpha=m, out=u)  # u = m u + g
+        torch.add(src_v, u, out=v)
+    else:
+        torch.add(src_v, g, out=v)
+        if u is not None and su is not u:  # a guarded step: carry u over
+            u.copy_(su)
 
 
 def _run_members(block, runs, decays):

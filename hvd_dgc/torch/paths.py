@@ -35,8 +35,8 @@ from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
-from hvd_dgc.torch.compression import INDEX_BYTES
-from hvd_dgc.torch.gpu_select import counts_on
+from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_in_order, on_accelerator
+from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
@@ -246,9 +246,9 @@ class AllgatherPath(_Path):
             return True
         if not any(masks):
             return None
-        keep = torch.tensor(masks, device=picked.positions.device).repeat_interleave(
-            counts_on(picked.counts, str(picked.positions.device)),
-            output_size=picked.positions.numel())
+        device = str(picked.positions.device)
+        keep = on_device(tuple(masks), device, torch.bool).repeat_interleave(
+            counts_on(picked.counts, device), output_size=picked.positions.numel())
         return picked.positions[keep]
 
     def records(self, part, sel, pre):
@@ -260,21 +260,20 @@ class AllgatherPath(_Path):
         step waits 7 round trips, one of a fixed size 3."""
         device = sel.positions.device
         counts = counts_on(sel.counts, str(device))
-        starts = torch.tensor(part.offsets, dtype=torch.long, device=device)
+        starts = on_device(tuple(part.offsets), str(device))
         member = torch.arange(len(sel.counts), device=device).repeat_interleave(
             counts, output_size=sel.positions.numel())
         local = sel.positions - starts[member]
         values = sel.values if pre == 1.0 else sel.values * pre
         if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
-            bad = part.launch.poison[list(part.index)]
+            bad = part.launch.poison[on_device(tuple(part.index), str(device))]
             values = torch.where(bad[member], float("inf"), values)
         if sel.counts == sel.ks:
             return local, values
         total = sum(sel.ks)
         first = torch.tensor((0,) + tuple(accumulate(sel.counts))[:-1], dtype=torch.long,
                              device=device)
-        slot_start = torch.tensor((0,) + tuple(accumulate(sel.ks))[:-1], dtype=torch.long,
-                                  device=device)
+        slot_start = on_device((0,) + tuple(accumulate(sel.ks))[:-1], str(device))
         slot = slot_start[member] + torch.arange(local.numel(), device=device) - first[member]
         indices = torch.zeros(total, dtype=local.dtype, device=device).index_copy_(
             0, slot, local)
@@ -366,7 +365,7 @@ class RegionPath(AllgatherPath):
     def launch(self, part):
         sel = self.select(part)
         device = sel.positions.device
-        starts = torch.tensor(part.offsets, dtype=torch.long, device=device)
+        starts = on_device(tuple(part.offsets), str(device))
         member = torch.arange(len(sel.counts), device=device).repeat_interleave(
             counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
         local = sel.positions - starts[member]
@@ -411,8 +410,7 @@ class RegionPath(AllgatherPath):
         for reduce, positions in handle.chunks:
             res = reduce.collect()
             device = res.values.device
-            starts = torch.tensor([offsets[p] for p in positions], dtype=torch.long,
-                                  device=device)
+            starts = on_device(tuple(offsets[p] for p in positions), str(device))
             tensor, local = reduce.split(res.indices)
             values = res.values if post == 1.0 else res.values * post
             out.add(starts[tensor] + local, values)  # each index once
@@ -602,7 +600,10 @@ class SparseGradPath(_Path):
             indices = _hvd.synchronize(indices_handle)
             if self.ctx.wire.op == Average:
                 values = values / self.ctx.wire.world()
-            out.append((m, torch.sparse_coo_tensor(indices.t(), values, m.shape)))
+            avg = torch.sparse_coo_tensor(indices.t(), values, m.shape)
+            if on_accelerator(avg):  # its adds of repeated rows: atomics, in any order
+                avg = coalesce_in_order(avg)
+            out.append((m, avg))
         return out
 
 

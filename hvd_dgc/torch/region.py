@@ -35,6 +35,7 @@ from horovod.torch.mpi_ops import global_process_set
 
 from hvd_dgc.aggregation import quota
 from hvd_dgc.torch.compression import TopKCompressor
+from hvd_dgc.torch.gpu_select import on_device
 
 __all__ = ["RegionReduce", "RegionResult", "owners", "pack_records", "region_reduce",
            "unpack_records", "MAX_ELEMENTS"]
@@ -92,12 +93,14 @@ class RegionReduce:
         self.codec, self.name, self.process_set = codec, name, process_set
         self.world, self.rank = process_set.size(), process_set.rank()
         device = values.device
-        sizes = torch.tensor(self.numels, dtype=torch.int64, device=device)
+        sizes = on_device(self.numels, str(device))
         self.starts = sizes.cumsum(0) - sizes
         counts = tuple(int(c) for c in counts)
+        # on a GPU the counts are the fixed ks (made once there); a CPU's vary
+        counts_t = torch.tensor(counts) if device.type == "cpu" else \
+            on_device(counts, str(device))
         tensor_of = torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                            torch.tensor(counts, device=device),
-                                            output_size=indices.numel())
+                                            counts_t, output_size=indices.numel())
         local = indices.to(torch.int64)
         owner = owners(local, self.world)
         order = torch.argsort(owner, stable=True)

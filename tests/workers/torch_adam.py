@@ -13,6 +13,7 @@ import hvd_dgc.torch as hvd
 from hvd_dgc.adam import VARIANCE_FLOOR
 from hvd_dgc.torch.adam import SCALE_KEY
 from tests import reference as ref
+from tests.workers.device import device
 from tests.workers.torch_dgc import _run, flat_params, loss_of, ranks_identical, train, \
     wide_mlp
 
@@ -21,7 +22,7 @@ def _grads(model, x, step, rank):
     """The gradient of rank ``rank``'s batch at parameters ``x`` (NumPy, per tensor)."""
     with torch.no_grad():
         for p, value in zip(model.parameters(), x):
-            p.copy_(torch.from_numpy(value).view(p.shape))
+            p.copy_(torch.from_numpy(value).view(p.shape).to(p.device))
     model.zero_grad()
     loss_of(model, step, rank, features=64, classes=10).backward()
     return [p.grad.detach().cpu().numpy().reshape(-1).copy() for p in model.parameters()]
@@ -31,8 +32,8 @@ def _reference(steps, world, freeze, lr, betas, eps, wd, decoupled, seed=5, clip
     """Parameters after each step: exact Adam on the averages to the freeze, then every
     rank's DGC memory (dense: everything sent) on the scaled gradient; ``clip``: each
     rank's gradient clipped first (DGC's local clipping, per tensor)."""
-    shadow = wide_mlp(seed).cpu()
-    x = [p.detach().numpy().reshape(-1).copy() for p in shadow.parameters()]
+    shadow = wide_mlp(seed)  # on the test device, as the batches loss_of draws
+    x = [p.detach().cpu().numpy().reshape(-1).copy() for p in shadow.parameters()]
     m = [np.zeros_like(a) for a in x]
     v = [np.zeros_like(a) for a in x]
     out, precondition, u, res = [], None, None, None
@@ -109,9 +110,9 @@ def lagging_reference():
     parameters everywhere after ``flush()``."""
     rank, world = hvd.rank(), hvd.size()
     steps, freeze, lr, betas, eps, wd, delay = 10, 4, 0.01, (0.9, 0.99), 1e-8, 0.05, 2
-    shadow = wide_mlp(5).cpu()
+    shadow = wide_mlp(5)  # on the test device, as the batches loss_of draws
     per_rank, flushed = ref.delayed_frozen_adam(
-        [p.detach().numpy().reshape(-1) for p in shadow.parameters()],
+        [p.detach().cpu().numpy().reshape(-1) for p in shadow.parameters()],
         lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr, betas, eps,
         wd, delay, VARIANCE_FLOOR)
     per_rank = [[np.concatenate(w) for w in weights] for weights in per_rank]
@@ -184,7 +185,7 @@ def late_tensor():
     gets the typical v of the others, not a scale of (1 - beta1)/eps, and trains."""
     rank = hvd.rank()
     torch.manual_seed(9)
-    body, late = torch.nn.Linear(64, 10), torch.nn.Linear(64, 10)
+    body, late = torch.nn.Linear(64, 10).to(device()), torch.nn.Linear(64, 10).to(device())
     params = list(body.parameters()) + list(late.parameters())
     before = late.weight.detach().clone()
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(params, lr=3e-3),
@@ -194,7 +195,7 @@ def late_tensor():
                                                      ("late.l.b", params[3])],
                                    density=0.1, freeze_variance=3)
     for step in range(8):
-        x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        x, y = torch.randn(16, 64).to(device()), torch.randint(0, 10, (16,)).to(device())
         out = body(x) + (late(x) if step >= 5 else 0.0)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(out, y).backward()

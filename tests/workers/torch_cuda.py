@@ -12,6 +12,7 @@ import torch.nn as nn
 import hvd_dgc.torch as hvd
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import DGCCompressor
+from hvd_dgc.torch.gpu_select import select_many
 from tests.workers.device import device
 from tests.workers.torch_dgc import _run, batch, loss_of
 
@@ -124,8 +125,9 @@ def fixed_selection():
     for _ in range(3):
         flats = [torch.randn(n, generator=gen, device=device()) for n in sizes]
         ks = [num_selected(n, 0.001) for n in sizes]
-        comp.sparsify_many(flats, ks)
-        sel, seen = _count_syncs(lambda: comp.sparsify_many(flats, ks))
+        draws = [0.25 * i for i in range(len(sizes))]
+        select_many(flats, ks, draws)
+        sel, seen = _count_syncs(lambda: select_many(flats, ks, draws))
         for v, k, (idx, val) in zip(flats, ks, sel.split()):
             out.append(_describe_selection(v, k, idx, val, 3, seen))
     return out

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import hvd_dgc.torch as hvd
+from tests.workers.device import device
 from tests.workers.torch_dgc import (batch, expect_error, flat_params, loss_of, mlp,
                                      ranks_identical)
 
@@ -73,7 +74,7 @@ class _Branchy(nn.Module):
         super().__init__()
         torch.manual_seed(5)
         self.body = mlp(seed=5)
-        self.extra = nn.Linear(5, 5)
+        self.extra = nn.Linear(5, 5).to(device())
 
     def forward(self, x, use_extra):
         out = self.body(x)
@@ -101,7 +102,7 @@ class _WithEmbedding(nn.Module):
     def __init__(self, sparse):
         super().__init__()
         torch.manual_seed(6)
-        self.emb = nn.Embedding(50, 20, sparse=sparse)
+        self.emb = nn.Embedding(50, 20, sparse=sparse).to(device())
         self.body = mlp(seed=6)
 
     def forward(self, tokens):
@@ -117,8 +118,8 @@ def sparse_gradient_in_a_bucket(steps=6):
     equal = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
-        tokens = torch.randint(0, 50, (16, 3), generator=gen)
-        y = torch.randint(0, 5, (16,), generator=gen)
+        tokens = torch.randint(0, 50, (16, 3), generator=gen).to(device())
+        y = torch.randint(0, 5, (16,), generator=gen).to(device())
         for model, opt in zip(models, opts):
             opt.zero_grad()
             nn.functional.cross_entropy(model(tokens), y).backward()

@@ -96,7 +96,7 @@ def conservation(steps=6):
         """This rank's residual slices, placed in full-size zero tensors."""
         out = []
         for p in model.parameters():
-            full = torch.zeros(p.numel())
+            full = torch.zeros(p.numel(), device=p.device)
             r = opt.residual(p)
             if r is not None and r.numel() == p.numel():  # a dense tensor: all of it here
                 full = r.reshape(-1).clone()

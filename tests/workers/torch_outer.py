@@ -162,7 +162,7 @@ def elastic_sync_takes_rank_0s_round():
         opt._buffer = torch.ones_like(opt._anchor)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0)
     state.sync()
-    mine = torch.cat([opt._anchor, opt._buffer, torch.tensor([float(opt._inner)])])
+    mine = torch.cat([opt._anchor, opt._buffer, torch.tensor([float(opt._inner)], device=opt._anchor.device)])
     every = hvd.allgather(mine.unsqueeze(0), name="outer.elastic")
     return {"same": torch.equal(every[0], every[1]), "inner": opt._inner,
             "weights_identical": ranks_identical(model, "outer.elastic.w")}

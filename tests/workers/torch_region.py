@@ -1,11 +1,13 @@
 """Region reduce (hvd_dgc/torch/region.py) on every rank under horovodrun: each case's
 records are drawn from generators any process can rebuild, so the test compares the
-ranks' results with hvd_dgc.aggregation's NumPy reference on the same inputs."""
+ranks' results with hvd_dgc.aggregation's NumPy reference on the same inputs. The records
+go through Horovod on the test device (``HVD_DGC_TEST_DEVICE``: CUDA over NCCL)."""
 
 import torch
 
 import horovod.torch as hvd
 from hvd_dgc.torch.region import region_reduce
+from tests.workers.device import device
 
 #: name -> (numel, k per rank, overlap): "overlap" draws every rank's indices from the
 #: first half, so ranks send the same coordinates and owners sum them
@@ -30,11 +32,13 @@ def suite(names=None):
     results = {}
     for case, (numel, k, overlap) in CASES.items():
         indices, values = selections(world, numel, k, overlap)[rank]
-        res = region_reduce(indices, values, numel, k, name=f"region.{case}")
+        res = region_reduce(indices.to(device()), values.to(device()), numel, k,
+                            name=f"region.{case}")
         everyone = hvd.allgather_object((res.indices.tolist(), res.values.tolist()),
                                         name=f"region.{case}.check")
-        results[case] = {"indices": res.indices.numpy(), "values": res.values.numpy(),
-                         "returned": (res.returned[0].numpy(), res.returned[1].numpy()),
+        results[case] = {"indices": res.indices.cpu().numpy(), "values": res.values.cpu().numpy(),
+                         "returned": (res.returned[0].cpu().numpy(),
+                                      res.returned[1].cpu().numpy()),
                          "received": res.received,
                          "identical": all(e == everyone[0] for e in everyone)}
     return results
