@@ -9,7 +9,10 @@
    and the sum of 2 ranks' records back into dense updates; small tensors on the dense
    path) as a fraction of a ResNet-50 training step on this GPU.
 3. The same ResNet-50 step through hvd_dgc's DistributedOptimizer at np=1 (hooks, one
-   launch, Horovod's NCCL allgather of one rank) against the bare optimizer.
+   launch, Horovod's NCCL allgather of one rank) against the bare optimizer, round-robin,
+   with and without the non-finite check; the GPU operations (kernels, copies, fills:
+   the profiler's CUDA activity) and host synchronisations (``set_sync_debug_mode``) of
+   a whole step of each.
 
 GPU times are CUDA-event medians over ``--reps`` repetitions after warm-up; "host" is the
 time the Python thread spends issuing the work (where it exceeds the GPU time, launches,
@@ -17,6 +20,7 @@ not the GPU, set the pace). Run: python bench/gpu_dgc.py [--out bench/results/gp
 """
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -169,26 +173,101 @@ def resnet_step(args, dev, amp):
     return timed(fwd_bwd, max(5, args.reps // 2)), batch, model, opt, (x, y)
 
 
+def _kernels(fn):
+    """GPU operations (kernels, copies, fills) that ``fn()`` puts on the device, by the
+    profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = {}
+    for e in events:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.device_time_total / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    print("    GPU time by operation (one step): " + "; ".join(
+        f"{name[:60]} x{n} {ms:.3f} ms" for name, (n, ms) in top))
+    return len(events)
+
+
+def _syncs(fn):
+    """Host synchronisations ``fn()`` makes (torch.cuda.set_sync_debug_mode's warnings)."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    if where:
+        print(f"    host synchronisations at: {dict(where)}")
+    return sum(where.values())
+
+
+def _counted(count, step, row):
+    try:
+        return count(lambda: step(row))
+    except Exception as e:  # a count that fails leaves the timings standing
+        print(f"  ({count.__name__} failed: {type(e).__name__}: {e})")
+        return -1
+
+
 def optimizer_overhead(args, dev, amp):
-    """A ResNet-50 step through hvd_dgc's optimizer at np=1 vs the bare SGD step."""
+    """A ResNet-50 step through hvd_dgc's optimizer at np=1 vs the bare SGD step, with
+    the default non-finite check (one read-back a step) and without; GPU operations and
+    host synchronisations per step of each (the DGC step's minus the bare one's is what
+    DGC adds)."""
     import horovod.torch as hvd_stock
     import hvd_dgc.torch as hvd
     hvd_stock.init()
-    (base_fb, _), batch, model, opt, (x, y) = resnet_step(args, dev, amp)
+    import torchvision
+    batch = args.batch_amp if amp else args.batch
+    x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+    rows = {}  # name -> (model, optimizer): a model each, so no row's hooks run in another's
 
-    def full_step(o):
+    def model():
+        torch.manual_seed(0)
+        return torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
+
+    def full_step(row):
+        net, o = row
         o.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         o.step()
-    bare = timed(lambda: full_step(opt), max(5, args.reps // 2))
-    wrapped = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        named_parameters=model.named_parameters(), density=DENSITY)
-    dgc = timed(lambda: full_step(wrapped), max(5, args.reps // 2))
-    stats = wrapped.compression_stats()
-    return bare, dgc, batch, stats
+    net = model()
+    rows["bare SGD"] = (net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    for check in (True, False):  # warmup=0: the final density from the first step
+        net = model()
+        rows[f"hvd_dgc, skip_nonfinite={check}"] = (net, hvd.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=[(f"{check}.{n}", p) for n, p in net.named_parameters()],
+            density=DENSITY, warmup=0, skip_nonfinite=check))
+    for o in rows.values():  # first steps: layouts, blocks, allocator
+        for _ in range(3):
+            full_step(o)
+    reps = max(5, args.reps // 2)
+    times = {name: [] for name in rows}
+    for _ in range(3):  # round-robin rounds: a slow moment slows every row alike
+        for name, o in rows.items():
+            times[name].append(timed(lambda: full_step(o), reps, warm=1))
+    out = {}
+    for name, o in rows.items():
+        gpu = statistics.median(t[0] for t in times[name])
+        host = statistics.median(t[1] for t in times[name])
+        print(f"  [{name}, {'bf16' if amp else 'fp32'}]")
+        out[name] = {"gpu": gpu, "host": host, "kernels": _counted(_kernels, full_step, o),
+                     "syncs": _counted(_syncs, full_step, o)}
+    stats = rows["hvd_dgc, skip_nonfinite=True"][1].compression_stats()
+    return out, batch, stats
 
 
 def main():
@@ -197,6 +276,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64, help="ResNet-50 batch, fp32")
     ap.add_argument("--batch-amp", type=int, default=128, help="ResNet-50 batch, bf16 autocast")
     ap.add_argument("--skip-optimizer", action="store_true", help="skip part 3 (needs Horovod)")
+    ap.add_argument("--only-step", action="store_true", help="part 3 alone")
     ap.add_argument("--out", help="write the tables as markdown here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -204,14 +284,16 @@ def main():
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     print(f"GPU: {props.name}, torch {torch.__version__}")
-    sel = select_and_pack(args, dev)
-    (work_gpu, work_host), phases = local_work(args, dev)
-    print("\n[2] whole local DGC work of one ResNet-50 step (161 tensors; 2 ranks' records "
-          f"summed back): GPU {work_gpu:.3f} ms, host {work_host:.3f} ms")
-    for name, (gpu, host) in phases.items():
-        print(f"  phase {name:24s} GPU {gpu:8.3f} ms   host {host:8.3f} ms")
-    steps = {}
-    for amp in (False, True):
+    sel, work, phases, steps = {}, (0.0, 0.0), {}, {}
+    if not args.only_step:
+        sel = select_and_pack(args, dev)
+        work, phases = local_work(args, dev)
+        print("\n[2] whole local DGC work of one ResNet-50 step (161 tensors; 2 ranks' "
+              f"records summed back): GPU {work[0]:.3f} ms, host {work[1]:.3f} ms")
+        for name, (gpu, host) in phases.items():
+            print(f"  phase {name:24s} GPU {gpu:8.3f} ms   host {host:8.3f} ms")
+    work_gpu, work_host = work
+    for amp in (False, True) if not args.only_step else ():
         (fb_gpu, _), batch, *_ = resnet_step(args, dev, amp)
         tag = f"{'bf16 autocast' if amp else 'fp32'}, batch {batch}"
         steps[tag] = fb_gpu
@@ -221,16 +303,19 @@ def main():
     overhead = {}
     if not args.skip_optimizer:
         for amp in (False, True):
-            bare, dgc, batch, stats = optimizer_overhead(args, dev, amp)
+            rows, batch, stats = optimizer_overhead(args, dev, amp)
             tag = f"{'bf16 autocast' if amp else 'fp32'}, batch {batch}"
-            overhead[tag] = (bare, dgc, stats)
-            print(f"\n[3] ResNet-50 training step at np=1 ({tag}): bare SGD {bare[0]:.2f} ms, "
-                  f"hvd_dgc DistributedOptimizer {dgc[0]:.2f} ms -> "
-                  f"{dgc[0] / bare[0]:.3f}x; bytes sent / dense: 1/"
+            overhead[tag] = rows
+            bare = rows["bare SGD"]
+            print(f"\n[3] ResNet-50 training step at np=1 ({tag}); bytes sent / dense: 1/"
                   f"{stats['compression_ratio']:.0f}")
-    if args.out:
-        write_markdown(args.out, props.name, sel, (work_gpu, work_host), phases, steps,
-                       overhead)
+            for name, r in rows.items():
+                print(f"  {name:32s} GPU {r['gpu']:8.2f} ms  host {r['host']:8.2f} ms  "
+                      f"{r['gpu'] / bare['gpu']:.3f}x  (+{r['gpu'] - bare['gpu']:.2f} ms)  "
+                      f"GPU ops {r['kernels']} (+{r['kernels'] - bare['kernels']})  "
+                      f"syncs {r['syncs']}")
+    if args.out and not args.only_step:
+        write_markdown(args.out, props.name, sel, work, phases, steps, overhead)
 
 
 def write_markdown(path, gpu_name, sel, work, phases, steps, overhead):
@@ -252,11 +337,15 @@ def write_markdown(path, gpu_name, sel, work, phases, steps, overhead):
               "| --- | --- | --- | --- |"]
     lines += [f"| {k} | {v:.2f} | {100 * work[0] / v:.1f}% | {100 * work[1] / v:.1f}% |"
               for k, v in steps.items()]
-    if overhead:
-        lines += ["", "| ResNet-50 step, np=1 | bare SGD ms | hvd_dgc ms | ratio |",
-                  "| --- | --- | --- | --- |"]
-        lines += [f"| {k} | {b[0]:.2f} | {d[0]:.2f} | {d[0] / b[0]:.3f} |"
-                  for k, (b, d, _) in overhead.items()]
+    for tag, rows in overhead.items():
+        bare = rows["bare SGD"]
+        lines += ["", f"| ResNet-50 step at np=1, {tag} | GPU ms | host ms | x bare | "
+                  "added ms | GPU ops a step (added) | host syncs a step |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {r['gpu']:.2f} | {r['host']:.2f} | {r['gpu'] / bare['gpu']:.3f} "
+                  f"| {r['gpu'] - bare['gpu']:.2f} | {r['kernels']} "
+                  f"({r['kernels'] - bare['kernels']:+d}) | {r['syncs']} |"
+                  for name, r in rows.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"\nwrote {path}")
