@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "on_device", "prime_at_least", "AIM",
+__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "on_device", "upload", "prime_at_least", "AIM",
            "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
 
 RUN = 16       # sampled elements read together: 64 bytes of float32
@@ -116,7 +116,7 @@ class _Plan:
         ks_t = torch.tensor(ks, dtype=torch.long)
         starts = torch.tensor(offsets[:-1], dtype=torch.long)
         slot_tensor = torch.arange(len(sizes)).repeat_interleave(ks_t)
-        to = functools.partial(torch.Tensor.to, device=device)
+        to = functools.partial(upload, device=device)
         self.sample_at = to(pad)
         self.sample_pad = to(~used)
         self.kth = to(torch.tensor(kth, dtype=torch.long)[:, None])
@@ -161,8 +161,7 @@ def select_many(flats, ks, draws, sample_ratio=0.001, min_sample=1000):
     # 1-2. sample and threshold per tensor
     draw = torch.tensor(list(draws), dtype=torch.float64)
     shift = (draw * plan.ranges).long() * plan.steps
-    if device.type != "cpu":
-        shift = shift.pin_memory().to(device, non_blocking=True)
+    shift = upload(shift, device)
     sample = x[plan.sample_at + shift[:, None]].abs().masked_fill_(plan.sample_pad, -1)
     best = torch.topk(sample, plan.top, dim=1).values  # sorted, largest first
     # Zeros are never worth a record: an all-zero tensor must not fill the buffer.
@@ -206,28 +205,32 @@ def slot_offsets(sizes, ks, device):
     indices plus these are indices into it (built once, on the device)."""
     ks_t = torch.tensor(ks, dtype=torch.long)
     starts = torch.tensor([0] + list(sizes[:-1]), dtype=torch.long).cumsum(0)
-    return starts.repeat_interleave(ks_t).to(device)
+    return upload(starts.repeat_interleave(ks_t), device)
 
 
 @functools.lru_cache(maxsize=64)
 def slot_starts(offsets, ks, device):
     """Per record slot of a launch, where its tensor starts in the flat buffers: local
     indices plus these are positions there (built once, on the device)."""
-    return torch.tensor(offsets, dtype=torch.long).repeat_interleave(
-        torch.tensor(ks, dtype=torch.long)).to(device)
+    return upload(torch.tensor(offsets, dtype=torch.long).repeat_interleave(
+        torch.tensor(ks, dtype=torch.long)), device)
+
+
+def upload(host, device):
+    """A host tensor on ``device`` without the host waiting: a copy from pageable memory
+    waits for the device (a host synchronisation, counted in tests/test_cuda.py), one
+    from pinned memory is queued. On the CPU, ``host`` itself."""
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=256)
 def on_device(values, device, dtype=torch.long):
     """``values`` (a tuple: a launch's offsets, counts, members, flags) as a tensor on
-    ``device`` (a string), made once: a copy from the host's pageable memory waits for
-    the device, so one a step would be a host synchronisation a step (counted in
-    tests/test_cuda.py); from pinned memory, not even the first copy waits. Shared: never
-    written to."""
-    host = torch.tensor(values, dtype=dtype)
-    if device == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    ``device`` (a string), made once: one copy a step would be a host synchronisation a
+    step. Shared: never written to."""
+    return upload(torch.tensor(values, dtype=dtype), device)
 
 
 def counts_on(ks, device):

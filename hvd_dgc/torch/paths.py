@@ -35,7 +35,7 @@ from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
-from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_in_order, on_accelerator
+from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
@@ -602,7 +602,7 @@ class SparseGradPath(_Path):
                 values = values / self.ctx.wire.world()
             avg = torch.sparse_coo_tensor(indices.t(), values, m.shape)
             if on_accelerator(avg):  # its adds of repeated rows: atomics, in any order
-                avg = coalesce_in_order(avg)
+                avg = coalesce_sorted(avg)
             out.append((m, avg))
         return out
 
