@@ -3,9 +3,9 @@ on the Python standard library's sources (of the interpreter that runs this; rea
 time, nothing downloaded or committed), 2 ranks under horovodrun, dense Horovod against
 hvd_dgc with the import switched.
 
-    python bench/adam_lm.py --steps 3000 --seeds 0 1 2
-    python bench/adam_lm.py --steps 600 --variants horovod default --out bench/results/adam_lm.md
+    python bench/adam_lm.py --steps 3000 --seeds 0 1 2 --variants horovod default
     python bench/adam_lm.py --framework keras --variants horovod default "delay=4"
+    python bench/adam_lm.py --report --steps 3000 --out bench/results/adam_lm_3000.md
 
 Each variant trains the same model from the same seed on the same batches (each rank
 its own shard); validation loss (nats per byte) on held-out files every ``--eval``
@@ -82,11 +82,10 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if hasattr(opt, "flush") and options and "outer" in options:
                 opt.flush()  # (overlap: the weights every rank agrees on)
-            curve.append((step + 1, validation()))
-    if options is None:
-        sent = 4.0 * numel * steps
-    else:
-        sent = float(opt.compression_stats()["bytes_sent"])
+            sent = 4.0 * numel * (step + 1) if options is None else \
+                float(opt.compression_stats()["bytes_sent"])
+            curve.append((step + 1, validation(), sent))
+    sent = curve[-1][2]
     return {"variant": variant, "curve": curve, "bytes": sent, "dense_bytes": 4.0 * numel * steps,
             "numel": numel}
 
@@ -140,11 +139,127 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if options is not None:
                 opt.flush()  # delay, the outer loop: the weights every rank agrees on
-            curve.append((step + 1, float(validation(*data.validation()))))
-    sent = 4.0 * numel * steps if options is None else \
-        float(opt.compression_stats()["bytes_sent"])
+            sent = 4.0 * numel * (step + 1) if options is None else \
+                float(opt.compression_stats()["bytes_sent"])
+            curve.append((step + 1, float(validation(*data.validation())), sent))
+    sent = curve[-1][2]
     return {"variant": variant, "curve": curve, "bytes": sent, "dense_bytes": 4.0 * numel * steps,
             "numel": numel}
+
+
+RUNS = os.path.join(HERE, "results", "adam_lm_runs.csv")
+FIELDS = ("framework", "np", "steps", "variant", "seed", "step", "val_loss", "bytes",
+          "dense_bytes")
+
+
+def record(path, framework, np_, steps, res, seed):
+    """Append one run's curve to ``path`` (one row per evaluation): long matrices run in
+    pieces, across launches, and the report reads them all."""
+    import csv
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        out = csv.writer(f)
+        if new:
+            out.writerow(FIELDS)
+        per_step = res["dense_bytes"] / res["curve"][-1][0]
+        for step, loss, sent in res["curve"]:
+            out.writerow((framework, np_, steps, res["variant"], seed, step, f"{loss:.6f}",
+                          f"{sent:.0f}", f"{per_step * step:.0f}"))
+
+
+def load(path, framework, np_, steps):
+    """{variant: {seed: [(step, val_loss, bytes, dense_bytes)]}} of the runs that match;
+    a variant and seed run twice keep the last."""
+    import csv
+    runs = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if (row["framework"], int(row["np"]), int(row["steps"])) != (framework, np_, steps):
+                continue
+            curve = runs.setdefault(row["variant"], {}).setdefault(int(row["seed"]), [])
+            point = (int(row["step"]), float(row["val_loss"]), float(row["bytes"]),
+                     float(row["dense_bytes"]))
+            if curve and point[0] <= curve[-1][0]:  # a rerun starts again
+                curve.clear()
+            curve.append(point)
+    return runs
+
+
+def shown(path):
+    """``path`` from the repository's root when it lies inside it."""
+    root = os.path.dirname(HERE)
+    inside = os.path.abspath(path).startswith(root + os.sep)
+    return os.path.relpath(path, root) if inside else path
+
+
+def report(path, framework, np_, steps, out=None):
+    """The table (mean and spread over seeds at the last step) and the plot of the runs
+    in ``path`` for one framework, world size and length."""
+    runs = load(path, framework, np_, steps)
+    if not runs:
+        raise SystemExit(f"no {framework} runs of {steps} steps on {np_} ranks in {path}")
+    finals = {v: [c[-1] for c in seeds.values() if c[-1][0] == steps]
+              for v, seeds in runs.items()}
+    finals = {v: f for v, f in finals.items() if f}
+    base = statistics.mean(p[1] for p in finals["horovod"]) if "horovod" in finals else None
+    _, _, root = corpus()
+    lines = [f"# AdamW, byte-level transformer LM on the standard library ({root})"
+             + (", Keras 2" if framework == "keras" else ""), "",
+             f"`python bench/adam_lm.py --report --framework {framework} --np {np_} --steps "
+             f"{steps}` (runs recorded in {shown(path)}): "
+             f"{np_} ranks (horovodrun --gloo), batch 32 x 128 bytes per rank, AdamW lr "
+             f"2e-3, wd 0.01; validation loss in nats per byte at step {steps}, mean over the "
+             f"seeds run (min-max in brackets); bytes this rank sent over the whole run.", "",
+             "| variant | seeds | validation loss | vs Horovod | fewer bytes than dense |",
+             "| --- | --- | --- | --- | --- |"]
+    order = [v for v in VARIANTS if v in finals] + sorted(set(finals) - set(VARIANTS))
+    for variant in order:
+        points = finals[variant]
+        losses = [p[1] for p in points]
+        loss = statistics.mean(losses)
+        spread = f" ({min(losses):.4f}-{max(losses):.4f})" if len(losses) > 1 else ""
+        ratio = statistics.mean(p[3] / p[2] for p in points)
+        versus = f"{100 * (loss / base - 1):+.2f}%" if base else "n/a"
+        seeds = ", ".join(str(s) for s, c in sorted(runs[variant].items()) if c[-1][0] == steps)
+        lines.append(f"| {variant} | {seeds} | {loss:.4f}{spread} | {versus} | {ratio:.1f}x |")
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+        plot(runs, order, os.path.splitext(out)[0] + ".png", framework, np_)
+    return text
+
+
+def plot(runs, order, path, framework, np_):
+    """Validation loss against steps and against bytes sent (means over seeds)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for variant in order:
+        curves = [c for c in runs[variant].values()]
+        length = min(len(c) for c in curves)
+        steps = [curves[0][i][0] for i in range(length)]
+        loss = [statistics.mean(c[i][1] for c in curves) for i in range(length)]
+        sent = [statistics.mean(c[i][2] for c in curves) / 2 ** 20 for i in range(length)]
+        label = f"{variant} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+        by_step.plot(steps, loss, label=label)
+        by_bytes.plot(sent, loss, label=label)
+    by_step.set_xlabel("step")
+    by_bytes.set_xlabel("MiB sent by one rank")
+    by_bytes.set_xscale("log")
+    for ax in (by_step, by_bytes):
+        ax.set_ylabel("validation loss (nats per byte)")
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=7)
+    fig.suptitle(f"AdamW byte-level LM on the standard library, {framework}, {np_} ranks",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
@@ -152,53 +267,33 @@ def main():
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--np", type=int, default=2)
-    parser.add_argument("--eval", type=int, default=100)
+    parser.add_argument("--eval", type=int, default=250)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--framework", choices=("torch", "keras"), default="torch",
                         help="keras: the same model in Keras 2 (tf_keras), Horovod's and "
                              "hvd_dgc's Keras DistributedOptimizer")
-    parser.add_argument("--out")
+    parser.add_argument("--runs", default=RUNS, help="the CSV each run's curve is appended "
+                        "to (default %(default)s)")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: the table and plot of the runs already recorded")
+    parser.add_argument("--out", help="where the report goes (markdown; the plot beside it)")
     args = parser.parse_args()
-    from harness.hvdrun import run
-    target, env = "bench.adam_lm:worker", {"HVD_DGC_COST_MODEL": "assumed"}
-    if args.framework == "keras":
-        target, env = "bench.adam_lm:keras_worker", dict(env, TF_USE_LEGACY_KERAS="1")
-
-    rows = {}
-    for variant in args.variants:
-        for seed in args.seeds:
-            # the assumed 1 Gbit/s link: over loopback the measured one would rightly send
-            # this small model dense, and the point here is accuracy at a compression
-            res = run(target, np=args.np, controller="gloo", env=env,
-                      timeout=24 * 3600, kwargs=dict(variant=variant, options=VARIANTS[variant],
-                                                     steps=args.steps, seed=seed,
-                                                     eval_every=args.eval))[0]
-            rows.setdefault(variant, []).append(res)
-            print(variant, seed, res["curve"][-1], f"{res['dense_bytes'] / res['bytes']:.1f}x",
-                  flush=True)
-    base = statistics.mean(r["curve"][-1][1] for r in rows.get("horovod", rows[args.variants[0]]))
-    _, _, root = corpus()
-    keras = args.framework == "keras"
-    lines = [f"# AdamW, byte-level transformer LM on the standard library ({root})"
-             + (", Keras 2" if keras else ""), "",
-             f"`python bench/adam_lm.py --steps {args.steps} --seeds "
-             f"{' '.join(map(str, args.seeds))}" + (" --framework keras" if keras else "")
-             + f"`: {args.np} ranks (horovodrun --gloo), "
-             f"{rows[args.variants[0]][0]['numel']:,} parameters, batch 32 x 128 bytes per "
-             f"rank, AdamW lr 2e-3, wd 0.01; validation loss in nats per byte, mean over "
-             f"seeds.", "",
-             "| variant | validation loss | vs Horovod | fewer bytes than dense |",
-             "| --- | --- | --- | --- |"]
-    for variant, results in rows.items():
-        loss = statistics.mean(r["curve"][-1][1] for r in results)
-        ratio = statistics.mean(r["dense_bytes"] / r["bytes"] for r in results)
-        lines.append(f"| {variant} | {loss:.4f} | {100 * (loss / base - 1):+.2f}% | "
-                     f"{ratio:.1f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    if not args.report:
+        from harness.hvdrun import run
+        target, env = "bench.adam_lm:worker", {"HVD_DGC_COST_MODEL": "assumed"}
+        if args.framework == "keras":
+            target, env = "bench.adam_lm:keras_worker", dict(env, TF_USE_LEGACY_KERAS="1")
+        for variant in args.variants:
+            for seed in args.seeds:
+                # the assumed 1 Gbit/s link: over loopback the measured one would rightly
+                # send this small model dense, and the point here is accuracy at a compression
+                res = run(target, np=args.np, controller="gloo", env=env, timeout=24 * 3600,
+                          kwargs=dict(variant=variant, options=VARIANTS[variant],
+                                      steps=args.steps, seed=seed, eval_every=args.eval))[0]
+                record(args.runs, args.framework, args.np, args.steps, res, seed)
+                print(variant, seed, res["curve"][-1],
+                      f"{res['dense_bytes'] / res['bytes']:.1f}x", flush=True)
+    print(report(args.runs, args.framework, args.np, args.steps, args.out))
 
 
 if __name__ == "__main__":
