@@ -58,6 +58,7 @@ break-even).
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.paths import AGGREGATIONS, PathKind
@@ -83,6 +84,10 @@ class CostModel:
     (per element of a sparse tensor), ``select_record_seconds`` (per record selected)
     and ``record_seconds`` (per record of every rank unpacked and added): DGC's own
     work on a sparse path (module docstring); 0, communication alone, by default.
+    ``gather_bandwidth``: the rate at which the records' collectives (allgather,
+    alltoall) move bytes, where it differs from the ring allreduce's ``bandwidth``
+    (None: the same). Horovod's allgather of large buffers over TCP moved them at about
+    half the allreduce's rate (bench/results/collective_rates.md); the probe times it.
     """
 
     alpha: float = 50e-6
@@ -92,8 +97,12 @@ class CostModel:
     select_element_seconds: float = 0.0
     select_record_seconds: float = 0.0
     record_seconds: float = 0.0
+    gather_bandwidth: Optional[float] = None
 
     def __post_init__(self):
+        if self.gather_bandwidth is not None and not self.gather_bandwidth > 0:
+            raise ValueError(f"CostModel.gather_bandwidth must be > 0 bytes/s or None (the "
+                             f"allreduce's bandwidth), got {self.gather_bandwidth!r}")
         for name in ("alpha", "local_alpha", "select_element_seconds",
                      "select_record_seconds", "record_seconds"):
             if not getattr(self, name) >= 0:
@@ -108,10 +117,15 @@ class CostModel:
         n1 = world_size - 1
         return 2 * n1 * self.alpha + dense_bytes(numel, world_size, value_bytes) / self.bandwidth
 
+    @property
+    def records_bandwidth(self):
+        """Bytes per second of the collectives that carry records (allgather, alltoall)."""
+        return self.bandwidth if self.gather_bandwidth is None else self.gather_bandwidth
+
     def sparse_seconds(self, k, world_size, value_bytes, index_bytes):
         n1 = world_size - 1
-        return n1 * self.alpha + allgather_bytes(k, world_size,
-                                                 value_bytes + index_bytes) / self.bandwidth
+        return n1 * self.alpha + allgather_bytes(
+            k, world_size, value_bytes + index_bytes) / self.records_bandwidth
 
     def local_seconds(self, numel, k, world_size):
         """DGC's own work on a sparse path beyond the dense path's (module docstring)."""
@@ -136,7 +150,8 @@ class CostModel:
         included: small tensors (biases, norms), or any on a link of high latency."""
         if world_size < 2 or numel <= 0:
             return False
-        extra = allgather_bytes(numel, world_size, value_bytes + index_bytes) / self.bandwidth
+        extra = allgather_bytes(numel, world_size, value_bytes + index_bytes) / \
+            self.records_bandwidth
         return extra <= self.dense_seconds(numel, world_size, value_bytes)
 
     def max_sparse_k(self, numel, world_size, dense_value_bytes=4, sparse_value_bytes=4,
@@ -157,8 +172,8 @@ class CostModel:
         """Region reduce: alltoall of k(N-1)/N records in, allgather of quota(N-1) in,
         quota = ceil(2k/N) (at least 1); two rounds of N-1 messages each."""
         n1 = world_size - 1
-        return 2 * n1 * self.alpha + region_bytes(k, world_size,
-                                                  value_bytes + index_bytes) / self.bandwidth
+        return 2 * n1 * self.alpha + region_bytes(
+            k, world_size, value_bytes + index_bytes) / self.records_bandwidth
 
     def hierarchical_seconds(self, numel, k, world_size, local_size, dense_value_bytes,
                              value_bytes, index_bytes):
@@ -168,7 +183,7 @@ class CostModel:
                 + local / local_size * numel * dense_value_bytes / self.local_bandwidth
                 + (world_size - 1) * self.alpha
                 + hierarchical_bytes(k, world_size, local_size, value_bytes + index_bytes)
-                / self.bandwidth)
+                / self.records_bandwidth)
 
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
@@ -214,7 +229,7 @@ class CostModel:
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
                 self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
-                self.record_seconds)
+                self.record_seconds, self.gather_bandwidth)
 
 
 def default_cost_model(environ=None):

@@ -25,6 +25,13 @@ rank. The framework passes two functions: ``allreduce(numel)``, the seconds this
 waited for one allreduce of ``numel`` float32, and ``agree(values)``, their elementwise
 maximum over the ranks. Written once for PyTorch and TensorFlow.
 
+Where the framework also passes ``allgather(numel)`` (the seconds this rank waited for an
+allgather of ``numel`` float32 from every rank), the records' collective is timed too, at
+the size whose bytes match the largest allreduce's, three times (the median: Horovod's
+allgather of large buffers over TCP is bimodal, one call in two to five at the link's full
+rate, the rest at about half, bench/results/collective_rates.md), and the sparse paths
+are priced at its rate (``CostModel.gather_bandwidth``) where the budget allows it.
+
 The bandwidth is the effective rate of the largest message timed: on a long round trip
 TCP's window grows over several trips, so the 64-300 KB that fit in the budget at 20 ms
 see a tenth to a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py); the model
@@ -33,9 +40,9 @@ ranks is measured; ``local_alpha`` and ``local_bandwidth`` (inside a host, for
 hierarchical DGC) keep their defaults.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-from hvd_dgc.aggregation import dense_bytes
+from hvd_dgc.aggregation import allgather_bytes, dense_bytes
 from hvd_dgc.costmodel import CostModel
 
 __all__ = ["LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
@@ -54,26 +61,31 @@ class LinkMeasurement(NamedTuple):
     """What the probe found, the same on every rank."""
 
     alpha: float       # seconds per message
-    bandwidth: float   # bytes per second
+    bandwidth: float   # bytes per second (the ring allreduce)
     seconds: float     # the probe's agreed duration
     largest: int       # float32 elements of the largest allreduce timed
+    gather_bandwidth: Optional[float] = None  # bytes per second of an allgather; None:
+    #                                           not timed (no function, or no budget left)
 
     def cost_model(self, base=None):
         """A ``CostModel`` with these numbers between ranks (``base``'s inside a host)."""
         base = base or CostModel()
         return CostModel(alpha=self.alpha, bandwidth=self.bandwidth,
-                         local_alpha=base.local_alpha, local_bandwidth=base.local_bandwidth)
+                         local_alpha=base.local_alpha, local_bandwidth=base.local_bandwidth,
+                         gather_bandwidth=self.gather_bandwidth)
 
     def words(self):
         """For the rank-0 line."""
+        gather = "" if self.gather_bandwidth is None else \
+            f" (allgather {self.gather_bandwidth * 8 / 1e6:.0f})"
         return (f"link measured: {self.alpha * 1e6:.0f} us per message, "
-                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s (cost_model='measure', "
+                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s{gather} (cost_model='measure', "
                 f"{self.seconds:.2f} s)")
 
 
-def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
-    """``LinkMeasurement`` from the framework's timed ``allreduce`` and ``agree`` (see the
-    module docstring); None for a single rank (no link)."""
+def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None):
+    """``LinkMeasurement`` from the framework's timed ``allreduce``, ``agree`` and (where
+    given) ``allgather`` (see the module docstring); None for a single rank (no link)."""
     if world < 2:
         return None
     spent = 0.0
@@ -108,4 +120,15 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS):
     extra_bytes = dense_bytes(numel, world, 4) - dense_bytes(1, world, 4)
     bandwidth = extra_bytes / max(transfer, 1e-9)  # (1e-9: a link too fast to time)
     latency = max(small - dense_bytes(1, world, 4) / bandwidth, 0.0)
-    return LinkMeasurement(latency / (2 * (world - 1)), bandwidth, spent, numel)
+    alpha = latency / (2 * (world - 1))
+    gather = None
+    # the records' collective at the allreduce's largest bytes, if three fit the budget
+    # at half the allreduce's rate (the agreed times: every rank takes the same branch)
+    gathered = max(1, int(dense_bytes(numel, world, 4) / allgather_bytes(1, world, 4)))
+    if allgather is not None and spent + 3 * (small + 2 * transfer) <= budget:
+        local = [allgather(gathered) for _ in range(3)]
+        times = agree(local)  # each call's slowest rank
+        spent += float(agree([sum(local)])[0])
+        moved = sorted(times)[1] - (world - 1) * alpha  # the median
+        gather = allgather_bytes(gathered, world, 4) / max(moved, 1e-9)
+    return LinkMeasurement(alpha, bandwidth, spent, numel, gather)

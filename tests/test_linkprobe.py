@@ -52,6 +52,62 @@ def test_a_rank_descheduled_while_timing_does_not_read_as_a_slow_link():
     assert link.seconds < 0.5
 
 
+def _gather(alpha, bandwidth, world):
+    """An allgather of ``numel`` float32 from each rank at ``bandwidth``."""
+    return lambda numel: (world - 1) * alpha + (world - 1) * 4 * numel / bandwidth
+
+
+def test_probe_times_the_records_allgather_and_prices_sparse_at_its_rate():
+    """An allgather at half the allreduce's rate (as Horovod's over TCP,
+    bench/results/collective_rates.md), bimodal: one call in three at the full rate.
+    The probe reads the typical (median) rate, and the sparse path costs twice what the
+    allreduce's rate would say: at density 0.3 on 2 ranks (0.6 of the allreduce's bytes)
+    dense is the choice, where the allreduce's rate alone chose sparse (at 0.25, half
+    the bytes at half the rate, a tie: DGC's own work decides)."""
+    alpha, bandwidth, world = 50e-6, 1.25e8, 2
+    half, full, calls = _gather(alpha, bandwidth / 2, world), _gather(alpha, bandwidth, world), []
+
+    def allgather(numel):
+        calls.append(numel)
+        return (full if len(calls) == 2 else half)(numel)
+    link = measure_link(_link(alpha, bandwidth, world), lambda values: values, world,
+                        allgather=allgather)
+    assert len(calls) == 3 and len(set(calls)) == 1
+    # the allgather's bytes match the largest allreduce's
+    assert (world - 1) * 4 * calls[0] == pytest.approx(dense_bytes(link.largest, world, 4),
+                                                       rel=1e-6)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert link.gather_bandwidth == pytest.approx(bandwidth / 2, rel=1e-6)
+    assert "Mbit/s (allgather 500)" in link.words()
+    model = link.cost_model()
+    assert model.gather_bandwidth == link.gather_bandwidth
+    n = 1 << 22
+    k = int(n * 0.3)
+    assert model.choose_aggregation(n, k, world) == PathKind.DENSE
+    assert CostModel(alpha=alpha, bandwidth=bandwidth).choose_aggregation(n, k, world) == \
+        PathKind.ALLGATHER
+    assert model.sparse_seconds(k, world, 4, 4) == pytest.approx(
+        alpha + 8 * k / (bandwidth / 2))
+    # 0.1% stays sparse at either rate
+    assert model.choose_aggregation(n, n // 1000, world) == PathKind.ALLGATHER
+
+
+def test_no_allgather_timed_where_the_budget_is_spent():
+    """A slow link whose allreduce line used the budget: the allgather is not timed (no
+    second probe past the budget) and sparse paths are priced at the allreduce's rate."""
+    alpha, bandwidth, world, calls = 20e-3, 1.25e6, 2, []
+    link = measure_link(_link(alpha, bandwidth, world), lambda values: values, world,
+                        allgather=lambda numel: calls.append(numel) or 1.0)
+    assert calls == [] and link.gather_bandwidth is None
+    assert link.cost_model().records_bandwidth == link.bandwidth
+    assert "allgather" not in link.words()
+
+
+def test_a_bad_gather_bandwidth_is_named():
+    with pytest.raises(ValueError, match="gather_bandwidth must be > 0"):
+        CostModel(gather_bandwidth=0.0)
+
+
 def test_probe_on_one_rank_measures_nothing():
     assert measure_link(lambda n: 1.0, lambda v: v, 1) is None
 
@@ -104,10 +160,13 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
     for rank, out in enumerate(outs):
         assert "error" not in out, (rank, out.get("error"))
     assert outs[0]["model"] == outs[1]["model"]  # the planner's model: agreed
-    for key in ("alpha", "bandwidth", "largest"):
+    for key in ("alpha", "bandwidth", "largest", "gather_bandwidth"):
         assert outs[0][key] == outs[1][key]
     out = outs[0]
     assert 0 < out["alpha"] < 0.05 and out["bandwidth"] > 1e7  # loopback: fast
+    # the records' allgather timed too (loopback's probe is short: it fits the budget)
+    assert out["gather_bandwidth"] is not None and out["gather_bandwidth"] > 1e7, out
+    assert "Mbit/s (allgather " in out["line"]
     # loopback: 0.05-0.16 s measured; within its 1 s budget even with the machine busy
     assert out["seconds"] < BUDGET_SECONDS + 0.5, out["seconds"]
     assert "link measured:" in out["line"] and "us per message" in out["line"]
@@ -126,7 +185,7 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
     for density, path in out["paths"].items():
         k = max(1, math.ceil(n * float(density)))
         dense = 2 * out["alpha"] + 4 * n / out["bandwidth"]
-        sparse = out["alpha"] + 8 * k / out["bandwidth"] + sigma * n + \
+        sparse = out["alpha"] + 8 * k / out["gather_bandwidth"] + sigma * n + \
             rho_select * k + rho_record * k * world
         expected = "dense" if k >= n or sparse > dense else "sparse"  # (allgather's name)
         assert path == expected, (density, path, dense, sparse)

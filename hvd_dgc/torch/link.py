@@ -30,8 +30,14 @@ def measure(process_set):
         start = time.perf_counter()
         _hvd.allreduce(tensor, op=Sum, name=f"hvd_dgc.probe.{numel}", process_set=process_set)
         return time.perf_counter() - start
+
+    def allgather(numel):
+        tensor = torch.zeros(numel)
+        start = time.perf_counter()
+        _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}", process_set=process_set)
+        return time.perf_counter() - start
     return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
-                        process_set.size())
+                        process_set.size(), allgather=allgather)
 
 
 def measure_local(compressor, process_set, density, device):

@@ -15,6 +15,7 @@ def _measured(planner, line):
     link, local = planner.link, planner.local
     weight = max(planner.tensors, key=lambda t: t.numel)
     return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
+            "gather_bandwidth": link.gather_bandwidth,
             "largest": link.largest, "line": line.getvalue(),
             "model": repr(planner.cost_model), "local": list(local),
             "numel": weight.numel,
