@@ -82,10 +82,11 @@ class DGCConfig:
             evaluating or checkpointing; not with PowerSGD or TernGrad (what they sent is
             known only after a first round), with a GradScaler, or with sparse gradients
             (``sparse_as_dense=True``).
-        period: exchange every ``period``-th step only (PyTorch); in between each rank
-            steps with its own velocity and the exchange's average then replaces those
-            steps. Needs SGD or Adam taken over, and ``flush()``, as ``delay`` does; no
-            GradScaler; with it hierarchical DGC falls back to flat methods.
+        period: exchange every ``period``-th step only (PyTorch, TensorFlow and Keras);
+            in between each rank steps with its own velocity and the exchange's average
+            then replaces those steps (hvd_dgc/lagging.py). Needs SGD or Adam taken
+            over, and ``flush()``, as ``delay`` does; no GradScaler; with it
+            hierarchical DGC falls back to flat methods; not under elastic Keras yet.
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory:
             synchronous steps are skipped on every rank (weights, memory, step count
             unchanged; that rank sends inf, so every rank sees it), delayed ones send
@@ -112,8 +113,8 @@ class DGCConfig:
             averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
-            correction, masking), and ``delay`` (PyTorch and Keras) and ``period``
-            (PyTorch) apply from the freeze on; the density schedule starts at the
+            correction, masking), and ``delay`` and ``period`` (PyTorch and Keras)
+            apply from the freeze on; the density schedule starts at the
             freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
             freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
@@ -466,7 +467,6 @@ _PER_RANK = ("log_every",)
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere.
 _TORCH_ONLY = (
-    ("period", lambda c: c.period > 1, "period=1"),
     ("delay", lambda c: c.auto_delay is not None, "an int delay (e.g. delay=4)"),
     ("aggregation", lambda c: c.aggregation == "hierarchical",
      "aggregation='auto' (flat methods)"),

@@ -16,6 +16,8 @@ Papers:
   [DGA] Zhu, Lin, Lu, Han, "Delayed Gradient Averaging: Tolerate the
         Communication Latency for Federated Learning", NeurIPS 2021:
         update_i = own_i - own_(i-D) + avg_(i-D).
+  [TSU] Zhu, Lin, Han, "Distributed Training Across the World", 2019: temporally
+        sparse updates, an exchange every p-th step, own steps in between.
 
 Every function computes in float32 (the frameworks' buffer dtype), in the order
 written in its docstring, so where a framework does the same operations in the same
@@ -177,6 +179,63 @@ def dga_update(own_history, avg_history, i, delay):
     if i < delay:
         return own_i
     return own_i - f32(own_history[i - delay]) + f32(avg_history[i - delay])
+
+
+# -- [TSU] temporally sparse updates (period), with [DGA] ------------------------------
+def lag_due(steps, delay, period):
+    """{exchange step s: the step that applies its average}: every period-th step
+    exchanges ((s + 1) % p == 0), applied D steps later (hvd_dgc/lagging.py)."""
+    return {s: s + delay for s in range(period - 1, steps, period)}
+
+
+def lagged_update(owns, avgs, i, delay, period):
+    """What a worker applies at step i with period p and delay D [TSU, DGA]: its own
+    contribution now (an exchange's: what it sent; a step between exchanges: what its
+    memory took in), and every exchange s applied now (s + D == i) in place of its
+    period's own steps:
+        update_i = own_i + sum over s (avg_s - sum_{j = s-p+1 .. s} own_j).
+    ``owns[j]``: this worker's own at step j; ``avgs[j]``: the average (None between
+    exchanges). At p = 1 this is ``dga_update``."""
+    update = f32(owns[i]).copy()
+    for s, at in lag_due(i + 1, delay, period).items():
+        if at == i:
+            took = sum(f32(owns[j]) for j in range(s - period + 1, s + 1))
+            update = update + (f32(avgs[s]) - took)
+    return update
+
+
+def lagged_flush(owns, avgs, steps, delay, period):
+    """What a flush after ``steps`` steps applies: the exchanges not applied yet, and
+    ``-own`` of the steps after the last exchange (their velocity is still in the
+    memory, to be sent later)."""
+    out = np.zeros_like(f32(owns[0]))
+    exchanges = lag_due(steps, delay, period)
+    for s, at in exchanges.items():
+        if at >= steps:
+            took = sum(f32(owns[j]) for j in range(s - period + 1, s + 1))
+            out = out + (f32(avgs[s]) - took)
+    last = max(exchanges, default=-1)
+    for j in range(last + 1, steps):
+        out = out - f32(owns[j])
+    return out
+
+
+def lagged_memory_step(u, v, g, exchange, k=None, momentum=0.0, masking=True):
+    """One worker's memory at a step of a ``period`` run: accumulate [DGC 3.2]; an
+    exchange sends v's top k (all of v when ``k`` is None: dense) and its own is what
+    it sent; a step between exchanges sends nothing and its own is what v took in
+    (u, or g without momentum). Returns (u, v, own)."""
+    u, v = accumulate(u, v, g, momentum)
+    if not exchange:
+        return u, v, (u if momentum else f32(g)).copy()
+    if k is None:
+        own = v.copy()
+        u, v = sent_all(u, v)
+        return u, v, own
+    idx = top_k(v, k)
+    own = scatter(idx, v[idx], v.size)
+    u, v = sent(u, v, idx, masking)
+    return u, v, own
 
 
 # -- skip_nonfinite ----------------------------------------------------------------------
@@ -348,16 +407,19 @@ def outer_update(anchor, average, buffer, lr, momentum=0.0, nesterov=False):
 
 
 def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, wd, delay,
-                        floor, keras=False):
+                        floor, keras=False, period=1):
     """Adam taken over with delayed averaging [1-bit Adam] [DGA], dense: the reference
     both frameworks' are held to. Synchronous exact Adam on the ranks' average to the
     freeze; then each rank's memory takes (1 - beta1) P g at momentum beta1 and sends it
     whole (its own), and the rank applies ``own_i - own_(i-D) + avg_(i-D)`` (own alone
     while i - D is before the freeze), its gradients ``grads_at(x, step, rank)`` taken at
     its own weights x. ``keras``: Keras' Adam (eps outside the bias correction) and
-    decoupled decay before the step; else torch's AdamW. Returns per rank the weights
-    (per tensor) after each step, and every rank's after the flush: the D corrections
-    still due, at Adam's count then and without decay, then the ranks' average."""
+    decoupled decay before the step; else torch's AdamW. ``period`` [TSU]: after the
+    freeze every period-th step exchanges (what the memory holds, all of it) and the
+    steps between apply what the memory took in (``lagged_update``). Returns per rank
+    the weights (per tensor) after each step, and every rank's after the flush: the
+    corrections still due (``lagged_flush``), at Adam's count then and without decay,
+    then the ranks' average."""
     x = [[f32(a).copy() for a in start] for _ in range(world)]
     n = len(start)
     m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
@@ -380,19 +442,19 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
             owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
         else:
             owns_now = [[None] * n for _ in range(world)]
+            exchange = (step + 1) % period == 0
             for r in range(world):
                 for i in range(n):
                     g = frozen_adam_gradient(grads[r][i], pre[i], betas[0])
-                    u[r][i], res[r][i] = accumulate(u[r][i], res[r][i], g, betas[0])
-                    owns_now[r][i] = res[r][i]
-                    u[r][i], res[r][i] = sent_all(u[r][i], res[r][i])
+                    u[r][i], res[r][i], owns_now[r][i] = lagged_memory_step(
+                        u[r][i], res[r][i], g, exchange, momentum=betas[0])
         avgs.append([average([own[i] for own in owns_now]) for i in range(n)])
         for r in range(world):
             owns[r].append(owns_now[r])
             if step >= freeze:  # (the warm-up's steps, never delayed, hold zeros)
                 for i in range(n):
-                    update = dga_update([o[i] for o in owns[r]], [a[i] for a in avgs], step,
-                                        delay)
+                    update = lagged_update([o[i] for o in owns[r]], [a[i] for a in avgs],
+                                           step, delay, period)
                     if keras and wd:
                         x[r][i] = x[r][i] - x[r][i] * F32(wd) * F32(lr)
                     x[r][i] = frozen_adam_apply(x[r][i], update, t, lr, betas[0],
@@ -400,7 +462,8 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
             out[r].append([a.copy() for a in x[r]])
     for r in range(world):
         for i in range(n):
-            due = [avgs[j][i] - owns[r][j][i] for j in range(max(freeze, steps - delay), steps)]
-            x[r][i] = frozen_adam_apply(x[r][i], sum(due), steps, lr, betas[0])
+            due = lagged_flush([o[i] for o in owns[r]], [a[i] for a in avgs], steps, delay,
+                               period)
+            x[r][i] = frozen_adam_apply(x[r][i], due, steps, lr, betas[0])
     flushed = [np.mean([x[r][i] for r in range(world)], axis=0, dtype=F32) for i in range(n)]
     return out, flushed

@@ -160,6 +160,47 @@ def test_vector_delayed_averaging():
         assert flushed == 14.5
 
 
+def test_vector_temporally_sparse_updates():
+    # p = 2, D = 1, two ranks; own (one number per step): rank 0 [1, 2, 3, 4, 5], rank 1
+    # [3, 1, 4, 1, 5]. Exchanges at steps 1 and 3 (avg 1.5 and 2.5), applied at 2 and 4,
+    # each in place of its period's own steps:
+    #   rank 0: 1, 2, 3 + (1.5 - (1 + 2)) = 1.5, 4, 5 + (2.5 - (3 + 4)) = 0.5    (sum 9)
+    #   rank 1: 3, 1, 4 + (1.5 - (3 + 1)) = 1.5, 1, 5 + (2.5 - (4 + 1)) = 2.5    (sum 9)
+    # = avg_1 + avg_3 + own_4. The flush takes step 4's own back (after the last
+    # exchange: still in the memory): 9 - 5 = 4 = avg_1 + avg_3 on both ranks.
+    own = [[1, 2, 3, 4, 5], [3, 1, 4, 1, 5]]
+    avg = [None, [1.5], None, [2.5], None]
+    expected = [[1, 2, 1.5, 4, 0.5], [3, 1, 1.5, 1, 2.5]]
+    assert ref.lag_due(5, 1, 2) == {1: 2, 3: 4}
+    for rank in range(2):
+        history = [[x] for x in own[rank]]
+        updates = [float(ref.lagged_update(history, avg, i, 1, 2)[0]) for i in range(5)]
+        assert updates == expected[rank]
+        assert sum(updates) + float(ref.lagged_flush(history, avg, 5, 1, 2)[0]) == 4.0
+    # period 1 is delayed averaging: the DGA vector above, step by step
+    own, dense_avg = [1, 2, 3, 4, 5], [[2], [1.5], [3.5], [2.5], [5]]
+    history = [[x] for x in own]
+    assert [float(ref.lagged_update(history, dense_avg, i, 2, 1)[0]) for i in range(5)] == \
+        [float(ref.dga_update(history, dense_avg, i, 2)[0]) for i in range(5)]
+
+
+def test_vector_period_memory():
+    # momentum 0.5, dense, period 2, one rank, g = 1, 2, 4: step 0 (between exchanges)
+    # u = 1, v = 1, own = u = 1; step 1 (exchange) u = 0.5 + 2 = 2.5, v = 3.5, sends
+    # all of v: own 3.5, v = 0, u kept; step 2: u = 1.25 + 4 = 5.25, v = 5.25, own 5.25
+    u = v = np.zeros(1, np.float32)
+    owns = []
+    for i, g in enumerate((1.0, 2.0, 4.0)):
+        u, v, own = ref.lagged_memory_step(u, v, np.float32([g]), (i + 1) % 2 == 0,
+                                           momentum=0.5)
+        owns.append(float(own[0]))
+    assert owns == [1.0, 3.5, 5.25] and float(u[0]) == 5.25 and float(v[0]) == 5.25
+    # sparse: k = 1 of [3, -5, 1] sends -5 (top |v|), clears it and (masking) its u
+    u, v, own = ref.lagged_memory_step(np.zeros(3, np.float32), np.zeros(3, np.float32),
+                                       np.float32([3, -5, 1]), True, k=1, momentum=0.9)
+    assert own.tolist() == [0, -5, 0] and v.tolist() == [3, 0, 1] and u.tolist() == [3, 0, 1]
+
+
 def test_vector_frozen_adam():
     # x0 = [1, 2], lr = 0.1, betas (0.5, 0.75), eps = 0, no weight decay; freeze after step 1.
     # step 1 (exact Adam), g1 = [2, -4]:

@@ -19,7 +19,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
-        "tf_dga.keras_passes_with_delay"]
+        "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
+        "tf_dga.period_bad_inputs"]
 # Keras 2: Horovod's dense and DGC; Keras 3: DGC, DGC with delayed averaging, EF-SignSGD,
 # held to Keras 2's dense Horovod (the same model, data and seed)
 FIT2 = {"keras_fit_digits": {}}
@@ -54,7 +55,7 @@ def keras2(ckdir):
                   "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
                   "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars",
                   "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes",
-                  "tf_dga.keras_passes_with_delay"],
+                  "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT2,
                    "tf_keras_api.keras_passes": {"how": "compute"}}})
 
@@ -413,6 +414,53 @@ def test_delay_bad_inputs_give_clear_errors(tape):
         assert "delay must be an int >= 0" in out["float"]
         assert "delay=2 needs a Keras SGD optimizer or Adam/AdamW with its variance " \
             "frozen" in out["rmsprop"] and "RMSprop is not" in out["rmsprop"], out
+
+
+@pytest.mark.parametrize("version", ["keras2", "keras3"])
+@pytest.mark.parametrize("variant", ["keras_dense_p3", "keras_topk_p2_delay1",
+                                     "tape_dense_p2_delay3"])
+def test_period_follows_the_reference_and_flush_makes_ranks_identical(version, variant, tape,
+                                                                      keras2):
+    """period=p (with delay=D) in TensorFlow, every step against tests/reference.py's
+    lagged_update (the same rule PyTorch's test simulates): between exchanges each rank
+    steps alone and sends nothing; an exchange's average replaces its period's own
+    steps D steps later; the flush takes back the steps after the last exchange."""
+    import tests.reference as ref
+    for out in _checked(keras2 if version == "keras2" else tape,
+                        "tf_dga.period_matches_reference"):
+        res = out[variant]
+        period, delay, steps = res["period"], res["delay"], res["steps"]
+        assert res["moved"] > 1e-2
+        assert res["max_diff_each_step"] < 1e-5, res
+        due = ref.lag_due(steps, delay, period)
+        applied = set(due.values())
+        for i, spread in enumerate(res["spread"]):
+            if i in applied and delay == 0:  # an exchange applied at once: one trajectory
+                assert spread < 1e-6, (i, res["spread"])
+            elif i not in applied:  # own steps (or an average still travelling)
+                assert spread > 1e-6, (i, res["spread"])
+        # steps waiting after each step: those whose exchange is not applied yet
+        for i, waiting in enumerate(res["in_flight"]):
+            pending = [j for j in range(i + 1)
+                       if due.get(j + (-(j + 1)) % period, steps + delay) > i]
+            assert waiting == len(pending), (i, res["in_flight"])
+        assert res["flushed"] == (res["in_flight"][-1] > 0)
+        assert res["in_flight_after_flush"] == 0 and res["identical_after_flush"]
+        assert res["max_diff_after_flush"] < 1e-5, res
+        # collectives only on exchange steps: one per tensor per exchange
+        assert sum(res["paths"].values()) == res["tensors"] * (steps // period), res["paths"]
+        if "topk" in variant:
+            assert res["paths"].get("sparse", 0) > 0, res["paths"]
+
+
+def test_period_bad_inputs_give_clear_errors(tape):
+    for out in _checked(tape, "tf_dga.period_bad_inputs"):
+        assert "period must be an int >= 1" in out["zero"], out["zero"]
+        assert "period=3 needs a Keras SGD optimizer" in out["rmsprop"] and \
+            "Use period=1" in out["rmsprop"], out["rmsprop"]
+        assert "period=2 does not work with compression" in out["powersgd"], out["powersgd"]
+        assert "period=2 under elastic Horovod runs in hvd_dgc.torch only" in out["elastic"] \
+            and "Use period=1 with KerasState" in out["elastic"], out["elastic"]
 
 
 def _assert_skipped(out):

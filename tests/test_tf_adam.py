@@ -64,7 +64,25 @@ def test_keras_adam_with_delay_equals_the_reference_on_each_rank(results):
     classes = ("AdamW", "Adam") + (("legacy.Adam",) if version == "keras2" else ())
     for out in _checked(outs, "tf_adam.delay_reference"):
         nan = out.pop("nan_in_warm_up")
+        periods = {name: out.pop(name) for name in list(out) if ".period" in name}
         assert set(out) == set(classes)
+        # period=3 (delay 0) and period=2 with delay=1 from the freeze on (step 3): the
+        # reference step by step; identical right after an exchange applied at once
+        assert set(periods) == {"AdamW.period3.delay0", "AdamW.period2.delay1"}
+        for name, res in periods.items():
+            assert max(res["diffs"]) < 2e-5, (name, res["diffs"])
+            assert res["flushed_diff"] < 2e-5 and res["flushed_identical"], (name, res)
+            assert res["identical"][:3] == [True] * 3 and res["apart"] > 1e-4, name
+            assert res["iterations"] == 9 and res["phase"] == "frozen variance", name
+        p3 = periods["AdamW.period3.delay0"]
+        # steps 3 and 4 local, 5 exchanges (applied at once), 6 and 7 local, 8 exchanges
+        assert p3["in_flight"] == [0, 0, 0, 1, 2, 0, 1, 2, 0], p3["in_flight"]
+        assert not p3["flushed"]  # nothing in flight after step 8's exchange
+        p2 = periods["AdamW.period2.delay1"]
+        # exchanges at 3 (the first frozen step, alone), 5 (with 4) and 7 (with 6), each
+        # applied one step later
+        assert p2["in_flight"] == [0, 0, 0, 1, 1, 2, 1, 2, 1], p2["in_flight"]
+        assert p2["flushed"]  # step 8's own, taken back
         # a NaN on rank 1 in the exact warm-up skipped the step on every rank
         assert nan["nonfinite_steps"] == 1 and nan["step"] == nan["iterations"] == 9, nan
         assert nan["diff"] < 2e-5, nan

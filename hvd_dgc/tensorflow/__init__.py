@@ -115,19 +115,21 @@ def set_epoch(epoch):
 
 
 def flush(optimizer):
-    """Delayed averaging (``delay=D``): wait for the steps still in flight, apply
-    their corrections ``avg - own`` with ``optimizer`` as one extra step (its
-    ``iterations`` left unchanged), and average the variables across ranks.
-    Call it on every rank. Returns whether anything was in flight."""
+    """Delayed averaging (``delay=D``, ``period=p``): wait for the steps still in
+    flight, apply their corrections ``avg - own`` (``-own`` of a period's steps since
+    its last exchange) with ``optimizer`` as one extra step (its ``iterations`` left
+    unchanged), and average the variables across ranks. Call it on every rank.
+    Returns whether anything was in flight."""
     def apply(corrections, variables):
         optimizer.apply_gradients(zip(corrections, variables))
     iterations = getattr(optimizer, "iterations", None)
-    flushed = [e.flush(apply, iterations) for e in _EXCHANGES.values() if e.delay]
+    flushed = [e.flush(apply, iterations) for e in _EXCHANGES.values() if e.lags]
     return any(flushed)
 
 
 def in_flight():
-    """Steps of delayed averaging not applied yet, over this process's exchanges."""
+    """Steps of delayed averaging (or between a period's exchanges) not applied yet,
+    over this process's exchanges."""
     return max([e.in_flight for e in _EXCHANGES.values()] or [0])
 
 
@@ -176,7 +178,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
-    (hvd_dgc.config.DGCConfig; ``period``, ``delay="auto"``, hierarchical aggregation,
+    (hvd_dgc.config.DGCConfig; ``delay="auto"``, hierarchical aggregation,
     ``fusion_threshold`` and ``log_every`` run in PyTorch only so far). A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use
@@ -190,6 +192,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     tape returns ``own_i - own_(i-D) + avg_(i-D)``, exact with an optimizer whose
     update is linear in the gradient (SGD; with momentum, each rank's momentum
     also holds its own last D contributions until ``hvd.flush(optimizer)``).
+    ``period=p``: every p-th step exchanges; in between the tape returns this rank's
+    own gradient (what its memory took in) and sends nothing, and the exchange's
+    average replaces those own steps when it is applied.
 
     ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
     the DGC memory. That rank sends inf, every rank sees it in the averages and

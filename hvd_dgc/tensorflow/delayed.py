@@ -34,18 +34,22 @@ them synchronously (exchange.py ``_step``) and delays from the freeze on.
 """
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import tensorflow as tf
 
+from hvd_dgc.lagging import LagQueue
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
 __all__ = ["DelayedAveraging", "check_inter_op_threads"]
 
 
-class DelayedAveraging:
-    """The collectives of one exchange's last ``delay`` steps, in flight.
+class DelayedAveraging(LagQueue):
+    """The collectives of one exchange's last ``delay`` steps, in flight; with
+    ``period`` > 1 the steps between exchanges too (their own updates, taken back when
+    the exchange's average is applied), on the queue both frameworks share
+    (hvd_dgc/lagging.py: when each step's entry is due).
 
     ``paths``: the exchange's ``ExchangePaths``. Payloads reach the threads as flat int32
     tensors (each path's ``to_words``), so one ``tf.switch_case`` can return any; the
@@ -53,30 +57,42 @@ class DelayedAveraging:
     the threads; the scatter into dense tensors happens in the graph, as on the
     synchronous path."""
 
-    def __init__(self, paths, delay, variables):
-        check_inter_op_threads(f"delay={delay}", "delay=0")
+    def __init__(self, paths, delay, variables, period=1):
+        setting = " and ".join([f"delay={delay}"] * bool(delay)
+                               + [f"period={period}"] * (period > 1))
+        check_inter_op_threads(setting, "delay=0 and period=1")
+        super().__init__(period)
         self.paths, self.delay = paths, delay
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self.gives_back = paths.gives_back()
-        self._inflight = {}               # step -> [Future], each of {tensor: Correction}
         self._pool = ThreadPoolExecutor(3 * (delay + 1), thread_name_prefix="hvd_dgc_dga")
         self._functions = {}  # (name, path, members) -> tf.function of its collectives
 
     @property
     def in_flight(self):
-        return len(self._inflight)
+        """Steps whose averages have not been applied yet."""
+        return len(self.inflight)
 
     # -- the step's graph ------------------------------------------------------------
     def step(self, grads, at, dropped=None):
-        """Launch this step's payloads; per tensor, ``own + avg - own`` of the step
-        launched ``delay`` steps ago. ``dropped[i]``: tensor i is not finite on this
-        rank; it sends nothing and its memory does not move."""
-        sent = [self.paths.take_own(i, grad, at, None if dropped is None else dropped[i])
-                for i, grad in enumerate(grads)]
-        launched = tf.py_function(self.launch, [at.step, at.stage] + [w for w, _ in sent],
-                                  Tout=tf.int32)
+        """Launch this step's payloads; per tensor, ``own + avg - own`` of every step
+        whose average is due now (the step launched ``delay`` steps ago; with
+        ``period``, an exchange's average in place of its period's own steps).
+        ``dropped[i]``: tensor i is not finite on this rank; it sends nothing and its
+        memory does not move."""
+        exchanging = None if self.period == 1 else \
+            tf.equal((at.step + 1) % self.period, 0)
+        sent = [self.paths.take_own(i, grad, at, None if dropped is None else dropped[i],
+                                    exchanging) for i, grad in enumerate(grads)]
+        owns = []  # a step between exchanges: its own updates, taken back when due
+        if exchanging is not None:
+            owns = [tf.cond(exchanging, lambda: tf.zeros([0]), lambda own=own: own)
+                    for _, own in sent]
+        flag = tf.constant(True) if exchanging is None else exchanging
+        launched = tf.py_function(self.launch, [at.step, at.stage, flag]
+                                  + [w for w, _ in sent] + owns, Tout=tf.int32)
         with tf.control_dependencies([launched]):
-            parts = tf.py_function(self.correction, [at.step - self.delay],
+            parts = tf.py_function(self.correction, [at.step],
                                    Tout=[tf.int32, tf.float32, tf.int32] * len(grads)
                                    + [tf.int64])
         ctx, out = self.paths.ctx, []
@@ -97,22 +113,32 @@ class DelayedAveraging:
         return out
 
     # -- called from the graph (tf.py_function) ---------------------------------
-    def launch(self, step, stage, *payloads):
-        step, stage = int(step), int(stage)
+    def launch(self, step, stage, exchanging, *payloads):
+        """Start an exchange's collectives on the threads, or (a step between
+        exchanges) keep ``-own`` of each tensor for when the period's average comes."""
+        step, stage, count = int(step), int(stage), len(self.paths.ctx.tensors)
         arrays = [p.numpy() for p in payloads]
-        # a name per slot: at most delay+1 steps are in flight, all on different slots
-        name = f"hvd_dgc.dga{step % (self.delay + 1)}"
-        self._inflight[step] = [self._pool.submit(self._run, path, name, members, ks, arrays)
-                                for path, members, ks in self.paths.groups(stage)]
+        if bool(exchanging):
+            # a name per slot: exchanges in flight at once are fewer than delay + 1
+            name = f"hvd_dgc.dga{((step + 1) // self.period) % (self.delay + 1)}"
+            work = [self._pool.submit(self._run, path, name, members, ks, arrays)
+                    for path, members, ks in self.paths.groups(stage)]
+        else:
+            done = Future()
+            done.set_result({i: Correction(NO_RECORDS, -own, NO_RECORDS)
+                             for i, own in enumerate(arrays[count:]) if own.size})
+            work = [done]
+        self.push(step, [work])
         return np.int32(step)
 
     def correction(self, step):
-        """``avg - own`` of the launch at ``step``, per tensor as three parts: records to
-        scatter and a dense part (the other one empty), and the records it gives back to
-        this rank's residual; all empty for a step never launched (before the first, or
-        flushed before a checkpoint this run resumed from). The graph turns them into
-        one tensor. Last: the bytes this rank sent in later rounds."""
-        parts = self._result(self._inflight.pop(int(step), []))
+        """``avg - own`` of the launches due at ``step`` (``-own`` of a step between
+        exchanges), per tensor as three parts: records to scatter and a dense part (the
+        other one empty), and the records it gives back to this rank's residual; all
+        empty where nothing is due (before the first, or flushed before a checkpoint
+        this run resumed from). The graph turns them into one tensor. Last: the bytes
+        this rank sent in later rounds."""
+        parts = self._sum([self._result(futures) for futures in self.due(int(step))])
         return [x for c in parts for x in c[:3]] + [np.int64(sum(c.later_bytes for c in parts))]
 
     def _result(self, futures):
@@ -121,6 +147,28 @@ class DelayedAveraging:
             for i, correction in future.result().items():
                 parts[i] = correction
         return parts
+
+    def _sum(self, launches):
+        """One ``Correction`` per tensor for several launches due at once (a period's
+        steps): dense where more than one has something for the tensor."""
+        if len(launches) <= 1:
+            return launches[0] if launches else self._result([])
+        out = []
+        for i, t in enumerate(self.paths.ctx.tensors):
+            parts = [launch[i] for launch in launches]
+            given = [c for c in parts if c.records.size or c.dense.size]
+            if len(given) <= 1:
+                summed = given[0] if given else parts[0]
+                summed = summed._replace(returned=_joined([c.returned for c in parts]),
+                                         later_bytes=sum(c.later_bytes for c in parts))
+            else:
+                total = np.zeros([t.numel], np.float32)
+                for c in given:
+                    _add_to(total, c)
+                summed = Correction(NO_RECORDS, total, _joined([c.returned for c in parts]),
+                                    sum(c.later_bytes for c in parts))
+            out.append(summed)
+        return out
 
     # -- the threads: one path's collectives of a launch, and only cheap work besides ---
     def _run(self, path, name, members, ks, arrays):
@@ -148,21 +196,33 @@ class DelayedAveraging:
     def drain(self):
         """Wait for every launch still in flight; the sum of their corrections per
         tensor (flat float32), or None when nothing was in flight."""
-        if not self._inflight:
+        if not self.inflight:
             return None
         ctx = self.paths.ctx
         total = [np.zeros([t.numel], np.float32) for t in ctx.tensors]
-        for step in sorted(self._inflight):
-            for i, (t, c) in enumerate(zip(total, self._result(self._inflight.pop(step)))):
-                if c.dense.size:
-                    t += c.dense
-                else:
-                    np.add.at(t, c.records[:, 0], c.records[:, 1].view(np.float32))
+        for futures in self.due(0, flush=True):
+            for i, (t, c) in enumerate(zip(total, self._result(futures))):
+                _add_to(t, c)
                 if self.gives_back:
                     ctx.give_back(i, c.returned[:, 0],
                                   tf.constant(c.returned[:, 1].view(np.float32)))
                     ctx.statistics.add(bytes_sent=c.later_bytes)
         return total
+
+
+def _add_to(total, correction):
+    """``total += correction`` (its dense part, or its records scattered)."""
+    if correction.dense.size:
+        total += correction.dense
+    elif correction.records.size:
+        np.add.at(total, correction.records[:, 0], correction.records[:, 1].view(np.float32))
+
+
+def _joined(records):
+    """Several launches' records given back, as one array."""
+    records = [r for r in records if r.size]
+    return np.concatenate(records) if len(records) > 1 else (records[0] if records
+                                                              else NO_RECORDS)
 
 
 def check_inter_op_threads(setting, instead):

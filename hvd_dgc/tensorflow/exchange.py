@@ -104,6 +104,9 @@ class GradientExchange(tf.Module):
     schedule = property(lambda self: self.resolved.schedule)
     dense_fp16 = property(lambda self: self.resolved.dense_fp16)
     delay = property(lambda self: self.resolved.config.delay)
+    period = property(lambda self: self.resolved.config.period)
+    # a rank steps with its own contribution before the average comes (delay, period)
+    lags = property(lambda self: bool(self.resolved.config.lagging))
     skip_nonfinite = property(lambda self: self.resolved.config.skip_nonfinite)
     op = property(lambda self: self.wire.op)
     process_set = property(lambda self: self.wire.process_set)
@@ -193,8 +196,8 @@ class GradientExchange(tf.Module):
                 slots, masking_density_limit(self.config.momentum_masking, self.momentum),
                 self.dense_fp16, self.config.clip_norm), self.planner)
             self._planned()
-            if self.delay:
-                self.dga = DelayedAveraging(self.paths, self.delay, variables)
+            if self.lags:
+                self.dga = DelayedAveraging(self.paths, self.delay, variables, self.period)
 
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world
@@ -207,15 +210,16 @@ class GradientExchange(tf.Module):
         if _hvd.rank() == 0:  # once: what runs and how to turn it off
             if self.resolved.taken_over.lost:
                 warnings.warn(self.resolved.taken_over.lost, UserWarning)
-            print(self.planner.summary("tensorflow", self.delay), flush=True)
+            print(self.planner.summary("tensorflow", self.delay, self.period), flush=True)
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
     def elastic_refusal(self):
         """Why these settings cannot run under elastic Horovod (None: they can)."""
-        if self.delay:
-            return (f"delay={self.delay} (delayed averaging) under elastic Horovod runs in "
-                    f"hvd_dgc.torch only so far: steps in flight would be lost at a reset. "
-                    f"Use delay=0 with KerasState.")
+        if self.lags:
+            lagging = self.resolved.config.lagging
+            return (f"{lagging} under elastic Horovod runs in hvd_dgc.torch only so far: "
+                    f"steps in flight would be lost at a reset. Use "
+                    f"{self.resolved.config.undo_lagging} with KerasState.")
         if self.passes > 1:
             return ("backward_passes_per_step > 1 under elastic Horovod is not supported "
                     "by hvd_dgc.tensorflow yet (a reset would drop the passes summed so "
@@ -357,13 +361,13 @@ class GradientExchange(tf.Module):
         """Whether a non-finite gradient can make every rank skip a step (guard.py): in
         a synchronous step, and in Adam's exact warm-up with delay (synchronous too);
         under delayed averaging the rank that has it drops it instead."""
-        return self.skip_nonfinite and (not self.delay or self.adam is not None)
+        return self.skip_nonfinite and (not self.lags or self.adam is not None)
 
     def _guarded(self, grads, at):
         """skip_nonfinite: a NaN/Inf gradient never enters the memory (guard.py)."""
         if not self.skip_nonfinite:
             return self._step(grads, at), tf.constant(False)
-        if not self.delay:
+        if not self.lags:
             return self._skipping(grads, at)
         if self.adam is None:
             return self._delayed(grads, at, self.guard.drop(grads)), tf.constant(False)
@@ -390,7 +394,7 @@ class GradientExchange(tf.Module):
         over, delayed from its freeze on (its exact warm-up is not linear in the
         gradient, so nothing of it may be replaced later: every rank takes the same
         branch, the step being theirs)."""
-        if not self.delay:
+        if not self.lags:
             out = self._synchronous(grads, at)
         elif self.adam is None:
             out = self.dga.step(grads, at)
@@ -429,17 +433,20 @@ class GradientExchange(tf.Module):
         return grad
 
     def _check_slices_allowed(self, name):
-        if self.delay:
+        if self.lags:
+            config = self.resolved.config
             raise ValueError(
                 f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
-                f"embedding lookup?) and delay={self.delay}: delayed averaging needs dense "
-                f"gradients. Pass sparse_as_dense=True to hvd_dgc's DistributedGradientTape "
-                f"/ DistributedOptimizer, or delay=0.")
+                f"embedding lookup?) and {config.lagging}: a rank's own steps replaced by "
+                f"the average later need dense gradients. Pass sparse_as_dense=True to "
+                f"hvd_dgc's DistributedGradientTape / DistributedOptimizer, or "
+                f"{config.undo_lagging}.")
 
     # -- delayed averaging's end, statistics -------------------------------------
     @property
     def in_flight(self):
-        """Steps whose averages have not been applied yet (delay > 0)."""
+        """Steps whose averages have not been applied yet (delay > 0, or period > 1
+        between exchanges)."""
         return self.dga.in_flight if self.dga is not None else 0
 
     def flush(self, apply, iterations=None):
@@ -447,22 +454,26 @@ class GradientExchange(tf.Module):
         optimizer step of ``avg - own``; the optimizer's ``iterations`` variable, if
         given, is left as it was: the flush is not a training step), then average
         the variables across ranks: equal in exact arithmetic after the corrections,
-        they differ in rounding."""
-        corrections = self.dga.drain() if self.dga is not None else None
-        if corrections is None:
+        they differ in rounding. With nothing in flight it only averages them where
+        ranks step with their own contributions (``period`` > 1 right after an
+        exchange: each rank replaced its own steps in its own rounding)."""
+        if self.dga is None:
             return False
+        corrections = self.dga.drain()
         variables = self.dga.variables
-        before = int(iterations.numpy()) if iterations is not None else None
-        apply([tf.reshape(c, v.shape) for c, v in zip(corrections, variables)], variables)
-        if iterations is not None:
-            iterations.assign(before)
-        if self.world_size() > 1:
+        if corrections is not None:
+            before = int(iterations.numpy()) if iterations is not None else None
+            apply([tf.reshape(c, v.shape) for c, v in zip(corrections, variables)],
+                  variables)
+            if iterations is not None:
+                iterations.assign(before)
+        if self.world_size() > 1 and (corrections is not None or self.period > 1):
             averaged = _hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in variables],
                                               op=Average, name="hvd_dgc.flush",
                                               process_set=self.process_set)
             for var, value in zip(variables, averaged):
                 var.assign(value)
-        return True
+        return corrections is not None
 
     def stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""

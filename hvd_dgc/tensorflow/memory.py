@@ -59,6 +59,12 @@ class DGCMemory(tf.Module):
 
     def accumulate(self, i, g):
         """u = m u + g; v += u (Nesterov: u = m (u + g); v += u + g). Returns v's value."""
+        self.intake(i, g)
+        return self.v[i].read_value()
+
+    def intake(self, i, g):
+        """``accumulate``'s update; returns what ``v`` took in (u; Nesterov: u + g): a
+        step between exchanges (``period``) applies it as this rank's own."""
         v, momentum = self.v[i], self.momentum
         if self.preconditioner is not None:
             frozen, scale = self.preconditioner.frozen(), self.preconditioner.scale(i)
@@ -68,13 +74,14 @@ class DGCMemory(tf.Module):
             u = self.u[i]
             if self.nesterov:
                 u.assign(momentum * (u + g))
-                v.assign_add(u + g)
+                taken = u.read_value() + g
             else:
                 u.assign(momentum * u + g)
-                v.assign_add(u)
+                taken = u.read_value()
         else:
-            v.assign_add(g)
-        return v.read_value()
+            taken = g
+        v.assign_add(taken)
+        return taken
 
     @property
     def sgd_momentum(self):

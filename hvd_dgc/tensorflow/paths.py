@@ -111,6 +111,10 @@ class PathContext(NamedTuple):
         return self.memory.accumulate(i, local_gradient(grad, self.clip_norm,
                                                         self.wire.world()))
 
+    def intake(self, i, grad):
+        """Clip and accumulate, on a step between exchanges: what ``v`` took in."""
+        return self.memory.intake(i, local_gradient(grad, self.clip_norm, self.wire.world()))
+
     def give_back(self, i, indices, values):
         """What an aggregation took but did not deliver (region reduce's owner keeps
         what it did not send on) back into the residual: error feedback sends it later."""
@@ -530,10 +534,12 @@ class ExchangePaths:
         out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
         return tf.reshape(out, tf.shape(grad))
 
-    def take_own(self, i, grad, at, dropped=None):
+    def take_own(self, i, grad, at, dropped=None, exchanging=None):
         """Delayed averaging, in the step's graph: ``(payload as int32 words, own)``.
         ``dropped``: this rank's tensor i is not finite; it sends the path's nothing
-        (every rank joins the same collectives) and its memory does not move."""
+        (every rank joins the same collectives) and its memory does not move.
+        ``exchanging`` (``period`` > 1): False on a step between exchanges, which sends
+        nothing and applies what the memory took in as its own (the words are empty)."""
         k = self.k(i, at)
 
         def run():
@@ -542,6 +548,15 @@ class ExchangePaths:
 
         def drop():
             return self.choose(i, at, lambda path: _words(path, path.nothing(i, at)))
+
+        def local():
+            return tf.zeros([0], tf.int32), self.ctx.intake(i, grad)
+
+        def local_drop():
+            return tf.zeros([0], tf.int32), tf.zeros([self.ctx.numel(i)])
+        if exchanging is not None:
+            run = (lambda exchange=run: tf.cond(exchanging, exchange, local))
+            drop = (lambda exchange=drop: tf.cond(exchanging, exchange, local_drop))
         return run() if dropped is None else tf.cond(dropped, drop, run)
 
     def groups(self, stage):

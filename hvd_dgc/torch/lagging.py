@@ -16,7 +16,9 @@ velocity (what its memory just took in) and sends nothing; the memory keeps the 
 sum, and the p-th step's exchange sends from it as any step would. When that
 exchange's average arrives (at once, or D steps later), it replaces every ``own`` this
 rank applied for those p steps: ``avg - sum(own)``. At p = 1 this is the DGA rule, and
-at p = 1, D = 0 synchronous training.
+at p = 1, D = 0 synchronous training. When each step's entry is due is written once for
+both frameworks (hvd_dgc/lagging.py ``LagQueue``); this module adds the delay in force,
+the corrections in torch and delay="auto"'s agreement.
 
 ``delay="auto"`` (hvd_dgc/autodelay.py) measures compute and waits, and every rank
 switches D at the same step, from sums agreed by a non-blocking max-allreduce read a
@@ -24,39 +26,29 @@ window later.
 """
 
 import time
-from collections import deque
-from typing import NamedTuple
 
 import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
+from hvd_dgc.lagging import LagQueue
 
-__all__ = ["Lagging", "InFlight"]
-
-
-class InFlight(NamedTuple):
-    """One step's launches (local ones on a step between exchanges), waiting for the
-    step at which the exchange that covers them is applied."""
-
-    due: int        # the optimizer step that applies its average
-    launches: list  # of engine.Launch
+__all__ = ["Lagging"]
 
 
-class Lagging:
-    """The delay in force, the period, and the steps in flight (oldest first)."""
+class Lagging(LagQueue):
+    """The delay in force (fixed, or delay="auto"'s), on the shared queue of steps in
+    flight (hvd_dgc/lagging.py)."""
 
     def __init__(self, config, process_set, start=0, now=None):
-        self.start = start          # the first step that may lag (Adam: its freeze)
+        super().__init__(config.period, start)  # start: the first step that may lag
+        #                                          (Adam: its freeze)
         self._now = now if now is not None else (lambda: start)  # the optimizer's step
         auto = config.auto_delay
         self.auto = None if auto is None else AutoDelayState(auto)
         self._delay = config.fixed_delay or 0
-        self.period = config.period
         self.process_set = process_set
-        self.inflight = deque()
-        self._period_delay = None  # the delay of the period under way (applied_at)
         self._step_ended = None    # delay="auto": when the last step's wait ended
         self._agreeing = None      # delay="auto": a window's sums, being agreed on
 
@@ -95,34 +87,7 @@ class Lagging:
         slots = (self.delay if self.auto is None else self.auto.config.max_delay) + 1
         return ".d%d" % (step % slots)
 
-    def exchanges_now(self, step):
-        """Every ``period``-th step exchanges (the same step on every rank, as ``step``
-        is; it comes back with checkpoints and elastic commits), and every step before
-        ``start``."""
-        return step < self.start or (step + 1) % self.period == 0
-
-    def applied_at(self, step):
-        """The step that applies the average covering ``step``: the period's exchange,
-        ``delay`` steps after it (the delay in force when the period began: a change by
-        delay="auto" waits for the next period, so a period's steps stay together)."""
-        if step % self.period == 0 or self._period_delay is None:
-            self._period_delay = self.delay
-        return step + (-(step + 1)) % self.period + self._period_delay
-
     # -- per step ------------------------------------------------------------------------
-    def push(self, step, launches):
-        """This step's launches join those in flight (first in, first applied: a D lowered
-        by delay="auto" waits for the older ones)."""
-        after = self.inflight[-1].due if self.inflight else -1
-        self.inflight.append(InFlight(max(self.applied_at(step), after), launches))
-
-    def due(self, step, flush=False):
-        """The launches whose averages this step applies (``flush``: all of them)."""
-        out = []
-        while self.inflight and (flush or self.inflight[0].due <= step):
-            out += self.inflight.popleft().launches
-        return out
-
     def gradients(self, engine, launches, due):
         """This step's gradients: ``own`` of its launches, plus ``avg - own`` of every
         launch due (``-own`` for a step between exchanges), one operation per launch.

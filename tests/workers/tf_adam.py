@@ -159,34 +159,39 @@ def reference_equivalence():
 
 
 def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd, delay,
-                     batches=None):
+                     batches=None, period=1):
     """tests/reference.py ``delayed_frozen_adam`` with Keras' Adam, each rank's gradients
     at its own weights on its batch; ``batches``: which batch each step takes (default:
     step i the i-th)."""
     batches = list(range(steps)) if batches is None else batches
     return ref.delayed_frozen_adam(
         start, lambda x, step, r: _grads_at(tf, model, x, *_batch(batches[step], r)), steps,
-        world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True)
+        world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True, period=period)
 
 
 def delay_reference():
     """Each Adam taken over with delay=2, dense, frozen at step 3: the reference on each
     rank step by step (ranks apart once the delayed steps begin), synchronous before the
-    freeze, and every rank's weights the flushed reference after ``flush()``."""
+    freeze, and every rank's weights the flushed reference after ``flush()``. AdamW also
+    with ``period`` (3, and 2 with delay=1): exchanges every period-th step from the
+    freeze on, the steps between on each rank's own memory intake."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     rank, world = hvd.rank(), hvd.size()
-    steps, freeze, lr, betas, eps, wd, delay = 9, 3, 0.01, (0.9, 0.99), 1e-7, 0.05, 2
+    steps, freeze, lr, betas, eps, wd = 9, 3, 0.01, (0.9, 0.99), 1e-7, 0.05
     results = {}
-    for label, make, decoupled in _classes():
+    runs = [(label, make, decoupled, 2, 1) for label, make, decoupled in _classes()]
+    runs += [(_classes()[0][0] + f".period{p}.delay{d}",) + _classes()[0][1:] + (d, p)
+             for d, p in ((0, 3), (1, 2))]
+    for label, make, decoupled, delay, period in runs:
         decay = wd if decoupled else 0.0
         shadow = _model(tf.keras, 0)
         start = _flat(v.numpy() for v in shadow.trainable_variables)
         per_rank, flushed = _reference_delay(tf, shadow, start, steps, world, freeze, lr,
-                                             betas, eps, decay, delay)
+                                             betas, eps, decay, delay, period=period)
         model = _model(tf.keras, 0)
         opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay), freeze_variance=freeze,
-                                       min_compress_size=10 ** 9, delay=delay)
+                                       min_compress_size=10 ** 9, delay=delay, period=period)
         step, diffs, identical, in_flight = _train_step(tf, model, opt), [], [], []
         for s in range(steps):
             step(*_batch(s, rank))
@@ -209,6 +214,7 @@ def delay_reference():
     # a NaN in rank 1's batch 1, in the exact warm-up: every rank skips that step (it is
     # synchronous, as PyTorch's warm-up is), and the run is the reference fed the others
     label, make, decoupled = _classes()[0]
+    delay = 2
     model = _model(tf.keras, 0)
     opt = hvd.DistributedOptimizer(make(lr, betas, eps, wd if decoupled else 0.0),
                                    freeze_variance=freeze, min_compress_size=10 ** 9,

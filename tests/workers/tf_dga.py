@@ -390,3 +390,135 @@ def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05, kind="ta
 
 def keras_delayed_nonfinite_is_dropped_on_its_rank():
     return delayed_nonfinite_is_dropped_on_its_rank(kind="keras")
+
+
+# -- temporally sparse updates (period=p), against tests/reference.py -------------------
+PERIODS = {
+    # name: (kind, density or None, momentum, period, delay, steps)
+    "keras_dense_p3": ("keras", None, 0.9, 3, 0, 8),
+    "keras_topk_p2_delay1": ("keras", 0.05, 0.9, 2, 1, 9),
+    "tape_dense_p2_delay3": ("tape", None, 0.0, 2, 3, 9),
+}
+
+
+def _period_reference(w0, size, steps, density, momentum, period, delay):
+    """Every rank's weights after each step, and after a flush, by tests/reference.py:
+    the memory of a ``period`` run (lagged_memory_step), the update (lagged_update) and
+    the flush (lagged_flush), with the fixed gradients of ``_fixed_grads``."""
+    import tests.reference as ref
+    shapes = [x.shape for x in w0]
+    mem = [[(np.zeros(int(np.prod(s)), np.float32),) * 2 for s in shapes] for _ in range(size)]
+    owns = [[[] for _ in shapes] for _ in range(size)]   # [rank][tensor][step]
+    avgs = [[] for _ in shapes]                          # [tensor][step]
+    weights = [[x.astype(np.float32).copy() for x in w0] for _ in range(size)]
+    per_step = []
+    for i in range(steps):
+        grads = _fixed_grads(i, None, size)
+        exchange = (i + 1) % period == 0
+        for t, shape in enumerate(shapes):
+            numel = int(np.prod(shape))
+            k = None if density is None else ref.num_selected(numel, density)
+            for r in range(size):
+                u, v = mem[r][t]
+                u, v, own = ref.lagged_memory_step(u, v, grads[r][t].reshape(-1), exchange, k,
+                                                   momentum)
+                mem[r][t] = (u, v)
+                owns[r][t].append(own)
+            avgs[t].append(ref.average([owns[r][t][i] for r in range(size)]) if exchange
+                           else None)
+        for r in range(size):
+            for t, shape in enumerate(shapes):
+                update = ref.lagged_update(owns[r][t], avgs[t], i, delay, period)
+                weights[r][t] = weights[r][t] - np.float32(0.05) * update.reshape(shape)
+        per_step.append([[w.copy() for w in ws] for ws in weights])
+    flushed = [[w - np.float32(0.05) * ref.lagged_flush(owns[r][t], avgs[t], steps, delay,
+                                                       period).reshape(w.shape)
+                for t, w in enumerate(weights[r])] for r in range(size)]
+    return per_step, flushed
+
+
+def period_matches_reference():
+    """``period=p`` (with ``delay=D``) in TensorFlow, step by step against the NumPy
+    reference: Keras SGD with its momentum taken over (dense, and exact top-k at 5%,
+    inside tf.function) and the tape (dense, eager); weights every step, steps in
+    flight, collectives only on exchange steps, ranks identical after the flush."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd_tape
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    rank, size = hvd_keras.rank(), hvd_keras.size()
+    out = {}
+    for n, (name, (kind, density, momentum, period, delay, steps)) in enumerate(
+            PERIODS.items()):
+        variables = _init(tf, 10 + n)
+        w0 = [v.numpy() for v in variables]
+        options = dict(period=period, delay=delay, aggregation="allgather" if density else
+                       "auto", min_compress_size=0)
+        options.update(density=density, warmup=0, compression=hvd_keras.Compression.topk,
+                       momentum_masking=True) if density else options.update(density=1.0)
+        if kind == "keras":
+            opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum),
+                                                 **options)
+
+            @tf.function
+            def train_step(grads, opt=opt, variables=variables):
+                opt.apply_gradients(zip(grads, variables))
+            flush, in_flight = opt.flush, (lambda opt=opt: opt.in_flight)
+            stats = opt.compression_stats
+        else:
+            opt = tf.keras.optimizers.SGD(0.05)
+            tapes = []
+
+            def train_step(grads, opt=opt, variables=variables, tapes=tapes):
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+                tape = hvd_tape.DistributedGradientTape(tape, **options)
+                tapes.append(tape)
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            flush, in_flight = (lambda opt=opt: hvd_tape.flush(opt)), hvd_tape.in_flight
+            stats = None
+        expected, flushed = _period_reference(w0, size, steps, density, momentum, period,
+                                              delay)
+        diffs, spread, waiting = [], [], []
+        for i in range(steps):
+            train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+            diffs.append(_max_diff(tf, variables, expected[i][rank]))
+            everyone = hvd_keras.allgather(tf.expand_dims(_flat(tf, variables), 0),
+                                           name=f"per.{name}.{i}").numpy()
+            spread.append(float(np.max(everyone.max(0) - everyone.min(0))))
+            waiting.append(in_flight())
+        summary = stats() if stats is not None else hvd_tape.compression_stats()
+        if isinstance(summary, list):
+            summary = summary[-1]
+        done = flush()
+        out[name] = {
+            "max_diff_each_step": max(diffs), "spread": spread, "in_flight": waiting,
+            "flushed": bool(done), "in_flight_after_flush": in_flight(),
+            "max_diff_after_flush": _max_diff(tf, variables, flushed[rank]),
+            "identical_after_flush": _identical(tf, hvd_keras, variables, f"per.{name}.f"),
+            "paths": summary["paths"], "period": period, "delay": delay, "steps": steps,
+            "tensors": len(variables),
+            "moved": max(float(np.max(np.abs(v.numpy() - x))) for v, x in zip(variables, w0))}
+    return out
+
+
+def period_bad_inputs():
+    """period needs an update linear in the gradient, dense gradients, and no elastic
+    Horovod yet: each refused with the fix."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    out = {}
+    for label, fn in (
+            ("zero", lambda: hvd.DistributedGradientTape(tf.GradientTape(), period=0)),
+            ("rmsprop", lambda: hvd_keras.DistributedOptimizer(
+                tf.keras.optimizers.RMSprop(), period=3)),
+            ("powersgd", lambda: hvd.DistributedGradientTape(
+                tf.GradientTape(), period=2, compression=hvd.Compression.powersgd))):
+        try:
+            fn()
+            out[label] = "NO EXCEPTION"
+        except ValueError as exc:
+            out[label] = str(exc)
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    out["elastic"] = GradientExchange(period=2, density=1.0).elastic_refusal()
+    return out

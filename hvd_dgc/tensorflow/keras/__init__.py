@@ -403,7 +403,9 @@ def _dgc_state(self):
 
 
 def _flush(self):
-    """Delayed averaging (``delay=D``): apply the steps still in flight and leave
+    """Delayed averaging (``delay=D``, ``period=p``): apply the steps still in flight
+    (a period's own steps since its last exchange are taken back: their velocity is
+    still in the memory) and leave
     every rank with the same weights. ``callbacks.DGCCallback`` calls it before
     evaluation and at the end of ``model.fit``; call it yourself before
     checkpointing. Returns whether anything was in flight."""
@@ -429,7 +431,8 @@ def _current_lr(self):
 
 
 def _in_flight(self):
-    """Steps whose averages have not been applied yet (delay > 0)."""
+    """Steps whose averages have not been applied yet (delay > 0, or period > 1
+    between exchanges)."""
     return self._hvd_dgc.in_flight
 
 
@@ -530,9 +533,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
     (as Horovod does). hvd_dgc's options, by keyword, as in
-    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``period``,
-    ``delay="auto"``, hierarchical aggregation, ``fusion_threshold`` and ``log_every``
-    run in PyTorch only so far);
+    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``delay="auto"``,
+    hierarchical aggregation, ``fusion_threshold`` and ``log_every`` run in PyTorch
+    only so far);
     Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / fp16 values in
     the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
@@ -543,7 +546,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     synchronous): each step applies ``own_i - own_(i-D) + avg_(i-D)`` while the average
     of step i travels; ``opt.flush()`` (``callbacks.DGCCallback`` calls it before
     evaluation and when ``fit`` ends) applies the rest and leaves every rank with
-    the same weights.
+    the same weights. ``period=p`` (temporally sparse updates, as in PyTorch;
+    hvd_dgc/lagging.py): every p-th step exchanges; in between each rank steps with
+    what its memory took in and sends nothing, and the exchange's average replaces
+    those own steps when it is applied (at once, or ``delay`` steps later).
 
     ``skip_nonfinite`` (default True): a NaN/Inf gradient on any rank never enters
     the DGC memory and every rank skips the step (weights, optimizer state, memory
