@@ -75,7 +75,7 @@ class DGCConfig:
             ``CostModel()`` there.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
-            "auto" (PyTorch) chooses D from measured compute and waits, the same on every
+            "auto" chooses D from measured compute and waits, the same on every
             rank (at most 8; ``hvd_dgc.AutoDelay(max_delay=..., window=20)`` to change
             that). Needs an update linear in the gradient: SGD, or Adam/AdamW taken over
             (``freeze_variance``; delayed from the freeze on); call ``flush()`` before
@@ -467,7 +467,6 @@ _PER_RANK = ("log_every",)
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere.
 _TORCH_ONLY = (
-    ("delay", lambda c: c.auto_delay is not None, "an int delay (e.g. delay=4)"),
     ("aggregation", lambda c: c.aggregation == "hierarchical",
      "aggregation='auto' (flat methods)"),
     ("fusion_threshold", lambda c: c.fusion_threshold is not None,

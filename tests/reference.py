@@ -184,8 +184,14 @@ def dga_update(own_history, avg_history, i, delay):
 # -- [TSU] temporally sparse updates (period), with [DGA] ------------------------------
 def lag_due(steps, delay, period):
     """{exchange step s: the step that applies its average}: every period-th step
-    exchanges ((s + 1) % p == 0), applied D steps later (hvd_dgc/lagging.py)."""
-    return {s: s + delay for s in range(period - 1, steps, period)}
+    exchanges ((s + 1) % p == 0), applied D steps later (hvd_dgc/lagging.py). ``delay``
+    may be a list, the D in force at each step (delay="auto"): an exchange takes the D
+    its period began with, and is applied no earlier than the one before it."""
+    delays = list(delay) if isinstance(delay, (list, tuple)) else [delay] * steps
+    due, last = {}, -1
+    for s in range(period - 1, steps, period):
+        due[s] = last = max(s + delays[s - period + 1], last)
+    return due
 
 
 def lagged_update(owns, avgs, i, delay, period):

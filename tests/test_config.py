@@ -77,7 +77,6 @@ def test_an_unknown_option_is_refused_with_the_closest_name(name):
 
 
 @pytest.mark.parametrize("option,value,instead", [
-    ("delay", "auto", "use an int delay"),
     ("aggregation", "hierarchical", "aggregation='auto'"),
     ("fusion_threshold", 1024, "no fusion_threshold"), ("log_every", 10, "log_every=0")])
 def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):

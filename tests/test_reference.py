@@ -177,6 +177,9 @@ def test_vector_temporally_sparse_updates():
         updates = [float(ref.lagged_update(history, avg, i, 1, 2)[0]) for i in range(5)]
         assert updates == expected[rank]
         assert sum(updates) + float(ref.lagged_flush(history, avg, 5, 1, 2)[0]) == 4.0
+    # delay="auto" (a D per step): exchange 1 ran under D = 2, exchange 3 under D = 0,
+    # which must wait for the one before it: both applied at step 3
+    assert ref.lag_due(5, [2, 2, 0, 0, 0], 2) == {1: 3, 3: 3}
     # period 1 is delayed averaging: the DGA vector above, step by step
     own, dense_avg = [1, 2, 3, 4, 5], [[2], [1.5], [3.5], [2.5], [5]]
     history = [[x] for x in own]

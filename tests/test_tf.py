@@ -20,7 +20,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
-        "tf_dga.period_bad_inputs"]
+        "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference"]
 # Keras 2: Horovod's dense and DGC; Keras 3: DGC, DGC with delayed averaging, EF-SignSGD,
 # held to Keras 2's dense Horovod (the same model, data and seed)
 FIT2 = {"keras_fit_digits": {}}
@@ -55,7 +55,8 @@ def keras2(ckdir):
                   "keras_backward_passes", "tf_dga.keras_delay_dense_matches_formula",
                   "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars",
                   "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes",
-                  "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference"],
+                  "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
+                  "tf_dga.auto_delay_matches_reference"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT2,
                    "tf_keras_api.keras_passes": {"how": "compute"}}})
 
@@ -451,6 +452,30 @@ def test_period_follows_the_reference_and_flush_makes_ranks_identical(version, v
         assert sum(res["paths"].values()) == res["tensors"] * (steps // period), res["paths"]
         if "topk" in variant:
             assert res["paths"].get("sparse", 0) > 0, res["paths"]
+
+
+@pytest.mark.parametrize("version", ["keras2", "keras3"])
+@pytest.mark.parametrize("variant", ["down", "up", "up_period2"])
+def test_auto_delay_same_on_every_rank_and_equal_to_the_rule_it_chose(version, variant, tape,
+                                                                      keras2):
+    """delay=AutoDelay(max_delay=4, window=2) in Keras, as PyTorch's test: every rank runs
+    the same D at every step (the window's sums agreed, max over ranks), D moves the way
+    its measurements say, and the weights at every step and after the flush are the
+    reference's (tests/reference.py) fed that same sequence of D."""
+    for out in _checked(keras2 if version == "keras2" else tape,
+                        "tf_dga.auto_delay_matches_reference"):
+        res = out[variant]
+        trace = res["trace"]
+        assert all(t == trace for t in res["traces"]), res["traces"]
+        assert res["decisions"], res
+        if variant == "down":  # no wait worth the name: one step less per window, to 1
+            assert trace[0] == 4 and trace[-1] == 1, trace
+            assert all(a >= b for a, b in zip(trace, trace[1:])), trace
+        else:  # every wait counts: up by the margin each window, to max_delay
+            assert trace[0] == 1 and trace[-1] == 4, trace
+            assert all(a <= b for a, b in zip(trace, trace[1:])), trace
+        assert res["max_diff_each_step"] < 1e-5 and res["max_diff_after_flush"] < 1e-5, res
+        assert res["identical_after_flush"] and res["moved"] > 1e-2
 
 
 def test_period_bad_inputs_give_clear_errors(tape):

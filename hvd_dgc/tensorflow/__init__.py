@@ -29,6 +29,7 @@ from horovod.tensorflow import Average, global_process_set
 import tensorflow as tf
 
 from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
@@ -178,8 +179,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
-    (hvd_dgc.config.DGCConfig; ``delay="auto"``, hierarchical aggregation,
-    ``fusion_threshold`` and ``log_every`` run in PyTorch only so far). A tape
+    (hvd_dgc.config.DGCConfig; hierarchical aggregation, ``fusion_threshold`` and
+    ``log_every`` run in PyTorch only so far). A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).

@@ -34,11 +34,15 @@ them synchronously (exchange.py ``_step``) and delays from the freeze on.
 """
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import Max
 
+from hvd_dgc.autodelay import AutoDelayState
 from hvd_dgc.lagging import LagQueue
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
@@ -57,16 +61,43 @@ class DelayedAveraging(LagQueue):
     the threads; the scatter into dense tensors happens in the graph, as on the
     synchronous path."""
 
-    def __init__(self, paths, delay, variables, period=1):
-        setting = " and ".join([f"delay={delay}"] * bool(delay)
+    def __init__(self, paths, delay, variables, period=1, auto=None):
+        """``delay``: the fixed D; ``auto``: delay="auto"'s ``AutoDelay`` instead (the D
+        chosen from measured compute and waits, hvd_dgc/autodelay.py)."""
+        said = "auto" if auto is not None else delay
+        setting = " and ".join([f"delay={said}"] * bool(said)
                                + [f"period={period}"] * (period > 1))
         check_inter_op_threads(setting, "delay=0 and period=1")
         super().__init__(period)
-        self.paths, self.delay = paths, delay
+        self.paths, self._fixed = paths, int(delay or 0)
+        self.auto = None if auto is None else AutoDelayState(auto)
+        # exchanges in flight at once are fewer than this: their collectives' names
+        self._slots = (self._fixed if auto is None else auto.max_delay) + 1
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self.gives_back = paths.gives_back()
-        self._pool = ThreadPoolExecutor(3 * (delay + 1), thread_name_prefix="hvd_dgc_dga")
+        self._pool = ThreadPoolExecutor(3 * self._slots, thread_name_prefix="hvd_dgc_dga")
         self._functions = {}  # (name, path, members) -> tf.function of its collectives
+        self._step_ended = None  # delay="auto": when the last step's wait ended
+        self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
+
+    @property
+    def delay(self):
+        """The D in force: the fixed one, or delay="auto"'s last decision."""
+        return self._fixed if self.auto is None else self.auto.delay
+
+    def describe_delay(self):
+        """For the rank-0 line."""
+        if self.auto is None:
+            return self._fixed
+        return f"auto (from {self.auto.config.start}, at most {self.auto.config.max_delay})"
+
+    def stats(self):
+        """What ``compression_stats()`` says of the lag: the D in force, the period, and
+        delay="auto"'s decisions ``(step, D)``."""
+        out = {"delay": self.delay, "period": self.period}
+        if self.auto is not None:
+            out["delay_decisions"] = list(self.auto.decisions)
+        return out
 
     @property
     def in_flight(self):
@@ -120,7 +151,7 @@ class DelayedAveraging(LagQueue):
         arrays = [p.numpy() for p in payloads]
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
-            name = f"hvd_dgc.dga{((step + 1) // self.period) % (self.delay + 1)}"
+            name = f"hvd_dgc.dga{((step + 1) // self.period) % self._slots}"
             work = [self._pool.submit(self._run, path, name, members, ks, arrays)
                     for path, members, ks in self.paths.groups(stage)]
         else:
@@ -138,8 +169,42 @@ class DelayedAveraging(LagQueue):
         empty where nothing is due (before the first, or flushed before a checkpoint
         this run resumed from). The graph turns them into one tensor. Last: the bytes
         this rank sent in later rounds."""
+        started = time.perf_counter()
         parts = self._sum([self._result(futures) for futures in self.due(int(step))])
+        if self.auto is not None:
+            self._tune(int(step), started, time.perf_counter() - started)
         return [x for c in parts for x in c[:3]] + [np.int64(sum(c.later_bytes for c in parts))]
+
+    def _tune(self, step, started, waited):
+        """delay="auto", as the PyTorch side (torch/lagging.py ``tune``): this step's
+        compute (since the last step's wait ended) and wait; at the end of a window read
+        the previous window's agreed sums (long arrived: no wait), decide D from them
+        (every rank the same, from this step on), and start agreeing on this window's
+        (max over ranks, on a thread)."""
+        auto = self.auto
+        if self._step_ended is not None:
+            auto.observe(started - self._step_ended, waited)
+        self._step_ended = time.perf_counter()
+        if not auto.window_done():
+            return
+        sums = auto.take_window()
+        if self._agreeing is not None:
+            agreeing, self._agreeing = self._agreeing, None
+            auto.decide(tuple(agreeing.result()), step, self.period)
+        self._agreeing = self._pool.submit(self._agree, sums)
+        self._step_ended = time.perf_counter()
+
+    def _agree(self, sums):
+        """The elementwise maximum of every rank's window sums (a small tf.function with
+        its own graph nodes, as the collectives': eager Horovod ops cannot overlap)."""
+        fn = self._functions.get("autodelay")
+        if fn is None:
+            process_set = self.paths.ctx.wire.process_set
+            fn = tf.function(lambda x: _hvd.allreduce(x, op=Max, name="hvd_dgc.autodelay",
+                                                      process_set=process_set),
+                             input_signature=[tf.TensorSpec([len(sums)], tf.float64)])
+            self._functions["autodelay"] = fn
+        return fn(tf.constant(sums, tf.float64)).numpy().tolist()
 
     def _result(self, futures):
         parts = [Correction(NO_RECORDS, NO_DENSE, NO_RECORDS)] * len(self.paths.ctx.tensors)
@@ -196,6 +261,7 @@ class DelayedAveraging(LagQueue):
     def drain(self):
         """Wait for every launch still in flight; the sum of their corrections per
         tensor (flat float32), or None when nothing was in flight."""
+        self._step_ended = None  # (delay="auto": a flush's wait is not a step's compute)
         if not self.inflight:
             return None
         ctx = self.paths.ctx

@@ -197,7 +197,9 @@ class GradientExchange(tf.Module):
                 self.dense_fp16, self.config.clip_norm), self.planner)
             self._planned()
             if self.lags:
-                self.dga = DelayedAveraging(self.paths, self.delay, variables, self.period)
+                config = self.resolved.config
+                self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
+                                            self.period, config.auto_delay)
 
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world
@@ -210,7 +212,8 @@ class GradientExchange(tf.Module):
         if _hvd.rank() == 0:  # once: what runs and how to turn it off
             if self.resolved.taken_over.lost:
                 warnings.warn(self.resolved.taken_over.lost, UserWarning)
-            print(self.planner.summary("tensorflow", self.delay, self.period), flush=True)
+            delay = self.dga.describe_delay() if self.dga is not None else self.delay
+            print(self.planner.summary("tensorflow", delay, self.period), flush=True)
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
     def elastic_refusal(self):
@@ -483,6 +486,8 @@ class GradientExchange(tf.Module):
                    world_size=self.world_size())
         if self.adam is not None:  # which phase runs: "exact Adam" / "frozen variance"
             out.update(self.adam.stats(int(self.step.numpy())))
+        if self.dga is not None:  # the D in force, the period, delay="auto"'s decisions
+            out.update(self.dga.stats())
         return out
 
 

@@ -501,6 +501,56 @@ def period_matches_reference():
     return out
 
 
+AUTO = {
+    # name: (start D, idle, period, seconds of extra compute per step)
+    "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
+    "up": (1, 0.0, 1, 0.0),       # every wait counts: D climbs to max_delay
+    "up_period2": (1, 0.0, 2, 0.0),
+}
+
+
+def auto_delay_matches_reference(steps=16, momentum=0.9):
+    """delay=AutoDelay(...) in Keras (SGD momentum taken over, dense, in tf.function): the
+    D each step ran with, on every rank, and the weights at every step and after the
+    flush against tests/reference.py fed that same sequence of D (as PyTorch's test)."""
+    import time
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank = hvd.rank()
+    out = {}
+    for n, (name, (start_d, idle, period, extra)) in enumerate(AUTO.items()):
+        variables = _init(tf, 20 + n)
+        w0 = [v.numpy() for v in variables]
+        config = hvd.AutoDelay(max_delay=4, window=2, start=start_d, idle=idle)
+        opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum),
+                                       density=1.0, delay=config, period=period)
+
+        @tf.function
+        def train_step(grads, opt=opt, variables=variables):
+            opt.apply_gradients(zip(grads, variables))
+        trace, weights = [], []
+        for i in range(steps):
+            time.sleep(extra)
+            trace.append(opt.compression_stats()["delay"] if i else start_d)
+            train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+            weights.append([v.numpy() for v in variables])
+        stats = opt.compression_stats()
+        opt.flush()
+        expected, flushed = _period_reference(w0, hvd.size(), steps, None, momentum, period,
+                                              trace)
+        everyone = hvd.allgather(tf.constant([trace], tf.int32),
+                                 name=f"ad.trace.{name}").numpy().tolist()
+        out[name] = {
+            "trace": trace, "traces": everyone, "decisions": stats["delay_decisions"],
+            "max_diff_each_step": max(max(float(np.max(np.abs(a - b))) for a, b in
+                                          zip(weights[i], expected[i][rank]))
+                                      for i in range(steps)),
+            "max_diff_after_flush": _max_diff(tf, variables, flushed[rank]),
+            "identical_after_flush": _identical(tf, hvd, variables, f"ad.flush.{name}"),
+            "moved": max(float(np.max(np.abs(v.numpy() - x))) for v, x in zip(variables, w0))}
+    return out
+
+
 def period_bad_inputs():
     """period needs an update linear in the gradient, dense gradients, and no elastic
     Horovod yet: each refused with the fix."""

@@ -37,6 +37,7 @@ from horovod.tensorflow import Average, global_process_set
 import horovod.tensorflow as _hvd
 
 from hvd_dgc.config import DGCConfig
+from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
 from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
@@ -533,9 +534,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
     (as Horovod does). hvd_dgc's options, by keyword, as in
-    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``delay="auto"``,
-    hierarchical aggregation, ``fusion_threshold`` and ``log_every`` run in PyTorch
-    only so far);
+    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; hierarchical
+    aggregation, ``fusion_threshold`` and ``log_every`` run in PyTorch only so far);
     Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / fp16 values in
     the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
