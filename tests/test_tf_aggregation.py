@@ -7,7 +7,7 @@ import pytest
 from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
-SCENARIOS = ["reference_parity", "density_one", "conservation", "delayed_conservation",
+SCENARIOS = ["reference_parity", "reference_parity_fp16", "density_one", "conservation", "delayed_conservation",
              "nonfinite_skip", "keras_region", "bad_inputs"]
 PATH = {"allgather": "sparse", "region": "region", "region_predivide": "region"}
 
@@ -31,6 +31,19 @@ def test_region_reduce_equals_the_numpy_reference_bit_for_bit(four):
         for case in cases:
             assert case["total_equal"] and case["returned_equal"], (rank, case)
             assert case["kept"] == case["kept_ref"], (rank, case)
+
+
+def test_region_reduce_with_fp16_records_equals_the_reference_bit_for_bit(four):
+    """fp16 values (6-byte records) in both rounds: the total is the reference's on the
+    ranks' fp16 values with the kept sums rounded to fp16, and each owner gives back
+    its sums not kept plus the kept ones' rounding (nothing lost), exactly."""
+    rounded = 0
+    for rank, cases in enumerate(_scenario(four, "reference_parity_fp16")):
+        for case in cases:
+            assert case["total_equal"] and case["returned_equal"], (rank, case)
+            assert case["kept"] == case["kept_ref"], (rank, case)
+            rounded += case["rounding_returned"]
+    assert rounded > 0  # some kept sums did not fit fp16 exactly, and went back
 
 
 def test_density_one_every_aggregation_equals_horovods_tape(four):

@@ -38,12 +38,7 @@ from hvd_dgc.tensorflow.memory import local_gradient
 from hvd_dgc.tensorflow.region import share_kept, to_owners
 
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
-           "DensePath", "AllgatherPath", "RegionPath", "ExchangePath", "SparseGradPath",
-           "REGION_RECORD_BYTES"]
-
-#: Region reduce's records: int32 index and float32 value, whatever ``fp16_values``.
-REGION_RECORD_BYTES = 8
-
+           "DensePath", "AllgatherPath", "RegionPath", "ExchangePath", "SparseGradPath"]
 
 class At(NamedTuple):
     """Where a step is: its density stage (k and the path are looked up by it), the
@@ -328,15 +323,13 @@ class _RegionLaunch(NamedTuple):
 
 class RegionPath(AllgatherPath):
     """Region reduce (hvd_dgc/tensorflow/region.py, after Ok-Topk): records to the owners
-    of N index regions (alltoall), their largest sums to everyone (allgather). Values
-    travel unscaled: the sums are formed once, on the owners. What an owner does not
-    keep goes back into its own residual (error feedback)."""
+    of N index regions (alltoall), their largest sums to everyone (allgather), both as
+    the compressor puts them on the wire (fp16 values: 6 bytes). Values travel
+    unscaled: the sums are formed once, on the owners. What an owner does not keep (and
+    its kept sums' fp16 rounding) goes back into its own residual (error feedback)."""
 
     kind = PathKind.REGION
     gives_back = True
-
-    def record_bytes(self):
-        return REGION_RECORD_BYTES
 
     def take(self, i, v, k, at, poison=None):
         indices, values = self.select(i, v, k, at)
@@ -346,12 +339,14 @@ class RegionPath(AllgatherPath):
 
     def take_own(self, i, v, k, at):
         indices, values = self.select(i, v, k, at)
+        values = self.ctx.compressor.wire_values(values)  # as the owner reads it
         return Sent(SparseCompressor.pack(values, indices),
                     _scattered(indices, values, self.ctx.numel(i)))
 
     def launch(self, part):
-        ps = self.ctx.wire.process_set
-        first = [to_owners(r[:, 0], tf.bitcast(r[:, 1], tf.float32), part.ks[j], name, ps)
+        ps, codec = self.ctx.wire.process_set, self.ctx.compressor
+        first = [to_owners(r[:, 0], tf.bitcast(r[:, 1], tf.float32), part.ks[j], name, ps,
+                           codec)
                  for j, (r, name) in enumerate(zip(part.payloads, part.each("region")))]
         return _RegionLaunch(part, first, [])
 
@@ -359,7 +354,8 @@ class RegionPath(AllgatherPath):
         if handle.results:
             return
         ps, names = self.ctx.wire.process_set, handle.part.each("region")
-        handle.results.extend(share_kept(first, self.ctx.numel(i), name, ps)
+        handle.results.extend(share_kept(first, self.ctx.numel(i), name, ps,
+                                         self.ctx.compressor)
                               for i, first, name in zip(handle.part.members, handle.first,
                                                         names))
 
@@ -370,7 +366,7 @@ class RegionPath(AllgatherPath):
     def average(self, part, got):
         for i, res in zip(part.members, got):
             self.ctx.give_back(i, res.returned_indices, res.returned_values)
-            self.ctx.statistics.add(bytes_sent=REGION_RECORD_BYTES * res.kept)
+            self.ctx.statistics.add(bytes_sent=self.record_bytes() * res.kept)
         return [res.total * self.ctx.wire.summed() for res in got]
 
     def correction(self, part, got):
@@ -383,7 +379,7 @@ class RegionPath(AllgatherPath):
             returned = np.stack([res.returned_indices.numpy(),
                                  res.returned_values.numpy().view(np.int32)], axis=1)
             out[i] = Correction(NO_RECORDS, correction, returned,
-                                REGION_RECORD_BYTES * int(res.kept))
+                                self.record_bytes() * int(res.kept))
         return out
 
 

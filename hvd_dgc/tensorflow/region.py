@@ -14,7 +14,10 @@ lost. About 3k(N-1)/N records per worker, whatever N.
 In graph ops, one tensor per call: the tensors of a step are independent ops of one
 graph, so TensorFlow runs their collectives concurrently and Horovod negotiates them
 together (as it does the allgathers of the other sparse path). Records are the sparse
-compressors' ``[int32 index | float32 value bits]`` rows.
+compressors' ``[int32 index | float32 value bits]`` rows; with ``fp16_values`` they
+travel as the compressor puts them on the wire (6 bytes: ``to_wire`` / ``from_wire``)
+in both rounds, and an owner's kept sums lose their fp16 rounding into its residual,
+as on the PyTorch side.
 """
 
 from typing import NamedTuple
@@ -57,25 +60,47 @@ class OwnersRound(NamedTuple):
     count: tf.Tensor             # int64 scalar: records kept
 
 
-def region_reduce(indices, values, numel, k, name, process_set=global_process_set):
+class _Float32Records:
+    """The wire of records as they are (int32 index, float32 value bits)."""
+
+    @staticmethod
+    def to_wire(records):
+        return records
+
+    @staticmethod
+    def from_wire(wire):
+        return wire
+
+    @staticmethod
+    def wire_values(values):
+        return values
+
+
+def region_reduce(indices, values, numel, k, name, process_set=global_process_set,
+                  codec=None):
     """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
     elements (each rank's indices distinct), each owner keeping ``quota(k, N)`` of its
     region's sums. Every rank of ``process_set`` calls it with the same ``numel``, ``k``
-    and ``name``. Returns a ``RegionResult``; ``total`` is bit-identical on every rank."""
-    return share_kept(to_owners(indices, values, k, name, process_set), numel, name,
-                      process_set)
+    and ``name``. ``codec``: the sparse compressor whose wire the records take (its
+    ``to_wire``, ``from_wire`` and ``wire_values``; None: float32 values). Returns a
+    ``RegionResult``; ``total`` is bit-identical on every rank."""
+    return share_kept(to_owners(indices, values, k, name, process_set, codec), numel, name,
+                      process_set, codec)
 
 
-def to_owners(indices, values, k, name, process_set=global_process_set):
+def to_owners(indices, values, k, name, process_set=global_process_set, codec=None):
     """Round 1: one alltoall sends each record to its region's owner, which sums what it
-    got in source-rank order and keeps its ``quota(k, N)`` largest sums."""
+    got in source-rank order and keeps its ``quota(k, N)`` largest sums (rounded as
+    they will travel; the rounding goes back with the sums it does not keep)."""
+    codec = codec or _Float32Records
     world = process_set.size()
     owner = owners(indices, world)
     order = tf.argsort(owner, stable=True)
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=world, maxlength=world)
     records = SparseCompressor.pack(tf.gather(values, order), tf.gather(indices, order))
-    got, _ = _hvd.alltoall(records, splits=splits, name=name + ".split",
+    got, _ = _hvd.alltoall(codec.to_wire(records), splits=splits, name=name + ".split",
                            process_set=process_set)
+    got = codec.from_wire(got)
     # sum by index in the alltoall's order (source rank), as the reference does
     unique, inverse = tf.unique(got[:, 0])
     sums = tf.math.unsorted_segment_sum(tf.bitcast(got[:, 1], tf.float32), inverse,
@@ -87,15 +112,21 @@ def to_owners(indices, values, k, name, process_set=global_process_set):
     count = tf.cast(tf.minimum(quota(k, world), size), tf.int32)
     top = tf.math.top_k(tf.abs(sums), k=count, sorted=True).indices
     keep = tf.scatter_nd(tf.expand_dims(top, 1), tf.ones_like(top, tf.bool), tf.shape(unique))
-    rest = tf.logical_not(keep)
-    return OwnersRound(SparseCompressor.pack(tf.gather(sums, top), tf.gather(unique, top)),
-                       tf.boolean_mask(unique, rest), tf.boolean_mask(sums, rest),
+    kept = tf.gather(sums, top)
+    sent = codec.wire_values(kept)
+    # what does not leave: the sums not kept, and the kept ones' rounding on the wire
+    back = tf.tensor_scatter_nd_sub(sums, tf.expand_dims(top, 1), sent)
+    rest = tf.logical_or(tf.logical_not(keep), tf.not_equal(back, 0.0))
+    return OwnersRound(SparseCompressor.pack(sent, tf.gather(unique, top)),
+                       tf.boolean_mask(unique, rest), tf.boolean_mask(back, rest),
                        tf.cast(count, tf.int64))
 
 
-def share_kept(first, numel, name, process_set=global_process_set):
+def share_kept(first, numel, name, process_set=global_process_set, codec=None):
     """Round 2: one allgather shares every owner's kept sums, so every rank builds the
     same total; owners' regions are disjoint, so the scatter has no order."""
-    everyone = _hvd.allgather(first.kept, name=name + ".gather", process_set=process_set)
+    codec = codec or _Float32Records
+    everyone = codec.from_wire(_hvd.allgather(codec.to_wire(first.kept),
+                                              name=name + ".gather", process_set=process_set))
     return RegionResult(SparseCompressor.scatter_sum(everyone, numel), first.returned_indices,
                         first.returned_values, first.count)

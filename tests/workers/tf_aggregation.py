@@ -52,6 +52,49 @@ def reference_parity(cases=((1000, 10), (37, 5), (3, 2), (4096, 40))):
     return out
 
 
+def reference_parity_fp16(cases=((1000, 10), (37, 5), (4096, 40))):
+    """Region reduce with 6-byte records (``Compression.topk(fp16_values=True)``'s wire),
+    against the reference fed every rank's values rounded to fp16: the owners' sums in
+    float32, the kept ones rounded to fp16 on the way out; what an owner gives back is
+    its sums not kept and the kept ones' rounding. Bit for bit."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow.region import region_reduce
+    rank, world = hvd.rank(), hvd.size()
+    codec = hvd.Compression.topk(fp16_values=True)
+    out = []
+    for case, (n, k) in enumerate(cases):
+        selections = []
+        for r in range(world):
+            rng = np.random.RandomState(700 + 100 * case + r)
+            idx = rng.choice(n, size=min(k, n), replace=False)
+            values = (rng.randn(idx.size) * 3).astype(np.float32)
+            selections.append((idx.astype(np.int64), values))
+        rounded = [(i, v.astype(np.float16).astype(np.float32)) for i, v in selections]
+        ref = region_reduce_reference(rounded, n, k)
+        wire = ref.values.astype(np.float16).astype(np.float32)
+        expected = np.zeros(n, np.float32)
+        expected[ref.indices] = wire
+        mine = region_of(ref.indices, n, world) == rank
+        back = {int(i): v for i, v in zip(*ref.returned[rank])}
+        for i, s, w in zip(ref.indices[mine], ref.values[mine], wire[mine]):
+            if s != w:
+                back[int(i)] = np.float32(s - w)
+        idx, val = selections[rank]
+        res = region_reduce(tf.constant(idx, tf.int32), tf.constant(val), n, k,
+                            f"parity16.{case}", codec=codec)
+        got = dict(zip(res.returned_indices.numpy().tolist(), res.returned_values.numpy()))
+        out.append({
+            "total_equal": bool(np.array_equal(res.total.numpy(), expected)),
+            "returned_equal": sorted(got) == sorted(back) and all(
+                np.float32(got[i]) == np.float32(back[i]) for i in back),
+            "rounding_returned": sum(1 for i in back if i not in dict(zip(
+                ref.returned[rank][0].tolist(), ref.returned[rank][1]))),
+            "kept": int(res.kept),
+            "kept_ref": int(mine.sum())})
+    return out
+
+
 def density_one(steps=8):
     """density 1 through the forced method == Horovod's DistributedGradientTape (SGD with
     momentum applied outside), every tensor sparse (min_compress_size=0)."""
