@@ -7,7 +7,7 @@ from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",
              "checkpoint_after_flush_resumes_exactly", "bad_delay", "period_matches_simulation",
-             "bad_period", "auto_delay_matches_simulation"]
+             "bad_period", "auto_delay_matches_simulation", "period_against_reference"]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,20 @@ def test_period_equals_simulated_rule_and_flush_makes_ranks_identical(gloo, vari
         assert sum(res["paths"].values()) == res["tensors"] * exchanges, res["paths"]
     if variant.startswith("topk"):
         assert res["paths"]["sparse"] > 0
+
+
+@pytest.mark.parametrize("variant", ["dense_p3", "topk_p2_delay1", "dense_p2_delay3"])
+def test_period_equals_the_reference_tensorflow_is_held_to(gloo, variant):
+    """The same runs as TensorFlow's period test (tests/workers/lagged.py: gradients that
+    do not depend on the weights), each step against tests/reference.py's lagged_update
+    and the flush against its lagged_flush: both frameworks, one reference."""
+    for out in _checked(gloo, "period_against_reference"):
+        res = out[variant]
+        assert res["moved"] > 1e-2
+        assert res["max_diff_each_step"] < 1e-5 and res["max_diff_after_flush"] < 1e-5, res
+        assert sum(res["paths"].values()) == 3 * (res["steps"] // res["period"]), res
+        if variant.startswith("topk"):
+            assert res["paths"].get("sparse", 0) > 0, res["paths"]
 
 
 def test_bad_period_arguments_give_clear_errors(gloo):

@@ -6,18 +6,9 @@ delayed run sends exactly what a synchronous run sends."""
 
 import numpy as np
 
+from tests.workers.lagged import SHAPES, fixed_grads as _fixed_grads, \
+    period_reference as _period_reference
 from tests.workers.tf_dgc import _flat, _identical, _tf
-
-SHAPES = [(40, 32), (32,), (32, 8)]
-
-
-def _fixed_grads(step, rank, size=None, scale=1.0):
-    """This rank's gradient at ``step`` (all ranks' when ``size`` is given)."""
-    if size is not None:
-        return [_fixed_grads(step, r, scale=scale) for r in range(size)]
-    rng = np.random.RandomState(7919 * step + rank)
-    return [(rng.randn(*s) * scale).astype(np.float32) for s in SHAPES]
-
 
 def _init(tf, offset=0):
     rng = np.random.RandomState(3 + offset)
@@ -399,42 +390,6 @@ PERIODS = {
     "keras_topk_p2_delay1": ("keras", 0.05, 0.9, 2, 1, 9),
     "tape_dense_p2_delay3": ("tape", None, 0.0, 2, 3, 9),
 }
-
-
-def _period_reference(w0, size, steps, density, momentum, period, delay):
-    """Every rank's weights after each step, and after a flush, by tests/reference.py:
-    the memory of a ``period`` run (lagged_memory_step), the update (lagged_update) and
-    the flush (lagged_flush), with the fixed gradients of ``_fixed_grads``."""
-    import tests.reference as ref
-    shapes = [x.shape for x in w0]
-    mem = [[(np.zeros(int(np.prod(s)), np.float32),) * 2 for s in shapes] for _ in range(size)]
-    owns = [[[] for _ in shapes] for _ in range(size)]   # [rank][tensor][step]
-    avgs = [[] for _ in shapes]                          # [tensor][step]
-    weights = [[x.astype(np.float32).copy() for x in w0] for _ in range(size)]
-    per_step = []
-    for i in range(steps):
-        grads = _fixed_grads(i, None, size)
-        exchange = (i + 1) % period == 0
-        for t, shape in enumerate(shapes):
-            numel = int(np.prod(shape))
-            k = None if density is None else ref.num_selected(numel, density)
-            for r in range(size):
-                u, v = mem[r][t]
-                u, v, own = ref.lagged_memory_step(u, v, grads[r][t].reshape(-1), exchange, k,
-                                                   momentum)
-                mem[r][t] = (u, v)
-                owns[r][t].append(own)
-            avgs[t].append(ref.average([owns[r][t][i] for r in range(size)]) if exchange
-                           else None)
-        for r in range(size):
-            for t, shape in enumerate(shapes):
-                update = ref.lagged_update(owns[r][t], avgs[t], i, delay, period)
-                weights[r][t] = weights[r][t] - np.float32(0.05) * update.reshape(shape)
-        per_step.append([[w.copy() for w in ws] for ws in weights])
-    flushed = [[w - np.float32(0.05) * ref.lagged_flush(owns[r][t], avgs[t], steps, delay,
-                                                       period).reshape(w.shape)
-                for t, w in enumerate(weights[r])] for r in range(size)]
-    return per_step, flushed
 
 
 def period_matches_reference():

@@ -297,6 +297,59 @@ def period_matches_simulation(steps=11, lr=0.05):
     return out
 
 
+LAGGED = {
+    # name: (density or None, momentum, period, delay, steps), as tf_dga.PERIODS
+    "dense_p3": (None, 0.9, 3, 0, 8),
+    "topk_p2_delay1": (0.05, 0.9, 2, 1, 9),
+    "dense_p2_delay3": (None, 0.0, 2, 3, 9),
+}
+
+
+def period_against_reference(lr=0.05):
+    """``period`` (with ``delay``) on gradients that do not depend on the weights,
+    every step against tests/reference.py (tests/workers/lagged.py): the reference the
+    TensorFlow workers are held to as well (``simulate_dga`` above is this module's
+    own, in torch)."""
+    import numpy as np
+    from tests.workers.lagged import SHAPES, fixed_grads, period_reference
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for name, (density, momentum, period, delay, steps) in LAGGED.items():
+        rng = np.random.RandomState(31)
+        w0 = [rng.randn(*s).astype(np.float32) for s in SHAPES]
+        params = [torch.nn.Parameter(torch.tensor(w)) for w in w0]
+        options = dict(period=period, delay=delay, min_compress_size=0)
+        if density is None:
+            options.update(density=1.0)
+        else:
+            options.update(density=density, warmup=0, compression=hvd.Compression.topk,
+                           momentum_masking=True, aggregation="allgather")
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(params, lr=lr, momentum=momentum),
+            named_parameters=[(f"lag.{name}.{i}", p) for i, p in enumerate(params)],
+            **options)
+        expected, flushed = period_reference(w0, size, steps, density, momentum, period,
+                                             delay, lr)
+        diffs = []
+        for i in range(steps):
+            opt.zero_grad()
+            sum((p * torch.tensor(c)).sum() for p, c in zip(params, fixed_grads(i, rank))
+                ).backward()
+            opt.step()
+            diffs.append(max(float(np.abs(p.detach().numpy() - e).max())
+                             for p, e in zip(params, expected[i][rank])))
+        paths = opt.compression_stats()["paths"]
+        opt.flush()
+        out[name] = {
+            "max_diff_each_step": max(diffs),
+            "max_diff_after_flush": max(float(np.abs(p.detach().numpy() - e).max())
+                                        for p, e in zip(params, flushed[rank])),
+            "paths": paths, "steps": steps, "period": period,
+            "moved": max(float(np.abs(p.detach().numpy() - w).max())
+                         for p, w in zip(params, w0))}
+    return out
+
+
 AUTO = {
     # name: (start D, idle, period, seconds of extra compute per step)
     "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
