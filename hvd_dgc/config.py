@@ -86,7 +86,7 @@ class DGCConfig:
             in between each rank steps with its own velocity and the exchange's average
             then replaces those steps (hvd_dgc/lagging.py). Needs SGD or Adam taken
             over, and ``flush()``, as ``delay`` does; no GradScaler; with it
-            hierarchical DGC falls back to flat methods; not under elastic Keras yet.
+            hierarchical DGC falls back to flat methods.
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory:
             synchronous steps are skipped on every rank (weights, memory, step count
             unchanged; that rank sends inf, so every rank sees it), delayed ones send

@@ -257,6 +257,22 @@ class DelayedAveraging(LagQueue):
             self._functions[key] = fn
         return fn
 
+    # -- elastic Horovod ----------------------------------------------------------------
+    def abandon(self):
+        """An elastic restore or reset: what is in flight belongs to a world that is gone
+        (the commit it goes back to was flushed, so nothing of it is lost). Its
+        collectives fail once Horovod shuts down; their threads are left to it, on a
+        pool of their own, and the collectives' functions (traced for the old world's
+        scales) are made again."""
+        self.inflight.clear()
+        self._agreeing = self._step_ended = None
+        if self.auto is not None:
+            self.auto.reset_window()
+        old, self._pool = self._pool, ThreadPoolExecutor(3 * self._slots,
+                                                         thread_name_prefix="hvd_dgc_dga")
+        old.shutdown(wait=False, cancel_futures=True)
+        self._functions = {}
+
     # -- end of training, evaluation, checkpoint ----------------------------------
     def drain(self):
         """Wait for every launch still in flight; the sum of their corrections per

@@ -7,6 +7,9 @@ nothing of DGC's memory, which lives outside the optimizer's variables. This
 state commits and restores the model's, the optimizer's and hvd_dgc's variables
 (residuals, velocities, step, epoch), and around a reset:
 
+- ``commit``: with ``delay`` or ``period``, what is in flight is applied first
+  (``flush``), so every commit is a point every rank agrees on; ``restore`` drops what
+  was in flight since;
 - ``reset`` (Horovod re-initialised, the world changed, no collective yet): the
   exchange is planned again for the new number of ranks (each tensor's path from
   the cost model; the 1/N scales and bounds are traced into the step, so the
@@ -61,6 +64,23 @@ class TensorFlowKerasState(_HorovodKerasState):
             raise ValueError(refused)
         self._exchange = exchange
         super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
+
+    def save(self):
+        """A commit: with delayed averaging or ``period``, first every step in flight
+        applied and the ranks' weights averaged (``flush``: every rank commits at the
+        same batch), so a restore goes back to weights every rank agrees on."""
+        flush = getattr(self.optimizer, "flush", None)
+        if flush is not None and getattr(self._exchange, "lags", False):
+            flush()
+        super().save()
+
+    def restore(self):
+        """Back to the last commit; what was in flight since is dropped (it belongs to
+        steps that will be done again, in whatever world comes next)."""
+        abandon = getattr(self._exchange, "abandon", None)
+        if abandon is not None:
+            abandon()
+        super().restore()
 
     def _tracked(self):
         """Everything a restore puts back: weights, optimizer and DGC variables."""

@@ -96,6 +96,7 @@ class GradientExchange(tf.Module):
         object.__setattr__(self, "adam", None)
         self._epoch = 0.0
         self._first_step = 0  # rank 0's, for a build after an elastic reset
+        self._first_delay = None  # and the D its delay="auto" had reached
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     # what the options resolved to
@@ -200,6 +201,8 @@ class GradientExchange(tf.Module):
                 config = self.resolved.config
                 self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
                                             self.period, config.auto_delay)
+                if self.dga.auto is not None and self._first_delay is not None:
+                    self.dga.auto.delay = int(self._first_delay)  # rank 0's (elastic)
 
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world
@@ -217,12 +220,10 @@ class GradientExchange(tf.Module):
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
     def elastic_refusal(self):
-        """Why these settings cannot run under elastic Horovod (None: they can)."""
-        if self.lags:
-            lagging = self.resolved.config.lagging
-            return (f"{lagging} under elastic Horovod runs in hvd_dgc.torch only so far: "
-                    f"steps in flight would be lost at a reset. Use "
-                    f"{self.resolved.config.undo_lagging} with KerasState.")
+        """Why these settings cannot run under elastic Horovod (None: they can). Delayed
+        averaging and ``period`` can: every commit flushes first (elastic.py), so a
+        restore goes back to weights every rank agrees on, and what was in flight since
+        is dropped (``abandon``) with the steps that are done again."""
         if self.passes > 1:
             return ("backward_passes_per_step > 1 under elastic Horovod is not supported "
                     "by hvd_dgc.tensorflow yet (a reset would drop the passes summed so "
@@ -236,31 +237,42 @@ class GradientExchange(tf.Module):
         residuals are still owed to the model."""
         if self.memory is None:
             return
+        self.abandon()
         with tf.init_scope():
             self.planner.replan(self.world_size())
             self.paths.replan(self.planner)
             self._planned()
             self.agreeing.assign(True)
 
+    def abandon(self):
+        """An elastic restore or reset: drop the steps in flight (delay, period)."""
+        if self.dga is not None:
+            self.dga.abandon()
+
     def shared_state(self):
         """What decides every rank's density and path, so every rank must hold rank 0's
-        after an elastic reset: (step, epoch); None before the first step."""
+        after an elastic reset: (step, epoch, the D delay="auto" has reached or None);
+        None before the first step."""
         if self.memory is None:
             return None
-        return int(self.step.numpy()), float(self.epoch.numpy())
+        auto = self.dga.auto if self.dga is not None else None
+        return (int(self.step.numpy()), float(self.epoch.numpy()),
+                None if auto is None else int(auto.delay))
 
     def load_shared_state(self, state):
         """Rank 0's ``shared_state()``; kept for the build when this rank has not stepped
         yet (a worker that joined: its residuals start empty, its step is rank 0's)."""
         if state is None:
             return
-        step, epoch = state
+        step, epoch, delay = state
         self._epoch = float(epoch)
         if self.memory is None:
-            self._first_step = int(step)
+            self._first_step, self._first_delay = int(step), delay
         else:
             self.step.assign(step)
             self.epoch.assign(epoch)
+            if delay is not None and self.dga is not None and self.dga.auto is not None:
+                self.dga.auto.delay = int(delay)
 
     def current_epoch(self):
         """The epoch the warm-up reads (before the first step: the one it will read)."""

@@ -66,6 +66,7 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=
             identical = _identical(tf, hvd, model.trainable_variables,
                                    f"el.{step}.{hvd.size()}")
             log.append({"step": step, "size": hvd.size(), "epoch": state.epoch,
+                        "in_flight": opt.in_flight,
                         "loss": float(logs["loss"]), "dgc_step": stats["step"],
                         "dgc_epoch": stats["epoch"], "world_size": stats["world_size"],
                         "density": stats["current_density"], "hosts": hvd.cross_size(),
@@ -119,6 +120,22 @@ def keras_crash_a_worker(flag, epochs=3, crash_at=13):
     and DGC state together) and goes on alone from step 11."""
     return _fit_elastic(flag, epochs, None, None, seed=5, crash_at=crash_at,
                         commit_every=5, density=0.01, warmup=20, warmup_unit="step")
+
+
+def keras_crash_a_worker_delayed(flag, epochs=3, crash_at=13):
+    """``keras_crash_a_worker`` with delayed averaging and ``period`` (delay=2,
+    period=2): every commit (every 5 steps) flushes first, so the survivor goes back to
+    weights both ranks agreed on and drops what was in flight."""
+    return _fit_elastic(flag, epochs, None, None, seed=5, crash_at=crash_at,
+                        commit_every=5, density=0.01, warmup=20, warmup_unit="step",
+                        delay=2, period=2)
+
+
+def keras_add_a_worker_delayed(flag, epochs=3, trigger=8):
+    """``keras_add_a_worker`` with delay=2: the join comes at a commit, flushed, so the
+    newcomer takes weights every rank agrees on; both end identical (fit's last flush)."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
+                        density=0.01, warmup=20, warmup_unit="step", delay=2)
 
 
 def keras_add_a_worker(flag, epochs=3, trigger=8):
