@@ -70,9 +70,9 @@ class DGCConfig:
             its allgather where the budget allows (the records' rate; well under a second; every rank uses the same numbers, said in rank 0's line;
             hvd_dgc/linkprobe.py), and DGC's own work on this device
             (hvd_dgc/localcost.py), so tensors and stages where sparse costs more than
-            dense run dense. Under elastic Horovod PyTorch measures at each sync of
-            ``hvd.elastic.TorchState`` (after a reset too); TensorFlow keeps
-            ``CostModel()`` there.
+            dense run dense. Under elastic Horovod both measure at each sync of the
+            elastic state (``TorchState``, ``KerasState``; after a reset too: every rank
+            is there).
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" chooses D from measured compute and waits, the same on every

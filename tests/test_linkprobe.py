@@ -267,7 +267,7 @@ def test_keras_fit_measures_inside_its_first_step_and_trains(loopback):
         outs[0]["line"]
 
 
-def test_under_elastic_torch_measures_at_the_sync_and_tensorflow_assumes(loopback):
+def test_under_elastic_both_frameworks_measure_at_the_sync(loopback):
     synced = [out["elastic"]["synced"] for out in loopback]
     for rank, out in enumerate(loopback):
         assert "error" not in out["elastic"], (rank, out["elastic"]["error"])
@@ -276,12 +276,20 @@ def test_under_elastic_torch_measures_at_the_sync_and_tensorflow_assumes(loopbac
     assert synced[0]["alpha"] == synced[1]["alpha"] and synced[0]["bandwidth"] > 1e7
     assert synced[0]["line"].startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")
     assert synced[1]["line"] == ""
+    # TensorFlow: its build (alone, under elastic) assumes the link until the sync...
     tf_default = loopback[0]["elastic"]["tf_default"]
     assert tf_default["link"] == "None" and tf_default["model"] == repr(CostModel())
-    assert "link assumed (1 Gbit/s, 50 us per message): not measured under elastic " \
-        "Horovod in TensorFlow yet" in tf_default["line"]
-    assert loopback[0]["elastic"]["tf_measure"].startswith(
-        "cost_model='measure' does not run under elastic Horovod in TensorFlow yet")
+    assert "link assumed (1 Gbit/s, 50 us per message) until the elastic state's sync" \
+        in tf_default["line"]
+    # ... which measures it on every rank alike, and says so on rank 0
+    tf_synced = [out["elastic"]["tf_synced"] for out in loopback]
+    assert tf_synced[0]["model"] == tf_synced[1]["model"] != repr(CostModel())
+    assert tf_synced[0]["alpha"] == tf_synced[1]["alpha"] and tf_synced[0]["bandwidth"] > 1e7
+    assert tf_synced[0]["line"].startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")
+    assert tf_synced[1]["line"] == ""
+    # a sync before the build (the state's first): the build plans with its numbers
+    early = [out["elastic"]["tf_early"] for out in loopback]
+    assert early[0] == early[1] and early[0]["link"] != "None", early
 
 
 def test_the_default_is_measure_unless_the_environment_says_assumed():

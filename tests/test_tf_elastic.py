@@ -121,6 +121,23 @@ def test_keras_fit_with_delay_and_period_survives_a_worker_that_dies_mid_step(tm
     assert out["stats"]["delay"] == 2 and out["stats"]["period"] == 2
 
 
+def test_keras_fit_gains_a_worker_with_the_link_measured_at_each_sync(tmp_path):
+    """The join above with the default cost model (the link measured; Keras 3): a
+    worker that joins builds alone, so every rank measures the new world's link in the
+    elastic state's sync instead, with the same numbers, and the step is traced again
+    where the paths changed; both train on in lock-step."""
+    job = elastic_launch("tests.workers.tf_elastic:keras_add_a_worker", tmp_path, 1,
+                         "localhost:1", "localhost:2", max_np=2, timeout=300,
+                         env=dict(KERAS["keras3"], HVD_DGC_COST_MODEL=""))
+    assert job.returncode == 0, job.output()
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    # measured at the first sync (1 rank: no link) and at the join's (2 ranks)
+    assert "hvd_dgc: elastic sync at 2 ranks: link measured:" in job.stdout, job.output()
+    _assert_follows_the_world(first["log"] + newcomer["log"])
+    assert first["final"] == newcomer["final"]
+
+
 def test_keras_fit_with_delay_gains_a_worker(tmp_path):
     """1 rank, then 2, with delay=2 (Keras 3): the join comes at a commit, which
     flushed, so the newcomer takes weights every rank agrees on; both train on with

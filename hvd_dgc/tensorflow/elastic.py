@@ -17,7 +17,9 @@ state commits and restores the model's, the optimizer's and hvd_dgc's variables
 - ``sync`` (a worker joined): every rank builds its optimizer (so all hold the
   same variables), takes rank 0's weights and optimizer variables, and rank 0's
   DGC step and epoch, which decide every rank's density and path; residuals stay
-  per rank (a newcomer's start empty, as it has sent nothing).
+  per rank (a newcomer's start empty, as it has sent nothing). With the default
+  cost model the link of this world is measured here, where every rank is (a
+  worker that joins builds alone: no probe at its build).
 
 Use it as Horovod's: ``state = hvd.elastic.KerasState(model, batch=0, epoch=0)``,
 training in a function decorated with ``@hvd.elastic.run`` (this module's: it also
@@ -113,6 +115,9 @@ class TensorFlowKerasState(_HorovodKerasState):
             v.assign(_hvd.broadcast(tf.convert_to_tensor(v), 0, name=f"hvd_dgc.elastic.{i}"))
         self._exchange.load_shared_state(broadcast_object(
             self._exchange.shared_state(), root_rank=0, name="hvd_dgc.elastic.shared"))
+        measure = getattr(self._exchange, "measure_at_sync", None)  # every rank is here
+        if measure is not None and measure() and hasattr(self.model, "train_function"):
+            self.model.train_function = None  # other paths: fit traces its step again
         self._exchange.resuming = True
         self._save_model()
         ObjectState.sync(self)

@@ -97,6 +97,7 @@ class GradientExchange(tf.Module):
         self._epoch = 0.0
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self._first_delay = None  # and the D its delay="auto" had reached
+        self._measured_at_sync = None  # elastic: (link, local cost) of the last sync
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     # what the options resolved to
@@ -156,15 +157,13 @@ class GradientExchange(tf.Module):
                     momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
                     self.process_set)
             if self.planner.measure and self.elastic:
-                if self.config.cost_model == "measure":
-                    raise ValueError(
-                        "cost_model='measure' does not run under elastic Horovod in "
-                        "TensorFlow yet (a worker that joins later would wait in the "
-                        "probe's collectives alone; PyTorch measures at each sync); pass a "
-                        "hvd_dgc.CostModel(alpha=..., bandwidth=...).")
-                self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per message): "
-                                           "not measured under elastic Horovod in "
-                                           "TensorFlow yet")
+                # a worker that joins builds alone: the link is measured at each sync
+                # of the elastic state instead, where every rank is (measure_at_sync)
+                if self._measured_at_sync is not None:
+                    self.planner.measured(*self._measured_at_sync)
+                else:
+                    self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per "
+                                               "message) until the elastic state's sync")
             elif self.planner.measure:  # every rank agreed to probe (the default)
                 link = measure_link(self.process_set)
                 local = None
@@ -243,6 +242,34 @@ class GradientExchange(tf.Module):
             self.paths.replan(self.planner)
             self._planned()
             self.agreeing.assign(True)
+
+    def measure_at_sync(self):
+        """Elastic Horovod: every rank is in the state's sync, so the link of this world
+        is measured there (a worker that joins builds alone, and a probe at its build
+        would wait for the others). Before the build the numbers wait for it; after,
+        every choice is made afresh. Returns whether the paths changed (the traced step
+        holds them: it must be traced again)."""
+        if self.resolved.cost_model != "measure":
+            return False
+        with tf.init_scope():
+            link = measure_link(self.process_set)
+            local = None
+            if link is not None and self.resolved.sparse:
+                local = measure_local(self.compression, self.process_set,
+                                      self.resolved.final_density() or 0.001)
+        self._measured_at_sync = (link, local)
+        if self.memory is None:
+            return False
+        before = [tuple(stages) for stages in self.paths.stages]
+        self.planner.unmeasured = ""
+        with tf.init_scope():
+            self.planner.measured(link, local)
+            self.paths.replan(self.planner)
+            self.statistics.cover(self.paths.kinds())
+        if _hvd.rank() == 0 and self.planner.measured_words():
+            print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
+                  f"{self.planner.measured_words()}", flush=True)
+        return [tuple(stages) for stages in self.paths.stages] != before
 
     def abandon(self):
         """An elastic restore or reset: drop the steps in flight (delay, period)."""

@@ -75,9 +75,9 @@ def _keras_fit():
 
 def _elastic():
     """Under elastic Horovod a worker that joins wraps alone, so nothing is measured at
-    wrap time: PyTorch measures at each sync of ``hvd.elastic.TorchState`` (every rank is
-    in it; called here as its handler calls it); TensorFlow keeps the assumed link (and
-    refuses an explicit ``cost_model="measure"``)."""
+    wrap time: PyTorch measures at each sync of ``hvd.elastic.TorchState`` and TensorFlow
+    at each sync of its ``KerasState`` (every rank is in it; called here as the states
+    call them)."""
     import os
     import torch
     import tensorflow as tf
@@ -98,14 +98,19 @@ def _elastic():
         exchange = GradientExchange()
         line = io.StringIO()
         with contextlib.redirect_stdout(line):
-            exchange.build(variables)
+            exchange.build(variables)  # a joining worker builds alone: nothing measured
         out["tf_default"] = {"link": repr(exchange.planner.link), "line": line.getvalue(),
                              "model": repr(exchange.planner.cost_model)}
-        try:
-            GradientExchange(cost_model="measure").build(variables)
-            out["tf_measure"] = "NO EXCEPTION"
-        except ValueError as exc:
-            out["tf_measure"] = str(exc)
+        line = io.StringIO()
+        with contextlib.redirect_stdout(line):
+            changed = exchange.measure_at_sync()  # as the elastic state's sync calls it
+        out["tf_synced"] = dict(_measured(exchange.planner, line), changed=changed)
+        # measured at a sync before the build (the state's first sync): the build uses it
+        early = GradientExchange(cost_model="measure")
+        early.measure_at_sync()
+        early.build([tf.Variable(tf.zeros([1024, 1024]))])
+        out["tf_early"] = {"link": repr(early.planner.link), "model":
+                           repr(early.planner.cost_model)}
     finally:
         del os.environ["HOROVOD_ELASTIC"]
     return out
