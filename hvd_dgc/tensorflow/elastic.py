@@ -85,9 +85,12 @@ class TensorFlowKerasState(_HorovodKerasState):
         super().restore()
 
     def _tracked(self):
-        """Everything a restore puts back: weights, optimizer and DGC variables."""
+        """Everything a restore puts back: weights, optimizer and DGC variables, and the
+        sums and count of ``backward_passes_per_step`` (a commit may fall between)."""
+        passes = getattr(self.optimizer, "_hvd_dgc_passes", None)
         return (list(self.model.variables) + optimizer_variables(self.optimizer)
-                + list(self._exchange.variables))
+                + list(self._exchange.variables)
+                + (passes.variables if passes is not None else []))
 
     def _save_model(self):
         # by variable, not by position: the optimizer's and DGC's variables are made at

@@ -222,11 +222,9 @@ class GradientExchange(tf.Module):
         """Why these settings cannot run under elastic Horovod (None: they can). Delayed
         averaging and ``period`` can: every commit flushes first (elastic.py), so a
         restore goes back to weights every rank agrees on, and what was in flight since
-        is dropped (``abandon``) with the steps that are done again."""
-        if self.passes > 1:
-            return ("backward_passes_per_step > 1 under elastic Horovod is not supported "
-                    "by hvd_dgc.tensorflow yet (a reset would drop the passes summed so "
-                    "far); use backward_passes_per_step=1.")
+        is dropped (``abandon``) with the steps that are done again. So can
+        ``backward_passes_per_step``: the commit keeps the passes' sums and count, and
+        the first calls after a reset agree on the count (keras ``_Accumulation``)."""
         return None
 
     def replan(self):

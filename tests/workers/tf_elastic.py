@@ -138,6 +138,22 @@ def keras_add_a_worker_delayed(flag, epochs=3, trigger=8):
                         density=0.01, warmup=20, warmup_unit="step", delay=2)
 
 
+def keras_crash_a_worker_passes(flag, epochs=3, crash_at=17):
+    """``keras_crash_a_worker`` with backward_passes_per_step=2, rank 1 dying at step 17:
+    the survivor's exchange at step 18 fails (its count already 2) and it restores the
+    commit of step 15, which fell between two passes (count 1)."""
+    return _fit_elastic(flag, epochs, None, None, seed=5, crash_at=crash_at,
+                        commit_every=5, density=0.01, warmup=20, warmup_unit="step",
+                        backward_passes_per_step=2)
+
+
+def keras_add_a_worker_passes(flag, epochs=3, trigger=8):
+    """``keras_add_a_worker`` with backward_passes_per_step=2."""
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
+                        density=0.01, warmup=20, warmup_unit="step",
+                        backward_passes_per_step=2)
+
+
 def keras_add_a_worker(flag, epochs=3, trigger=8):
     """One rank, then two: the newcomer takes rank 0's weights and DGC step (a warm-up
     by step runs across the join), its residuals start empty."""

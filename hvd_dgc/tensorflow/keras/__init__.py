@@ -73,6 +73,22 @@ class _Accumulation:
                 self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                              for v in variables]
 
+    @property
+    def variables(self):
+        """The count and the sums (an elastic commit keeps them with the weights)."""
+        return [] if self.sums is None else [self.counter] + list(self.sums)
+
+    def agree(self, agreeing, process_set):
+        """Elastic Horovod: until the exchange's first step after a build or a reset
+        (``agreeing``), every rank counts from the largest count (a worker that joined,
+        or that stepped in a reset callback before the state's sync, from where the
+        others are), so all exchange at the same call. One small allreduce a call."""
+        def largest():
+            top = _hvd.allreduce(tf.cast(self.counter, tf.float64), op=_hvd.Max,
+                                 name="hvd_dgc.elastic.passes", process_set=process_set)
+            return self.counter.assign(tf.cast(top, tf.int64))
+        return tf.cond(agreeing, largest, self.counter.read_value)
+
     def add(self, grads, names):
         """Add this pass's gradients; whether the sum is complete (a bool tensor, made
         after the sums: whatever reads them next waits for it)."""
@@ -144,7 +160,13 @@ def _prepare(self, grads, variables):
     if local:
         _local_velocity(self, [variables[i] for i in local])
     names = [variable_name(v, i) for i, v in enumerate(variables)]
-    complete = accumulation.add(grads, names)
+    exchange = self._hvd_dgc
+    if exchange.elastic:
+        with tf.control_dependencies([accumulation.agree(exchange.agreeing,
+                                                         exchange.process_set)]):
+            complete = accumulation.add(grads, names)
+    else:
+        complete = accumulation.add(grads, names)
 
     def exchange():
         out, apply = _exchange(self, accumulation.take(), variables, local, shared)
