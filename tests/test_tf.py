@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from harness.hvdrun import run
+from tests.test_torch_dga import assert_auto_delay_trace
 from tests.test_torch_optimizer import _checked
 
 TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs",
@@ -465,15 +466,7 @@ def test_auto_delay_same_on_every_rank_and_equal_to_the_rule_it_chose(version, v
     for out in _checked(keras2 if version == "keras2" else tape,
                         "tf_dga.auto_delay_matches_reference"):
         res = out[variant]
-        trace = res["trace"]
-        assert all(t == trace for t in res["traces"]), res["traces"]
-        assert res["decisions"], res
-        if variant == "down":  # no wait worth the name: one step less per window, to 1
-            assert trace[0] == 4 and trace[-1] == 1, trace
-            assert all(a >= b for a, b in zip(trace, trace[1:])), trace
-        else:  # every wait counts: up by the margin each window, to max_delay
-            assert trace[0] == 1 and trace[-1] == 4, trace
-            assert all(a <= b for a, b in zip(trace, trace[1:])), trace
+        assert_auto_delay_trace(res, variant)
         assert res["max_diff_each_step"] < 1e-5 and res["max_diff_after_flush"] < 1e-5, res
         assert res["identical_after_flush"] and res["moved"] > 1e-2
 

@@ -19,6 +19,19 @@ def _fit_job(tmp_path, version, worker, np, before, after, max_np=2):
     return job
 
 
+def _joined(job):
+    """A join's two ranks and the step the newcomer joined at (after step 8), once what
+    every join shows holds: no step lost or done twice on either rank."""
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    joined = newcomer["log"][0]["step"]
+    assert joined > 8, joined
+    assert [e["step"] for e in first["log"]] == list(range(1, len(first["log"]) + 1))
+    assert [e["step"] for e in newcomer["log"]] == \
+        list(range(joined, first["log"][-1]["step"] + 1))
+    return first, newcomer, joined
+
+
 def _assert_follows_the_world(log, lagging=False, passes=1):
     """What every step of every rank must show, whatever the world did (``lagging``:
     delay or period, where ranks agree only at commits and alone; ``passes``: calls
@@ -163,11 +176,7 @@ def test_keras_fit_with_backward_passes_survives_a_crash_and_a_join(tmp_path):
     _assert_follows_the_world(log, passes=2)
     job = _fit_job(tmp_path / "join", "keras3", "keras_add_a_worker_passes", 1, "localhost:1",
                    "localhost:2")
-    assert sorted(job.results) == [0, 1], job.output()
-    first, newcomer = job.results[0], job.results[1]
-    joined = newcomer["log"][0]["step"]
-    assert joined > 8 and [e["step"] for e in newcomer["log"]] == \
-        list(range(joined, first["log"][-1]["step"] + 1))
+    first, newcomer, _ = _joined(job)
     _assert_follows_the_world(first["log"] + newcomer["log"], passes=2)
     assert first["final"] == newcomer["final"]
 
@@ -178,12 +187,7 @@ def test_keras_fit_with_delay_gains_a_worker(tmp_path):
     averages in flight and end with the same weights (fit's last flush)."""
     job = _fit_job(tmp_path, "keras3", "keras_add_a_worker_delayed", 1, "localhost:1",
                    "localhost:2")
-    assert sorted(job.results) == [0, 1], job.output()
-    first, newcomer = job.results[0], job.results[1]
-    joined = newcomer["log"][0]["step"]
-    assert joined > 8, joined
-    assert [e["step"] for e in first["log"]] == list(range(1, len(first["log"]) + 1))
-    assert [e["step"] for e in newcomer["log"]] == list(range(joined, first["log"][-1]["step"] + 1))
+    first, newcomer, _ = _joined(job)
     assert any(e["in_flight"] > 0 for e in newcomer["log"])
     _assert_follows_the_world(first["log"] + newcomer["log"], lagging=True)
     assert first["epoch"] == newcomer["epoch"] == 3
@@ -196,12 +200,7 @@ def test_keras_fit_gains_a_worker_that_joins_in_step(tmp_path, version):
     builds its optimizer alone (no wrap-time collective under elastic), takes rank 0's
     weights, optimizer variables and DGC step, and both train to the end in lock-step."""
     job = _fit_job(tmp_path, version, "keras_add_a_worker", 1, "localhost:1", "localhost:2")
-    assert sorted(job.results) == [0, 1], job.output()
-    first, newcomer = job.results[0], job.results[1]
-    joined = newcomer["log"][0]["step"]
-    assert joined > 8, joined
-    assert [e["step"] for e in first["log"]] == list(range(1, len(first["log"]) + 1))
-    assert [e["step"] for e in newcomer["log"]] == list(range(joined, first["log"][-1]["step"] + 1))
+    first, newcomer, joined = _joined(job)
     assert all(e["size"] == 1 for e in first["log"] if e["step"] < joined)
     assert all(e["size"] == 2 for e in first["log"] + newcomer["log"] if e["step"] >= joined)
     _assert_follows_the_world(first["log"] + newcomer["log"])
@@ -219,10 +218,7 @@ def test_keras_fit_gains_a_worker_after_adamws_variance_froze(tmp_path):
     get wrong (its gradients would enter the average unscaled: 10-1000x off)."""
     job = _fit_job(tmp_path, "keras3", "keras_add_a_worker_adamw", 1, "localhost:1",
                    "localhost:2")
-    assert sorted(job.results) == [0, 1], job.output()
-    first, newcomer = job.results[0], job.results[1]
-    joined = newcomer["log"][0]["step"]
-    assert joined > 8, joined
+    first, newcomer, joined = _joined(job)
     assert all(e["size"] == 2 for e in first["log"] + newcomer["log"] if e["step"] >= joined)
     _assert_follows_the_world(first["log"] + newcomer["log"])
     assert newcomer["stats"]["adam_phase"] == first["stats"]["adam_phase"] == "frozen variance"

@@ -7,6 +7,14 @@ import numpy as np
 
 SHAPES = [(40, 32), (32,), (32, 8)]
 
+#: delay="auto" runs both frameworks' tests make: name -> (start D, idle, period,
+#: seconds of extra compute per step)
+AUTO = {
+    "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
+    "up": (1, 0.0, 1, 0.0),       # every wait counts: D climbs to max_delay
+    "up_period2": (1, 0.0, 2, 0.0),
+}
+
 
 def fixed_grads(step, rank, size=None, scale=1.0):
     """This rank's gradient at ``step`` (all ranks' when ``size`` is given)."""

@@ -6,7 +6,7 @@ delayed run sends exactly what a synchronous run sends."""
 
 import numpy as np
 
-from tests.workers.lagged import SHAPES, fixed_grads as _fixed_grads, \
+from tests.workers.lagged import AUTO, SHAPES, fixed_grads as _fixed_grads, \
     period_reference as _period_reference
 from tests.workers.tf_dgc import _flat, _identical, _tf
 
@@ -454,14 +454,6 @@ def period_matches_reference():
             "tensors": len(variables),
             "moved": max(float(np.max(np.abs(v.numpy() - x))) for v, x in zip(variables, w0))}
     return out
-
-
-AUTO = {
-    # name: (start D, idle, period, seconds of extra compute per step)
-    "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
-    "up": (1, 0.0, 1, 0.0),       # every wait counts: D climbs to max_delay
-    "up_period2": (1, 0.0, 2, 0.0),
-}
 
 
 def auto_delay_matches_reference(steps=16, momentum=0.9):

@@ -10,6 +10,7 @@ import torch
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.schedule import as_schedule
+from tests.workers.lagged import AUTO
 from tests.workers.torch_dgc import (expect_error, flat_params, loss_of, mlp,
                                      ranks_identical, step_all)
 
@@ -348,14 +349,6 @@ def period_against_reference(lr=0.05):
             "moved": max(float(np.abs(p.detach().numpy() - w).max())
                          for p, w in zip(params, w0))}
     return out
-
-
-AUTO = {
-    # name: (start D, idle, period, seconds of extra compute per step)
-    "down": (4, 0.99, 1, 0.02),   # every wait counts as none: D steps down to 1
-    "up": (1, 0.0, 1, 0.0),       # every wait counts: D climbs to max_delay
-    "up_period2": (1, 0.0, 2, 0.0),
-}
 
 
 def auto_delay_matches_simulation(steps=16, lr=0.05):
