@@ -477,8 +477,7 @@ def test_period_bad_inputs_give_clear_errors(tape):
         assert "period=3 needs a Keras SGD optimizer" in out["rmsprop"] and \
             "Use period=1" in out["rmsprop"], out["rmsprop"]
         assert "period=2 does not work with compression" in out["powersgd"], out["powersgd"]
-        assert "period=2 under elastic Horovod runs in hvd_dgc.torch only" in out["elastic"] \
-            and "Use period=1 with KerasState" in out["elastic"], out["elastic"]
+        assert out["elastic"] is None  # period runs under elastic Keras (commits flush)
 
 
 def _assert_skipped(out):

@@ -499,8 +499,8 @@ def auto_delay_matches_reference(steps=16, momentum=0.9):
 
 
 def period_bad_inputs():
-    """period needs an update linear in the gradient, dense gradients, and no elastic
-    Horovod yet: each refused with the fix."""
+    """period needs an update linear in the gradient and a one-round compressor: each
+    refused with the fix; elastic Keras takes it (its commits flush)."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     import hvd_dgc.tensorflow.keras as hvd_keras
