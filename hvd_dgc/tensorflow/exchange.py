@@ -195,13 +195,13 @@ class GradientExchange(tf.Module):
                 self.wire, self.compression, self.memory, self.statistics, self.tensors,
                 slots, masking_density_limit(self.config.momentum_masking, self.momentum),
                 self.dense_fp16, self.config.clip_norm), self.planner)
-            self._planned()
             if self.lags:
                 config = self.resolved.config
                 self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
                                             self.period, config.auto_delay)
                 if self.dga.auto is not None and self._first_delay is not None:
                     self.dga.auto.delay = int(self._first_delay)  # rank 0's (elastic)
+            self._planned()
 
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world

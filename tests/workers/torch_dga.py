@@ -312,13 +312,14 @@ def period_against_reference(lr=0.05):
     TensorFlow workers are held to as well (``simulate_dga`` above is this module's
     own, in torch)."""
     import numpy as np
+    from tests.workers.device import device
     from tests.workers.lagged import SHAPES, fixed_grads, period_reference
-    rank, size = hvd.rank(), hvd.size()
+    rank, size, dev = hvd.rank(), hvd.size(), device()
     out = {}
     for name, (density, momentum, period, delay, steps) in LAGGED.items():
         rng = np.random.RandomState(31)
         w0 = [rng.randn(*s).astype(np.float32) for s in SHAPES]
-        params = [torch.nn.Parameter(torch.tensor(w)) for w in w0]
+        params = [torch.nn.Parameter(torch.tensor(w, device=dev)) for w in w0]
         options = dict(period=period, delay=delay, min_compress_size=0)
         if density is None:
             options.update(density=1.0)
@@ -334,19 +335,19 @@ def period_against_reference(lr=0.05):
         diffs = []
         for i in range(steps):
             opt.zero_grad()
-            sum((p * torch.tensor(c)).sum() for p, c in zip(params, fixed_grads(i, rank))
-                ).backward()
+            sum((p * torch.tensor(c, device=dev)).sum()
+                for p, c in zip(params, fixed_grads(i, rank))).backward()
             opt.step()
-            diffs.append(max(float(np.abs(p.detach().numpy() - e).max())
+            diffs.append(max(float(np.abs(p.detach().cpu().numpy() - e).max())
                              for p, e in zip(params, expected[i][rank])))
         paths = opt.compression_stats()["paths"]
         opt.flush()
         out[name] = {
             "max_diff_each_step": max(diffs),
-            "max_diff_after_flush": max(float(np.abs(p.detach().numpy() - e).max())
+            "max_diff_after_flush": max(float(np.abs(p.detach().cpu().numpy() - e).max())
                                         for p, e in zip(params, flushed[rank])),
             "paths": paths, "steps": steps, "period": period,
-            "moved": max(float(np.abs(p.detach().numpy() - w).max())
+            "moved": max(float(np.abs(p.detach().cpu().numpy() - w).max())
                          for p, w in zip(params, w0))}
     return out
 
