@@ -61,13 +61,14 @@ class DGCConfig:
         clip_norm: local per-tensor gradient clipping at ``clip_norm / sqrt(N)`` before
             the memory (DGC Sec. 3.3); None: off.
         cost_model: ``hvd_dgc.CostModel(alpha, bandwidth, local_alpha,
-            local_bandwidth, gather_bandwidth=None)`` choosing each tensor's path (dense allreduce, sparse
-            allgather, region reduce, hierarchical) per density stage; ``CostModel()``:
-            1 Gbit/s and 50 us per message between hosts, 10 GB/s and 5 us inside a
-            host. "measure" (what None means, unless the environment sets
+            local_bandwidth, gather_bandwidth=None)`` choosing each tensor's path (dense
+            allreduce, sparse allgather, region reduce, hierarchical) per density stage;
+            ``CostModel()``: 1 Gbit/s and 50 us per message between hosts, 10 GB/s and
+            5 us inside a host. "measure" (what None means, unless the environment sets
             ``HVD_DGC_COST_MODEL=assumed``: ``CostModel()``, the same paths every run):
             the link between ranks timed at wrap time with Horovod's own allreduce, and
-            its allgather where the budget allows (the records' rate; well under a second; every rank uses the same numbers, said in rank 0's line;
+            its allgather where the budget allows (the records' rate; well under a
+            second; every rank uses the same numbers, said in rank 0's line;
             hvd_dgc/linkprobe.py), and DGC's own work on this device
             (hvd_dgc/localcost.py), so tensors and stages where sparse costs more than
             dense run dense. Under elastic Horovod both measure at each sync of the

@@ -127,8 +127,8 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None)
     gathered = max(1, int(dense_bytes(numel, world, 4) / allgather_bytes(1, world, 4)))
     if allgather is not None and spent + 3 * (small + 2 * transfer) <= budget:
         local = [allgather(gathered) for _ in range(3)]
-        times = agree(local)  # each call's slowest rank
-        spent += float(agree([sum(local)])[0])
+        *times, total = agree(local + [sum(local)])  # each call's slowest rank, and all
+        spent += float(total)
         moved = sorted(times)[1] - (world - 1) * alpha  # the median
         gather = allgather_bytes(gathered, world, 4) / max(moved, 1e-9)
     return LinkMeasurement(alpha, bandwidth, spent, numel, gather)

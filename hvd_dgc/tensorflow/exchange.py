@@ -165,12 +165,7 @@ class GradientExchange(tf.Module):
                     self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per "
                                                "message) until the elastic state's sync")
             elif self.planner.measure:  # every rank agreed to probe (the default)
-                link = measure_link(self.process_set)
-                local = None
-                if link is not None and self.resolved.sparse:  # DGC's own work, here
-                    local = measure_local(self.compression, self.process_set,
-                                          self.resolved.final_density() or 0.001)
-                self.planner.measured(link, local)
+                self.planner.measured(*self._probe())
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")
@@ -250,12 +245,7 @@ class GradientExchange(tf.Module):
         if self.resolved.cost_model != "measure":
             return False
         with tf.init_scope():
-            link = measure_link(self.process_set)
-            local = None
-            if link is not None and self.resolved.sparse:
-                local = measure_local(self.compression, self.process_set,
-                                      self.resolved.final_density() or 0.001)
-        self._measured_at_sync = (link, local)
+            link, local = self._measured_at_sync = self._probe()
         if self.memory is None:
             return False
         before = [tuple(stages) for stages in self.paths.stages]
@@ -268,6 +258,17 @@ class GradientExchange(tf.Module):
             print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
                   f"{self.planner.measured_words()}", flush=True)
         return [tuple(stages) for stages in self.paths.stages] != before
+
+    def _probe(self):
+        """``(LinkMeasurement, LocalCost)`` of this world, agreed by every rank of the
+        process set (each calls it at the same point): the link, and DGC's own work on
+        this device where the compressor is sparse (linkprobe.py, localcost.py)."""
+        link = measure_link(self.process_set)
+        local = None
+        if link is not None and self.resolved.sparse:
+            local = measure_local(self.compression, self.process_set,
+                                  self.resolved.final_density() or 0.001)
+        return link, local
 
     def abandon(self):
         """An elastic restore or reset: drop the steps in flight (delay, period)."""

@@ -40,6 +40,7 @@ from hvd_dgc.tensorflow.region import share_kept, to_owners
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
            "DensePath", "AllgatherPath", "RegionPath", "ExchangePath", "SparseGradPath"]
 
+
 class At(NamedTuple):
     """Where a step is: its density stage (k and the path are looked up by it), the
     density (momentum masking depends on it), the random seed (selection, QSGD) and the

@@ -60,20 +60,8 @@ class OwnersRound(NamedTuple):
     count: tf.Tensor             # int64 scalar: records kept
 
 
-class _Float32Records:
-    """The wire of records as they are (int32 index, float32 value bits)."""
-
-    @staticmethod
-    def to_wire(records):
-        return records
-
-    @staticmethod
-    def from_wire(wire):
-        return wire
-
-    @staticmethod
-    def wire_values(values):
-        return values
+#: The records' wire where no codec is given: float32 values, as they are.
+_FLOAT32 = SparseCompressor()
 
 
 def region_reduce(indices, values, numel, k, name, process_set=global_process_set,
@@ -92,7 +80,7 @@ def to_owners(indices, values, k, name, process_set=global_process_set, codec=No
     """Round 1: one alltoall sends each record to its region's owner, which sums what it
     got in source-rank order and keeps its ``quota(k, N)`` largest sums (rounded as
     they will travel; the rounding goes back with the sums it does not keep)."""
-    codec = codec or _Float32Records
+    codec = codec or _FLOAT32
     world = process_set.size()
     owner = owners(indices, world)
     order = tf.argsort(owner, stable=True)
@@ -125,7 +113,7 @@ def to_owners(indices, values, k, name, process_set=global_process_set, codec=No
 def share_kept(first, numel, name, process_set=global_process_set, codec=None):
     """Round 2: one allgather shares every owner's kept sums, so every rank builds the
     same total; owners' regions are disjoint, so the scatter has no order."""
-    codec = codec or _Float32Records
+    codec = codec or _FLOAT32
     everyone = codec.from_wire(_hvd.allgather(codec.to_wire(first.kept),
                                               name=name + ".gather", process_set=process_set))
     return RegionResult(SparseCompressor.scatter_sum(everyone, numel), first.returned_indices,

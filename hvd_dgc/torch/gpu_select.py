@@ -41,8 +41,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "on_device", "upload", "prime_at_least", "AIM",
-           "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
+__all__ = ["Selection", "select_many", "slot_offsets", "slot_starts", "counts_on", "on_device",
+           "upload", "prime_at_least", "AIM", "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
 
 RUN = 16       # sampled elements read together: 64 bytes of float32
 AIM = 2        # each threshold aims at this many times k candidates

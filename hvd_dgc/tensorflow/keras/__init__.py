@@ -160,12 +160,9 @@ def _prepare(self, grads, variables):
     if local:
         _local_velocity(self, [variables[i] for i in local])
     names = [variable_name(v, i) for i, v in enumerate(variables)]
-    exchange = self._hvd_dgc
-    if exchange.elastic:
-        with tf.control_dependencies([accumulation.agree(exchange.agreeing,
-                                                         exchange.process_set)]):
-            complete = accumulation.add(grads, names)
-    else:
+    dgc = self._hvd_dgc  # elastic: every rank's count the largest first
+    agreed = [accumulation.agree(dgc.agreeing, dgc.process_set)] if dgc.elastic else []
+    with tf.control_dependencies(agreed):
         complete = accumulation.add(grads, names)
 
     def exchange():
