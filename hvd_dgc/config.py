@@ -17,7 +17,8 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional
 
-from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, freeze_steps
+from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, check_refresh_variance, \
+    freeze_steps
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel, default_cost_model
 from hvd_dgc.masking import check_masking
@@ -119,6 +120,12 @@ class DGCConfig:
             freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
             freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
+        refresh_variance: with the variance frozen: False (default: frozen
+            once), "auto" (refreshed at steps 2T, 4T, 8T, ... of a freeze at step T) or
+            k (every k steps after the freeze). Each rank tracks Adam's second moment
+            from its own gradient; at a refresh the ranks average it (one dense
+            exchange, counted in the bytes sent) and the preconditioner, and what the
+            memory holds, move to it (0/1 Adam, Lu et al. 2022; hvd_dgc/adam.py).
     """
 
     density: Any = None
@@ -136,6 +143,7 @@ class DGCConfig:
     fusion_threshold: Optional[int] = None
     log_every: int = 0
     freeze_variance: Any = "auto"
+    refresh_variance: Any = False
 
     def __post_init__(self):
         if self.warmup_densities is not None:
@@ -170,6 +178,7 @@ class DGCConfig:
                        "bytes; 0: each tensor leaves from its own hook")
         _check_int("log_every", self.log_every, 0, "steps between statistics; 0: never")
         check_freeze_variance(self.freeze_variance)
+        check_refresh_variance(self.refresh_variance)
 
     @classmethod
     def names(cls):
@@ -314,6 +323,11 @@ class DGCConfig:
                              f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
                              f"DistributedGradientTape does not know the optimizer (an Adam "
                              f"after it runs on error feedback). Pass no freeze_variance.")
+        if self.refresh_variance is not False and freeze is None:
+            raise ValueError(f"refresh_variance={self.refresh_variance!r} refreshes Adam's "
+                             f"frozen variance: it needs torch.optim.Adam or AdamW (Keras' "
+                             f"Adam or AdamW) with freeze_variance 'auto' or a number of "
+                             f"steps, and a sparse compressor. Pass no refresh_variance.")
         if optimizer is not None:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
                                 adam=adam)

@@ -18,6 +18,9 @@ Papers:
         update_i = own_i - own_(i-D) + avg_(i-D).
   [TSU] Zhu, Lin, Han, "Distributed Training Across the World", 2019: temporally
         sparse updates, an exchange every p-th step, own steps in between.
+  [01A] Lu, Li, Zhang, He, "Maximizing Communication Efficiency for Large-scale
+        Training via 0/1 Adam", ICLR 2023: Adam's frozen variance refreshed at rare
+        steps every rank agrees on.
 
 Every function computes in float32 (the frameworks' buffer dtype), in the order
 written in its docstring, so where a framework does the same operations in the same
@@ -412,8 +415,19 @@ def outer_update(anchor, average, buffer, lr, momentum=0.0, nesterov=False):
     return anchor - F32(lr) * step, buffer
 
 
+def refreshed_precondition(local_vs, old, t, betas, eps, floor, keras=False):
+    """0/1 Adam's refresh [01A] of a precondition ``old`` at the end of Adam's step t:
+    the ranks' own second moments averaged (every rank goes on from it), P from it
+    (``frozen_precondition``), and the ratio ``(1 - beta1) P / ((1 - beta1) old)`` that
+    the memory's momentum and residual are multiplied by. Returns (average, P, ratio)."""
+    average_v = average(local_vs)
+    new = frozen_precondition(average_v, t, betas, eps, floor, keras=keras)
+    scale = F32(1.0 - betas[0])
+    return average_v, new, (scale * new) / (scale * f32(old))
+
+
 def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, wd, delay,
-                        floor, keras=False, period=1):
+                        floor, keras=False, period=1, refresh=()):
     """Adam taken over with delayed averaging [1-bit Adam] [DGA], dense: the reference
     both frameworks' are held to. Synchronous exact Adam on the ranks' average to the
     freeze; then each rank's memory takes (1 - beta1) P g at momentum beta1 and sends it
@@ -425,7 +439,10 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     steps between apply what the memory took in (``lagged_update``). Returns per rank
     the weights (per tensor) after each step, and every rank's after the flush: the
     corrections still due (``lagged_flush``), at Adam's count then and without decay,
-    then the ranks' average."""
+    then the ranks' average. ``refresh``: Adam's steps t at whose end the variance is
+    refreshed: from the freeze each rank's own v moves on with its own gradient (in
+    Keras' form ``v + (g^2 - v)(1 - beta2)`` with ``keras``), and
+    ``refreshed_precondition`` replaces P and rescales the memory."""
     x = [[f32(a).copy() for a in start] for _ in range(world)]
     n = len(start)
     m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
@@ -445,12 +462,17 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
                        for i in range(n)]
                 u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
                 res = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
+                local_v = [[v[i].copy() for i in range(n)] for _ in range(world)]
             owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
         else:
             owns_now = [[None] * n for _ in range(world)]
             exchange = (step + 1) % period == 0
             for r in range(world):
                 for i in range(n):
+                    g = f32(grads[r][i])
+                    local_v[r][i] = local_v[r][i] + (g * g - local_v[r][i]) * \
+                        F32(1.0 - betas[1]) if keras else \
+                        F32(betas[1]) * local_v[r][i] + F32(1.0 - betas[1]) * g * g
                     g = frozen_adam_gradient(grads[r][i], pre[i], betas[0])
                     u[r][i], res[r][i], owns_now[r][i] = lagged_memory_step(
                         u[r][i], res[r][i], g, exchange, momentum=betas[0])
@@ -466,6 +488,14 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
                     x[r][i] = frozen_adam_apply(x[r][i], update, t, lr, betas[0],
                                                 0.0 if keras else wd)
             out[r].append([a.copy() for a in x[r]])
+        if t in refresh:
+            for i in range(n):
+                mean_v, pre[i], ratio = refreshed_precondition(
+                    [local_v[r][i] for r in range(world)], pre[i], t, betas, eps, floor,
+                    keras=keras)
+                for r in range(world):
+                    local_v[r][i] = mean_v.copy()
+                    u[r][i], res[r][i] = u[r][i] * ratio, res[r][i] * ratio
     for r in range(world):
         for i in range(n):
             due = lagged_flush([o[i] for o in owns[r]], [a[i] for a in avgs], steps, delay,

@@ -46,6 +46,7 @@ BAD = {  # option -> (value, what the message must say)
     "fusion_threshold": (-5, "fusion_threshold must be an int >= 0"),
     "log_every": (-1, "log_every must be an int >= 0"),
     "freeze_variance": (0, "freeze_variance must be 'auto', a number of steps >= 1"),
+    "refresh_variance": (True, "refresh_variance must be False (the variance frozen once)"),
     "density": (1.5, "density must be in (0, 1]"),
     "warmup_unit": ("hour", "warmup unit must be 'epoch' or 'step'"),
     "cost_model": ("fast", "cost_model must be a hvd_dgc.CostModel"),
@@ -94,6 +95,18 @@ def test_freeze_variance_on_a_tape_is_refused():
     assert "freeze_variance=100 applies to Adam/AdamW" in message, message
     assert "hvd_dgc.tensorflow.keras.DistributedOptimizer" in message, message
     _tape(freeze_variance="auto")  # the default, accepted
+
+
+def test_refresh_variance_without_a_frozen_adam_is_refused():
+    """Nothing to refresh with SGD, or with Adam on error feedback: said, not ignored."""
+    kind, message = _error(_torch, refresh_variance="auto")
+    assert kind is ValueError
+    assert "refresh_variance='auto' refreshes Adam's frozen variance" in message, message
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="Pass no refresh_variance"):
+        hvd_torch.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       freeze_variance=False, refresh_variance=100)
 
 
 def test_delayed_averaging_needs_a_linear_update_in_torch_and_keras_alike():

@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 import torch
 
+from hvd_dgc.adam import refresh_count, refreshes_at
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.tensorflow.compression import Compression as TFCompression
 from hvd_dgc.tensorflow.memory import DGCMemory as TFMemory
@@ -229,6 +230,59 @@ def test_vector_frozen_adam():
     np.testing.assert_allclose(u, [1.25, 0.75], rtol=1e-6)
     x2 = ref.frozen_adam_apply(x1, u, 2, 0.1, betas[0])
     np.testing.assert_allclose(x2, [0.9 - 1 / 6, 2.0], rtol=1e-6)
+
+
+def test_vector_refreshed_precondition():
+    # betas (0.5, 0.75), eps = 0, floor 0, refreshed at the end of step t = 2 (bias
+    # correction 1 - 0.75^2 = 0.4375) from P = [0.5, 0.25] (test_vector_frozen_adam's):
+    #   the ranks' own v [1, 12] and [13, 2] average to [7, 7]; v^ = 7 / 0.4375 = 16
+    #   P' = 1 / sqrt(16) = [0.25, 0.25]; the memory's ratio P' / P = [0.5, 1]
+    average_v, new, ratio = ref.refreshed_precondition(
+        [np.float32([1, 12]), np.float32([13, 2])], [0.5, 0.25], 2, (0.5, 0.75), 0.0, 0.0)
+    np.testing.assert_allclose(average_v, [7, 7], rtol=1e-6)
+    np.testing.assert_allclose(new, [0.25, 0.25], rtol=1e-6)
+    np.testing.assert_allclose(ratio, [0.5, 1.0], rtol=1e-6)
+
+
+def test_refreshed_every_step_is_adam_with_its_variance_one_step_late():
+    """One rank, dense, the variance refreshed at the end of every step after the
+    freeze: the memory's momentum is P_(t-1) m_t at each step, so the run is AdamW whose
+    preconditioner is the previous step's (and exact Adam to the freeze)."""
+    rng = np.random.default_rng(7)
+    betas, lr, eps, wd, freeze, steps = (0.9, 0.99), 0.05, 1e-8, 0.01, 3, 10
+    x0 = rng.standard_normal(6).astype(np.float32)
+    grads = rng.standard_normal((steps, 6)).astype(np.float32)
+    out, _ = ref.delayed_frozen_adam([x0], lambda x, step, r: [grads[step]], steps, 1,
+                                     freeze, lr, betas, eps, wd, 0, 0.0,
+                                     refresh=set(range(freeze + 1, steps + 1)))
+    x, m, v = x0.copy(), np.zeros(6, np.float32), np.zeros(6, np.float32)
+    for t in range(1, steps + 1):
+        g = grads[t - 1]
+        if t <= freeze:
+            x, m, v = ref.adam(x, m, v, g, t, lr, betas, eps, wd, True)
+        else:
+            late = ref.frozen_precondition(v, t - 1, betas, eps)  # v of step t - 1
+            m = F32(betas[0]) * m + F32(1 - betas[0]) * g
+            x = x * F32(1 - lr * wd) - F32(lr / (1 - betas[0] ** t)) * late * m
+            v = F32(betas[1]) * v + F32(1 - betas[1]) * g * g
+        np.testing.assert_allclose(out[0][t - 1][0], x, rtol=1e-5, atol=1e-6)
+    frozen, _ = ref.delayed_frozen_adam([x0], lambda x, step, r: [grads[step]], steps, 1,
+                                        freeze, lr, betas, eps, wd, 0, 0.0)
+    assert float(np.abs(frozen[0][-1][0] - out[0][-1][0]).max()) > 1e-4  # it refreshed
+
+
+def test_refresh_steps_are_agreed_by_rule():
+    """0/1 Adam's growing intervals ('auto': 2T, 4T, 8T, ...) or every k steps, from the
+    freeze at step T; never before it, never with False."""
+    auto = [t for t in range(1, 400) if refreshes_at(t, 20, "auto")]
+    assert auto == [40, 80, 160, 320]
+    assert [t for t in range(1, 400) if refreshes_at(t, 20, 100)] == [120, 220, 320]
+    assert not any(refreshes_at(t, 20, False) for t in range(400))
+    assert [t for t in range(1, 10) if refreshes_at(t, 1, "auto")] == [2, 4, 8]
+    for freeze, refresh in ((20, "auto"), (20, 100), (3, 2), (1, "auto"), (20, False)):
+        assert [refresh_count(t, freeze, refresh) for t in range(400)] == \
+            [sum(refreshes_at(s, freeze, refresh) for s in range(1, t + 1))
+             for t in range(400)], (freeze, refresh)
 
 
 def test_vector_frozen_keras_adam():

@@ -10,7 +10,7 @@ from tests.test_torch_optimizer import _checked
 
 # tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name")
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
-             "tf_adam.refusals", "tf_adam.delay_reference"]
+             "tf_adam.refusals", "tf_adam.delay_reference", "tf_adam.refresh_reference"]
 
 
 def _launch(legacy, ckdir):
@@ -95,6 +95,23 @@ def test_keras_adam_with_delay_equals_the_reference_on_each_rank(results):
             assert res["phase"] == "frozen variance" and res["flushed"], name
             assert res["iterations"] == 9, name  # the flush is not a step
             assert res["flushed_diff"] < 2e-5 and res["flushed_identical"], (name, res)
+
+
+def test_keras_adam_refreshed_variance_equals_the_reference(results):
+    """refresh_variance=2 after a freeze at step 3: refreshed at the ends of steps 5, 7
+    and 9 (each one dense exchange of the second moments more), the reference PyTorch's
+    refresh is held to, with Keras' forms, synchronous and with delay=2."""
+    outs, version = results
+    classes = ("AdamW", "Adam") + (("legacy.Adam",) if version == "keras2" else ())
+    for out in _checked(outs, "tf_adam.refresh_reference"):
+        assert set(out) == {f"{c}.delay0" for c in classes} | {"AdamW.delay2"}
+        for name, res in out.items():
+            assert max(res["diffs"]) < 2e-5, (name, res["diffs"])
+            assert res["refreshed"] > 1e-4, name  # the refreshes changed the run
+            assert res["refreshes"] == [0] * 4 + [1, 1, 2, 2, 3, 3], (name, res["refreshes"])
+            extra = [round(s - 1.0, 4) for s in res["dense_steps_sent"]]
+            assert extra == [0.0] * 4 + [1.0, 0.0] * 3, (name, extra)
+            assert res["flushed_diff"] < 2e-5 and res["identical"], (name, res)
 
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):

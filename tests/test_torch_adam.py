@@ -7,7 +7,7 @@ from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
-             "period_run", "late_tensor"]
+             "period_run", "late_tensor", "refresh_reference"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,24 @@ def test_delayed_averaging_with_adamw_equals_the_reference(gloo):
         assert out["apart"] > 1e-4
         assert out["in_flight"] == [0, 0, 0, 0, 1, 2, 2, 2, 2, 2]
         assert out["flushed_diff"] < 3e-5 and out["flushed_identical"]
+
+
+def test_refreshed_variance_equals_the_reference_synchronous_and_delayed(gloo):
+    for out in _checked(gloo, "refresh_reference"):
+        for delay in (0, 2):
+            res = out[f"delay={delay}"]
+            assert max(res["diffs"]) < 3e-5, (delay, res["diffs"])
+            assert res["refreshed"] > 1e-4, delay  # the refreshes changed the run
+            # refreshed at the ends of steps 6, 8 and 10 (Adam's count), each one dense
+            # exchange more than the step's own
+            assert res["refreshes"] == [0] * 5 + [1, 1, 2, 2, 3, 3], res["refreshes"]
+            extra = [round(s - 1.0, 6) for s in res["dense_steps_sent"]]
+            assert extra == [0.0] * 5 + [1.0, 0.0] * 3, extra
+            assert res["flushed_diff"] < 3e-5 and res["identical"], delay
+        sparse = out["sparse"]
+        assert sparse["identical"] and sparse["refresh"] == "auto"
+        assert sparse["refreshes"] == 2  # at steps 10 and 20 of a freeze at 5
+        assert sparse["last"] < 0.8 * sparse["first"], (sparse["first"], sparse["last"])
 
 
 def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):

@@ -343,6 +343,8 @@ class GradientExchange(tf.Module):
         with tf.control_dependencies([checked]):  # eagerly: None, and no-op
             # in a graph, nothing that leads to a collective starts before the check
             grads = [_after_check(self._local_grad(i, g)) for i, g in enumerate(grads)]
+        if self.adam is not None:  # refresh_variance: this rank's v (keras_adam.py)
+            self.adam.observe(grads)
         if self.dense_fp16:
             clipped_before = self.statistics.fp16_clipped.read_value()
             with tf.control_dependencies([clipped_before]):

@@ -24,11 +24,18 @@ m / (sqrt(v) + eps)``), so its preconditioner at the freeze T is
 T, kept (tf_keras' ``adaptive_epsilon=True`` puts eps inside, as torch does).
 Variables with IndexedSlices gradients (an Embedding) travel as Horovod sends them and
 stay on Adam's own update throughout.
+
+With ``refresh_variance``, Adam's ``v`` goes on after the freeze as this rank's own
+(``observe``: the local gradients as the exchange receives them), and at the end of a
+refresh step the ranks average it and the scales and the memory move to it
+(``refresh_now``), as on the PyTorch side.
 """
 
 import tensorflow as tf
+import horovod.tensorflow as _hvd
+from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.adam import VARIANCE_FLOOR
+from hvd_dgc.adam import VARIANCE_FLOOR, refresh_count
 
 __all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "SCALE_NAME"]
 
@@ -66,8 +73,8 @@ class KerasAdamTakeOver:
     live (``kind``: "keras3", "keras2" or "legacy"), and the exchange's step that says
     the phase. ``freeze``: the exchange step from which the variance is frozen."""
 
-    def __init__(self, config, freeze, kind):
-        self.freeze, self.kind = int(freeze), kind
+    def __init__(self, config, freeze, kind, refresh=False):
+        self.freeze, self.kind, self.refresh = int(freeze), kind, refresh
         self.beta1, self.beta2 = float(config["beta_1"]), float(config["beta_2"])
         self.eps = float(config["epsilon"])
         self.amsgrad = bool(config.get("amsgrad", False))
@@ -92,7 +99,24 @@ class KerasAdamTakeOver:
         return "frozen variance" if step >= self.freeze else "exact Adam"
 
     def stats(self, step):
-        return {"adam_phase": self.phase(step), "adam_freeze": self.freeze}
+        out = {"adam_phase": self.phase(step), "adam_freeze": self.freeze}
+        if self.refresh is not False:
+            out.update(adam_refresh=self.refresh,
+                       adam_refreshes=refresh_count(step, self.freeze, self.refresh))
+        return out
+
+    def refreshing(self, step):
+        """hvd_dgc/adam.py ``refreshes_at`` in TF ops, at the exchange's count ``step``
+        (the end of Adam's step ``step``)."""
+        if self.refresh is False:
+            return tf.constant(False)
+        step = tf.cast(step, tf.int64)
+        after = step > self.freeze
+        if self.refresh == "auto":
+            times = step // self.freeze
+            return after & tf.equal(step % self.freeze, 0) & \
+                tf.equal(tf.bitwise.bitwise_and(times, times - 1), 0)
+        return after & tf.equal((step - self.freeze) % self.refresh, 0)
 
     # -- variables ---------------------------------------------------------------------
     def bind(self, exchange, variables, sliced):
@@ -152,6 +176,63 @@ class KerasAdamTakeOver:
             scale.assign(tf.reshape((1.0 - self.beta1) * precondition, scale.shape))
             m = tf.reshape(tf.cast(self._slot(var, "m"), tf.float32), [-1])
             memory.seed(i, precondition * m)
+        return tf.constant(True)
+
+    # -- the refresh (0/1 Adam) ------------------------------------------------------
+    def observe(self, grads):
+        """Once frozen and refreshing, this rank's ``v`` moves on with its own gradient
+        (``grads``, the exchange's, by index), in Keras' form ``v += (g^2 - v)(1 -
+        beta2)``."""
+        if self.refresh is False:
+            return tf.constant(True)
+
+        def track():
+            for i in (i for i, ok in enumerate(self.taken) if ok):
+                v = self._slot(self.variables[i], "v")
+                g = tf.reshape(tf.cast(grads[i], v.dtype), v.shape)
+                v.assign_add((g * g - v) * (1.0 - self.beta2))
+            return tf.constant(True)
+        return tf.cond(self.frozen(), track, lambda: tf.constant(True))
+
+    def refresh_now(self, iterations):
+        """The ranks' ``v`` averaged (every rank goes on from it; a non-finite entry
+        takes the tensor's mean), each scale recomputed from it as ``freeze_now`` does,
+        and the memory's momentum and residual multiplied by ``new / old`` scale."""
+        taken = [i for i, ok in enumerate(self.taken) if ok]
+        if not taken:
+            return tf.constant(True)
+        t = tf.cast(iterations, tf.float32)
+        root = tf.sqrt(1.0 - tf.pow(self.beta2, t))
+        eps = self.eps if self.eps_inside else self.eps / root
+        slots = [self._slot(self.variables[i], "v") for i in taken]
+        averaged = _hvd.grouped_allreduce([tf.cast(v, tf.float32) for v in slots], op=Average,
+                                          name="hvd_dgc.adam_refresh",
+                                          process_set=self.exchange.wire.process_set)
+        memory, sent = self.exchange.memory, 0
+        for i, slot, v in zip(taken, slots, averaged):
+            finite = tf.math.is_finite(v)
+            count = tf.reduce_sum(tf.cast(finite, tf.float32))
+            mean = tf.where(count > 0, tf.reduce_sum(tf.where(finite, v, 0.0))
+                            / tf.maximum(count, 1.0), 1.0)
+            v = tf.where(finite, v, mean)
+            slot.assign(tf.cast(v, slot.dtype))
+            if self.amsgrad:
+                hat = self._slot(self.variables[i], "vhat")
+                hat.assign(tf.maximum(hat, tf.cast(v, hat.dtype)))
+                v = tf.cast(hat, tf.float32)
+            v = tf.reshape(v, [-1])
+            floored = tf.maximum(v, tf.reduce_mean(v) * VARIANCE_FLOOR)
+            scale = self._slot(self.variables[i], "scale")
+            old = tf.reshape(tf.cast(scale, tf.float32), [-1])
+            new = (1.0 - self.beta1) * (1.0 / (tf.sqrt(floored) / root + eps))
+            new = tf.where(tf.reduce_any(v > 0), new, old)  # no gradient since: as it was
+            ratio = new / old
+            memory.u[i].assign(memory.u[i] * ratio)
+            if int(memory.v[i].shape[0]):
+                memory.v[i].assign(memory.v[i] * ratio)
+            scale.assign(tf.reshape(tf.cast(new, scale.dtype), scale.shape))
+            sent += 4 * int(v.shape[0])
+        self.exchange.statistics.add(bytes_sent=sent)
         return tf.constant(True)
 
     # -- the frozen step -------------------------------------------------------------

@@ -7,11 +7,15 @@ carry it), and its first moment moves into DGC's memory as ``u = P m``. From the
 the memory applies ``beta1`` as momentum (and Adam's L2 weight decay) to the scaled
 gradient, and this step applies what arrives: AdamW's decoupled decay, then
 ``x -= lr / (1 - beta1^t) * average``.
+
+With ``refresh_variance``, Adam's ``exp_avg_sq`` goes on after the freeze as this rank's
+own (``observe``: from the local gradient at each launch), and at a refresh step the
+ranks average it; the scale and the memory move to it (``_refresh``).
 """
 
 import torch
 
-from hvd_dgc.adam import VARIANCE_FLOOR
+from hvd_dgc.adam import VARIANCE_FLOOR, refresh_count, refreshes_at
 from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
@@ -36,10 +40,14 @@ class AdamTakeOver:
     which the take-over starts; ``step()``: the optimizer's step count now;
     ``seed(p, u)``: start ``p``'s memory momentum at ``u``."""
 
-    def __init__(self, optimizer, freeze, step, seed):
+    def __init__(self, optimizer, freeze, step, seed, refresh=False, rescale=None,
+                 average=None):
         self.optimizer, self.freeze = optimizer, int(freeze)
         self._step, self._seed = step, seed
         self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+        # refresh_variance: when; the memory's rescale(p, ratio); the ranks' average of
+        # a list of tensors, in place (returns the bytes this rank sent)
+        self.refresh, self._rescale, self._average = refresh, rescale, average
 
     @property
     def frozen(self):
@@ -51,7 +59,37 @@ class AdamTakeOver:
 
     def stats(self):
         """What ``compression_stats()`` says of the take-over."""
-        return {"adam_phase": self.phase(), "adam_freeze": self.freeze}
+        out = {"adam_phase": self.phase(), "adam_freeze": self.freeze}
+        if self.refresh is not False:
+            out.update(adam_refresh=self.refresh,
+                       adam_refreshes=refresh_count(self._step(), self.freeze, self.refresh))
+        return out
+
+    def observe(self, params, scale=None):
+        """This rank's ``v`` moves on with the local gradients of ``params`` (dense; in
+        the space ``unscale_`` gives: GradScaler's ``scale`` divided out), once frozen
+        and refreshing. Adam's L2 decay counts, as in its own ``v``."""
+        if self.refresh is False or not self.frozen:
+            return
+        by_group = {}
+        for p in params:
+            if p.grad is not None and not p.grad.is_sparse and \
+                    "exp_avg_sq" in self.optimizer.state[p]:
+                by_group.setdefault(id(self._group_of[p]), []).append(p)
+        with torch.no_grad():
+            for members in by_group.values():
+                group = self._group_of[members[0]]
+                beta2 = float(group["betas"][1])
+                sqs = [self.optimizer.state[p]["exp_avg_sq"] for p in members]
+                grads = [p.grad for p in members]
+                if scale is not None:  # (a tensor on the device: not read back)
+                    grads = torch._foreach_div(grads, scale)
+                l2 = 0.0 if group.get("decoupled_weight_decay", False) else \
+                    float(group["weight_decay"])
+                if l2:
+                    grads = torch._foreach_add(grads, members, alpha=l2)
+                torch._foreach_mul_(sqs, beta2)
+                torch._foreach_addcmul_(sqs, grads, grads, value=1.0 - beta2)
 
     def hyper(self, p):
         """``(momentum, nesterov, weight_decay)`` the memory applies for ``p``: Adam's
@@ -87,6 +125,12 @@ class AdamTakeOver:
                 for p in self._group_of:
                     self._freeze_one(p, seed=True, typical=typical)
             return loss
+        loss = self._frozen_step(closure, sparse, updates)
+        if refreshes_at(self._step() + 1, self.freeze, self.refresh):
+            self._refresh()
+        return loss
+
+    def _frozen_step(self, closure, sparse, updates):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -99,6 +143,31 @@ class AdamTakeOver:
             # (a closure's backward may have written the gradients again: all of them)
             self._add(alphas, updates if closure is None else ())
         return loss
+
+    def _refresh(self):
+        """The ranks' ``v`` averaged (every rank goes on from the average), each scale
+        recomputed from it, and the memory's momentum and residual moved to the new
+        scale (``new / old``): they hold scaled gradients."""
+        params = [p for p in self._group_of if SCALE_KEY in self.optimizer.state[p]
+                  and "exp_avg_sq" in self.optimizer.state[p]]
+        with torch.no_grad():
+            self._average([self.optimizer.state[p]["exp_avg_sq"] for p in params])
+            for p in params:
+                state, group = self.optimizer.state[p], self._group_of[p]
+                v = state["exp_avg_sq"]
+                finite = torch.isfinite(v)
+                if not bool(finite.all()):  # a rank's overflow step: the tensor's mean
+                    v.copy_(torch.where(finite, v, v[finite].mean() if bool(finite.any())
+                                        else torch.ones((), dtype=v.dtype, device=v.device)))
+                if group.get("amsgrad", False):
+                    torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
+                if not bool(v.any()):  # (no gradient since the freeze: kept as it is)
+                    continue
+                old = state[SCALE_KEY]
+                new = self._precondition(*self._second_moment(p), group["eps"]).mul_(
+                    1.0 - float(group["betas"][0]))
+                self._rescale(p, (new / old).reshape(-1))
+                old.copy_(new)
 
     def _apply(self, group, params, advance=True):
         """``x (1 - lr wd) - lr / (1 - beta1^t) * p.grad``; ``advance``: a step (Adam's
@@ -165,10 +234,14 @@ class AdamTakeOver:
                 p, (1.0 - beta1) / (typical ** 0.5 + group["eps"]),
                 memory_format=torch.contiguous_format)
             return
-        v, correction = moment
-        v = v.clamp(min=float(v.mean()) * VARIANCE_FLOOR)
-        denom = (v.sqrt() / correction ** 0.5).add_(group["eps"])
-        precondition = denom.reciprocal_()
+        precondition = self._precondition(*moment, group["eps"])
         state[SCALE_KEY] = precondition.mul(1.0 - beta1).contiguous()
         if seed:
             self._seed(p, (precondition * state["exp_avg"]).reshape(-1))
+
+    @staticmethod
+    def _precondition(v, correction, eps):
+        """P from the bias-corrected ``v``, floored at VARIANCE_FLOOR times its mean
+        (hvd_dgc/adam.py)."""
+        v = v.clamp(min=float(v.mean()) * VARIANCE_FLOOR)
+        return (v.sqrt() / correction ** 0.5).add_(eps).reciprocal_()

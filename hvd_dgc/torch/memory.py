@@ -445,6 +445,20 @@ class FlatMemory:
         saved = self._loaded.setdefault(key, {"u": None, "v": torch.zeros_like(u)})
         saved["u"] = u.clone()
 
+    def rescale(self, key, ratio):
+        """Multiply ``key``'s momentum and residual by ``ratio`` (flat): the space they
+        are held in moved (Adam's preconditioner refreshed, hvd_dgc/adam.py)."""
+        block = self._where.get(key)
+        if block is not None:
+            block.settle()
+            for buffer in (block.u, block.v):
+                if buffer is not None:
+                    block.slice_of(buffer, block.index[key]).mul_(ratio)
+            return
+        for t in self._loaded.get(key, {}).values():
+            if t is not None:
+                t.mul_(ratio)
+
     def keys(self):
         return list(self._where) + [k for k in self._loaded if k not in self._where]
 

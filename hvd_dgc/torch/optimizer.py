@@ -152,9 +152,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if included and self._resolved.freeze is not None:
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
                                 lambda p, u: self._engine.memory.seed_velocity(
-                                    self._param_index[p], u))
+                                    self._param_index[p], u),
+                                self._config.refresh_variance,
+                                lambda p, ratio: self._engine.memory.rescale(
+                                    self._param_index[p], ratio),
+                                self._average_variance)
         return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
                            plain=type(self).__bases__[0].step is torch.optim.SGD.step)
+
+    def _average_variance(self, tensors):
+        """Adam's refresh (adam.py): the ranks' second moments averaged in place, one
+        dense exchange, counted in the bytes sent."""
+        if tensors and self.process_set.size() > 1:
+            _hvd.grouped_allreduce_(tensors, name="hvd_dgc.adam_refresh", op=Average,
+                                    process_set=self.process_set)
+        self._progress.stats.add_bytes("hvd_dgc.adam_refresh",
+                                       sum(t.numel() * t.element_size() for t in tensors))
 
     def _horovod_config(self):
         """Horovod's arguments, as every rank must have them alike."""
@@ -186,6 +199,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         scale = None
         if self._guard.scaling():
             scale = _loss_scale(self._grad_scaler)
+        self._takeover.observe(params, scale)
         at = StepPlace(step, self._progress.density(), _hvd.rank(),
                        self._lagging.exchanges_now(step), self._lagging.keeps_own, scale,
                        self._lagging.name_suffix(step))

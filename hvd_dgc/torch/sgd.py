@@ -53,6 +53,10 @@ class SGDTakeOver:
         """SGD's gradient enters the memory as it is."""
         return None
 
+    @staticmethod
+    def observe(params, scale=None):
+        """Nothing to track of the local gradients (Adam's refresh does: adam.py)."""
+
     @contextmanager
     def off(self):
         """The memory applied momentum and weight decay already; the base SGD must not."""

@@ -159,14 +159,62 @@ def reference_equivalence():
 
 
 def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd, delay,
-                     batches=None, period=1):
+                     batches=None, period=1, refresh=()):
     """tests/reference.py ``delayed_frozen_adam`` with Keras' Adam, each rank's gradients
     at its own weights on its batch; ``batches``: which batch each step takes (default:
     step i the i-th)."""
     batches = list(range(steps)) if batches is None else batches
     return ref.delayed_frozen_adam(
         start, lambda x, step, r: _grads_at(tf, model, x, *_batch(batches[step], r)), steps,
-        world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True, period=period)
+        world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True, period=period,
+        refresh=refresh)
+
+
+def refresh_reference():
+    """Each Adam taken over with its variance refreshed every 2nd step after a freeze at
+    step 3 (at the ends of steps 5, 7 and 9), dense, synchronous (AdamW also with
+    delay=2): the reference PyTorch's refresh is held to, with Keras' forms, step by step
+    on each rank; the refreshes counted, each one dense exchange more."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd = 10, 3, 0.01, (0.9, 0.99), 1e-7, 0.05
+    runs = [(label, make, decoupled, 0) for label, make, decoupled in _classes()]
+    runs.append(_classes()[0] + (2,))
+    results = {}
+    for label, make, decoupled, delay in runs:
+        decay = wd if decoupled else 0.0
+        shadow = _model(tf.keras, 0)
+        start = _flat(v.numpy() for v in shadow.trainable_variables)
+        numel = sum(a.size for a in start)
+        per_rank, flushed = _reference_delay(tf, shadow, start, steps, world, freeze, lr,
+                                             betas, eps, decay, delay, refresh={5, 7, 9})
+        plain, _ = _reference_delay(tf, shadow, start, steps, world, freeze, lr, betas, eps,
+                                    decay, delay)
+        model = _model(tf.keras, 0)
+        opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay), freeze_variance=freeze,
+                                       refresh_variance=2, min_compress_size=10 ** 9,
+                                       delay=delay)
+        step, diffs, refreshes, sent = _train_step(tf, model, opt), [], [], []
+        before = 0  # (no statistics before the first step builds the exchange)
+        for s in range(steps):
+            step(*_batch(s, rank))
+            ours = _flat(v.numpy() for v in model.trainable_variables)
+            diffs.append(max(float(np.abs(a - b).max()) for a, b in zip(ours, per_rank[rank][s])))
+            stats = opt.compression_stats()
+            refreshes.append(stats["adam_refreshes"])
+            sent.append(round((stats["bytes_sent"] - before) / (4 * numel), 6))
+            before = stats["bytes_sent"]
+        opt.flush()
+        ours = _flat(v.numpy() for v in model.trainable_variables)
+        results[f"{label}.delay{delay}"] = {
+            "diffs": diffs, "refreshes": refreshes, "dense_steps_sent": sent,
+            "flushed_diff": max(float(np.abs(a - b).max()) for a, b in zip(ours, flushed)),
+            "identical": _identical(tf, hvd, model.trainable_variables,
+                                    f"adamr.{label}.{delay}"),
+            "refreshed": max(float(np.abs(a - b).max())
+                             for a, b in zip(per_rank[rank][-1], plain[rank][-1]))}
+    return results
 
 
 def delay_reference():

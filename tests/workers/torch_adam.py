@@ -135,6 +135,65 @@ def lagging_reference():
             "apart": float(np.abs(per_rank[0][-1] - per_rank[1][-1]).max())}
 
 
+def refresh_reference():
+    """AdamW with its variance refreshed every 2nd step after a freeze at step 4 (at the
+    ends of steps 6, 8, 10), dense, synchronous and with delay=2: the reference step by
+    step on each rank, the refreshes counted with their bytes; and a sparse run with
+    refresh_variance='auto' (freeze 5: refreshes at 10 and 20) keeps the ranks
+    identical while the loss falls."""
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd = 11, 4, 0.01, (0.9, 0.99), 1e-8, 0.05
+    shadow = wide_mlp(5)  # on the test device, as the batches loss_of draws
+    start = [p.detach().cpu().numpy().reshape(-1).copy() for p in shadow.parameters()]
+    numel = sum(a.size for a in start)
+    out = {}
+    for delay in (0, 2):
+        per_rank, flushed = ref.delayed_frozen_adam(
+            start, lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr,
+            betas, eps, wd, delay, VARIANCE_FLOOR, refresh={6, 8, 10})
+        unrefreshed, _ = ref.delayed_frozen_adam(
+            start, lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr,
+            betas, eps, wd, delay, VARIANCE_FLOOR)
+        model = wide_mlp(5)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
+            named_parameters=[(f"refresh{delay}." + n, p) for n, p in model.named_parameters()],
+            freeze_variance=freeze, refresh_variance=2, min_compress_size=10 ** 9, delay=delay)
+        diffs, refreshes, sent = [], [], []
+        for step in range(steps):
+            before = opt.compression_stats()["bytes_sent"]
+            train(model, opt, 1, rank, start=step, features=64, classes=10)
+            ours = flat_params(model).cpu().numpy()
+            diffs.append(float(np.abs(ours - np.concatenate(per_rank[rank][step])).max()))
+            stats = opt.compression_stats()
+            refreshes.append(stats["adam_refreshes"])
+            sent.append((stats["bytes_sent"] - before) / (4 * numel))
+        opt.flush()
+        out[f"delay={delay}"] = {
+            "diffs": diffs, "refreshes": refreshes, "dense_steps_sent": sent,
+            "flushed_diff": float(np.abs(flat_params(model).cpu().numpy()
+                                         - np.concatenate(flushed)).max()),
+            "identical": ranks_identical(model, f"refresh{delay}.flushed"),
+            "refreshed": float(np.abs(np.concatenate(per_rank[rank][-1])
+                                      - np.concatenate(unrefreshed[rank][-1])).max())}
+    model = wide_mlp(6)
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                   named_parameters=[("refresh.sparse." + n, p)
+                                                     for n, p in model.named_parameters()],
+                                   density=0.01, freeze_variance=5, refresh_variance="auto")
+    with torch.no_grad():
+        first = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    for step in range(24):
+        train(model, opt, 1, rank, start=step % 4, features=64, classes=10)
+    with torch.no_grad():
+        last = float(sum(loss_of(model, s, rank, features=64, classes=10) for s in range(4)))
+    stats = opt.compression_stats()
+    out["sparse"] = {"identical": ranks_identical(model, "refresh.sparse"), "first": first,
+                     "last": last, "refreshes": stats["adam_refreshes"],
+                     "refresh": stats["adam_refresh"]}
+    return out
+
+
 def period_run():
     """AdamW taken over with period=3 at density 0.01: every step exchanges before the
     freeze, every third after; ranks identical after ``flush()``; the loss falls."""
@@ -183,7 +242,6 @@ def sparse_run():
 def late_tensor():
     """A tensor with no gradient until after the freeze (Adam never stepped it: v = 0)
     gets the typical v of the others, not a scale of (1 - beta1)/eps, and trains."""
-    rank = hvd.rank()
     torch.manual_seed(9)
     body, late = torch.nn.Linear(64, 10).to(device()), torch.nn.Linear(64, 10).to(device())
     params = list(body.parameters()) + list(late.parameters())

@@ -276,11 +276,15 @@ def _register_local_var(self, var):
 
 def _then_freeze(self, apply, adam):
     """``apply``, then, at the end of step ``freeze - 1`` (the exchange has counted it),
-    Adam's variance frozen and its first moment moved into DGC's memory."""
+    Adam's variance frozen and its first moment moved into DGC's memory; at the end of
+    a refresh step (``refresh_variance``), the ranks' variances averaged into it."""
     def applied(grads):
         out = apply(grads)
-        tf.cond(tf.equal(self._hvd_dgc.step, adam.freeze),
+        step = self._hvd_dgc.step
+        tf.cond(tf.equal(step, adam.freeze),
                 lambda: adam.freeze_now(self.iterations), lambda: tf.constant(False))
+        tf.cond(adam.refreshing(step),
+                lambda: adam.refresh_now(self.iterations), lambda: tf.constant(False))
         return out
     return applied
 
@@ -617,7 +621,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     if exchange.resolved.freeze is not None:  # Adam/AdamW taken over (keras_adam.py)
         check_keras_adam(type(optimizer).__name__, keras_config)
         kind, adam_methods = _adam_methods(optimizer)
-        adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind)
+        adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind,
+                                 exchange.resolved.config.refresh_variance)
         exchange.momentum = adam.beta1  # the memory's, once frozen
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "register_local_var": _register_local_var,
