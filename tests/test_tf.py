@@ -21,7 +21,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
-        "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference"]
+        "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference",
+        "tf_dga.auto_delay_checkpoint"]
 # Keras 2: Horovod's dense and DGC; Keras 3: DGC, DGC with delayed averaging, EF-SignSGD,
 # held to Keras 2's dense Horovod (the same model, data and seed)
 FIT2 = {"keras_fit_digits": {}}
@@ -46,7 +47,8 @@ def tape(ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, timeout=600, env=KERAS3, kwargs={
         "names": TAPE + ["checkpoint_tape", "checkpoint_keras"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_tape", "checkpoint_keras"),
-                   "tf_keras_api.keras_passes": {"how": "apply"}}})
+                   "tf_keras_api.keras_passes": {"how": "apply"},
+                   "tf_dga.auto_delay_checkpoint": {"ckdir": ckdir + "/k3"}}})
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +59,10 @@ def keras2(ckdir):
                   "tf_dga.keras_nonfinite_skips_the_step", "tf_local.keras_local_vars",
                   "tf_keras_api.keras_compute_gradients", "tf_keras_api.keras_passes",
                   "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
-                  "tf_dga.auto_delay_matches_reference"],
+                  "tf_dga.auto_delay_matches_reference", "tf_dga.auto_delay_checkpoint"],
         "kwargs": {**_ckpt(ckdir, "save", "checkpoint_keras"), **FIT2,
-                   "tf_keras_api.keras_passes": {"how": "compute"}}})
+                   "tf_keras_api.keras_passes": {"how": "compute"},
+                   "tf_dga.auto_delay_checkpoint": {"ckdir": ckdir + "/k2"}}})
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +456,17 @@ def test_period_follows_the_reference_and_flush_makes_ranks_identical(version, v
         assert sum(res["paths"].values()) == res["tensors"] * (steps // period), res["paths"]
         if "topk" in variant:
             assert res["paths"].get("sparse", 0) > 0, res["paths"]
+
+
+@pytest.mark.parametrize("version", ["keras2", "keras3"])
+def test_auto_delay_is_kept_in_the_checkpoint(version, tape, keras2):
+    """delay="auto"'s D is in ``dgc_state``: restored, a run goes on at the D it had
+    reached (4) instead of climbing again from AutoDelay's start (1)."""
+    for out in _checked(keras2 if version == "keras2" else tape,
+                        "tf_dga.auto_delay_checkpoint"):
+        assert out["saved"] == 4, out
+        assert out["restored"] == [4, 4], out
+        assert out["fresh"] == [1, 1], out
 
 
 @pytest.mark.parametrize("version", ["keras2", "keras3"])

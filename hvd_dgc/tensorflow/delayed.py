@@ -79,6 +79,7 @@ class DelayedAveraging(LagQueue):
         self._functions = {}  # (name, path, members) -> tf.function of its collectives
         self._step_ended = None  # delay="auto": when the last step's wait ended
         self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
+        self._kept = None        # delay="auto": (its tf.Variable, the D last written)
 
     @property
     def delay(self):
@@ -103,6 +104,34 @@ class DelayedAveraging(LagQueue):
     def in_flight(self):
         """Steps whose averages have not been applied yet."""
         return len(self.inflight)
+
+    # -- delay="auto"'s D, in a checkpoint ----------------------------------------------
+    def keep_delay_in(self, variable):
+        """Write each D decided into ``variable`` (the exchange's, tracked: checkpoints
+        and the elastic commit hold it), and go on from one a restore put there."""
+        self._kept = (variable, int(variable.numpy()))
+        self.resume_delay(int(variable.numpy()))
+
+    def resume_delay(self, delay):
+        """Go on from ``delay`` (a checkpoint's, or rank 0's after an elastic reset), from
+        a fresh window of measurements, as the PyTorch side's ``resume_delay``."""
+        self.auto.delay = int(delay)
+        self.auto.reset_window()
+        self._agreeing = self._step_ended = None
+        self._write_delay()
+
+    def _write_delay(self):
+        if self._kept is not None and self._kept[1] != self.auto.delay:
+            self._kept[0].assign(self.auto.delay)
+            self._kept = (self._kept[0], self.auto.delay)
+
+    def _adopt_restored(self):
+        """A step's first act: a D a restore wrote into the variable is the D from now."""
+        if self._kept is not None:
+            stored = int(self._kept[0].numpy())
+            if stored != self._kept[1]:
+                self._kept = (self._kept[0], stored)
+                self.resume_delay(stored)
 
     # -- the step's graph ------------------------------------------------------------
     def step(self, grads, at, dropped=None):
@@ -148,6 +177,7 @@ class DelayedAveraging(LagQueue):
         """Start an exchange's collectives on the threads, or (a step between
         exchanges) keep ``-own`` of each tensor for when the period's average comes."""
         step, stage, count = int(step), int(stage), len(self.paths.ctx.tensors)
+        self._adopt_restored()
         arrays = [p.numpy() for p in payloads]
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
@@ -191,6 +221,7 @@ class DelayedAveraging(LagQueue):
         if self._agreeing is not None:
             agreeing, self._agreeing = self._agreeing, None
             auto.decide(tuple(agreeing.result()), step, self.period)
+            self._write_delay()
         self._agreeing = self._pool.submit(self._agree, sums)
         self._step_ended = time.perf_counter()
 

@@ -194,8 +194,13 @@ class GradientExchange(tf.Module):
                 config = self.resolved.config
                 self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
                                             self.period, config.auto_delay)
-                if self.dga.auto is not None and self._first_delay is not None:
-                    self.dga.auto.delay = int(self._first_delay)  # rank 0's (elastic)
+                if self.dga.auto is not None:
+                    # delay="auto"'s D, tracked: a checkpoint goes on from the D it had
+                    self.auto_delay = tf.Variable(self.dga.auto.delay, dtype=tf.int64,
+                                                  trainable=False, name="auto_delay")
+                    self.dga.keep_delay_in(self.auto_delay)
+                    if self._first_delay is not None:
+                        self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
             self._planned()
 
     def _planned(self):
@@ -298,7 +303,7 @@ class GradientExchange(tf.Module):
             self.step.assign(step)
             self.epoch.assign(epoch)
             if delay is not None and self.dga is not None and self.dga.auto is not None:
-                self.dga.auto.delay = int(delay)
+                self.dga.resume_delay(int(delay))
 
     def current_epoch(self):
         """The epoch the warm-up reads (before the first step: the one it will read)."""

@@ -519,3 +519,47 @@ def period_bad_inputs():
     from hvd_dgc.tensorflow.exchange import GradientExchange
     out["elastic"] = GradientExchange(period=2, density=1.0).elastic_refusal()
     return out
+
+
+def auto_delay_checkpoint(ckdir, steps=16):
+    """delay="auto"'s D goes into the checkpoint with DGC's state: a run whose D climbed
+    from 1 to 4 (the "up" measurements), flushed and saved, and a fresh optimizer with
+    the same AutoDelay restored from it run their next steps at D = 4; a fresh one not
+    restored starts again from 1 (as PyTorch's checkpoint keeps its D)."""
+    import os
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    rank = hvd.rank()
+    path = os.path.join(ckdir, f"autodelay_rank{rank}")
+    start_d, idle, period, _ = AUTO["up"]
+
+    def build():
+        variables = _init(tf, 40)
+        opt = hvd.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.05, 0.9), density=1.0, period=period,
+            delay=hvd.AutoDelay(max_delay=4, window=2, start=start_d, idle=idle))
+
+        @tf.function
+        def train_step(grads):
+            opt.apply_gradients(zip(grads, variables))
+        return opt, variables, train_step
+
+    opt, variables, train_step = build()
+    for i in range(steps):
+        train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+    saved = opt.compression_stats()["delay"]
+    opt.flush()
+    tf.train.Checkpoint(dgc=opt.dgc_state).write(path)
+    out = {"saved": saved}
+    for tag, restore in (("restored", True), ("fresh", False)):
+        opt, variables, train_step = build()
+        if restore:
+            tf.train.Checkpoint(dgc=opt.dgc_state).read(path).expect_partial()
+        delays = []
+        for i in range(steps, steps + 2):
+            train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
+            delays.append(opt.compression_stats()["delay"])
+        opt.flush()
+        out[tag] = delays
+    return out
+
