@@ -53,14 +53,22 @@ tests/reference.py states the maths in NumPy.
 
 from hvd_dgc.schedule import DEFAULT_SENDS, DensitySchedule
 
-__all__ = ["VARIANCE_FLOOR", "DEFAULT_FREEZE", "FrozenAdamSchedule", "check_freeze_variance",
-           "check_refresh_variance", "freeze_steps", "refresh_count", "refreshes_at"]
+__all__ = ["VARIANCE_FLOOR", "DEFAULT_FREEZE", "FROZEN_ONCE_FREEZE", "FrozenAdamSchedule",
+           "check_freeze_variance", "check_refresh_variance", "freeze_steps", "refresh_count",
+           "refreshes_at", "resolve_refresh"]
 
 #: The frozen ``v`` of a tensor is at least this times its mean over the tensor.
 VARIANCE_FLOOR = 0.01
 
-#: Steps of exact (dense) Adam before the second moment is frozen, by default.
-DEFAULT_FREEZE = 200
+#: Steps of exact (dense) Adam before the second moment is frozen, by default, where it
+#: is refreshed (the default: ``refresh_variance`` "auto"). bench/adam_lm.py, 1,500 steps,
+#: dense after the freeze: frozen at 20 and refreshed 1.3577 (Horovod 1.3829), every 100
+#: steps 1.3853; frozen once at 20 1.4418, at 50 1.3935, at 200 1.3824.
+DEFAULT_FREEZE = 20
+
+#: ``freeze_variance="auto"`` with ``refresh_variance=False``: frozen once, late enough
+#: that the variance need not move again (the former default).
+FROZEN_ONCE_FREEZE = 200
 
 #: After the freeze, when the script sets neither ``density`` nor ``warmup``: SGD's
 #: default (schedule.DEFAULT_SENDS: each stage as long as every coordinate could have
@@ -73,7 +81,8 @@ DEFAULT_FREEZE = 200
 
 
 def check_freeze_variance(value):
-    """``freeze_variance``: "auto" (DEFAULT_FREEZE steps), an int >= 1 (steps of exact
+    """``freeze_variance``: "auto" (DEFAULT_FREEZE steps, refreshed; FROZEN_ONCE_FREEZE
+    with ``refresh_variance=False``), an int >= 1 (steps of exact
     Adam), or False (no take-over: error feedback on Adam's raw gradient)."""
     if value is False or value == "auto":
         return value
@@ -85,10 +94,10 @@ def check_freeze_variance(value):
 
 
 def check_refresh_variance(value):
-    """``refresh_variance``: False (frozen once), "auto" (refreshed at Adam's steps 2T,
-    4T, 8T, ... of a freeze at step T: 0/1 Adam's growing intervals) or an int k >= 1
-    (every k steps after the freeze)."""
-    if value is False or value == "auto":
+    """``refresh_variance``: None (``resolve_refresh``), False (frozen once), "auto"
+    (refreshed at Adam's steps 2T, 4T, 8T, ... of a freeze at step T: 0/1 Adam's
+    growing intervals) or an int k >= 1 (every k steps after the freeze)."""
+    if value is None or value is False or value == "auto":
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"refresh_variance must be False (the variance frozen once), 'auto' "
@@ -117,11 +126,23 @@ def refresh_count(t, freeze, refresh):
     return (t - freeze) // refresh
 
 
-def freeze_steps(value):
-    """The freeze step of a checked ``freeze_variance`` (None: off)."""
+def freeze_steps(value, refresh="auto"):
+    """The freeze step of a checked ``freeze_variance`` (None: off), with the resolved
+    ``refresh`` (``resolve_refresh``)."""
     if value is False:
         return None
-    return DEFAULT_FREEZE if value == "auto" else int(value)
+    if value == "auto":
+        return DEFAULT_FREEZE if refresh is not False else FROZEN_ONCE_FREEZE
+    return int(value)
+
+
+def resolve_refresh(freeze_variance, refresh_variance):
+    """``refresh_variance`` as it runs: None (the default) refreshes ("auto") where the
+    freeze is the default one, and leaves a freeze the script chose (N steps) frozen
+    once, as it asked."""
+    if refresh_variance is None:
+        return "auto" if freeze_variance == "auto" else False
+    return refresh_variance
 
 
 class FrozenAdamSchedule:
@@ -129,16 +150,16 @@ class FrozenAdamSchedule:
     start: ``inner(step - freeze, epoch)``. Looks like a ``DensitySchedule`` to the
     planner (``density``, ``warmup``, ``warmup_densities``)."""
 
-    def __init__(self, freeze, inner):
-        self.freeze, self.inner = int(freeze), inner
+    def __init__(self, freeze, inner, refresh=False):
+        self.freeze, self.inner, self.refresh = int(freeze), inner, refresh
         self.density = getattr(inner, "density", None)
         stages = getattr(inner, "warmup_densities", ()) if getattr(inner, "warmup", 0) else ()
         self.warmup = float(self.freeze)
         self.warmup_densities = (1.0,) + tuple(stages)
 
     @classmethod
-    def default(cls, freeze):
-        return cls(freeze, DensitySchedule.coverage(0.001, DEFAULT_SENDS))
+    def default(cls, freeze, refresh=False):
+        return cls(freeze, DensitySchedule.coverage(0.001, DEFAULT_SENDS), refresh)
 
     def __call__(self, step, epoch):
         if step < self.freeze:
@@ -149,12 +170,17 @@ class FrozenAdamSchedule:
         inner = self.inner.describe() if hasattr(self.inner, "describe") else \
             "a callable schedule"
         after = f"; after it {inner}, in steps from the freeze" if inner else ""
-        return f"exact Adam (dense) to step {self.freeze}, then its second moment frozen " \
-               f"and its momentum corrected by DGC (1-bit Adam){after}"
+        refreshed = "" if self.refresh is False else \
+            f", refreshed at steps {2 * self.freeze}, {4 * self.freeze}, " \
+            f"{8 * self.freeze}, ... (0/1 Adam)" if self.refresh == "auto" else \
+            f", refreshed every {self.refresh} steps (0/1 Adam)"
+        return f"exact Adam (dense) to step {self.freeze}, then its second moment frozen" \
+               f"{refreshed} and its momentum corrected by DGC (1-bit Adam){after}"
 
     def config(self):
         inner = self.inner.config() if hasattr(self.inner, "config") else repr(self.inner)
-        return ("FrozenAdamSchedule", self.freeze, inner)
+        return ("FrozenAdamSchedule", self.freeze, inner, self.refresh)
 
     def __repr__(self):
-        return f"FrozenAdamSchedule(freeze={self.freeze}, inner={self.inner!r})"
+        return f"FrozenAdamSchedule(freeze={self.freeze}, inner={self.inner!r}, " \
+               f"refresh={self.refresh!r})"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional
 
 from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, check_refresh_variance, \
-    freeze_steps
+    freeze_steps, resolve_refresh
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel, default_cost_model
 from hvd_dgc.masking import check_masking
@@ -111,7 +111,8 @@ class DGCConfig:
             never.
         freeze_variance: with ``torch.optim.Adam`` or ``AdamW``, Keras' ``Adam`` or
             ``AdamW`` (Keras 3, tf_keras and its legacy Adam): "auto"
-            (default: 200 steps), or N: exact Adam for the first N steps (dense
+            (default: 20 steps, then refreshed; 200 with ``refresh_variance=False``),
+            or N: exact Adam for the first N steps (dense
             averages), then Adam's second moment is frozen (1-bit Adam, Tang et al.
             2021), which makes its update momentum SGD with a fixed preconditioner, and
             DGC takes over its first moment as it does SGD's momentum (momentum
@@ -120,9 +121,11 @@ class DGCConfig:
             freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
             freeze; hvd_dgc/adam.py).
             False: Adam's own update on error feedback (no delay, no period).
-        refresh_variance: with the variance frozen: False (default: frozen
-            once), "auto" (refreshed at steps 2T, 4T, 8T, ... of a freeze at step T) or
-            k (every k steps after the freeze). Each rank tracks Adam's second moment
+        refresh_variance: with the variance frozen: None (default: "auto" with
+            the default freeze, False with a freeze_variance=N the script chose),
+            False (frozen once), "auto" (refreshed at steps 2T, 4T, 8T, ... of a
+            freeze at step T) or k (every k steps after the freeze). Each rank tracks
+            Adam's second moment
             from its own gradient; at a refresh the ranks average it (one dense
             exchange, counted in the bytes sent) and the preconditioner, and what the
             memory holds, move to it (0/1 Adam, Lu et al. 2022; hvd_dgc/adam.py).
@@ -143,7 +146,7 @@ class DGCConfig:
     fusion_threshold: Optional[int] = None
     log_every: int = 0
     freeze_variance: Any = "auto"
-    refresh_variance: Any = False
+    refresh_variance: Any = None
 
     def __post_init__(self):
         if self.warmup_densities is not None:
@@ -305,14 +308,15 @@ class DGCConfig:
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
         else:
             adaptive = optimizer is not None and not optimizer[0]
-            freeze = freeze_steps(self.freeze_variance) if adam else None
+            refresh = resolve_refresh(self.freeze_variance, self.refresh_variance)
+            freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
             if freeze is not None and density is None and warmup is None:
-                schedule = FrozenAdamSchedule.default(freeze)
+                schedule = FrozenAdamSchedule.default(freeze, refresh)
             else:
                 schedule = as_schedule(density, warmup, self.warmup_unit,
                                        self.warmup_densities, adaptive=adaptive)
                 if freeze is not None:
-                    schedule = FrozenAdamSchedule(freeze, schedule)
+                    schedule = FrozenAdamSchedule(freeze, schedule, refresh)
             if fw == "tensorflow" and not isinstance(
                     getattr(schedule, "inner", schedule), DensitySchedule):
                 raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
@@ -323,7 +327,7 @@ class DGCConfig:
                              f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
                              f"DistributedGradientTape does not know the optimizer (an Adam "
                              f"after it runs on error feedback). Pass no freeze_variance.")
-        if self.refresh_variance is not False and freeze is None:
+        if self.refresh_variance not in (None, False) and freeze is None:
             raise ValueError(f"refresh_variance={self.refresh_variance!r} refreshes Adam's "
                              f"frozen variance: it needs torch.optim.Adam or AdamW (Keras' "
                              f"Adam or AdamW) with freeze_variance 'auto' or a number of "
@@ -342,7 +346,9 @@ class DGCConfig:
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
                         aggregations, freeze,
                         take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
-                        cost_model)
+                        cost_model, resolve_refresh(self.freeze_variance,
+                                                    self.refresh_variance)
+                        if freeze is not None else False)
 
 
 class Framework(NamedTuple):
@@ -403,6 +409,7 @@ class Resolved(NamedTuple):
     freeze: Optional[int] = None  # Adam taken over: its second moment frozen here (adam.py)
     taken_over: TakeOver = TakeOver()  # what of the optimizer's update DGC applies, in words
     cost_model: Any = None  # a CostModel, or "measure" (the default: costmodel.py)
+    refresh: Any = False   # the frozen variance refreshed: False, "auto" or k (adam.py)
 
     @property
     def sparse(self):

@@ -2,10 +2,14 @@
 byte-level transformer over the standard library's sources, 2 ranks under horovodrun
 --gloo, 400 steps, dense Horovod and hvd_dgc side by side on the same batches.
 
-Measured (2026-11-24, this machine): validation loss at step 400, Horovod 2.160,
-hvd_dgc's defaults 2.190 (+1.4%) sending 2.25x fewer bytes after the freeze at step 200,
-``density=0.01`` 2.204 (+2.0%) at 5.2x; up to the freeze both equal Horovod's to the
-last digit (exact Adam on dense averages)."""
+Measured (2026-11-26, this machine): validation loss at step 400, Horovod 2.1598;
+hvd_dgc's defaults (exact Adam to step 20, the variance refreshed at 40, 80, 160, 320)
+2.2436 (+3.9%) sending 2.86x fewer bytes over the run; frozen once at step 200
+(``refresh_variance=False``, the former default) 2.1896 (+1.4%) at 1.38x, equal to
+Horovod's to the last digit up to the freeze (exact Adam on dense averages);
+``density=0.01`` 2.2877 (+5.9%) at 5.7x. (On runs this short the long exact warm-up
+wins on loss; at 1,500 steps of the larger model the refreshed default wins on both:
+bench/results/adam_lm.md.)"""
 
 import math
 
@@ -13,9 +17,9 @@ import pytest
 
 from harness.hvdrun import run
 
-FREEZE = 200  # hvd_dgc.adam.DEFAULT_FREEZE
-VARIANTS = {"default": {},
-            "density=0.01": {"density": 0.01, "warmup": FREEZE, "warmup_unit": "step"}}
+ONCE = 200  # hvd_dgc.adam.FROZEN_ONCE_FREEZE: freeze_variance="auto", refresh_variance=False
+VARIANTS = {"default": {}, "frozen once": {"refresh_variance": False},
+            "density=0.01": {"density": 0.01, "warmup": 200, "warmup_unit": "step"}}
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +29,27 @@ def lm():
     return results
 
 
-def test_adamw_on_real_text_matches_horovod_to_the_freeze_then_stays_close(lm):
-    from hvd_dgc.adam import DEFAULT_FREEZE
-    assert DEFAULT_FREEZE == FREEZE
+def test_adamw_on_real_text_stays_close_to_horovod_with_fewer_bytes(lm):
+    from hvd_dgc.adam import FROZEN_ONCE_FREEZE
+    assert FROZEN_ONCE_FREEZE == ONCE
     for out in lm:
         curves, numel = out["curves"], out["numel"]
         dense = curves["horovod"]
         assert out["start"] > 0.9 * math.log(256) and dense[-1] < 2.3  # it learned
-        for label, bound, fewer in (("default", 0.03, 2.0), ("density=0.01", 0.04, 4.5)):
+        whole = 4.0 * numel * out["steps"]
+        # (label, loss bound at step 400 vs Horovod's, fewer bytes over the run)
+        for label, bound, fewer in (("default", 0.06, 2.5), ("frozen once", 0.03, 1.3),
+                                    ("density=0.01", 0.08, 5.0)):
             curve, res = curves[label], out[label]
-            # steps 100 and 200: Adam itself, on the dense average
-            assert max(abs(a - b) for a, b in zip(curve[:2], dense[:2])) < 1e-4, label
-            # steps 300 and 400: the variance frozen, DGC's memory on the first moment
-            assert curve[3] < curve[2], (label, curve)
+            assert all(b < a for a, b in zip(curve, curve[1:])), (label, curve)
             assert curve[3] < (1 + bound) * dense[3], (label, curve[3], dense[3])
-            after = res["bytes"] - 4.0 * numel * FREEZE
-            assert 4.0 * numel * (out["steps"] - FREEZE) / after > fewer, (label, after)
+            assert whole / res["bytes"] > fewer, (label, whole / res["bytes"])
             assert res["phase"] == "frozen variance" and res["identical"], (label, res)
+        # frozen once at 200: Adam itself on the dense average to the freeze (steps 100
+        # and 200), then at least 2x fewer bytes than dense after it
+        once, res = curves["frozen once"], out["frozen once"]
+        assert max(abs(a - b) for a, b in zip(once[:2], dense[:2])) < 1e-4
+        after = res["bytes"] - 4.0 * numel * ONCE
+        assert 4.0 * numel * (out["steps"] - ONCE) / after > 2.0, after
+        # the refreshed default: less than half the bytes of the 200-step warm-up
+        assert out["default"]["bytes"] < 0.5 * res["bytes"]

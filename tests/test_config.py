@@ -239,7 +239,7 @@ def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers
     # Adam taken over (its variance frozen): exact Adam, then SGD's stages from the freeze
     adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))
     assert adam._hvd_dgc.schedule.config() == FrozenAdamSchedule.default(
-        DEFAULT_FREEZE).config()
+        DEFAULT_FREEZE, "auto").config()
     # not taken over: error feedback on Adam's raw gradient, the longer stages
     adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
                                           freeze_variance=False)
@@ -292,3 +292,36 @@ def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys):
         torch.optim.NAdam(model.parameters()), named_parameters=[
             (f"dense.{n}", p) for n, p in model.named_parameters()], density=1.0))
     assert not lost and "not taken over" not in line
+
+
+def test_the_default_freeze_is_early_and_refreshed_a_chosen_one_frozen_once():
+    """No option: exact Adam to step 20, the variance refreshed at 40, 80, ...; with
+    refresh_variance=False the former default (200, frozen once); a freeze_variance=N the
+    script chose is frozen once unless it asks for refreshes too. Both frameworks."""
+    from hvd_dgc.adam import DEFAULT_FREEZE, FROZEN_ONCE_FREEZE
+
+    def torch_adam(**options):  # DistributedOptimizer's resolution, without Horovod's init
+        from horovod.torch.mpi_ops import Adasum, Average, Sum
+        from hvd_dgc.config import HorovodArguments
+        from hvd_dgc.torch.optimizer import TORCH
+        return DGCConfig.from_options(options, "torch", "DistributedOptimizer").resolve(
+            TORCH, TorchCompression.dgc, HorovodArguments(Average, 1.0, 1, None,
+                                                          (Average, Sum, Adasum)),
+            (False, "AdamW", True))
+
+    def keras_adam(**options):
+        return hvd_keras.DistributedOptimizer(tf.keras.optimizers.AdamW(1e-3), **options)
+
+    assert (DEFAULT_FREEZE, FROZEN_ONCE_FREEZE) == (20, 200)
+    for make, resolved in ((torch_adam, lambda o: o),
+                           (keras_adam, lambda o: o._hvd_dgc.resolved)):
+        cases = {(): (20, "auto"), (("refresh_variance", False),): (200, False),
+                 (("freeze_variance", 50),): (50, False),
+                 (("freeze_variance", 50), ("refresh_variance", 100)): (50, 100)}
+        for options, (freeze, refresh) in cases.items():
+            got = resolved(make(**dict(options)))
+            assert (got.freeze, got.refresh, got.schedule.refresh) == \
+                (freeze, refresh, refresh), (make.__name__, options, got.freeze, got.refresh)
+        said = resolved(make()).schedule.describe()
+        assert "exact Adam (dense) to step 20, then its second moment frozen, refreshed " \
+               "at steps 40, 80, 160, ... (0/1 Adam)" in said, said

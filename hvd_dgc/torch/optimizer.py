@@ -153,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
                                 lambda p, u: self._engine.memory.seed_velocity(
                                     self._param_index[p], u),
-                                self._config.refresh_variance,
+                                self._resolved.refresh,
                                 lambda p, ratio: self._engine.memory.rescale(
                                     self._param_index[p], ratio),
                                 self._average_variance)

@@ -622,7 +622,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         check_keras_adam(type(optimizer).__name__, keras_config)
         kind, adam_methods = _adam_methods(optimizer)
         adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind,
-                                 exchange.resolved.config.refresh_variance)
+                                 exchange.resolved.refresh)
         exchange.momentum = adam.beta1  # the memory's, once frozen
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "register_local_var": _register_local_var,
