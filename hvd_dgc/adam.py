@@ -80,30 +80,32 @@ FROZEN_ONCE_FREEZE = 200
 #: (bench/adam_lm.py, bench/results/adam_lm.md)
 
 
+def _steps_or(name, value, named, says):
+    """``value`` if it is one of ``named`` or an int >= 1; else the error ``says``."""
+    if any(value is n if n in (None, False) else value == n for n in named):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be {says}, got {value!r}")
+    return value
+
+
 def check_freeze_variance(value):
     """``freeze_variance``: "auto" (DEFAULT_FREEZE steps, refreshed; FROZEN_ONCE_FREEZE
     with ``refresh_variance=False``), an int >= 1 (steps of exact
     Adam), or False (no take-over: error feedback on Adam's raw gradient)."""
-    if value is False or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"freeze_variance must be 'auto', a number of steps >= 1 (exact "
-                         f"Adam before its second moment is frozen) or False (Adam's own "
-                         f"update on error feedback), got {value!r}")
-    return value
+    return _steps_or("freeze_variance", value, (False, "auto"),
+                     "'auto', a number of steps >= 1 (exact Adam before its second moment "
+                     "is frozen) or False (Adam's own update on error feedback)")
 
 
 def check_refresh_variance(value):
     """``refresh_variance``: None (``resolve_refresh``), False (frozen once), "auto"
     (refreshed at Adam's steps 2T, 4T, 8T, ... of a freeze at step T: 0/1 Adam's
     growing intervals) or an int k >= 1 (every k steps after the freeze)."""
-    if value is None or value is False or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"refresh_variance must be False (the variance frozen once), 'auto' "
-                         f"(refreshed at steps 2T, 4T, 8T, ... of a freeze at step T) or a "
-                         f"number of steps >= 1 between refreshes, got {value!r}")
-    return value
+    return _steps_or("refresh_variance", value, (None, False, "auto"),
+                     "False (the variance frozen once), 'auto' (refreshed at steps 2T, 4T, "
+                     "8T, ... of a freeze at step T) or a number of steps >= 1 between "
+                     "refreshes")
 
 
 def refreshes_at(t, freeze, refresh):
