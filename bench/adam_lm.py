@@ -28,7 +28,8 @@ from hvd_dgc.schedule import DensitySchedule  # noqa: E402
 #: variant -> hvd_dgc options (None: stock Horovod)
 VARIANTS = {
     "horovod": None,
-    "default": {},
+    "default": {},  # (exact Adam to step 20, refreshed: "frozen at 20, refreshed")
+    "frozen once at 200 (former default)": {"refresh_variance": False},
     "0.1% after 200 steps": {"density": DensitySchedule(0.001, warmup=200, unit="step")},
     "freeze_variance=50, 0.1% after 200 steps": {
         "freeze_variance": 50, "density": DensitySchedule(0.001, warmup=200, unit="step")},
@@ -36,6 +37,18 @@ VARIANTS = {
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
     "frozen, dense": {"min_compress_size": 10 ** 9},
+    "frozen at 20, dense": {"freeze_variance": 20, "min_compress_size": 10 ** 9},
+    "frozen at 50, dense": {"freeze_variance": 50, "min_compress_size": 10 ** 9},
+    "frozen at 20, refreshed, dense": {"freeze_variance": 20, "refresh_variance": "auto",
+                                       "min_compress_size": 10 ** 9},
+    "frozen at 20, refreshed every 100, dense": {
+        "freeze_variance": 20, "refresh_variance": 100, "min_compress_size": 10 ** 9},
+    "frozen at 20, refreshed": {"freeze_variance": 20, "refresh_variance": "auto"},
+    "refreshed, 0.1% after 200 steps": {
+        "freeze_variance": 20, "refresh_variance": "auto",
+        "density": DensitySchedule(0.001, warmup=200, unit="step")},
+    "refreshed, density=0.01": {"freeze_variance": 20, "refresh_variance": "auto",
+                                "density": 0.01, "warmup": 150, "warmup_unit": "step"},
     "delay=4": {"delay": 4},
     "period=4": {"period": 4},
     # the outer loop (DiLoCo): AdamW locally, the weights' change averaged every H steps
@@ -209,9 +222,11 @@ def report(path, framework, np_, steps, out=None):
              f"{steps}` (runs recorded in {shown(path)}): "
              f"{np_} ranks (horovodrun --gloo), batch 32 x 128 bytes per rank, AdamW lr "
              f"2e-3, wd 0.01; validation loss in nats per byte at step {steps}, mean over the "
-             f"seeds run (min-max in brackets); bytes this rank sent over the whole run.", "",
-             "| variant | seeds | validation loss | vs Horovod | fewer bytes than dense |",
-             "| --- | --- | --- | --- | --- |"]
+             f"seeds run (min-max in brackets), and the mean of the last three evaluations; "
+             f"bytes this rank sent over the whole run.", "",
+             "| variant | seeds | validation loss | vs Horovod | last 3 evaluations vs "
+             "Horovod's | fewer bytes than dense |",
+             "| --- | --- | --- | --- | --- | --- |"]
     order = [v for v in VARIANTS if v in finals] + sorted(set(finals) - set(VARIANTS))
     for variant in order:
         points = finals[variant]
@@ -220,14 +235,27 @@ def report(path, framework, np_, steps, out=None):
         spread = f" ({min(losses):.4f}-{max(losses):.4f})" if len(losses) > 1 else ""
         ratio = statistics.mean(p[3] / p[2] for p in points)
         versus = f"{100 * (loss / base - 1):+.2f}%" if base else "n/a"
-        seeds = ", ".join(str(s) for s, c in sorted(runs[variant].items()) if c[-1][0] == steps)
-        lines.append(f"| {variant} | {seeds} | {loss:.4f}{spread} | {versus} | {ratio:.1f}x |")
+        done = [s for s, c in sorted(runs[variant].items()) if c[-1][0] == steps]
+        seeds = ", ".join(str(s) for s in done)
+        lines.append(f"| {variant} | {seeds} | {loss:.4f}{spread} | {versus} | "
+                     f"{_late(runs, variant, done)} | {ratio:.1f}x |")
     text = "\n".join(lines) + "\n"
     if out:
         with open(out, "w") as f:
             f.write(text)
         plot(runs, order, os.path.splitext(out)[0] + ".png", framework, np_)
     return text
+
+
+def _late(runs, variant, seeds, last=3):
+    """The mean validation loss of the last ``last`` evaluations against Horovod's on the
+    same seeds (the end of one evaluation is noisy under sparse updates), or "n/a"."""
+    base = runs.get("horovod", {})
+    if not seeds or any(s not in base for s in seeds):
+        return "n/a"
+    ours = statistics.mean(p[1] for s in seeds for p in runs[variant][s][-last:])
+    theirs = statistics.mean(p[1] for s in seeds for p in base[s][-last:])
+    return f"{100 * (ours / theirs - 1):+.2f}%"
 
 
 def plot(runs, order, path, framework, np_):
