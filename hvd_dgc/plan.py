@@ -63,6 +63,7 @@ class Planner:
             else CostModel()
         self.link = self.local = None  # LinkMeasurement and LocalCost, once measured
         self.unmeasured = ""  # why the link was not measured where it was to be, in words
+        self.adam_declined = False  # Adam left exact: nothing is compressed (adam_declines)
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -254,6 +255,20 @@ class Planner:
             return set()
         return {self.path(t, final) for t in self.tensors if self.large(t)}
 
+    def adam_declines(self, lagging):
+        """Adam/AdamW is left exact (not taken over) where the cost model sends every
+        large tensor dense even at the final density: freezing its variance would buy
+        nothing on this link. Not with ``delay``/``period`` (they need the take-over's
+        linear update), nor a callable schedule (its final density is not known), nor
+        where no tensor is large enough to compress (``min_compress_size``: the script's
+        own choice, which the idle warning already names)."""
+        if self.resolved.freeze is None or lagging or self.resolved.final_density() is None:
+            return False
+        final, _ = self._final(1.0)
+        sums = self._sums(final)
+        self.adam_declined = bool(sums) and not bool(sums - {PathKind.DENSE})
+        return self.adam_declined
+
     def idle_warning(self, density_now=1.0):
         """Why DGC does nothing with this set-up (said on every rank), or None."""
         if self.resolved.kind == "dense":
@@ -268,6 +283,11 @@ class Planner:
     def summary(self, framework, delay, period=1, density_now=1.0):
         """The line rank 0 prints at wrap time: what runs and how to turn it off."""
         final, warm = self._final(density_now)
+        taken_over = self.resolved.taken_over.said
+        if self.adam_declined:
+            warm = ""
+            taken_over = ("Adam not taken over: every tensor goes dense on this link, so "
+                          "exact Adam runs throughout (adam.py)")
         large = [t for t in self.tensors if self.large(t)]
         if self.resolved.sparse:  # those the cost model sends dense even at the final density
             large = [t for t in large if self.path(t, final) != PathKind.DENSE]
@@ -275,8 +295,8 @@ class Planner:
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
-                       len(self.tensors), framework, sums, period,
-                       self.resolved.taken_over.said, self.measured_words())
+                       len(self.tensors), framework, sums, period, taken_over,
+                       self.measured_words())
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the

@@ -10,7 +10,8 @@ from tests.test_torch_optimizer import _checked
 
 # tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name")
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
-             "tf_adam.refusals", "tf_adam.delay_reference", "tf_adam.refresh_reference"]
+             "tf_adam.refusals", "tf_adam.delay_reference", "tf_adam.refresh_reference",
+             "tf_adam.declined_on_a_fast_link"]
 
 
 def _launch(legacy, ckdir):
@@ -112,6 +113,18 @@ def test_keras_adam_refreshed_variance_equals_the_reference(results):
             extra = [round(s - 1.0, 4) for s in res["dense_steps_sent"]]
             assert extra == [0.0] * 4 + [1.0, 0.0] * 3, (name, extra)
             assert res["flushed_diff"] < 2e-5 and res["identical"], (name, res)
+
+
+def test_keras_adamw_is_left_exact_where_every_tensor_goes_dense(results):
+    """As PyTorch's: where the cost model sends every tensor dense, AdamW is not taken
+    over and equals dense averaging (density=1.0) past the default freeze; on the
+    assumed 1 Gbit/s it is taken over."""
+    outs, _ = results
+    for out in _checked(outs, "tf_adam.declined_on_a_fast_link"):
+        assert out["diff"] == 0.0, out
+        assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
+        assert set(out["paths"]) == {"dense"}, out["paths"]
+        assert out["slow_phase"] == "frozen variance", out
 
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):

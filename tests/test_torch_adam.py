@@ -7,7 +7,7 @@ from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
-             "period_run", "late_tensor", "refresh_reference"]
+             "period_run", "late_tensor", "refresh_reference", "declined_on_a_fast_link"]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,20 @@ def test_refreshed_variance_equals_the_reference_synchronous_and_delayed(gloo):
         assert sparse["identical"] and sparse["refresh"] == "auto"
         assert sparse["refreshes"] == 2  # at steps 10 and 20 of a freeze at 5
         assert sparse["last"] < 0.8 * sparse["first"], (sparse["first"], sparse["last"])
+
+
+def test_adamw_is_left_exact_where_every_tensor_goes_dense(gloo):
+    """A link on which the cost model sends every tensor dense even at the final density:
+    freezing Adam's variance would buy nothing, so AdamW stays exact and equals
+    Horovod's own, bit for bit, past the default freeze; said on rank 0's line."""
+    for rank, out in enumerate(_checked(gloo, "declined_on_a_fast_link")):
+        assert out["diff"] == 0.0, out["diff"]
+        assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
+        assert out["paths"] == {"dense": 6 * 30}
+        assert out["slow_phase"] == "exact Adam" and not out["slow_declined"]  # 1 Gbit/s
+        if rank == 0:
+            assert "Adam not taken over: every tensor goes dense on this link" in out["line"]
+            assert "second moment frozen" not in out["line"], out["line"]
 
 
 def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):

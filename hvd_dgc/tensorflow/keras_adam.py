@@ -75,6 +75,7 @@ class KerasAdamTakeOver:
 
     def __init__(self, config, freeze, kind, refresh=False):
         self.freeze, self.kind, self.refresh = int(freeze), kind, refresh
+        self.declined = False
         self.beta1, self.beta2 = float(config["beta_1"]), float(config["beta_2"])
         self.eps = float(config["epsilon"])
         self.amsgrad = bool(config.get("amsgrad", False))
@@ -95,12 +96,20 @@ class KerasAdamTakeOver:
         """The same, in the optimizer's update (the exchange has counted the step)."""
         return self.exchange.step > self.freeze
 
+    def decline(self):
+        """Never freeze: exact Adam throughout, as with Horovod (the cost model sends every
+        tensor dense on this link: plan.py ``adam_declines``). Before the first trace."""
+        self.declined, self.freeze = True, 2 ** 62
+
     def phase(self, step):
+        if self.declined:
+            return "exact Adam (not taken over: every tensor dense on this link)"
         return "frozen variance" if step >= self.freeze else "exact Adam"
 
     def stats(self, step):
-        out = {"adam_phase": self.phase(step), "adam_freeze": self.freeze}
-        if self.refresh is not False:
+        out = {"adam_phase": self.phase(step),
+               "adam_freeze": None if self.declined else self.freeze}
+        if self.refresh is not False and not self.declined:
             out.update(adam_refresh=self.refresh,
                        adam_refreshes=refresh_count(step, self.freeze, self.refresh))
         return out

@@ -48,6 +48,12 @@ class AdamTakeOver:
         # refresh_variance: when; the memory's rescale(p, ratio); the ranks' average of
         # a list of tensors, in place (returns the bytes this rank sent)
         self.refresh, self._rescale, self._average = refresh, rescale, average
+        self.declined = False
+
+    def decline(self):
+        """Never freeze: exact Adam throughout, as with Horovod (the cost model sends every
+        tensor dense on this link: plan.py ``adam_declines``)."""
+        self.declined, self.freeze = True, 2 ** 62
 
     @property
     def frozen(self):
@@ -55,12 +61,15 @@ class AdamTakeOver:
 
     def phase(self):
         """In words, for ``compression_stats()``."""
+        if self.declined:
+            return "exact Adam (not taken over: every tensor dense on this link)"
         return "frozen variance" if self.frozen else "exact Adam"
 
     def stats(self):
         """What ``compression_stats()`` says of the take-over."""
-        out = {"adam_phase": self.phase(), "adam_freeze": self.freeze}
-        if self.refresh is not False:
+        out = {"adam_phase": self.phase(), "adam_freeze": None if self.declined
+               else self.freeze}
+        if self.refresh is not False and not self.declined:
             out.update(adam_refresh=self.refresh,
                        adam_refreshes=refresh_count(self._step(), self.freeze, self.refresh))
         return out

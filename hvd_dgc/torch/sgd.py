@@ -54,6 +54,10 @@ class SGDTakeOver:
         return None
 
     @staticmethod
+    def decline():
+        """Nothing to leave exact (Adam's take-over does: adam.py)."""
+
+    @staticmethod
     def observe(params, scale=None):
         """Nothing to track of the local gradients (Adam's refresh does: adam.py)."""
 

@@ -170,6 +170,32 @@ def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd,
         refresh=refresh)
 
 
+def declined_on_a_fast_link(steps=26):
+    """Keras AdamW with no option where the cost model sends every tensor dense: not
+    taken over, exact Adam past the default freeze (step 20), the weights those of
+    ``density=1.0`` (dense averaging, Adam untouched); on 1 Gbit/s it is taken over."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    from hvd_dgc import CostModel
+    rank = hvd.rank()
+    fast = CostModel(bandwidth=1e11, select_element_seconds=1e-5)  # DGC costs more
+    runs = {}
+    for tag, options in (("fast", {"cost_model": fast}), ("dense", {"density": 1.0}),
+                         ("slow", {})):
+        model = _model(tf.keras, 0)
+        opt = hvd.DistributedOptimizer(tf.keras.optimizers.AdamW(0.01), min_compress_size=64,
+                                       **options)
+        step = _train_step(tf, model, opt)
+        for s in range(steps):
+            step(*_batch(s, rank))
+        stats = opt.compression_stats()
+        runs[tag] = (_flat(v.numpy() for v in model.trainable_variables), stats)
+    return {"diff": max(float(np.abs(a - b).max()) for a, b in zip(runs["fast"][0],
+                                                                     runs["dense"][0])),
+            "phase": runs["fast"][1]["adam_phase"], "freeze": runs["fast"][1]["adam_freeze"],
+            "paths": runs["fast"][1]["paths"], "slow_phase": runs["slow"][1]["adam_phase"]}
+
+
 def refresh_reference():
     """Each Adam taken over with its variance refreshed every 2nd step after a freeze at
     step 3 (at the ends of steps 5, 7 and 9), dense, synchronous (AdamW also with

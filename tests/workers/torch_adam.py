@@ -194,6 +194,41 @@ def refresh_reference():
     return out
 
 
+def declined_on_a_fast_link():
+    """AdamW with no option on a link where the cost model sends every tensor dense (a
+    fast one, given as a CostModel): not taken over, exact Adam throughout, the weights
+    Horovod's own AdamW's past the default freeze (step 20); on the assumed 1 Gbit/s it
+    is taken over. The rank-0 line says which."""
+    import contextlib
+    import io
+    from horovod import torch as stock
+    from tests.workers.torch_dgc import step_all
+    rank = hvd.rank()
+    fast = hvd.CostModel(bandwidth=1e11, select_element_seconds=1e-7)  # DGC costs more
+    ref, ours = wide_mlp(3), wide_mlp(3)
+    opt_ref = stock.DistributedOptimizer(torch.optim.AdamW(ref.parameters(), lr=3e-3),
+                                         named_parameters=ref.named_parameters())
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        opt = hvd.DistributedOptimizer(torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                       named_parameters=[("fast." + n, p) for n, p in
+                                                         ours.named_parameters()],
+                                       cost_model=fast)
+    for step in range(30):
+        step_all(((ref, opt_ref), (ours, opt)), step, rank, features=64, classes=10)
+    other = wide_mlp(3)
+    with contextlib.redirect_stdout(io.StringIO()):
+        slow = hvd.DistributedOptimizer(torch.optim.AdamW(other.parameters(), lr=3e-3),
+                                        named_parameters=[("slow." + n, p) for n, p in
+                                                          other.named_parameters()])
+    stats = opt.compression_stats()
+    return {"phase": stats["adam_phase"], "freeze": stats["adam_freeze"],
+            "diff": float((flat_params(ref) - flat_params(ours)).abs().max()),
+            "paths": stats["paths"], "line": line.getvalue(),
+            "slow_phase": slow.compression_stats()["adam_phase"],
+            "slow_declined": slow._takeover.declined}
+
+
 def period_run():
     """AdamW taken over with period=3 at density 0.01: every step exchanges before the
     freeze, every third after; ranks identical after ``flush()``; the loss falls."""
