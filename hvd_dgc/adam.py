@@ -33,10 +33,10 @@ everywhere: a layer used only later) gets the mean ``v`` of the others.
 The first ``freeze`` steps exchange dense gradients (exact Adam: its ``v`` is the one
 every rank computes from the same averages, so ``P`` is the same everywhere); the
 density schedule starts at the freeze, and so do delayed averaging and ``period``
-(linear from there: a correction is ``lr / (1 - beta1^t)`` times ``avg - own``). 
+(linear from there: a correction is ``lr / (1 - beta1^t)`` times ``avg - own``).
 
-Refreshed (``refresh_variance``; 0/1 Adam, Lu et al. 2022, refreshes its frozen variance
-at rare agreed steps): a ``v`` frozen early goes stale (bench/adam_lm.py, 1,500 steps,
+Refreshed (``refresh_variance``; 0/1 Adam, Lu et al., ICLR 2023, refreshes its frozen
+variance at rare agreed steps): a ``v`` frozen early goes stale (bench/adam_lm.py, 1,500 steps,
 dense: frozen at step 20 ends 4.3% behind dense Horovod, frozen at 200 level with it),
 and exact Adam's dense steps are most of a run's bytes. So after the freeze each rank
 goes on tracking Adam's ``v`` from its own gradient (no communication); at the refresh

@@ -46,7 +46,7 @@ class AdamTakeOver:
         self._step, self._seed = step, seed
         self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
         # refresh_variance: when; the memory's rescale(p, ratio); the ranks' average of
-        # a list of tensors, in place (returns the bytes this rank sent)
+        # a list of tensors, in place (it counts the bytes sent)
         self.refresh, self._rescale, self._average = refresh, rescale, average
         self.declined = False
 
