@@ -168,16 +168,22 @@ class FrozenAdamSchedule:
             return 1.0
         return self.inner(step - self.freeze, epoch)
 
-    def describe(self):
+    def describe(self, frozen_at=None):
+        """In words; ``frozen_at``: where the take-over freezes, if later than the density
+        schedule's start (plan.py ``adam_freeze``: every tensor dense before it)."""
+        at = self.freeze if frozen_at is None else frozen_at
         inner = self.inner.describe() if hasattr(self.inner, "describe") else \
             "a callable schedule"
         after = f"; after it {inner}, in steps from the freeze" if inner else ""
         refreshed = "" if self.refresh is False else \
-            f", refreshed at steps {2 * self.freeze}, {4 * self.freeze}, " \
-            f"{8 * self.freeze}, ... (0/1 Adam)" if self.refresh == "auto" else \
-            f", refreshed every {self.refresh} steps (0/1 Adam)"
-        return f"exact Adam (dense) to step {self.freeze}, then its second moment frozen" \
-               f"{refreshed} and its momentum corrected by DGC (1-bit Adam){after}"
+            f", refreshed at steps {2 * at}, {4 * at}, {8 * at}, ... (0/1 Adam)" \
+            if self.refresh == "auto" else f", refreshed every {self.refresh} steps (0/1 Adam)"
+        if at == self.freeze:
+            return f"exact Adam (dense) to step {at}, then its second moment frozen" \
+                   f"{refreshed} and its momentum corrected by DGC (1-bit Adam){after}"
+        return f"exact Adam to step {at} (every tensor dense on this link before it), then " \
+               f"its second moment frozen{refreshed} and its momentum corrected by DGC " \
+               f"(1-bit Adam); the density {inner}, in steps from step {self.freeze}"
 
     def config(self):
         inner = self.inner.config() if hasattr(self.inner, "config") else repr(self.inner)

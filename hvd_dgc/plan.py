@@ -16,11 +16,12 @@ TensorFlow exchange asks per density stage when it builds its graph.
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.schedule import num_selected
+from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.switch import idle_warning, summary
 
 __all__ = ["Planner", "TensorInfo", "stage_densities"]
@@ -63,7 +64,8 @@ class Planner:
             else CostModel()
         self.link = self.local = None  # LinkMeasurement and LocalCost, once measured
         self.unmeasured = ""  # why the link was not measured where it was to be, in words
-        self.adam_declined = False  # Adam left exact: nothing is compressed (adam_declines)
+        self.adam_frozen_at = None  # Adam's take-over: the step it freezes (adam_freeze)
+        self.adam_declined = False  # Adam left exact: nothing is ever compressed here
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -255,19 +257,31 @@ class Planner:
             return set()
         return {self.path(t, final) for t in self.tensors if self.large(t)}
 
-    def adam_declines(self, lagging):
-        """Adam/AdamW is left exact (not taken over) where the cost model sends every
-        large tensor dense even at the final density: freezing its variance would buy
-        nothing on this link. Not with ``delay``/``period`` (they need the take-over's
-        linear update), nor a callable schedule (its final density is not known), nor
-        where no tensor is large enough to compress (``min_compress_size``: the script's
-        own choice, which the idle warning already names)."""
-        if self.resolved.freeze is None or lagging or self.resolved.final_density() is None:
-            return False
-        final, _ = self._final(1.0)
-        sums = self._sums(final)
-        self.adam_declined = bool(sums) and not bool(sums - {PathKind.DENSE})
-        return self.adam_declined
+    def adam_freeze(self, lagging):
+        """The step at which Adam/AdamW's take-over freezes its variance: the schedule's
+        freeze, or later, at the start of the first density stage in which some large
+        tensor leaves other than dense on this link (before it every tensor goes dense,
+        so exact Adam costs no byte more); None where none ever does (exact Adam
+        throughout: ``adam_declined``). The schedule's freeze as it is with ``delay``
+        or ``period`` (they need the linear update from it), a callable schedule, or no
+        tensor large enough to compress (``min_compress_size``: the script's choice)."""
+        r = self.resolved
+        inner = getattr(r.schedule, "inner", None)
+        large = [t for t in self.tensors if self.large(t)]
+        if r.freeze is None or lagging or not isinstance(inner, DensitySchedule) or \
+                not large:
+            return r.freeze
+        warm = inner.warmup > 0
+        stages = list(zip((0.0,) + inner.boundaries if warm else (0.0,),
+                          tuple(inner.warmup_densities if warm else ()) + (inner.density,)))
+        if warm and inner.unit != "step":  # stages in epochs: only the final one judged
+            stages = stages[-1:]
+        for start, density in stages:
+            if any(self.path(t, density) != PathKind.DENSE for t in large):
+                self.adam_frozen_at = r.freeze + int(math.ceil(start))
+                return self.adam_frozen_at
+        self.adam_declined = True
+        return None
 
     def idle_warning(self, density_now=1.0):
         """Why DGC does nothing with this set-up (said on every rank), or None."""
@@ -284,6 +298,8 @@ class Planner:
         """The line rank 0 prints at wrap time: what runs and how to turn it off."""
         final, warm = self._final(density_now)
         taken_over = self.resolved.taken_over.said
+        if self.adam_frozen_at not in (None, self.resolved.freeze):
+            warm = self.resolved.schedule.describe(self.adam_frozen_at)
         if self.adam_declined:
             warm = ""
             taken_over = ("Adam not taken over: every tensor goes dense on this link, so "

@@ -115,16 +115,24 @@ def test_keras_adam_refreshed_variance_equals_the_reference(results):
             assert res["flushed_diff"] < 2e-5 and res["identical"], (name, res)
 
 
-def test_keras_adamw_is_left_exact_where_every_tensor_goes_dense(results):
+def test_keras_adamw_is_left_exact_while_every_tensor_goes_dense(results):
     """As PyTorch's: where the cost model sends every tensor dense, AdamW is not taken
     over and equals dense averaging (density=1.0) past the default freeze; on the
-    assumed 1 Gbit/s it is taken over."""
+    assumed 1 Gbit/s it is taken over; where only the first stage goes dense, the
+    freeze moves to the first sparse one."""
     outs, _ = results
     for out in _checked(outs, "tf_adam.declined_on_a_fast_link"):
         assert out["diff"] == 0.0, out
         assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
         assert set(out["paths"]) == {"dense"}, out["paths"]
         assert out["slow_phase"] == "frozen variance", out
+        # a first stage that goes dense on this link: the freeze moves from step 3 to 7,
+        # where the sparse stage starts; dense averaging's weights until then
+        later = out["later"]
+        assert later["freeze"] == 7 and later["diffs"][:7] == [0.0] * 7, later
+        assert min(later["diffs"][7:]) > 0 and later["paths"].get("sparse", 0) > 0, later
+        assert later["phases"][:6] == ["exact Adam"] * 6, later["phases"]
+        assert set(later["phases"][6:]) == {"frozen variance"}, later["phases"]
 
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):

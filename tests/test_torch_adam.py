@@ -83,10 +83,11 @@ def test_refreshed_variance_equals_the_reference_synchronous_and_delayed(gloo):
         assert sparse["last"] < 0.8 * sparse["first"], (sparse["first"], sparse["last"])
 
 
-def test_adamw_is_left_exact_where_every_tensor_goes_dense(gloo):
+def test_adamw_is_left_exact_while_every_tensor_goes_dense(gloo):
     """A link on which the cost model sends every tensor dense even at the final density:
     freezing Adam's variance would buy nothing, so AdamW stays exact and equals
-    Horovod's own, bit for bit, past the default freeze; said on rank 0's line."""
+    Horovod's own, bit for bit, past the default freeze; said on rank 0's line. Where
+    only the first stages go dense, the freeze moves to the first sparse one."""
     for rank, out in enumerate(_checked(gloo, "declined_on_a_fast_link")):
         assert out["diff"] == 0.0, out["diff"]
         assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
@@ -95,6 +96,17 @@ def test_adamw_is_left_exact_where_every_tensor_goes_dense(gloo):
         if rank == 0:
             assert "Adam not taken over: every tensor goes dense on this link" in out["line"]
             assert "second moment frozen" not in out["line"], out["line"]
+        # a first stage that goes dense on this link: the freeze moves from step 4 to 10,
+        # where the sparse stage starts; Horovod's AdamW bit for bit until then
+        later = out["later"]
+        assert later["freeze"] == 10 and later["identical"], later
+        assert later["diffs"][:10] == [0.0] * 10 and min(later["diffs"][10:]) > 0, later
+        assert later["phases"][:9] == ["exact Adam"] * 9, later["phases"]
+        assert later["phases"][10:] == ["frozen variance"] * 4, later["phases"]
+        assert later["paths"] == {"dense": 6 * 10 + 3 * 4, "sparse": 3 * 4}, later["paths"]
+        if rank == 0:
+            assert "exact Adam to step 10 (every tensor dense on this link before it)" in \
+                later["line"], later["line"]
 
 
 def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):

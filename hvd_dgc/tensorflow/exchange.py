@@ -166,9 +166,8 @@ class GradientExchange(tf.Module):
                                                "message) until the elastic state's sync")
             elif self.planner.measure:  # every rank agreed to probe (the default)
                 self.planner.measured(*self._probe())
-            if self.adam is not None and self.planner.adam_declines(
-                    self.resolved.config.lagging):
-                self.adam.decline()  # exact Adam throughout: nothing compressed here
+            if self.adam is not None:  # later, or never, where all goes dense before
+                self.adam.freeze_at(self.planner.adam_freeze(self.resolved.config.lagging))
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")

@@ -96,10 +96,14 @@ class KerasAdamTakeOver:
         """The same, in the optimizer's update (the exchange has counted the step)."""
         return self.exchange.step > self.freeze
 
-    def decline(self):
-        """Never freeze: exact Adam throughout, as with Horovod (the cost model sends every
-        tensor dense on this link: plan.py ``adam_declines``). Before the first trace."""
-        self.declined, self.freeze = True, 2 ** 62
+    def freeze_at(self, step):
+        """Freeze at ``step`` (plan.py ``adam_freeze``: later than planned where every
+        tensor goes dense before it on this link), or never (None: exact Adam throughout,
+        as with Horovod). Before the first trace."""
+        if step is None:
+            self.declined, self.freeze = True, 2 ** 62
+        else:
+            self.freeze = int(step)
 
     def phase(self, step):
         if self.declined:

@@ -50,10 +50,14 @@ class AdamTakeOver:
         self.refresh, self._rescale, self._average = refresh, rescale, average
         self.declined = False
 
-    def decline(self):
-        """Never freeze: exact Adam throughout, as with Horovod (the cost model sends every
-        tensor dense on this link: plan.py ``adam_declines``)."""
-        self.declined, self.freeze = True, 2 ** 62
+    def freeze_at(self, step):
+        """Freeze at ``step`` (plan.py ``adam_freeze``: later than planned where every
+        tensor goes dense before it on this link), or never (None: exact Adam throughout,
+        as with Horovod)."""
+        if step is None:
+            self.declined, self.freeze = True, 2 ** 62
+        else:
+            self.freeze = int(step)
 
     @property
     def frozen(self):

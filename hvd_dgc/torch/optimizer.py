@@ -112,8 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._measure(process_set, trainable)  # elastic: at each sync instead
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
-            if self._planner.adam_declines(self._config.lagging):
-                self._takeover.decline()
+            self._takeover.freeze_at(self._planner.adam_freeze(self._config.lagging))
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
                               self._guard, {p: Member(p, infos[p].key, infos[p].name,

@@ -54,8 +54,8 @@ class SGDTakeOver:
         return None
 
     @staticmethod
-    def decline():
-        """Nothing to leave exact (Adam's take-over does: adam.py)."""
+    def freeze_at(step):
+        """Nothing to freeze (Adam's take-over does: adam.py)."""
 
     @staticmethod
     def observe(params, scale=None):
