@@ -274,8 +274,8 @@ class Planner:
         warm = inner.warmup > 0
         stages = list(zip((0.0,) + inner.boundaries if warm else (0.0,),
                           tuple(inner.warmup_densities if warm else ()) + (inner.density,)))
-        if warm and inner.unit != "step":  # stages in epochs: only the final one judged
-            stages = stages[-1:]
+        if warm and inner.unit != "step":  # stages in epochs: only the final one judged,
+            stages = [(0.0, inner.density)]   # and the freeze stays where it was planned
         for start, density in stages:
             if any(self.path(t, density) != PathKind.DENSE for t in large):
                 self.adam_frozen_at = r.freeze + int(math.ceil(start))

@@ -106,3 +106,34 @@ def test_the_words_and_the_dict_every_rank_compares():
     assert config["sparse_gradients"] == ["emb.weight"] and config["op"] == "average"
     tiny = Planner(planner.resolved, [TensorInfo(0, "b", 10, (10,))], 2)
     assert "min_compress_size=1024" in tiny.idle_warning(0.001)
+
+
+def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
+    """plan.py adam_freeze: the default freeze (20) where the first stage goes sparse;
+    later, at the first sparse stage's start, where selecting records costs more than
+    the dense allreduce at the early densities; never (exact Adam) where every stage
+    goes dense; as planned with delay, or with stages in epochs (only the final
+    density judged: sparse keeps 20, dense declines)."""
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    tensors = [TensorInfo(i, f"t{i}", n, (n,))
+               for i, n in enumerate((16384, 256, 65536, 256, 2560, 10))]
+
+    def freeze(record_seconds, lagging="", **options):
+        resolved = DGCConfig.from_options(
+            dict(options, cost_model=CostModel(select_record_seconds=record_seconds)),
+            "torch", "DistributedOptimizer").resolve(
+            TORCH, Compression.dgc, HorovodArguments(Average, 1.0, 1, None,
+                                                     (Average, Sum, Adasum)),
+            (False, "AdamW", True))
+        planner = Planner(resolved, tensors, 2)
+        return planner.adam_freeze(lagging), planner.adam_declined
+
+    # the default stages from step 20: 0.25 to 180, 0.0625 to 660, 0.0156 to 2520
+    assert freeze(0.0) == (20, False)
+    assert freeze(1e-6) == (660, False)
+    assert freeze(1e-5) == (2520, False)
+    assert freeze(1e-3) == (None, True)
+    assert freeze(1e-3, lagging="delay=2") == (20, False)
+    epochs = dict(density=0.01, warmup=3, warmup_unit="epoch", warmup_densities=(0.5,))
+    assert freeze(1e-6, **epochs) == (20, False)
+    assert freeze(1e-3, **epochs) == (None, True)
