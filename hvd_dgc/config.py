@@ -289,6 +289,7 @@ class DGCConfig:
         aggregations = aggregation_choices(self.aggregation, kind == "sparse",
                                            repr(compressor), framework.sparse_default)
         density, warmup, freeze = self.density, self.warmup, None
+        refresh = resolve_refresh(self.freeze_variance, self.refresh_variance)
         adam = optimizer is not None and len(optimizer) > 2 and bool(optimizer[2])
         if kind == "exchange":
             if density is not None or warmup:
@@ -308,7 +309,6 @@ class DGCConfig:
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
         else:
             adaptive = optimizer is not None and not optimizer[0]
-            refresh = resolve_refresh(self.freeze_variance, self.refresh_variance)
             freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
             if freeze is not None and density is None and warmup is None:
                 schedule = FrozenAdamSchedule.default(freeze, refresh)
@@ -346,9 +346,7 @@ class DGCConfig:
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
                         aggregations, freeze,
                         take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
-                        cost_model, resolve_refresh(self.freeze_variance,
-                                                    self.refresh_variance)
-                        if freeze is not None else False)
+                        cost_model, refresh if freeze is not None else False)
 
 
 class Framework(NamedTuple):

@@ -182,8 +182,7 @@ class KerasAdamTakeOver:
         memory = self.exchange.memory
         for i, v, mean in zip(taken, seconds, tf.unstack(means)):
             var = self.variables[i]
-            floored = tf.maximum(v, mean * (root * root) * VARIANCE_FLOOR)
-            precondition = tf.where(mean > 0, 1.0 / (tf.sqrt(floored) / root + eps),
+            precondition = tf.where(mean > 0, _precondition(v, root, eps),
                                     1.0 / (tf.sqrt(typical) + eps))
             scale = self._slot(var, "scale")
             scale.assign(tf.reshape((1.0 - self.beta1) * precondition, scale.shape))
@@ -234,10 +233,9 @@ class KerasAdamTakeOver:
                 hat.assign(tf.maximum(hat, tf.cast(v, hat.dtype)))
                 v = tf.cast(hat, tf.float32)
             v = tf.reshape(v, [-1])
-            floored = tf.maximum(v, tf.reduce_mean(v) * VARIANCE_FLOOR)
             scale = self._slot(self.variables[i], "scale")
             old = tf.reshape(tf.cast(scale, tf.float32), [-1])
-            new = (1.0 - self.beta1) * (1.0 / (tf.sqrt(floored) / root + eps))
+            new = (1.0 - self.beta1) * _precondition(v, root, eps)
             new = tf.where(tf.reduce_any(v > 0), new, old)  # no gradient since: as it was
             ratio = new / old
             memory.u[i].assign(memory.u[i] * ratio)
@@ -267,3 +265,10 @@ class KerasAdamTakeOver:
     def is_taken(self, variable):
         """Whether ``variable``'s update is taken over (DGC exchanges it)."""
         return self.exchange is not None and id(variable) in self._taken_ids
+
+
+def _precondition(v, root, eps):
+    """P from Adam's ``v`` (flat), floored at VARIANCE_FLOOR times its mean
+    (hvd_dgc/adam.py); ``root`` = sqrt(1 - beta2^t), ``eps`` as Keras adds it there."""
+    floored = tf.maximum(v, tf.reduce_mean(v) * VARIANCE_FLOOR)
+    return 1.0 / (tf.sqrt(floored) / root + eps)
