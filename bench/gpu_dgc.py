@@ -2,15 +2,17 @@
 
 1. Select + pack of ResNet-50's gradients (the tensors DGC sparsifies: >= 1024 elements,
    density 0.001): DGC's GPU selection of all of them at once (gpu_select.py, what the
-   optimizer runs), the same selection one tensor at a time, an exact ``torch.topk`` per
+   optimizer runs: one CUDA graph replayed), the same kernel by kernel (``dgc_eager``),
+   the same selection one tensor at a time, an exact ``torch.topk`` per
    tensor, and a device-to-device copy of the same gradients (per tensor, and as one flat
    copy: the memory-bandwidth floor).
 2. The whole local DGC work of one step (memory update, select, pack, momentum masking,
    and the sum of 2 ranks' records back into dense updates; small tensors on the dense
    path) as a fraction of a ResNet-50 training step on this GPU.
 3. The same ResNet-50 step through hvd_dgc's DistributedOptimizer at np=1 (hooks, one
-   launch, Horovod's NCCL allgather of one rank) against the bare optimizer, round-robin,
-   with and without the non-finite check; the GPU operations (kernels, copies, fills:
+   launch, Horovod's NCCL allgather of one rank) against the bare optimizer and stock
+   Horovod's DistributedOptimizer, round-robin, with and without the non-finite check and
+   with the selection kernel by kernel; the GPU operations (kernels, copies, fills:
    the profiler's CUDA activity) and host synchronisations (``set_sync_debug_mode``) of
    a whole step of each.
 
@@ -21,6 +23,9 @@ not the GPU, set the pace). Run: python bench/gpu_dgc.py [--out bench/results/gp
 
 import argparse
 import collections
+import contextlib
+import gzip
+import shutil
 import os
 import statistics
 import sys
@@ -95,6 +100,10 @@ def select_and_pack(args, dev):
         values = picked.values if picked.values is not None else flat.g[picked.positions]
         comp.pack(values, picked.positions)
 
+    def dgc_eager():
+        with graphs_off():
+            dgc()
+
     def dgc_each():
         for g, k in zip(grads, ks):
             sel = comp.sparsify(g, k)
@@ -105,7 +114,7 @@ def select_and_pack(args, dev):
           f"{n_total / 1e6:.2f} M elements, k = {sum(ks)} at density {DENSITY}")
     res = {name: timed(fn, args.reps) for name, fn in
            [("copy_flat", copy_flat), ("copy_each", copy_each), ("topk_exact", exact),
-            ("dgc_each", dgc_each), ("dgc", dgc)]}
+            ("dgc_each", dgc_each), ("dgc_eager", dgc_eager), ("dgc", dgc)]}
     for name, (gpu, host) in res.items():
         print(f"  {name:12s} GPU {gpu:8.3f} ms   host {host:8.3f} ms")
     dgc_gpu, exact_gpu = res["dgc"][0], res["topk_exact"][0]
@@ -150,11 +159,27 @@ def local_work(args, dev, world=2):
     phases = {
         "memory update": timed(accumulate, args.reps),
         "select (all at once)": timed(select, args.reps),
+        "select, kernel by kernel": timed(lambda: _off(select), args.reps),
         "take (values out, cleared)": timed(lambda: take(picked), args.reps),
         "pack": timed(lambda: comp.pack(values, picked.positions), args.reps),
         "unpack + sum of 2 ranks": timed(lambda: unpack(records), args.reps),
     }
     return timed(lambda: step(grads), args.reps), phases
+
+
+class graphs_off:
+    """The selection kernel by kernel, as before CUDA graphs (HVD_DGC_CUDA_GRAPHS=0)."""
+
+    def __enter__(self):
+        os.environ["HVD_DGC_CUDA_GRAPHS"] = "0"
+
+    def __exit__(self, *exc):
+        os.environ.pop("HVD_DGC_CUDA_GRAPHS", None)
+
+
+def _off(fn):
+    with graphs_off():
+        return fn()
 
 
 def resnet_step(args, dev, amp):
@@ -237,7 +262,10 @@ def optimizer_overhead(args, dev, amp):
         return torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
 
     def full_step(row):
-        net, o = row
+        net, o, *eager = row
+        if eager:
+            with graphs_off():
+                return full_step((net, o))
         o.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -245,12 +273,21 @@ def optimizer_overhead(args, dev, amp):
         o.step()
     net = model()
     rows["bare SGD"] = (net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    net = model()  # what a Horovod user runs today: its synchronize's own cost at np=1
+    rows["stock Horovod"] = (net, hvd_stock.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=[(f"stock.{n}", p) for n, p in net.named_parameters()]))
     for check in (True, False):  # warmup=0: the final density from the first step
         net = model()
         rows[f"hvd_dgc, skip_nonfinite={check}"] = (net, hvd.DistributedOptimizer(
             torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
             named_parameters=[(f"{check}.{n}", p) for n, p in net.named_parameters()],
             density=DENSITY, warmup=0, skip_nonfinite=check))
+    net = model()
+    rows["hvd_dgc, no CUDA graph"] = (net, hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=[(f"eager.{n}", p) for n, p in net.named_parameters()],
+        density=DENSITY, warmup=0), "eager")
     for o in rows.values():  # first steps: layouts, blocks, allocator
         for _ in range(3):
             full_step(o)
@@ -260,14 +297,67 @@ def optimizer_overhead(args, dev, amp):
         for name, o in rows.items():
             times[name].append(timed(lambda: full_step(o), reps, warm=1))
     out = {}
+    phases = {name: host_phases(o, x, y, amp, reps) for name, o in rows.items()
+              if name != "bare SGD"}
     for name, o in rows.items():
         gpu = statistics.median(t[0] for t in times[name])
         host = statistics.median(t[1] for t in times[name])
         print(f"  [{name}, {'bf16' if amp else 'fp32'}]")
         out[name] = {"gpu": gpu, "host": host, "kernels": _counted(_kernels, full_step, o),
                      "syncs": _counted(_syncs, full_step, o)}
+        if name in phases:
+            print("    host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[name].items()))
+        if args.trace and not amp and name in ("stock Horovod", "hvd_dgc, skip_nonfinite=False"):
+            _trace(lambda: full_step(o), os.path.join(
+                args.trace, "".join(c if c.isalnum() else "_" for c in name) + ".json.gz"))
     stats = rows["hvd_dgc, skip_nonfinite=True"][1].compression_stats()
     return out, batch, stats
+
+
+def host_phases(row, x, y, amp, reps):
+    """Median host ms of a step's parts through a Horovod-style optimizer: issuing the
+    forward and backward pass, ``synchronize()`` (the wait for the collectives, so for the
+    backward pass), the optimizer's step after it, and the GPU's drain after that."""
+    net, o, *eager = row
+    parts = collections.defaultdict(list)
+    for _ in range(reps):
+        with graphs_off() if eager else contextlib.nullcontext():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            t1 = time.perf_counter()
+            o.synchronize()
+            t2 = time.perf_counter()
+            with o.skip_synchronize():
+                o.step()
+            t3 = time.perf_counter()
+            torch.cuda.synchronize()
+            t4 = time.perf_counter()
+        for k, a, b in (("forward+backward issued", t0, t1), ("synchronize", t1, t2),
+                        ("step after it", t2, t3), ("GPU drain", t3, t4)):
+            parts[k].append((b - a) * 1e3)
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def _trace(fn, path):
+    """One step's CPU and GPU timeline (Python stacks included), for chrome://tracing."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    raw = path[:-len(".gz")]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    print(f"    trace: {path}")
 
 
 def main():
@@ -278,6 +368,8 @@ def main():
     ap.add_argument("--skip-optimizer", action="store_true", help="skip part 3 (needs Horovod)")
     ap.add_argument("--only-step", action="store_true", help="part 3 alone")
     ap.add_argument("--out", help="write the tables as markdown here")
+    ap.add_argument("--trace", help="write one fp32 step's profiler trace of each "
+                                    "Horovod-style row into this folder")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_dgc.py needs a CUDA GPU")

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
                                 "(tools/build_horovod_gpu.sh)")
 
 CUDA = {"HVD_DGC_TEST_DEVICE": "cuda"}
-SCENARIOS = ["syncs_per_step", "fixed_selection", "loss_scale_and_guard"]
+SCENARIOS = ["syncs_per_step", "fixed_selection", "graphed_selection", "loss_scale_and_guard"]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
@@ -71,6 +71,16 @@ def test_fixed_size_selection_is_exact_topk_when_enough_pass(cuda_run):
                 assert c["real"] >= 0.8 * c["k"], c
         # The threshold aims at 2k: fewer than k pass in ~0.3% of draws.
         assert sum(c["real"] for c in dense_cases) >= 0.99 * sum(c["k"] for c in dense_cases)
+
+
+def test_graphed_selection_replays_the_eager_records(cuda_run):
+    for out in _checked(cuda_run, "graphed_selection"):
+        assert out["graphs"] >= 1, out  # captured, not fallen back to kernel by kernel
+        assert len(out["steps"]) == 4
+        for s in out["steps"]:
+            assert s["indices"] and s["values"], out
+            assert s["syncs"] == 0, out
+        assert out["earlier_unchanged"], out
 
 
 def test_grad_scaler_overflow_skips_everywhere_without_per_tensor_reads(cuda_run):

@@ -75,7 +75,14 @@ def test_a_tensor_unused_on_one_rank_leaves_with_its_bucket_in_synchronize(gloo)
 
 def test_a_sparse_gradient_leaves_alone_and_its_bucket_without_it(gloo):
     for out in _checked(gloo, "sparse_gradient_in_a_bucket"):
-        assert all(out["equal_each_step"]) and out["identical"]
+        # the same averaged gradients every step, bit for bit; the same weights wherever
+        # torch's sparse momentum is deterministic (CPU), within rounding on CUDA, where
+        # it adds the embedding's rows with atomics (tests/workers/device.py)
+        assert all(out["grads_equal_each_step"]), out
+        if out["sparse_momentum_deterministic"]:
+            assert all(out["equal_each_step"]) and out["identical"], out
+        else:
+            assert out["spread"] < 1e-5 and out["rank_spread"] < 1e-5, out
         assert out["launches"] == 2  # the embedding's rows (two allgathers), the bucket
 
 

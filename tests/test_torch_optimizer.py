@@ -139,7 +139,15 @@ def test_sparse_embeddings_as_horovod(gloo):
         emb = out["emb_last_step"]  # coalesced rows: 32 fp32 values + one int64 row index
         assert emb["path"] == "sparse_grad" and emb["sent"] % 32 == 0
         assert emb["bytes"] == emb["sent"] * 4 + (emb["sent"] // 32) * 8
-        assert out["dgc_ratio"] > 2 and out["dgc_identical"]
+        assert out["dgc_ratio"] > 2
+        # every rank hands its SGD the same averaged rows at every step, bit for bit; the
+        # weights are then bit-identical wherever torch's sparse momentum is deterministic
+        # (CPU), within rounding where it adds rows with atomics (CUDA)
+        assert out["dgc_grads_identical"], out["dgc_grads_rank_diff"]
+        if out["sparse_momentum_deterministic"]:
+            assert out["dgc_identical"]
+        else:
+            assert out["dgc_rank_weight_diff"] < 1e-5, out["dgc_rank_weight_diff"]
         assert out["dgc_moved_from_dense"] > 1e-3  # the head really was compressed
         assert "delay=2" in out["delay"] and "sparse_as_dense=True" in out["delay"]
         # NaN in rank 1's sparse gradient: skipped on every rank, named in the warning

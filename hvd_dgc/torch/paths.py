@@ -43,6 +43,12 @@ from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 __all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
 
 
+class Gathered(NamedTuple):
+    """An allgather of one rank, done at once."""
+
+    tensor: torch.Tensor
+
+
 class Wire(NamedTuple):
     """How the optimizer's collectives run: Horovod's arguments, fixed at wrap time."""
 
@@ -53,6 +59,18 @@ class Wire(NamedTuple):
 
     def world(self):
         return self.process_set.size()
+
+    def allgather_async(self, tensor, name):
+        """Horovod's allgather on the process set. In a world of one, the tensor itself,
+        as Horovod's allreduce does there: no background round, and no wait in
+        ``synchronize`` for the backward pass to finish on a GPU."""
+        if self.world() == 1:
+            return Gathered(tensor)
+        return _hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+
+    @staticmethod
+    def wait(handle):
+        return handle.tensor if isinstance(handle, Gathered) else _hvd.synchronize(handle)
 
     def pre(self):
         """Factor on the wire before the sum (Horovod's gradient_predivide_factor)."""
@@ -323,8 +341,7 @@ class AllgatherPath(_Path):
             wire = torch.cat([wire, dense_values if pre == 1.0 else dense_values * pre])
             layout = (part.offsets + part.folded.offsets, sel.ks + part.folded.numels)
         records = self.ctx.compressor.pack(wire, local)
-        handle = _hvd.allgather_async(records, name=part.launch.name + ".sparse",
-                                      process_set=self.ctx.wire.process_set)
+        handle = self.ctx.wire.allgather_async(records, part.launch.name + ".sparse")
         ranges = [(part.lo, part.hi)]
         if part.folded is not None:
             ranges.append((part.folded.lo, part.folded.hi))
@@ -332,7 +349,7 @@ class AllgatherPath(_Path):
 
     def collect(self, handle, out):
         handle, (offsets, ks), ranges = handle
-        records = _hvd.synchronize(handle)
+        records = self.ctx.wire.wait(handle)
         for lo, hi in ranges:
             out.zero(lo, hi)
         out.add(*self.ctx.compressor.records_at(records, offsets, ks,

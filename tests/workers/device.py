@@ -37,3 +37,22 @@ def prepare_process():
         os.environ.setdefault("NCCL_SHM_DISABLE", "1")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
+
+
+def sparse_momentum_deterministic(steps=8):
+    """Whether torch's own SGD momentum on sparse gradients gives the same weights twice
+    from the same coalesced gradients on this device. On CUDA it may not: its momentum
+    buffer becomes an uncoalesced sparse tensor, whose rows torch adds to the weights with
+    atomics, in any order. Where it is not, two runs (or two ranks) of the user's optimizer
+    round differently from the same averaged gradients, whatever delivered them."""
+    def run():
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 100 * 32, device=device()).view(100, 32))
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            g = torch.sparse_coo_tensor(torch.randint(0, 100, (1, 64), generator=gen),
+                                        torch.randn(64, 32, generator=gen), (100, 32))
+            w.grad = g.coalesce().to(device())
+            opt.step()
+        return w.detach()
+    return bool(torch.equal(run(), run()))

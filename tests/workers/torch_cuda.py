@@ -3,6 +3,7 @@
 selection against an exact top-k."""
 
 import collections
+import os
 import traceback
 import warnings
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 import hvd_dgc.torch as hvd
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import DGCCompressor
+from hvd_dgc.torch import gpu_select
 from hvd_dgc.torch.gpu_select import select_many
 from tests.workers.device import device
 from tests.workers.torch_dgc import _run, batch, loss_of
@@ -118,6 +120,7 @@ def fixed_selection():
                 if trial == 2:  # mostly zeros, as an embedding's gradient: few candidates
                     v = v * (torch.rand(n, generator=gen, device=device()) < 0.3 * k / n)
                 comp.sparsify(v, k, rank=0)  # builds the plan (once per size and k)
+                comp.sparsify(v, k, rank=0)  # captures it as a CUDA graph
                 sel, seen = _count_syncs(lambda: comp.sparsify(v, k, rank=0))
                 out.append(_describe_selection(v, k, sel.indices, sel.values, trial, seen))
     # Trial 3: four tensors selected together, as the optimizer does in one launch.
@@ -126,10 +129,47 @@ def fixed_selection():
         flats = [torch.randn(n, generator=gen, device=device()) for n in sizes]
         ks = [num_selected(n, 0.001) for n in sizes]
         draws = [0.25 * i for i in range(len(sizes))]
-        select_many(flats, ks, draws)
+        select_many(flats, ks, draws)  # eager: warms the kernels
+        select_many(flats, ks, draws)  # captured as a CUDA graph
         sel, seen = _count_syncs(lambda: select_many(flats, ks, draws))
         for v, k, (idx, val) in zip(flats, ks, sel.split()):
             out.append(_describe_selection(v, k, idx, val, 3, seen))
+    return out
+
+
+def graphed_selection():
+    """The selection replayed from a CUDA graph gives the eager selection's records bit for
+    bit: on the values the tensors hold at each replay (the graph reads their addresses),
+    with each step's own sampling shift; an earlier step's records stay as they were."""
+    gen = torch.Generator(device=device()).manual_seed(5 + hvd.rank())
+    sizes = (2_359_296, 1_048_576, 4608, 3000, 150_000)
+    flats = [torch.randn(n, generator=gen, device=device()) for n in sizes]
+    ks = [num_selected(n, 0.001) for n in sizes]
+
+    def eager(draws):
+        os.environ["HVD_DGC_CUDA_GRAPHS"] = "0"
+        try:
+            return select_many(flats, ks, draws)
+        finally:
+            del os.environ["HVD_DGC_CUDA_GRAPHS"]
+    out = {"steps": []}
+    select_many(flats, ks, [0.0] * len(sizes))  # eager: warms the kernels
+    _, out["capture_syncs"] = _count_syncs(lambda: select_many(flats, ks, [0.1] * len(sizes)))
+    kept = None
+    for step in range(4):
+        for f in flats:  # new values in place, as the memory's buffers change every step
+            f.copy_(torch.randn(f.numel(), generator=gen, device=device()))
+        draws = [((step + 1) * 0.37 + 0.11 * i) % 1.0 for i in range(len(sizes))]
+        want = eager(draws)
+        got, seen = _count_syncs(lambda: select_many(flats, ks, draws))
+        if kept is None:
+            kept = (got, got.indices.clone(), got.values.clone())
+        out["steps"].append({"indices": bool(torch.equal(got.indices, want.indices)),
+                             "values": bool(torch.equal(got.values, want.values)),
+                             "syncs": len(seen)})
+    out["earlier_unchanged"] = bool(torch.equal(kept[0].indices, kept[1])
+                                    and torch.equal(kept[0].values, kept[2]))
+    out["graphs"] = sum(isinstance(g, gpu_select._Graphed) for g in gpu_select._GRAPHS.values())
     return out
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
 from hvd_dgc.schedule import num_selected
-from tests.workers.device import device
+from tests.workers.device import device, sparse_momentum_deterministic
 
 
 # -- helpers -------------------------------------------------------------------
@@ -50,6 +50,12 @@ def flat_params(model):
 
 def max_diff(a, b):
     return float((flat_params(a) - flat_params(b)).abs().max())
+
+
+def rank_spread(model, name):
+    """Largest difference between rank 0's parameters and any rank's."""
+    everyone = hvd.allgather(flat_params(model).unsqueeze(0), name=name)
+    return float((everyone - everyone[0]).abs().max())
 
 
 def ranks_identical(model, name):
@@ -316,7 +322,9 @@ class EmbedNet(nn.Module):
         return self.head(self.emb(ids).mean(1))
 
 
-def _train_embeddings(module, tag, steps=6, sparse=True, **kw):
+def _train_embeddings(module, tag, steps=6, sparse=True, grads=None, **kw):
+    """``grads``: a list that gets the embedding's averaged gradient of every step
+    (dense), as the optimizer handed it to the base SGD."""
     model = EmbedNet(sparse).to(device())
     opt = module.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -329,6 +337,8 @@ def _train_embeddings(module, tag, steps=6, sparse=True, **kw):
         opt.zero_grad()
         nn.functional.cross_entropy(model(ids), y).backward()
         opt.step()
+        if grads is not None:
+            grads.append(model.emb.weight.grad.to_dense().reshape(-1).clone())
     return model, opt
 
 
@@ -346,8 +356,9 @@ def sparse_embeddings():
         stock_sad, _ = _train_embeddings(hvd_stock, "se_stock_sad", sparse_as_dense=True)
         ours_sad, opt_sad = _train_embeddings(hvd, "se_ours_sad", density=1.0,
                                               sparse_as_dense=True)
+        dgc_grads = []
         dgc, opt_dgc = _train_embeddings(hvd, "se_dgc", steps=20, density=0.01,
-                                         min_compress_size=1000)
+                                         min_compress_size=1000, grads=dgc_grads)
         dense_of_dgc, _ = _train_embeddings(hvd_stock, "se_dense20", steps=20)
     out["max_diff"] = max_diff(stock, ours)
     out["max_diff_sparse_as_dense"] = max_diff(stock_sad, ours_sad)
@@ -359,6 +370,14 @@ def sparse_embeddings():
     out["emb_last_step"] = last["se_dgc.emb.weight"]
     out["dgc_ratio"] = opt_dgc.compression_stats()["compression_ratio"]
     out["dgc_identical"] = ranks_identical(dgc, "se_dgc_identical")
+    # What hvd_dgc hands the base SGD, every step: the same on every rank.
+    everyone = hvd.allgather(torch.stack(dgc_grads).unsqueeze(0), name="se_dgc_grads")
+    out["dgc_grads_identical"] = all(torch.equal(everyone[0], everyone[r])
+                                     for r in range(everyone.shape[0]))
+    out["dgc_grads_rank_diff"] = float(max((everyone[0] - everyone[r]).abs().max()
+                                     for r in range(everyone.shape[0])))
+    out["dgc_rank_weight_diff"] = rank_spread(dgc, "se_dgc_spread")
+    out["sparse_momentum_deterministic"] = sparse_momentum_deterministic()
     out["dgc_moved_from_dense"] = max_diff(dgc, dense_of_dgc)
     out["delay"] = expect_error(lambda: _train_embeddings(hvd, "se_delay", steps=1, delay=2),
                                 ValueError)

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 import hvd_dgc.torch as hvd
-from tests.workers.device import device
+from tests.workers.device import device, sparse_momentum_deterministic
 from tests.workers.torch_dgc import (batch, expect_error, flat_params, loss_of, mlp,
-                                     ranks_identical)
+                                     rank_spread, ranks_identical)
 
 #: mlp(): weights of 1280, 4096 (DGC) and 320, biases of 64, 64, 5 (dense) elements
 OPTIONS = dict(density=0.05, warmup=0, aggregation="allgather")
@@ -115,7 +115,7 @@ def sparse_gradient_in_a_bucket(steps=6):
     rank = hvd.rank()
     models = [_WithEmbedding(True) for _ in range(2)]
     opts = [_wrap(m, f"fze{i}", t) for i, (m, t) in enumerate(zip(models, (None, 0)))]
-    equal = []
+    equal, grads_equal, spread = [], [], 0.0
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         tokens = torch.randint(0, 50, (16, 3), generator=gen).to(device())
@@ -125,9 +125,15 @@ def sparse_gradient_in_a_bucket(steps=6):
             nn.functional.cross_entropy(model(tokens), y).backward()
             opt.step()
         equal.append(torch.equal(flat_params(models[0]), flat_params(models[1])))
+        grads_equal.append(all(torch.equal(a.grad.to_dense(), b.grad.to_dense()) for a, b in
+                               zip(models[0].parameters(), models[1].parameters())))
+        spread = max(spread, float((flat_params(models[0]) - flat_params(models[1])).abs().max()))
     stats = opts[0].compression_stats()
-    return {"equal_each_step": equal, "launches": stats["last_step"]["launches"],
-            "identical": ranks_identical(models[0], "fze.same")}
+    return {"equal_each_step": equal, "grads_equal_each_step": grads_equal, "spread": spread,
+            "launches": stats["last_step"]["launches"],
+            "identical": ranks_identical(models[0], "fze.same"),
+            "rank_spread": rank_spread(models[0], "fze.spread"),
+            "sparse_momentum_deterministic": sparse_momentum_deterministic()}
 
 
 def bad_threshold():
