@@ -58,3 +58,20 @@ def test_writing_into_the_gradients_is_the_flat_buffer_bit_for_bit():
         assert out["moved"] > 1e-3
         assert out["paths"].get("sparse") and out["paths"].get("dense"), out["paths"]
         assert all(out["equal"]) and len(out["equal"]) == 8, out["equal"]
+
+
+def test_a_channels_last_model_trains_as_row_major_with_its_own_strides():
+    for out in run("tests.workers.torch_flat:channels_last", np=2):
+        # the gradients handed back keep the weights' strides (no per-tensor copies or
+        # adds in torch's foreach kernels); DGC at density 1.0 is the row-major model's
+        # training bit for bit, and Horovod's
+        assert out["grad_strides"] and all(g == p for g, p in out["grad_strides"]), out
+        assert any(p[1] == 1 for _, p in out["grad_strides"])  # really channels_last
+        assert all(out["same_as_row_major"]) and len(out["same_as_row_major"]) == 6
+        assert out["vs_horovod"] < 1e-6, out["vs_horovod"]
+        assert out["adam_phase"] == "frozen variance" and out["adam_refreshes"] >= 1, out
+        assert out["adam_same_as_row_major"] and out["delay_same_as_row_major"], out
+        # the residual a checkpoint holds reads in row-major order (the memory's own
+        # order read that way is a shuffle)
+        assert out["residual_matches"] and not out["raw_read_row_major_matches"], out
+        assert out["resumed_equal"] and out["portable"] and out["moved"] > 1e-3, out

@@ -38,15 +38,15 @@ class AdamTakeOver:
     """The hyper-parameters and scale the memory applies for each parameter, and the
     step that applies the average once the variance is frozen. ``freeze``: the step at
     which the take-over starts; ``step()``: the optimizer's step count now;
-    ``seed(p, u)``: start ``p``'s memory momentum at ``u``."""
+    ``seed(p, u)``: start ``p``'s memory momentum at ``u`` (``p``'s shape)."""
 
     def __init__(self, optimizer, freeze, step, seed, refresh=False, rescale=None,
                  average=None):
         self.optimizer, self.freeze = optimizer, int(freeze)
         self._step, self._seed = step, seed
         self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-        # refresh_variance: when; the memory's rescale(p, ratio); the ranks' average of
-        # a list of tensors, in place (it counts the bytes sent)
+        # refresh_variance: when; the memory's rescale(p, ratio) (ratio: p's shape); the
+        # ranks' average of a list of tensors, in place (it counts the bytes sent)
         self.refresh, self._rescale, self._average = refresh, rescale, average
         self.declined = False
 
@@ -179,7 +179,7 @@ class AdamTakeOver:
                 old = state[SCALE_KEY]
                 new = self._precondition(*self._second_moment(p), group["eps"]).mul_(
                     1.0 - float(group["betas"][0]))
-                self._rescale(p, (new / old).reshape(-1))
+                self._rescale(p, new / old)
                 old.copy_(new)
 
     def _apply(self, group, params, advance=True):
@@ -250,7 +250,7 @@ class AdamTakeOver:
         precondition = self._precondition(*moment, group["eps"])
         state[SCALE_KEY] = precondition.mul(1.0 - beta1).contiguous()
         if seed:
-            self._seed(p, (precondition * state["exp_avg"]).reshape(-1))
+            self._seed(p, precondition * state["exp_avg"])
 
     @staticmethod
     def _precondition(v, correction, eps):

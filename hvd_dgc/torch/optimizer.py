@@ -45,7 +45,7 @@ from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
-from hvd_dgc.torch.engine import Engine, Member, StepPlace
+from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
 from hvd_dgc.torch.link import measure as measure_link, measure_local
@@ -116,7 +116,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
                               self._guard, {p: Member(p, infos[p].key, infos[p].name,
-                                                      infos[p]) for p in every},
+                                                      infos[p], order=memory_order(p))
+                                            for p in every},
                               self._takeover.hyper, self._takeover.scale, sparse_as_dense,
                               process_set.size)
         self._scheduler = LaunchScheduler(
@@ -153,10 +154,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if included and self._resolved.freeze is not None:
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
                                 lambda p, u: self._engine.memory.seed_velocity(
-                                    self._param_index[p], u),
+                                    self._param_index[p], self._engine.flat_of(p, u)),
                                 self._resolved.refresh,
                                 lambda p, ratio: self._engine.memory.rescale(
-                                    self._param_index[p], ratio),
+                                    self._param_index[p], self._engine.flat_of(p, ratio)),
                                 self._average_variance)
         return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
                            plain=type(self).__bases__[0].step is torch.optim.SGD.step)
@@ -165,8 +166,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Adam's refresh (adam.py): the ranks' second moments averaged in place, one
         dense exchange, counted in the bytes sent."""
         if tensors and self.process_set.size() > 1:
-            _hvd.grouped_allreduce_(tensors, name="hvd_dgc.adam_refresh", op=Average,
-                                    process_set=self.process_set)
+            _average_in_place(tensors, "hvd_dgc.adam_refresh", self.process_set)
         self._progress.stats.add_bytes("hvd_dgc.adam_refresh",
                                        sum(t.numel() * t.element_size() for t in tensors))
 
@@ -242,7 +242,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._lagging.tune(step, started, time.perf_counter() - started)
             params = list(grads)
             torch._foreach_copy_([p.grad for p in params],
-                                 [g.view(p.shape) for p, g in zip(params, grads.values())])
+                                 [self._engine.members[p].shaped(g)
+                                  for p, g in zip(params, grads.values())])
             self._average_after_step = flush
             self._guard.report_dropped(step, self._lagging.delay, self._lagging.period)
         self._report_fp16()
@@ -358,7 +359,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         saved = {p: p.grad for p in corrections}
         try:
             for p, c in corrections.items():
-                p.grad = c.view(p.shape).to(p.dtype)
+                p.grad = self._engine.members[p].shaped(c).to(p.dtype)
             self._takeover.correct(super(self.__class__, self).step)  # linear: lagging.py
         finally:
             for p, g in saved.items():
@@ -371,8 +372,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._average_after_step = False
         params = self._scheduler.params
         if params and self.process_set.size() > 1:
-            _hvd.grouped_allreduce_([p.data for p in params], name="hvd_dgc.flush",
-                                    op=Average, process_set=self.process_set)
+            _average_in_place([p.data for p in params], "hvd_dgc.flush", self.process_set)
 
     @property
     def in_flight(self):
@@ -393,7 +393,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """This rank's DGC memory, ``{parameter name: {"u": velocity or None, "v":
         residual}}`` (copies, flat): what a checkpoint keeps, by name."""
         names = {m.key: m.name for m in self._engine.members.values()}
-        return {names[key]: s for key, s in self._engine.memory.state_dict().items()}
+        return {names[key]: s for key, s in self._engine.memory_state().items()}
 
     @property
     def compressor(self):
@@ -427,7 +427,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"cannot be saved. Call optimizer.flush() after step() before "
                 f"optimizer.state_dict().")
         state = super(self.__class__, self).state_dict()
-        state[STATE_KEY] = checkpoint(self._progress, self._engine.memory,
+        state[STATE_KEY] = checkpoint(self._progress, self._engine.memory_state(),
                                       self._resolved.compressor, self._guard, self._lagging,
                                       _hvd.rank())
         return state
@@ -448,6 +448,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           "Horovod/torch checkpoint?); residuals and velocities start at zero.")
             return
         index_to_param = {i: p for p, i in self._param_index.items()}
+        dgc_state = dict(dgc_state, memory=self._engine.load_memory_state(dgc_state["memory"]))
         restore(dgc_state, self._progress, self._engine.memory, self._resolved.compressor,
                 self._guard, self._lagging, lambda key: index_to_param[key].device,
                 _hvd.rank())
@@ -527,6 +528,17 @@ def _host_peers(planner, process_set):
     hosts = _hvd.allgather(torch.tensor([_hvd.cross_rank()], dtype=torch.int64),
                            name="hvd_dgc.hosts", process_set=process_set).tolist()
     return tuple(r for r, h in enumerate(hosts) if h == _hvd.cross_rank())
+
+
+def _average_in_place(tensors, name, process_set):
+    """Horovod's grouped allreduce (Average), in place. Horovod 0.28.1 takes row-major
+    tensors only: one that is not (a channels_last weight, or its Adam moment) goes as a
+    row-major copy, then back."""
+    sent = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    _hvd.grouped_allreduce_(sent, name=name, op=Average, process_set=process_set)
+    for t, s in zip(tensors, sent):
+        if s is not t:
+            t.copy_(s)
 
 
 def _fusion_threshold(value):

@@ -61,9 +61,9 @@ class Wire(NamedTuple):
         return self.process_set.size()
 
     def allgather_async(self, tensor, name):
-        """Horovod's allgather on the process set. In a world of one, the tensor itself,
-        as Horovod's allreduce does there: no background round, and no wait in
-        ``synchronize`` for the backward pass to finish on a GPU."""
+        """Horovod's allgather on the process set. In a world of one, the tensor itself:
+        no background round, and no wait in ``synchronize`` for the backward pass to
+        finish on a GPU (Horovod's own DistributedOptimizer registers no hooks there)."""
         if self.world() == 1:
             return Gathered(tensor)
         return _hvd.allgather_async(tensor, name=name, process_set=self.process_set)

@@ -38,11 +38,12 @@ class Progress:
                   f"{self.stats.format()}", flush=True)
 
 
-def checkpoint(progress, memory, compressor, guard, lagging, rank):
-    """hvd_dgc's entry in ``optimizer.state_dict()``."""
+def checkpoint(progress, memory_state, compressor, guard, lagging, rank):
+    """hvd_dgc's entry in ``optimizer.state_dict()`` (``memory_state``: the memory's
+    entries, Engine.memory_state)."""
     comp = compressor.state_dict() if hasattr(compressor, "state_dict") else {}
     return {"version": STATE_VERSION, "step": progress.step, "epoch": progress.epoch,
-            "rank": rank, "memory": memory.state_dict(), "compressor": comp,
+            "rank": rank, "memory": memory_state, "compressor": comp,
             "stats": progress.stats.state_dict(), "overflow_steps": guard.overflow_steps,
             "nonfinite_steps": guard.nonfinite_steps, "delay": lagging.delay}
 

@@ -127,3 +127,137 @@ def update_targets(steps=8):
     flat, _ = train(True)
     return {"equal": [bool(torch.equal(a, b)) for a, b in zip(direct, flat)],
             "moved": float((direct[-1] - direct[0]).abs().max()), "paths": paths}
+
+
+def _conv_net(seed, channels_last):
+    """A CNN whose 4-D weights are laid out as GPU training scripts lay them out
+    (``model.to(memory_format=torch.channels_last)``), or row-major."""
+    import torch.nn as nn
+    from tests.workers.device import device
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 32, 3), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 5)).to(device())
+    return net.to(memory_format=torch.channels_last) if channels_last else net
+
+
+def _images(step, rank):
+    from tests.workers.device import device
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 3, 10, 10, generator=gen).to(device())
+    return x.to(memory_format=torch.channels_last), \
+        torch.randint(0, 5, (8,), generator=gen).to(device())
+
+
+def _conv_step(net, opt, step, rank):
+    opt.zero_grad()
+    x, y = _images(step, rank)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+
+
+def channels_last(steps=6):
+    """A channels_last model: each weight's flat slices follow its memory order, so its
+    gradient comes back with its own strides (torch's fused multi-tensor kernels need
+    that); the training is the row-major model's, and checkpoints hold row-major order."""
+    import copy
+    from tests.workers.torch_dgc import flat_params
+    hvd.init()
+    rank = hvd.rank()
+    out = {}
+
+    def wrap(net, tag, module=hvd, **kw):
+        return module.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=[(f"cl.{tag}.{n}", p) for n, p in net.named_parameters()], **kw)
+
+    # density 1.0: the same weights as the row-major model's, bit for bit, and Horovod's
+    # (with the row-major model: Horovod 0.28.1's allreduce refuses a channels_last
+    # gradient, "Tensor is required to be contiguous")
+    trails = {}
+    for tag, last, module, kw in (("cl", True, hvd, dict(density=1.0)),
+                                  ("rm", False, hvd, dict(density=1.0)),
+                                  ("stock", False, hvd_stock, {})):
+        net = _conv_net(1, last)
+        opt = wrap(net, tag, module, **kw)
+        trails[tag] = []
+        for step in range(steps):
+            _conv_step(net, opt, step, rank)
+            trails[tag].append(flat_params(net).clone())
+        if tag == "cl":
+            out["grad_strides"] = [(tuple(p.grad.stride()), tuple(p.stride()))
+                                   for p in net.parameters() if p.dim() == 4]
+    out["same_as_row_major"] = [bool(torch.equal(a, b))
+                                for a, b in zip(trails["cl"], trails["rm"])]
+    # AdamW taken over (its first moment seeded into the memory at the freeze, in each
+    # weight's memory order): the row-major model's training too
+    adam = {}
+    for last in (True, False):
+        net = _conv_net(3, last)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(net.parameters(), lr=0.01),
+            named_parameters=[(f"cla.{last}.{n}", p) for n, p in net.named_parameters()],
+            density=1.0, aggregation="allgather", freeze_variance=2, refresh_variance=2)
+        for step in range(steps):
+            _conv_step(net, opt, step, rank)
+        adam[last] = flat_params(net)
+        out["adam_phase"] = opt.compression_stats().get("adam_phase")
+        out["adam_refreshes"] = opt.compression_stats().get("adam_refreshes")
+    out["adam_same_as_row_major"] = bool(torch.equal(adam[True], adam[False]))
+    # delayed averaging: the late averages handed back in each weight's order, and the
+    # flush's average of the weights (Horovod's allreduce takes row-major tensors only)
+    delayed = {}
+    for last in (True, False):
+        net = _conv_net(4, last)
+        opt = wrap(net, f"cld{last}", density=0.1, warmup=0, delay=2,
+                   min_compress_size=10 ** 6)  # every tensor dense: order-free maths
+        for step in range(steps):
+            _conv_step(net, opt, step, rank)
+        opt.flush()
+        delayed[last] = flat_params(net)
+    out["delay_same_as_row_major"] = bool(torch.equal(delayed[True], delayed[False]))
+    out["vs_horovod"] = max(float((a - b).abs().max())
+                            for a, b in zip(trails["cl"], trails["stock"]))
+
+    # DGC: the residual a checkpoint holds is the gradient in row-major order
+    net = _conv_net(2, True)
+    plain = copy.deepcopy(net)
+    opt = wrap(net, "dgc", density=0.05, warmup=0)
+    _conv_step(net, opt, 0, rank)
+    x, y = _images(0, rank)
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    w, g = net[2].weight, plain[2].weight.grad
+    v = opt.dgc_memory()["cl.dgc.2.weight"]["v"]
+    raw = opt.residual(w).reshape(-1)  # the memory itself, in the weight's memory order
+
+    def matches(a, b):  # where nothing was sent, a is b times one factor (1 / ranks)
+        a, b = a.reshape(-1), b.reshape(-1)
+        kept = a != 0
+        factor = float(a[kept] @ b[kept] / (b[kept] @ b[kept]))
+        return bool(torch.allclose(a[kept], factor * b[kept], rtol=1e-4, atol=0)) and \
+            int(kept.sum()) > 0.9 * a.numel()
+    out["residual_matches"] = matches(v.view(w.shape), g)
+    out["raw_read_row_major_matches"] = matches(raw.view(w.shape), g)  # the wrong reading
+
+    # resumed from a checkpoint, bit for bit; loaded by a row-major model, the same memory
+    for step in range(1, 3):
+        _conv_step(net, opt, step, rank)
+    saved = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(net.state_dict())
+    memory = opt.dgc_memory()
+    for step in range(3, steps):
+        _conv_step(net, opt, step, rank)
+    resumed = _conv_net(2, True)
+    resumed.load_state_dict(weights)
+    opt2 = wrap(resumed, "dgc", density=0.05, warmup=0)
+    opt2.load_state_dict(saved)
+    for step in range(3, steps):
+        _conv_step(resumed, opt2, step, rank)
+    out["resumed_equal"] = bool(torch.equal(flat_params(net), flat_params(resumed)))
+    row_major = _conv_net(2, False)
+    row_major.load_state_dict(weights)
+    opt3 = wrap(row_major, "dgc", density=0.05, warmup=0)
+    opt3.load_state_dict(saved)
+    loaded = opt3.dgc_memory()
+    out["portable"] = all(torch.equal(memory[n]["v"], loaded[n]["v"]) for n in memory)
+    out["moved"] = float((flat_params(net) - flat_params(_conv_net(2, True))).abs().max())
+    return out
