@@ -22,6 +22,11 @@ Settings (bench/wan/train_worker.py's MLP, DGC 0.1%, synchronous: delay 0):
   buckets     the same, the dense tensors inside the allgather (CostModel.folds):
               one Horovod operation per step
 
+``--framework tf``: the same with Keras (bench/wan/tf_train_worker.py's MLP, SGD momentum,
+DGC 0.1%): floor, dense (Horovod's DistributedGradientTape), and hvd_dgc with its
+defaults (``buckets``; TF has no ``fusion_threshold``: one launch per step) and with
+``CostModel(alpha=0)`` (``buckets-unfolded``).
+
 ``--probe`` times single Horovod collectives the same way (bench/wan/collective_probe.py):
 what one operation costs under Horovod's controller, and what makes it cost more.
 """
@@ -46,8 +51,19 @@ SETTINGS = {
 }
 
 
+TF_WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "tf_train_worker.py")]
+TF_SETTINGS = {
+    "floor": ["--method", "floor"],
+    "dense": ["--method", "dense"],
+    "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "0"],
+    "buckets": ["--method", "dgc"],
+}
+
+
 def step_seconds(link, setting, args):
-    argv = WORKER + SETTINGS[setting] + ["--steps", str(args.steps), "--warmup-steps", "3",
+    worker, settings = (TF_WORKER, TF_SETTINGS) if args.framework == "tf" else \
+        (WORKER, SETTINGS)
+    argv = worker + settings[setting] + ["--steps", str(args.steps), "--warmup-steps", "3",
                                          "--width", str(args.width), "--batch", "32"]
     results = run_job(link, argv, timeout=900)
     if any(code != 0 for code, _, _ in results):
@@ -86,7 +102,9 @@ def main():
     ap.add_argument("--rtt", type=float, default=100, help="ms")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--framework", choices=["torch", "tf"], default="torch")
+    ap.add_argument("--settings", nargs="+", default=None, choices=list(SETTINGS),
+                    help="default: every setting of the framework")
     ap.add_argument("--probe", action="store_true", help="single collectives, no training")
     args = ap.parse_args()
     ok, why = available()
@@ -94,12 +112,19 @@ def main():
         sys.exit(f"round_trips: {why}")
     if args.probe:
         return probe(args)
+    known = TF_SETTINGS if args.framework == "tf" else SETTINGS
+    args.settings = args.settings or list(known)
+    unknown = [s for s in args.settings if s not in known]
+    if unknown:
+        sys.exit(f"round_trips: {unknown} are not settings of --framework {args.framework}: "
+                 f"choose among {list(known)}")
     times = {}
     for rtt in (0.0, args.rtt):
         with WanLink(rate_mbit=args.rate, rtt_ms=rtt) as link:
             for setting in args.settings:
                 times[setting, rtt] = step_seconds(link, setting, args)
-    print(f"2 workers, {args.rate:g} Mbit/s, RTT 0 and {args.rtt:g} ms; MLP width "
+    print(f"{args.framework}: 2 workers, {args.rate:g} Mbit/s, RTT 0 and {args.rtt:g} ms; "
+          f"MLP width "
           f"{args.width}, {args.steps} timed steps each, synchronous\n")
     print("| setting | hvd_dgc launches per step | step at RTT 0 (ms) | step at RTT "
           f"{args.rtt:g} (ms) | round trips per step |\n|---|---|---|---|---|")

@@ -119,3 +119,13 @@ def test_readme_is_a_front_page_with_the_setup_commands():
     for command in SETUP_COMMANDS:
         assert any(line.strip().startswith(command) for line in blocks), (
             f"README.md's code blocks lack the set-up command {command!r} (.ci/run runs it)")
+
+
+@pytest.mark.parametrize("module", ["hvd_dgc.torch", "hvd_dgc.tensorflow",
+                                    "hvd_dgc.tensorflow.keras"])
+def test_the_option_helpers_the_docs_name_are_in_every_framework_module(module):
+    """``cost_model=hvd.CostModel(...)``, ``density=hvd.DensitySchedule(...)`` and
+    ``delay=hvd.AutoDelay(...)`` work after any of the one-line imports."""
+    mod = importlib.import_module(module)
+    for name in ("CostModel", "DensitySchedule", "AutoDelay"):
+        assert hasattr(mod, name), f"{module} has no {name}"

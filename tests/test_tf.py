@@ -19,6 +19,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
+        "tape_fixed_records",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
         "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference",
@@ -114,6 +115,19 @@ def test_tape_fp16_records_match_the_reference(tape):
         # own is the fp16 value the others read; fp16's rounding is ~5e-4 of the weights)
         assert out["delayed_vs_sync"] <= 1e-6 * out["weights_scale"], out
         assert out["switch_fp16_values"] and out["switch_name"] == "dgc"
+
+
+def test_tape_dgc_hands_the_allgather_k_records_every_step(tape):
+    """The allgather's input is k records every step (a selection that chose fewer is
+    padded with records that add nothing), as PyTorch's: Horovod's response cache then
+    answers, and a synchronous step over a 100 ms link waits fewer round trips
+    (bench/round_trips.py --framework tf). Bytes count the padding."""
+    for out in _checked(tape, "tape_fixed_records"):
+        k = out["k"]
+        assert out["shapes"] and all(s == (k, 2) for s in out["shapes"]), out["shapes"]
+        assert all(row["elements"] <= k and row["bytes"] == 8 * k for row in out["steps"])
+        assert any(row["elements"] < k for row in out["steps"]), out  # padding was needed
+        assert out["identical"]
 
 
 def test_tape_powersgd_sends_one_approximation_and_keeps_the_rest(tape):

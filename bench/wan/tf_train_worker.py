@@ -1,6 +1,11 @@
-"""One rank of bench/tf_dga_wan.py: Keras SGD with momentum through
-hvd_dgc.tensorflow.keras.DistributedOptimizer, DGC at --density, delayed averaging
-with --delay (0 = synchronous). Prints one JSON line on rank 0."""
+"""One rank of bench/tf_dga_wan.py and bench/round_trips.py --framework tf: Keras SGD with
+momentum through hvd_dgc.tensorflow.keras.DistributedOptimizer, DGC at --density, delayed
+averaging with --delay (0 = synchronous). Prints one JSON line on rank 0.
+
+    --method dgc     hvd_dgc (the default; --cost-alpha 0 keeps dense tensors apart)
+             dense   Horovod's own DistributedGradientTape (its allreduce, tensor fusion)
+             floor   the local step, then one Horovod allreduce of one number: the least
+                     a synchronous step waits under Horovod's controller"""
 
 import argparse
 import json
@@ -17,10 +22,14 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--density", type=float, default=0.001)
+    ap.add_argument("--method", choices=["dgc", "dense", "floor"], default="dgc")
+    ap.add_argument("--cost-alpha", type=float, default=None,
+                    help="latency of the cost model (s); 0 keeps dense tensors apart")
     args = ap.parse_args()
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(2)  # delay=D needs 2 (delayed.py)
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    import horovod.tensorflow as hvd_stock
     import hvd_dgc.tensorflow.keras as hvd
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -28,8 +37,13 @@ def main():
     shapes = [(1024, args.width), (args.width,), (args.width, args.width), (args.width,),
               (args.width, 10), (10,)]
     variables = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.02) for s in shapes]
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9),
-                                   density=args.density, delay=args.delay)
+    base = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    if args.method == "dgc":
+        extra = {} if args.cost_alpha is None else {"cost_model": hvd.CostModel(
+            alpha=args.cost_alpha)}
+        opt = hvd.DistributedOptimizer(base, density=args.density, delay=args.delay, **extra)
+    else:
+        opt = base
     data = np.random.RandomState(rank)
     x = tf.constant(data.randn(args.batch, 1024).astype(np.float32))
     y = tf.constant(data.randint(0, 10, args.batch))
@@ -42,7 +56,13 @@ def main():
                 h = tf.nn.relu(h @ variables[i] + variables[i + 1])
             logits = h @ variables[-2] + variables[-1]
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        if args.method == "dense":
+            tape = hvd_stock.DistributedGradientTape(tape)
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        if args.method == "floor":
+            with tf.control_dependencies([v.value() for v in variables]):
+                # of a number the step computes (a constant's would be folded away)
+                loss += hvd_stock.allreduce(tf.reshape(0.0 * loss, [1]), name="floor")[0]
         return loss
 
     for _ in range(args.warmup_steps):
@@ -53,10 +73,12 @@ def main():
     float(loss)
     elapsed = time.perf_counter() - start
     start = time.perf_counter()
-    opt.flush()
+    if hasattr(opt, "flush"):
+        opt.flush()
     flush = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"delay": args.delay, "steps": args.steps, "seconds": elapsed,
+        print(json.dumps({"method": args.method, "delay": args.delay, "steps": args.steps,
+                          "seconds": elapsed,
                           "samples_per_s": args.steps * args.batch * size / elapsed,
                           "params": int(sum(np.prod(s) for s in shapes)),
                           "flush_seconds": flush}), flush=True)

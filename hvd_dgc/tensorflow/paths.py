@@ -259,26 +259,28 @@ class AllgatherPath(_Path):
         return self.ctx.compressor.record_bytes
 
     def select(self, i, v, k, at):
-        """The indices and values to send; the memory forgets them."""
+        """The indices and values to send; the memory forgets them. Counted as ``k``
+        records' bytes: ``_padded`` sends that many."""
         ctx = self.ctx
         indices = ctx.compressor.select(v, k, at.seed)
         values = tf.gather(v, indices)
         ctx.memory.sent(i, indices, mask_momentum=at.density <= ctx.mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
-        ctx.statistics.count(self.kind, ctx.numel(i), sent, self.record_bytes() * sent)
+        ctx.statistics.count(self.kind, ctx.numel(i), sent,
+                             self.record_bytes() * tf.maximum(tf.cast(k, tf.int64), sent))
         return indices, values
 
     def take(self, i, v, k, at, poison=None):
         indices, values = self.select(i, v, k, at)
         if poison is not None:
             values = tf.where(poison, float("inf"), values)
-        return SparseCompressor.pack(values * self.ctx.wire.scales()[0], indices)
+        return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0], indices), k)
 
     def take_own(self, i, v, k, at):
         indices, values = self.select(i, v, k, at)
         pre = self.ctx.wire.scales()[0]
         values = self.ctx.compressor.wire_values(values * pre) / pre  # as the others read it
-        return Sent(SparseCompressor.pack(values * pre, indices),
+        return Sent(_padded(SparseCompressor.pack(values * pre, indices), k),
                     _scattered(indices, values, self.ctx.numel(i)))
 
     def nothing(self, i, at):
@@ -577,6 +579,17 @@ def _collective(single, grouped, tensors, **kwargs):
     if len(tensors) == 1:
         return [single(tensors[0], **kwargs)]
     return grouped(list(tensors), **kwargs)
+
+
+def _padded(records, k):
+    """``records`` (int32 ``[count, 2]``, count <= k) as exactly ``k`` rows, the missing
+    ones ``(index 0, value 0)``, which add nothing (PyTorch's AllgatherPath.records
+    pads the same way). DGC's selection sends between ``window[0] k`` and ``k``; padded,
+    every rank sends the same shape every step and Horovod's response cache answers the
+    negotiation: over a 100 ms link an allgather whose size changes from step to step
+    waits 7 round trips, one of a fixed size 3 (bench/results/round_trips.md)."""
+    missing = tf.maximum(tf.cast(k, tf.int32) - tf.shape(records)[0], 0)
+    return tf.pad(records, [[0, missing], [0, 0]])
 
 
 def _scattered(indices, values, numel):

@@ -288,6 +288,51 @@ def tape_quantizers(steps=3, shape=(60, 50)):
     return out
 
 
+def tape_fixed_records(steps=6, shape=(600, 50), density=0.01):
+    """DGC through the tape, eager: the records each step hands Horovod's allgather (its
+    input's shape, recorded by wrapping the call), the elements the selection chose, and
+    the bytes counted. DGC's selection chooses between 0.8 k and k; the payload is k
+    records every step, so Horovod's response cache answers the negotiation."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow import paths as tf_paths
+    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.compression import DGCCompressor
+    # aimed at k rather than 1.3 k: about half the steps choose fewer than k
+    comp = DGCCompressor(window=(0.5, 1.0))
+    rank = hvd.rank()
+    w = tf.Variable(tf.zeros(shape), name="fixed_rec")
+    shapes = []
+    real = tf_paths._hvd.allgather
+
+    def recording(tensor, *args, **kwargs):
+        if "sparse" in str(kwargs.get("name")):  # DGC's records, not the wrap-time check
+            shapes.append(tuple(int(d) for d in tensor.shape))
+        return real(tensor, *args, **kwargs)
+    tf_paths._hvd.allgather = recording
+    rows = []
+    try:
+        for step in range(steps):
+            g = np.random.RandomState(70 * step + rank).randn(*shape).astype(np.float32)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * g)
+            tape = hvd.DistributedGradientTape(tape, compression=comp, density=density,
+                                               warmup=0)
+            avg, = tape.gradient(loss, [w])
+            ex = next(e for e in _EXCHANGES.values()
+                      if e.memory is not None and e.names[0].startswith("fixed_rec"))
+            rows.append({"elements": ex.statistics.value("elements_sent"),
+                         "bytes": ex.statistics.value("bytes_sent")})
+            w.assign_sub(0.1 * avg)
+    finally:
+        tf_paths._hvd.allgather = real
+    per_step = [{"elements": r["elements"] - (rows[i - 1]["elements"] if i else 0),
+                 "bytes": r["bytes"] - (rows[i - 1]["bytes"] if i else 0)}
+                for i, r in enumerate(rows)]
+    return {"shapes": shapes, "steps": per_step, "k": int(np.ceil(density * np.prod(shape))),
+            "identical": _identical(tf, hvd, [w], "fixed_rec")}
+
+
 def tape_quantizers_delayed(steps=5, delay=2, shape=(60, 50), lr=0.1):
     """sign / qsgd / bf16 with delay=2 (one round: what a rank sent is known at launch),
     then hvd.flush, against the synchronous run of the same compressor: SGD, so both end
