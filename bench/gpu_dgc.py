@@ -25,8 +25,8 @@ import argparse
 import collections
 import contextlib
 import gzip
-import shutil
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -273,7 +273,7 @@ def optimizer_overhead(args, dev, amp):
         o.step()
     net = model()
     rows["bare SGD"] = (net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
-    net = model()  # what a Horovod user runs today: its synchronize's own cost at np=1
+    net = model()  # what a Horovod user runs today (at np=1 it registers no hooks)
     rows["stock Horovod"] = (net, hvd_stock.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
         named_parameters=[(f"stock.{n}", p) for n, p in net.named_parameters()]))
