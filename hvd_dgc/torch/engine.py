@@ -507,9 +507,15 @@ class Engine:
         first step."""
         return self.memory.residual(self.members[param].key)
 
-    def flat_of(self, param, tensor):
-        """``tensor`` (``param``'s shape) flat, in the order of ``param``'s memory."""
-        return self.members[param].flat(tensor)
+    def seed_velocity(self, param, u):
+        """Start ``param``'s memory momentum at ``u`` (``param``'s shape, any strides)."""
+        m = self.members[param]
+        self.memory.seed_velocity(m.key, m.flat(u))
+
+    def rescale(self, param, ratio):
+        """Multiply ``param``'s memory momentum and residual by ``ratio`` (its shape)."""
+        m = self.members[param]
+        self.memory.rescale(m.key, m.flat(ratio))
 
     def memory_state(self):
         """The memory's per-tensor entries with each flat in its parameter's row-major

@@ -153,11 +153,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (adam.py), or nothing."""
         if included and self._resolved.freeze is not None:
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
-                                lambda p, u: self._engine.memory.seed_velocity(
-                                    self._param_index[p], self._engine.flat_of(p, u)),
+                                lambda p, u: self._engine.seed_velocity(p, u),
                                 self._resolved.refresh,
-                                lambda p, ratio: self._engine.memory.rescale(
-                                    self._param_index[p], self._engine.flat_of(p, ratio)),
+                                lambda p, ratio: self._engine.rescale(p, ratio),
                                 self._average_variance)
         return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
                            plain=type(self).__bases__[0].step is torch.optim.SGD.step)
