@@ -264,13 +264,14 @@ def _graphed(plan, flats, dtype):
     kernels and fills the allocator before anything is captured) and where capture failed
     (said once; the eager selection, the same records, runs instead)."""
     key = (plan.key, tuple(f.data_ptr() for f in flats), dtype)
-    entry = _GRAPHS.get(key)
-    if key in _GRAPHS:
-        _GRAPHS.move_to_end(key)
-    if entry is None or isinstance(entry, _Graphed):
-        if key not in _GRAPHS:
-            _GRAPHS[key] = _WARM
-            _trim()
+    if key not in _GRAPHS:  # first run
+        _GRAPHS[key] = _WARM
+        while len(_GRAPHS) > _GRAPHS_KEPT:
+            _GRAPHS.popitem(last=False)
+        return None
+    _GRAPHS.move_to_end(key)
+    entry = _GRAPHS[key]
+    if entry is not _WARM:  # captured, or None where capture failed
         return entry
     try:
         entry = _Graphed(plan, flats)
@@ -281,11 +282,6 @@ def _graphed(plan, flats, dtype):
         entry = None
     _GRAPHS[key] = entry
     return entry
-
-
-def _trim():
-    while len(_GRAPHS) > _GRAPHS_KEPT:
-        _GRAPHS.popitem(last=False)
 
 
 @functools.lru_cache(maxsize=32)
