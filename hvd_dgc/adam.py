@@ -70,6 +70,10 @@ DEFAULT_FREEZE = 20
 #: that the variance need not move again (the former default).
 FROZEN_ONCE_FREEZE = 200
 
+#: The freeze step of a take-over that is declined (plan.py ``adam_freeze``: nothing is
+#: ever compressed on this link): a step never reached.
+NEVER = 2 ** 62
+
 #: After the freeze, when the script sets neither ``density`` nor ``warmup``: SGD's
 #: default (schedule.DEFAULT_SENDS: each stage as long as every coordinate could have
 #: travelled 10 times; 0.1% from 10,000 steps after the freeze), as the update is now

@@ -35,7 +35,7 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.adam import VARIANCE_FLOOR, refresh_count
+from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count
 
 __all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "SCALE_NAME"]
 
@@ -101,7 +101,7 @@ class KerasAdamTakeOver:
         tensor goes dense before it on this link), or never (None: exact Adam throughout,
         as with Horovod). Before the first trace."""
         if step is None:
-            self.declined, self.freeze = True, 2 ** 62
+            self.declined, self.freeze = True, NEVER
         else:
             self.freeze = int(step)
 

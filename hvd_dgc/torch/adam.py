@@ -15,7 +15,7 @@ ranks average it; the scale and the memory move to it (``_refresh``).
 
 import torch
 
-from hvd_dgc.adam import VARIANCE_FLOOR, refresh_count, refreshes_at
+from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count, refreshes_at
 from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
@@ -55,7 +55,7 @@ class AdamTakeOver:
         tensor goes dense before it on this link), or never (None: exact Adam throughout,
         as with Horovod)."""
         if step is None:
-            self.declined, self.freeze = True, 2 ** 62
+            self.declined, self.freeze = True, NEVER
         else:
             self.freeze = int(step)
 
