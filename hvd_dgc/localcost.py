@@ -42,7 +42,9 @@ class LocalCost(NamedTuple):
 
 def calibrate(select, records, agree, low_density=0.001, numel=CALIBRATION_NUMEL):
     """``LocalCost`` from the framework's timed ``select(numel, k)`` and ``records(k)``."""
-    low = max(1, int(numel * low_density))
+    # a final density at or past the high point (density=1.0: dense averaging, the
+    # warm-up's first stages) is fitted below it: two distinct points, neither past numel
+    low = max(1, int(numel * min(low_density, HIGH_DENSITY / 2)))
     high = max(low + 1, int(numel * HIGH_DENSITY))
     t_low, t_high, t_records = agree([select(numel, low), select(numel, high),
                                       records(high)])

@@ -13,7 +13,7 @@ from harness.hvdrun import REPO, run
 from hvd_dgc.aggregation import dense_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_link
-from hvd_dgc.localcost import LocalCost, calibrate
+from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.paths import PathKind
 
 
@@ -226,6 +226,15 @@ def test_local_cost_fit_recovers_known_costs():
                     lambda k: rho_record * k, lambda values: values)
     assert fit == pytest.approx(link, rel=1e-6)
     assert "ns per element" in fit.words()
+    # a final density of 1.0 (dense averaging) or past the high point: the same fit, and
+    # no point asks for more records than the memory holds (it once asked for numel + 1)
+    for density in (1.0, 0.5, HIGH_DENSITY):
+        asked = []
+        fit = calibrate(lambda n, k: asked.append(k) or sigma * n + rho_select * k,
+                        lambda k: asked.append(k) or rho_record * k, lambda values: values,
+                        density)
+        assert fit == pytest.approx(link, rel=1e-6), density
+        assert len(set(asked)) == 2 and max(asked) <= CALIBRATION_NUMEL * HIGH_DENSITY
 
 
 def test_dgcs_own_work_sends_dense_ish_stages_dense_on_a_fast_link():

@@ -229,7 +229,7 @@ class AdamTakeOver:
     def _typical(self):
         """The mean bias-corrected ``v`` over the tensors Adam stepped: what a tensor
         without a gradient in the warm-up is given (1.0 if none had one)."""
-        means = [float(v.mean()) / c for v, c in filter(None, map(self._second_moment,
+        means = [_row_major_mean(v) / c for v, c in filter(None, map(self._second_moment,
                                                                   self._group_of))]
         means = [m for m in means if m > 0]
         return sum(means) / len(means) if means else 1.0
@@ -256,5 +256,12 @@ class AdamTakeOver:
     def _precondition(v, correction, eps):
         """P from the bias-corrected ``v``, floored at VARIANCE_FLOOR times its mean
         (hvd_dgc/adam.py)."""
-        v = v.clamp(min=float(v.mean()) * VARIANCE_FLOOR)
+        v = v.clamp(min=_row_major_mean(v) * VARIANCE_FLOOR)
         return (v.sqrt() / correction ** 0.5).add_(eps).reciprocal_()
+
+
+def _row_major_mean(v):
+    """``v``'s mean, summed in row-major order: a channels_last ``v`` summed in its memory
+    order rounds apart from the row-major model's (1 ulp, on an H100), and the floor, so
+    every value under it, moves with it. A copy at a freeze or refresh only."""
+    return float(v.contiguous().mean())

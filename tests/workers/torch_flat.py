@@ -203,6 +203,7 @@ def channels_last(steps=6):
         out["adam_phase"] = opt.compression_stats().get("adam_phase")
         out["adam_refreshes"] = opt.compression_stats().get("adam_refreshes")
     out["adam_same_as_row_major"] = bool(torch.equal(adam[True], adam[False]))
+    out["adam_diff"] = float((adam[True] - adam[False]).abs().max())
     # delayed averaging: the late averages handed back in each weight's order, and the
     # flush's average of the weights (Horovod's allreduce takes row-major tensors only)
     delayed = {}
@@ -215,6 +216,7 @@ def channels_last(steps=6):
         opt.flush()
         delayed[last] = flat_params(net)
     out["delay_same_as_row_major"] = bool(torch.equal(delayed[True], delayed[False]))
+    out["delay_diff"] = float((delayed[True] - delayed[False]).abs().max())
     out["vs_horovod"] = max(float((a - b).abs().max())
                             for a, b in zip(trails["cl"], trails["stock"]))
 
