@@ -198,6 +198,37 @@ def test_gpu_form_selects_many_tensors_at_once_as_each_alone():
         assert torch.equal(total, expect)
 
 
+def test_gpu_form_reads_the_memorys_aligned_buffer_in_place():
+    """Tensors lying one after another in one buffer at whole blocks (the memory's
+    layout) are selected from that buffer itself, not a padded copy: the same records as
+    from separate tensors. Whatever lies between them is never sent, not even where it
+    is larger than anything in them."""
+    from hvd_dgc.torch.gpu_select import _joined, _plan
+    from hvd_dgc.torch.memory import BLOCK, aligned_size
+    gen = torch.Generator().manual_seed(6)
+    sizes = (3000, 70_000, 1024, 20_001)
+    ks = tuple(num_selected(n, 0.01) for n in sizes)
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + aligned_size(n))
+    for gaps in (0.0, 100.0):
+        buffer = torch.full((offsets[-1] + BLOCK,), gaps)  # (more after the last: a launch's dense tensors)
+        flats = [buffer[o:o + n] for o, n in zip(offsets, sizes)]
+        for f in flats:
+            f.copy_(torch.randn(f.numel(), generator=gen))
+        plan = _plan(sizes, ks, "cpu", 0.001, 1000)
+        assert _joined(plan, flats).data_ptr() == buffer.data_ptr()  # no copy
+        assert _joined(plan, [f.clone() for f in flats]).data_ptr() != buffer.data_ptr()
+        comp = DGCCompressor()
+        in_place = _gpu_form(comp, flats, ks)
+        copied = _gpu_form(comp, [f.clone() for f in flats], ks)
+        if gaps == 0.0:
+            assert torch.equal(in_place.indices, copied.indices)
+            assert torch.equal(in_place.values, copied.values)
+        reals = _check_gpu_form(flats, ks, in_place)  # (indices inside each tensor)
+        assert all(r >= 0.8 * k for r, k in zip(reals, ks)), (reals, ks)
+
+
 def test_gpu_form_sends_every_coordinate_where_k_covers_the_tensor():
     """Density 1 through the sparse path (forced, or a warm-up stage): every coordinate,
     zeros included, in its own slot, beside tensors selected as usual. The threshold
