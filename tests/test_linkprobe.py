@@ -150,8 +150,28 @@ def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
 @pytest.fixture(scope="module")
 def loopback():
     return run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
-               kwargs={"names": ["torch", "tensorflow", "elastic", "keras_fit"]},
+               kwargs={"names": ["torch", "tensorflow", "elastic", "keras_fit",
+                                 "torch_options", "keras_options"]},
                env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""})  # the default
+
+
+@pytest.mark.parametrize("which", ["torch_options", "keras_options"])
+def test_options_users_pass_wrap_and_train_with_the_default_cost_model(loopback, which):
+    """The default cost model measures at wrap time, while the suite's other tests run
+    the assumed one (tests/conftest.py): each option set of TORCH_OPTIONS and
+    KERAS_OPTIONS (dense averaging, allgather at density 1, delay, period, fp16, AdamW
+    taken over) wraps, trains, and leaves the ranks bit-identical."""
+    from tests.workers.link_probe import KERAS_OPTIONS, TORCH_OPTIONS
+    names = TORCH_OPTIONS if which == "torch_options" else KERAS_OPTIONS
+    for rank, out in enumerate(loopback):
+        results = out[which]
+        assert "error" not in results, results["error"]
+        assert set(results) == set(names)
+        for name, got in results.items():
+            assert "error" not in got, (rank, name, got["error"])
+            assert got["identical"] and got["moved"] > 1e-4, (rank, name, got)
+            # measured wherever anything is sparse (density 1.0 alone is plain averaging)
+            assert got["measured"] == (name != "density=1.0"), (rank, name, got)
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
