@@ -49,6 +49,15 @@ sparse path costs that much more::
 so on a fast link the warm-up's dense-ish stages, where selecting and packing a quarter
 of a tensor costs more than the allreduce it replaces, go dense.
 
+What the sums leave out favours dense: Horovod's allreduce runs on its own thread while
+the backward pass goes on, DGC's selection and packing on the training thread; and the
+measured numbers move from run to run. So a sparse path must be predicted
+``dense_preference`` times cheaper than the dense allreduce to be chosen (1: the sums
+alone). The measured model asks for MEASURED_DENSE_PREFERENCE: at the warm-up's density
+0.25 on an emulated 1 Gbit/s link (2 ranks, bench/never_slower.py) the sums came out
+within a few percent of each other, and a run that went sparse on them made 23.3 img/s
+where dense made 43-45 (stock Horovod 45.0).
+
 Where the script passes no ``cost_model``, the link is measured (``"measure"``,
 hvd_dgc/linkprobe.py) unless the environment says ``HVD_DGC_COST_MODEL=assumed``: the
 defaults below, so that the same script takes the same paths on every run (the measured
@@ -63,10 +72,14 @@ from typing import Optional
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.paths import AGGREGATIONS, PathKind
 
-__all__ = ["CostModel", "default_cost_model", "COST_MODEL_ENV"]
+__all__ = ["CostModel", "default_cost_model", "COST_MODEL_ENV", "MEASURED_DENSE_PREFERENCE"]
 
 #: The environment variable that chooses the cost model where the script passes none.
 COST_MODEL_ENV = "HVD_DGC_COST_MODEL"
+
+#: How many times cheaper than the dense allreduce the measured model wants a sparse
+#: path before choosing it (module docstring).
+MEASURED_DENSE_PREFERENCE = 2.0
 
 DENSE, ALLGATHER, REGION, HIERARCHICAL = (PathKind.DENSE, PathKind.ALLGATHER, PathKind.REGION,
                                           PathKind.HIERARCHICAL)
@@ -88,6 +101,8 @@ class CostModel:
     alltoall) move bytes, where it differs from the ring allreduce's ``bandwidth``
     (None: the same). Horovod's allgather of large buffers over TCP moved them at about
     half the allreduce's rate (bench/results/collective_rates.md); the probe times it.
+    ``dense_preference``: how many times cheaper a sparse path must be predicted than the
+    dense allreduce to be chosen (module docstring; >= 1).
     """
 
     alpha: float = 50e-6
@@ -98,8 +113,12 @@ class CostModel:
     select_record_seconds: float = 0.0
     record_seconds: float = 0.0
     gather_bandwidth: Optional[float] = None
+    dense_preference: float = 1.0
 
     def __post_init__(self):
+        if not self.dense_preference >= 1:
+            raise ValueError(f"CostModel.dense_preference must be >= 1 (1: the predicted "
+                             f"times alone), got {self.dense_preference!r}")
         if self.gather_bandwidth is not None and not self.gather_bandwidth > 0:
             raise ValueError(f"CostModel.gather_bandwidth must be > 0 bytes/s or None (the "
                              f"allreduce's bandwidth), got {self.gather_bandwidth!r}")
@@ -141,7 +160,7 @@ class CostModel:
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
         sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes) + \
             self.local_seconds(numel, k, world_size)
-        return ALLGATHER if sparse <= dense else DENSE
+        return ALLGATHER if sparse * self.dense_preference <= dense else DENSE
 
     def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
         """Carry ``numel`` dense elements (a launch's dense tensors together) inside the
@@ -208,14 +227,15 @@ class CostModel:
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
         local = self.local_seconds(numel, k, world_size)  # DGC's own work, sparse paths
+        weight = self.dense_preference  # (the sparse paths' order among themselves stays)
         cost = {
-            HIERARCHICAL: lambda: self.hierarchical_seconds(
+            HIERARCHICAL: lambda: weight * (self.hierarchical_seconds(
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
-                index_bytes) + local,
-            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes,
-                                                   index_bytes) + local,
-            REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
-                                                index_bytes) + local,
+                index_bytes) + local),
+            ALLGATHER: lambda: weight * (self.sparse_seconds(k, world_size, sparse_value_bytes,
+                                                             index_bytes) + local),
+            REGION: lambda: weight * (self.region_seconds(k, world_size, sparse_value_bytes,
+                                                          index_bytes) + local),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
         }
         best, best_cost = None, None
@@ -229,7 +249,7 @@ class CostModel:
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
                 self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
-                self.record_seconds, self.gather_bandwidth)
+                self.record_seconds, self.gather_bandwidth, self.dense_preference)
 
 
 def default_cost_model(environ=None):

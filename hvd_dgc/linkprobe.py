@@ -43,7 +43,7 @@ hierarchical DGC) keep their defaults.
 from typing import NamedTuple, Optional
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes
-from hvd_dgc.costmodel import CostModel
+from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
 
 __all__ = ["LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
 
@@ -68,11 +68,13 @@ class LinkMeasurement(NamedTuple):
     #                                           not timed (no function, or no budget left)
 
     def cost_model(self, base=None):
-        """A ``CostModel`` with these numbers between ranks (``base``'s inside a host)."""
+        """A ``CostModel`` with these numbers between ranks (``base``'s inside a host),
+        wanting a sparse path MEASURED_DENSE_PREFERENCE times cheaper than dense."""
         base = base or CostModel()
         return CostModel(alpha=self.alpha, bandwidth=self.bandwidth,
                          local_alpha=base.local_alpha, local_bandwidth=base.local_bandwidth,
-                         gather_bandwidth=self.gather_bandwidth)
+                         gather_bandwidth=self.gather_bandwidth,
+                         dense_preference=MEASURED_DENSE_PREFERENCE)
 
     def words(self):
         """For the rank-0 line."""

@@ -2,6 +2,7 @@
 times are known, its agreement across ranks, and the real thing on 2 Horovod ranks over
 loopback and across the emulated 100 Mbit/s link."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from harness.hvdrun import REPO, run
 from hvd_dgc.aggregation import dense_bytes
-from hvd_dgc.costmodel import CostModel
+from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
 from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_link
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.paths import PathKind
@@ -207,7 +208,8 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
         dense = 2 * out["alpha"] + 4 * n / out["bandwidth"]
         sparse = out["alpha"] + 8 * k / out["gather_bandwidth"] + sigma * n + \
             rho_select * k + rho_record * k * world
-        expected = "dense" if k >= n or sparse > dense else "sparse"  # (allgather's name)
+        expected = "dense" if k >= n or sparse * MEASURED_DENSE_PREFERENCE > dense \
+            else "sparse"  # (allgather's name)
         assert path == expected, (density, path, dense, sparse)
 
 
@@ -277,6 +279,38 @@ def test_dgcs_own_work_sends_dense_ish_stages_dense_on_a_fast_link():
     slow = CostModel(alpha=10e-3, bandwidth=1e8 / 8, select_element_seconds=2e-9,
                      select_record_seconds=30e-9, record_seconds=8e-9)
     assert slow.choose_aggregation(n, int(n * 0.25), world) == PathKind.ALLGATHER
+
+
+def test_the_measured_model_wants_sparse_clearly_cheaper_than_dense():
+    """Where the predicted times nearly tie (the warm-up's 0.25 on 2 ranks, the
+    allgather at half the allreduce's rate) the measured model goes dense; where sparse
+    is clearly cheaper (0.0625, 0.001) it stays sparse. choose, choose_aggregation and
+    max_sparse_k (TensorFlow's graph) agree."""
+    alpha, bandwidth, world = 500e-6, 1e9 / 8, 2
+    link = measure_link(_link(alpha, bandwidth, world), lambda values: values, world,
+                        allgather=lambda numel: 4 * numel / (bandwidth / 2))
+    model = link.cost_model()
+    assert model.dense_preference == MEASURED_DENSE_PREFERENCE == 2.0
+    bare = dataclasses.replace(model, dense_preference=1.0)
+    n = 12_582_912  # the 3072 x 4096 weight of bench/never_slower.py's wide_mlp
+    tie = int(n * 0.25)
+    assert bare.choose_aggregation(n, tie, world) == PathKind.ALLGATHER
+    assert model.choose_aggregation(n, tie, world) == PathKind.DENSE
+    for density in (0.0625, 0.001):
+        assert model.choose_aggregation(n, int(n * density), world) == PathKind.ALLGATHER
+    limit = model.max_sparse_k(n, world)
+    assert int(n * 0.0625) <= limit < tie
+    for k in (limit, limit + 1, tie):
+        assert model.choose(n, k, world) == model.choose_aggregation(
+            n, k, world, allowed=(PathKind.DENSE, PathKind.ALLGATHER))
+        assert (model.choose(n, k, world) == PathKind.ALLGATHER) == (k <= limit)
+    # the preference weighs every sparse path alike: their order among themselves stays
+    for k in (1000, int(n * 0.01)):
+        assert model.choose_aggregation(n, k, 8, allowed=(PathKind.ALLGATHER,
+                                                          PathKind.REGION)) == \
+            bare.choose_aggregation(n, k, 8, allowed=(PathKind.ALLGATHER, PathKind.REGION))
+    with pytest.raises(ValueError, match="dense_preference must be >= 1"):
+        CostModel(dense_preference=0.5)
 
 
 def test_a_bad_cost_model_names_the_choices():
