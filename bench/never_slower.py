@@ -9,7 +9,7 @@ run side by side in one go: stock Horovod, and the import switched (``--dgc``) w
 hvd_dgc's default cost model, the link and DGC's own work measured at wrap time, at
 the warm-up's first stage (density 0.25, where a fast link should run dense) and at
 the final 0.001; and, for contrast, density 0.25 with the assumed 1 Gbit/s link
-(``--assumed-link``). Over loopback (``horovodrun -np 2 -H localhost:2 --gloo``) and
+(``--assumed-link``) and density 1.0 (nothing compressed: what the switch itself costs). Over loopback (``horovodrun -np 2 -H localhost:2 --gloo``) and
 over the emulated links of harness/wan.py (rate in Mbit/s, round trip in ms; one rank in
 each of two network namespaces). Prints and writes, from this one run:
 
@@ -37,6 +37,8 @@ CONFIGS = {  # name: the example's flags
     "hvd_dgc 0.25 (measured)": ["--dgc", "--density", "0.25"],
     "hvd_dgc 0.001 (measured)": ["--dgc", "--density", "0.001"],
     "hvd_dgc 0.25 (assumed 1 Gbit/s)": ["--dgc", "--density", "0.25", "--assumed-link"],
+    # the switch's own cost where nothing is compressed: hvd_dgc's dense path
+    "hvd_dgc 1.0 (dense)": ["--dgc", "--density", "1.0"],
 }
 ENV = {"HVD_DGC_COST_MODEL": "", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
@@ -90,8 +92,17 @@ def main():
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each configuration over loopback (the median is kept)")
+    ap.add_argument("--emulated-repeats", type=int, default=1,
+                    help="runs of each configuration over an emulated link")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS),
+                    help=f"which of {list(CONFIGS)} (stock Horovod always runs)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = ap.parse_args()
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown:
+        sys.exit(f"--configs: unknown {unknown}; choose among {list(CONFIGS)}")
+    configs = {name: flags for name, flags in CONFIGS.items()
+               if name == "stock Horovod" or name in args.configs}
     links = []
     for spec in args.links:
         if spec == "loopback":
@@ -109,10 +120,10 @@ def main():
     for link in links:
         # loopback is noisy (both ranks share this machine's cores): the configurations
         # take turns, and each row is the median of its runs
-        repeats = args.repeats if link == "loopback" else 1
-        runs = {name: [] for name in CONFIGS}
+        repeats = args.repeats if link == "loopback" else args.emulated_repeats
+        runs = {name: [] for name in configs}
         for _ in range(repeats):
-            for name, flags in CONFIGS.items():
+            for name, flags in configs.items():
                 code, out, err = run(link, flags, args.timeout)
                 row = parse(out)
                 if code != 0 or row["img_s"] is None:

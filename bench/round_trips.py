@@ -18,7 +18,8 @@ Settings (bench/wan/train_worker.py's MLP, DGC 0.1%, synchronous: delay 0):
   per-tensor  hvd_dgc, fusion_threshold=0: one launch per tensor, from its hook
   buckets-unfolded  hvd_dgc, default fusion_threshold (Horovod's 64 MiB): one launch
               per bucket, here the whole step's tensors: an allreduce of its dense
-              tensors and an allgather of its records (CostModel(alpha=0) keeps them apart)
+              tensors and an allgather of its records (CostModel(alpha=5e-6) keeps
+              them apart)
   buckets     the same, the dense tensors inside the allgather (CostModel.folds):
               one Horovod operation per step
 
@@ -46,7 +47,9 @@ SETTINGS = {
     "floor": ["--method", "floor"],
     "dense": ["--method", "dense"],
     "per-tensor": ["--method", "dgc", "--fusion-threshold", "0"],
-    "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "0"],
+    # 5 us of latency: enough for the buckets (plan.BUCKET_LATENCIES; with none at all a
+    # bucket saves nothing and every tensor leaves alone), too little to fold
+    "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "5e-6"],
     "buckets": ["--method", "dgc"],
 }
 

@@ -24,7 +24,17 @@ from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.switch import idle_warning, summary
 
-__all__ = ["Planner", "TensorInfo", "stage_densities"]
+__all__ = ["Planner", "TensorInfo", "stage_densities", "BUCKET_LATENCIES"]
+
+#: A tensor joins a bucket only where its bytes take at most this many message latencies
+#: (the cost model's alpha) on the wire. A bucket saves the Horovod operations of its
+#: members but one, about two round trips each (bench/results/round_trips.md: 5 for two
+#: operations, 3 for one), and holds its early members back until its last is ready:
+#: a tensor whose transfer takes longer than what it would save leaves from its own hook,
+#: overlapping the backward pass as Horovod's do. Measured (bench/never_slower.py's
+#: wide_mlp, 2 ranks, 1 Gbit/s emulated, density 0.25 with every large tensor dense):
+#: in buckets 39.0 and 40.8 img/s, from their own hooks 44.8 and 45.0; stock 44.8, 45.8.
+BUCKET_LATENCIES = 4
 
 
 def stage_densities(schedule):
@@ -204,23 +214,33 @@ class Planner:
 
         Horovod's tensor fusion at hvd_dgc's level: consecutive tensors of ``order``
         (backward order, roughly), cut where their bytes on the wire would pass
-        ``threshold``. Only tensors going dense or by allgather join: region reduce and
-        hierarchical DGC have rounds of their own. Fixed from what every rank knows,
-        so the buckets are the same on every rank."""
+        ``threshold``. Only tensors going dense or by allgather join, and only those
+        whose bytes take at most BUCKET_LATENCIES latencies on the wire: region reduce
+        and hierarchical DGC have rounds of their own, and a longer transfer leaves
+        from its own hook. Fixed from what every rank knows, so the buckets are the
+        same on every rank."""
         if threshold <= 0 or not self.resolved.sparse:
             return {}
         key = (density, self.world_size, id(order), threshold)  # order: the caller's, kept
         plan = self._buckets.get(key)
         if plan is not None:
             return plan
+        model = self.cost_model
         buckets, members, size = [], [], 0
         for tensor in order:
             path = self.path(tensor, density)
             if path == PathKind.DENSE:
                 wire = tensor.numel * self.dense_value_bytes
+                seconds = wire / model.bandwidth
             elif path == PathKind.ALLGATHER:
                 wire = self.k(tensor, density) * self.record_bytes
+                seconds = wire / model.records_bandwidth
             else:
+                continue
+            if seconds > BUCKET_LATENCIES * model.alpha:  # alone, and a cut
+                if members:
+                    buckets.append(tuple(members))
+                members, size = [], 0
                 continue
             if members and size + wire > threshold:
                 buckets.append(tuple(members))

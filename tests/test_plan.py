@@ -6,7 +6,7 @@ import pytest
 from hvd_dgc import CostModel
 from hvd_dgc.config import DGCConfig, HorovodArguments
 from hvd_dgc.paths import PathKind
-from hvd_dgc.plan import Planner, TensorInfo
+from hvd_dgc.plan import BUCKET_LATENCIES, Planner, TensorInfo
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import Compression
 from hvd_dgc.torch.optimizer import TORCH
@@ -51,7 +51,8 @@ def test_the_plan_follows_the_world():
 
 
 def test_buckets_cut_consecutive_tensors_at_the_threshold():
-    planner = _planner(world=2, density=0.01, warmup=0)
+    # a 10 ms link: every tensor's bytes take less than BUCKET_LATENCIES latencies
+    planner = _planner(world=2, density=0.01, warmup=0, cost_model=CostModel(alpha=10e-3))
     order = list(reversed(TENSORS))  # backward order
     wires = {t.key: (num_selected(t.numel, 0.01) * 8 if planner.path(t, 0.01)
                      == PathKind.ALLGATHER else t.numel * 4) for t in TENSORS}
@@ -61,6 +62,20 @@ def test_buckets_cut_consecutive_tensors_at_the_threshold():
     tight = planner.buckets(0.01, order, wires[3] + wires[2])
     assert tight[3] == tight[2] == (3, 2) and tight[1] == tight[0] == (1, 0)
     assert planner.buckets(0.01, order, 0) == {}
+
+
+def test_a_tensor_whose_transfer_outlasts_the_round_trips_a_bucket_saves_leaves_alone():
+    """On the assumed link (50 us, 1 Gbit/s) fc.weight's 5,120 records (41 KB, 0.33 ms)
+    take more than BUCKET_LATENCIES x 50 us: it leaves from its own hook and cuts the
+    bucket sequence; fc.bias is left alone beside it (a bucket of one is no bucket)."""
+    planner = _planner(world=2, density=0.01, warmup=0)
+    model = planner.cost_model
+    fc = TENSORS[2]
+    assert planner.path(fc, 0.01) == PathKind.ALLGATHER
+    seconds = num_selected(fc.numel, 0.01) * 8 / model.records_bandwidth
+    assert seconds > BUCKET_LATENCIES * model.alpha
+    plan = planner.buckets(0.01, list(reversed(TENSORS)), 10 ** 9)
+    assert plan == {1: (1, 0), 0: (1, 0)}
 
 
 def test_an_exchange_compressor_starts_when_it_says():
