@@ -140,7 +140,7 @@ class _Plan:
         self.starts = to(starts)
         self.sizes = to(torch.tensor(sizes, dtype=torch.long))
         # a tensor whose k covers it (density 1) sends every coordinate: its threshold is
-        # 0, so all of it passes, its zeros and then its padding last (a stable sort)
+        # 0, so all of it passes, its zeros too (its padding is no candidate: _select)
         self.everything = to(torch.tensor([k >= n for n, k in zip(sizes, ks)]))
         self.any_everything = any(k >= n for n, k in zip(sizes, ks))
         self.slot_tensor = to(slot_tensor)
