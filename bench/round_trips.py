@@ -47,8 +47,8 @@ SETTINGS = {
     "floor": ["--method", "floor"],
     "dense": ["--method", "dense"],
     "per-tensor": ["--method", "dgc", "--fusion-threshold", "0"],
-    # 5 us of latency: enough for the buckets (plan.BUCKET_LATENCIES; with none at all a
-    # bucket saves nothing and every tensor leaves alone), too little to fold
+    # 5 us of latency: too little to fold; buckets close after a few tensors' bytes
+    # (plan.BUCKET_LATENCIES; with none at all every tensor would leave alone)
     "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "5e-6"],
     "buckets": ["--method", "dgc"],
 }

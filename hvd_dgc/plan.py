@@ -26,14 +26,15 @@ from hvd_dgc.switch import idle_warning, summary
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "BUCKET_LATENCIES"]
 
-#: A tensor joins a bucket only where its bytes take at most this many message latencies
-#: (the cost model's alpha) on the wire. A bucket saves the Horovod operations of its
+#: A bucket closes with the member that brings its transfer past this many message
+#: latencies (the cost model's alpha). A bucket saves the Horovod operations of its
 #: members but one, about two round trips each (bench/results/round_trips.md: 5 for two
-#: operations, 3 for one), and holds its early members back until its last is ready:
-#: a tensor whose transfer takes longer than what it would save leaves from its own hook,
-#: overlapping the backward pass as Horovod's do. Measured (bench/never_slower.py's
-#: wide_mlp, 2 ranks, 1 Gbit/s emulated, density 0.25 with every large tensor dense):
-#: in buckets 39.0 and 40.8 img/s, from their own hooks 44.8 and 45.0; stock 44.8, 45.8.
+#: operations, 3 for one), and holds its early members back until its last is ready: so
+#: what it holds back is short, and a long transfer (a large layer's weight, after its
+#: bias) ends its bucket and leaves as soon as it is ready, overlapping the backward pass
+#: as Horovod's do. Measured (bench/never_slower.py's wide_mlp, 2 ranks, 1 Gbit/s
+#: emulated, density 0.25 with every large tensor dense): in buckets cut at 64 MiB only,
+#: 39.0 and 40.8 img/s; without buckets 44.8 and 45.0; stock 44.8 and 45.8.
 BUCKET_LATENCIES = 4
 
 
@@ -214,11 +215,10 @@ class Planner:
 
         Horovod's tensor fusion at hvd_dgc's level: consecutive tensors of ``order``
         (backward order, roughly), cut where their bytes on the wire would pass
-        ``threshold``. Only tensors going dense or by allgather join, and only those
-        whose bytes take at most BUCKET_LATENCIES latencies on the wire: region reduce
-        and hierarchical DGC have rounds of their own, and a longer transfer leaves
-        from its own hook. Fixed from what every rank knows, so the buckets are the
-        same on every rank."""
+        ``threshold``, and closed by the member whose transfer brings the bucket's past
+        BUCKET_LATENCIES latencies. Only tensors going dense or by allgather join:
+        region reduce and hierarchical DGC have rounds of their own. Fixed from what
+        every rank knows, so the buckets are the same on every rank."""
         if threshold <= 0 or not self.resolved.sparse:
             return {}
         key = (density, self.world_size, id(order), threshold)  # order: the caller's, kept
@@ -226,7 +226,8 @@ class Planner:
         if plan is not None:
             return plan
         model = self.cost_model
-        buckets, members, size = [], [], 0
+        budget = BUCKET_LATENCIES * model.alpha
+        buckets, members, size, seconds_in = [], [], 0, 0.0
         for tensor in order:
             path = self.path(tensor, density)
             if path == PathKind.DENSE:
@@ -237,16 +238,15 @@ class Planner:
                 seconds = wire / model.records_bandwidth
             else:
                 continue
-            if seconds > BUCKET_LATENCIES * model.alpha:  # alone, and a cut
-                if members:
-                    buckets.append(tuple(members))
-                members, size = [], 0
-                continue
             if members and size + wire > threshold:
                 buckets.append(tuple(members))
-                members, size = [], 0
+                members, size, seconds_in = [], 0, 0.0
             members.append(tensor.key)
             size += wire
+            seconds_in += seconds
+            if seconds_in > budget:  # a long transfer: nothing after it holds it back
+                buckets.append(tuple(members))
+                members, size, seconds_in = [], 0, 0.0
         if members:
             buckets.append(tuple(members))
         plan = {k: bucket for bucket in buckets if len(bucket) > 1 for k in bucket}

@@ -64,10 +64,11 @@ def test_buckets_cut_consecutive_tensors_at_the_threshold():
     assert planner.buckets(0.01, order, 0) == {}
 
 
-def test_a_tensor_whose_transfer_outlasts_the_round_trips_a_bucket_saves_leaves_alone():
+def test_a_long_transfer_ends_its_bucket():
     """On the assumed link (50 us, 1 Gbit/s) fc.weight's 5,120 records (41 KB, 0.33 ms)
-    take more than BUCKET_LATENCIES x 50 us: it leaves from its own hook and cuts the
-    bucket sequence; fc.bias is left alone beside it (a bucket of one is no bucket)."""
+    take more than BUCKET_LATENCIES x 50 us: its bucket (fc.bias, then it, in backward
+    order) closes with it, so nothing after it holds it back; conv's tensors start the
+    next. Cut at the threshold alone, all four shared one bucket."""
     planner = _planner(world=2, density=0.01, warmup=0)
     model = planner.cost_model
     fc = TENSORS[2]
@@ -75,7 +76,7 @@ def test_a_tensor_whose_transfer_outlasts_the_round_trips_a_bucket_saves_leaves_
     seconds = num_selected(fc.numel, 0.01) * 8 / model.records_bandwidth
     assert seconds > BUCKET_LATENCIES * model.alpha
     plan = planner.buckets(0.01, list(reversed(TENSORS)), 10 ** 9)
-    assert plan == {1: (1, 0), 0: (1, 0)}
+    assert plan == {3: (3, 2), 2: (3, 2), 1: (1, 0), 0: (1, 0)}
 
 
 def test_an_exchange_compressor_starts_when_it_says():
