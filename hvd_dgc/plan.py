@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+from hvd_dgc.aggregation import allgather_bytes, dense_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
@@ -230,12 +231,15 @@ class Planner:
         buckets, members, size, seconds_in = [], [], 0, 0.0
         for tensor in order:
             path = self.path(tensor, density)
+            # seconds: its transfer as the cost model prices it (none in a world of one)
             if path == PathKind.DENSE:
                 wire = tensor.numel * self.dense_value_bytes
-                seconds = wire / model.bandwidth
+                seconds = dense_bytes(tensor.numel, self.world_size,
+                                      self.dense_value_bytes) / model.bandwidth
             elif path == PathKind.ALLGATHER:
                 wire = self.k(tensor, density) * self.record_bytes
-                seconds = wire / model.records_bandwidth
+                seconds = allgather_bytes(self.k(tensor, density), self.world_size,
+                                          self.record_bytes) / model.records_bandwidth
             else:
                 continue
             if members and size + wire > threshold:
