@@ -237,8 +237,9 @@ class Planner:
                 seconds = dense_bytes(tensor.numel, self.world_size,
                                       self.dense_value_bytes) / model.bandwidth
             elif path == PathKind.ALLGATHER:
-                wire = self.k(tensor, density) * self.record_bytes
-                seconds = allgather_bytes(self.k(tensor, density), self.world_size,
+                k = self.k(tensor, density)
+                wire = k * self.record_bytes
+                seconds = allgather_bytes(k, self.world_size,
                                           self.record_bytes) / model.records_bandwidth
             else:
                 continue
