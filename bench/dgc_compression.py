@@ -75,7 +75,8 @@ class FlatStep:
         try:
             torch._foreach_copy_(self.views, [grads[i] for i in self.order])
             block = self.block
-            self.memory.accumulate(block, self.g, self.runs, with_block_max=True)
+            self.memory.accumulate(block, self.g, self.runs,  # maxima where pick reads them
+                                   with_block_max=self.comp.wants_block_max(self.g.device))
             n = self.sparse
             picked = self.comp.pick(block.v, block.block_max, block.offsets[:n],
                                     block.numels[:n], self.ks, self.order[:n], 0, self.step)

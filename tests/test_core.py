@@ -772,3 +772,30 @@ def test_fp16_payload_sends_what_fits_and_keeps_the_rest():
     # a non-finite value leaves as it is (skip_nonfinite sees it) and leaves nothing behind
     assert np.isposinf(payload[5]) and np.isnan(payload[6]) and np.isneginf(payload[7])
     np.testing.assert_array_equal(residual[5:], 0)
+
+
+def test_gpu_form_selects_a_launch_from_its_buffer():
+    """``select_span``, what the optimizer's pick runs on an accelerator: the tensors at
+    their offsets in one buffer give ``select_many``'s records, with positions in the
+    buffer; the sampling draws are ``draw``'s, computed for every tensor at once."""
+    from hvd_dgc.torch.cpu_select import draw, draws
+    from hvd_dgc.torch.gpu_select import select_span
+    from hvd_dgc.torch.memory import aligned_size
+    gen = torch.Generator().manual_seed(9)
+    sizes = (70_000, 3000, 1024, 250_000)
+    ks = tuple(num_selected(n, 0.001) for n in sizes)
+    offsets = (0,)
+    for n in sizes[:-1]:
+        offsets += (offsets[-1] + aligned_size(n),)
+    buffer = torch.randn(offsets[-1] + aligned_size(sizes[-1]), generator=gen)
+    keys = (3, "layer1.weight", 7, "fc.weight")
+    for step in range(3):
+        d = draws(11, 1, step, keys)
+        assert d.tolist() == [draw(11, 1, step, key) for key in keys]
+        span = select_span(buffer, offsets, sizes, ks, d)
+        each = select_many([buffer[o:o + n] for o, n in zip(offsets, sizes)], ks, d.tolist())
+        starts = torch.tensor(offsets).repeat_interleave(torch.tensor(ks))
+        assert torch.equal(span.indices, each.indices + starts)
+        assert torch.equal(span.values, each.values)
+        assert torch.equal(buffer[span.indices][span.values != 0], span.values[span.values != 0])
+        assert int((span.values != 0).sum()) >= 0.95 * sum(ks)

@@ -81,6 +81,15 @@ def test_graphed_selection_replays_the_eager_records(cuda_run):
             assert s["indices"] and s["values"], out
             assert s["syncs"] == 0, out
         assert out["earlier_unchanged"], out
+        # a launch's selection from its buffer (select_span): the same records, positions
+        # in the buffer; captured at its second step, replayed without building the views
+        # from the third
+        assert len(out["span"]) == 5
+        for step, s in enumerate(out["span"]):
+            assert s["indices"] and s["values"], out["span"]
+            assert s["fast"] == (1 if step >= 1 else 0), out["span"]  # captured at its 2nd
+            assert step < 2 or s["syncs"] == 0, out["span"]
+        assert out["span_earlier_unchanged"], out
 
 
 def test_grad_scaler_overflow_skips_everywhere_without_per_tensor_reads(cuda_run):

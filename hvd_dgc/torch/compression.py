@@ -29,8 +29,8 @@ from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.schedule import check_density, num_selected
-from hvd_dgc.torch.cpu_select import Picked, adapt_block, draw, select_block
-from hvd_dgc.torch.gpu_select import Selection, select_many, slot_offsets, slot_starts
+from hvd_dgc.torch.cpu_select import Picked, adapt_block, draws, select_block
+from hvd_dgc.torch.gpu_select import Selection, select_span, slot_offsets, slot_starts
 from hvd_dgc.torch.memory import aligned_size, block_abs_max
 from hvd_dgc.torch.options import Options
 from hvd_dgc.torch.powersgd import PowerSGDCompressor
@@ -306,11 +306,11 @@ class DGCCompressor(SparseCompressor):
         decided on the device."""
         if v.device.type == "cpu":
             return select_block(v, block_max, offsets, numels, ks, keys, self, rank, step)
-        draws = [draw(self.seed, rank, step, key) for key in keys]
-        sel = select_many([v[o:o + n] for o, n in zip(offsets, numels)], ks, draws,
-                          self.sample_ratio, self.min_sample)
-        start = slot_starts(tuple(offsets), tuple(ks), str(v.device))
-        return Picked(sel.indices + start, sel.values, tuple(ks))
+        ks = tuple(ks)
+        sel = select_span(v, tuple(offsets), tuple(numels), ks,
+                          draws(self.seed, rank, step, tuple(keys)), self.sample_ratio,
+                          self.min_sample)
+        return Picked(sel.indices, sel.values, ks)
 
     def select(self, flat, k, rank=0, block_max=None):
         """One tensor (standalone use): its indices, as ``pick`` chooses them. On an

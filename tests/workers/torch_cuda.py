@@ -3,6 +3,7 @@
 selection against an exact top-k."""
 
 import collections
+import itertools
 import os
 import traceback
 import warnings
@@ -15,6 +16,7 @@ from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import DGCCompressor
 from hvd_dgc.torch import gpu_select
 from hvd_dgc.torch.gpu_select import select_many
+from hvd_dgc.torch.memory import aligned_size
 from tests.workers.device import device
 from tests.workers.torch_dgc import _run, batch, loss_of
 
@@ -169,6 +171,35 @@ def graphed_selection():
                              "syncs": len(seen)})
     out["earlier_unchanged"] = bool(torch.equal(kept[0].indices, kept[1])
                                     and torch.equal(kept[0].values, kept[2]))
+    # The same tensors lying in one buffer at the memory's aligned offsets, selected as a
+    # launch is (select_span: from the third call on, one lookup and the replay): the
+    # eager records, with positions in the buffer for indices.
+    offsets = tuple(itertools.accumulate((aligned_size(n) for n in sizes[:-1]), initial=0))
+    buffer = torch.zeros(offsets[-1] + aligned_size(sizes[-1]), device=device())
+    views = [buffer[o:o + n] for o, n in zip(offsets, sizes)]
+    starts = torch.tensor(offsets, device=device()).repeat_interleave(
+        torch.tensor(ks, device=device()))
+    out["span"], kept = [], None
+    for step in range(5):
+        for f in views:
+            f.copy_(torch.randn(f.numel(), generator=gen, device=device()))
+        draws = [((step + 1) * 0.29 + 0.13 * i) % 1.0 for i in range(len(sizes))]
+        os.environ["HVD_DGC_CUDA_GRAPHS"] = "0"
+        try:
+            want = select_many(views, ks, draws)
+        finally:
+            del os.environ["HVD_DGC_CUDA_GRAPHS"]
+        got, seen = _count_syncs(lambda: gpu_select.select_span(
+            buffer, offsets, sizes, tuple(ks), draws))
+        if kept is None:
+            kept = (got, got.indices.clone(), got.values.clone())
+        out["span"].append({"indices": bool(torch.equal(got.indices, want.indices + starts)),
+                            "values": bool(torch.equal(got.values, want.values)),
+                            "syncs": len(seen),
+                            "fast": sum(key[:3] == (buffer.data_ptr(), buffer.dtype, offsets)
+                                        for key in gpu_select._SPANS)})
+    out["span_earlier_unchanged"] = bool(torch.equal(kept[0].indices, kept[1])
+                                         and torch.equal(kept[0].values, kept[2]))
     out["graphs"] = sum(isinstance(g, gpu_select._Graphed) for g in gpu_select._GRAPHS.values())
     return out
 
