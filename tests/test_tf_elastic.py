@@ -136,6 +136,54 @@ def test_keras_fit_with_delay_and_period_survives_a_worker_that_dies_mid_step(tm
     assert out["stats"]["delay"] == 2 and out["stats"]["period"] == 2
 
 
+def test_keras_fit_with_the_overlapped_outer_loop_survives_a_worker_that_dies(tmp_path):
+    """The crash above with ``OuterLoop(steps=4, overlap=True)`` (Keras 3), commits at
+    the 8th batch and the end of each 10-step epoch: rounds' exchanges in flight when
+    rank 1 dies at step 13. Every commit flushed first, so the survivor goes back to
+    the weights both ranks agreed on at step 10, drops what was in flight and trains on
+    alone, its rounds now of one rank; its first step redone sees the loss logged at
+    step 11 before the crash, bit for bit."""
+    out = _fit_job(tmp_path, "keras3", "keras_crash_a_worker_outer", 2,
+                   "localhost:1\n127.0.0.1:1", "localhost:1\n127.0.0.1:1").results[0]
+    log = out["log"]
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert [e["step"] for e in two][:13] == list(range(1, 14)), \
+        [(e["step"], e["size"]) for e in log]
+    assert any(e["in_flight"] > 0 for e in two)  # rounds' exchanges were in flight
+    assert not all(e["identical"] for e in two)  # and the ranks apart inside rounds
+    assert [e["step"] for e in one] == list(range(11, 11 + len(one))) and len(one) >= 20
+    assert one[0]["loss"] == two[10]["loss"], (one[0], two[10])
+    assert all(e["dgc_step"] == e["step"] for e in log)  # inner steps: the optimizer's
+    assert all(e["world_size"] == e["size"] for e in log)
+    assert all(math.isfinite(e["loss"]) for e in log)
+    assert out["size"] == 1 and out["epoch"] == 3
+    assert out["stats"]["world_size"] == 1 and out["stats"]["mode"] == "outer"
+    assert out["stats"]["rounds"] >= log[-1]["step"] // 4  # (and a round ended by each
+    # flush: DGCCallback's at each epoch's end, 10 steps)
+    assert all(math.isfinite(x) for x in out["final"])
+
+
+def test_keras_fit_with_the_overlapped_outer_loop_gains_a_worker(tmp_path):
+    """1 rank, then 2, with ``OuterLoop(steps=4, overlap=True)`` (Keras 3), a commit at
+    every round end: the newcomer takes rank 0's weights, shared weights, outer momentum
+    and round; both train on with rounds in flight and end with the same weights
+    (fit's last flush)."""
+    job = _fit_job(tmp_path, "keras3", "keras_add_a_worker_outer", 1, "localhost:1",
+                   "localhost:2")
+    first, newcomer, joined = _joined(job)
+    assert any(e["in_flight"] > 0 for e in newcomer["log"])
+    for e in first["log"] + newcomer["log"]:
+        assert e["dgc_step"] == e["step"] and e["world_size"] == e["size"]
+        assert math.isfinite(e["loss"])
+    assert newcomer["stats"]["rounds"] == first["stats"]["rounds"] >= \
+        first["log"][-1]["step"] // 4
+    assert [e["rounds"] for e in newcomer["log"]] == \
+        [e["rounds"] for e in first["log"] if e["step"] >= joined]  # rank 0's round
+    assert first["epoch"] == newcomer["epoch"] == 3
+    assert first["final"] == newcomer["final"]
+
+
 def test_keras_fit_gains_a_worker_with_the_link_measured_at_each_sync(tmp_path):
     """The join above with the default cost model (the link measured; Keras 3): a
     worker that joins builds alone, so every rank measures the new world's link in the

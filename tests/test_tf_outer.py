@@ -59,8 +59,7 @@ def test_with_overlap_a_checkpoint_asks_for_flush_first(outs):
             out["refused"]
         assert out["in_flight"] == 1 and out["after_flush"] == 0
         assert out["saved"] and out["identical"]
-        assert "OuterLoop(overlap=True) under elastic Horovod runs in hvd_dgc.torch only" \
-            in out["elastic"]
+        assert out["elastic"] == "NO EXCEPTION"  # elastic Keras takes it (flushed commits)
 
 
 def test_one_inner_step_a_round_with_outer_sgd_of_lr_1_is_synchronous_training(outs):

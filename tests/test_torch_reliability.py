@@ -285,3 +285,48 @@ def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     links = {tuple(e["link"]) for e in first + newcomer if e["step"] >= joined}
     assert len(links) == 1 and list(links)[0][1] > 1e7, links
     assert "hvd_dgc: elastic sync at 2 ranks: link measured:" in job.stdout
+
+
+def _contiguous(log):
+    assert [e["step"] for e in log] == list(range(log[0]["step"], log[-1]["step"] + 1)), \
+        [(e["step"], e["size"]) for e in log]
+
+
+def test_elastic_commits_flush_delayed_averages_in_flight(tmp_path):
+    """delay=2 in Horovod's elastic loop, ``state.commit()`` every 5 steps and nothing
+    else added; the world drops to one rank after step 10. Each commit applies the
+    averages in flight first (a commit used to be refused: ``state_dict`` cannot save
+    them), so ranks hold the same weights at every commit and apart between them; the
+    survivor goes on to the end, no step lost or done twice."""
+    out = _elastic_job(tmp_path, "delayed_drop", 2, "localhost:2", "localhost:1").results[0]
+    log = out["log"]
+    _contiguous(log)
+    assert log[0]["step"] == 1 and log[-1]["step"] == 30 and out["size"] == 1
+    two = [e for e in log if e["size"] == 2]
+    assert len(two) >= 10 and len(two) < 30, [(e["step"], e["size"]) for e in log]
+    # in flight after every step (D = 2 once two steps passed since a commit's flush)
+    assert all(e["in_flight"] >= 1 for e in two) and any(e["in_flight"] == 2 for e in two)
+    assert not any(e["identical"] for e in two if e["step"] > 2)  # apart between commits
+    commits = [e for e in two if "committed_identical" in e]
+    assert commits and all(e["committed_identical"] for e in commits), commits
+    assert out["stats"]["delay"] == 2 and out["stats"]["world_size"] == 1
+    assert all(math.isfinite(x) for x in out["final"])
+
+
+def test_elastic_commits_flush_the_overlapped_outer_loop(tmp_path):
+    """``OuterLoop(steps=4, overlap=True)`` in Horovod's elastic loop, a commit every
+    round end; one rank, then two after step 8. The commit applies the round's exchange
+    in flight first, the newcomer takes rank 0's round, and both end with the same
+    weights, no step lost or done twice."""
+    job = _elastic_job(tmp_path, "outer_overlap_join", 1, "localhost:1", "localhost:2")
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0], job.results[1]
+    _contiguous(first["log"])
+    _contiguous(newcomer["log"])
+    joined = newcomer["log"][0]["step"]
+    assert joined > 8 and first["log"][-1]["step"] == newcomer["log"][-1]["step"] == 30
+    assert any(e["in_flight"] for e in newcomer["log"])  # rounds' exchanges in flight
+    both = [e for e in first["log"] + newcomer["log"] if e["step"] >= joined]
+    assert all(e["committed_identical"] for e in both if "committed_identical" in e)
+    assert first["stats"]["rounds"] == newcomer["stats"]["rounds"] >= 30 // 4
+    assert first["final"] == newcomer["final"]

@@ -25,7 +25,8 @@ callback and its TF2 examples broadcast after the first batch, so the weights a 
 holds at its first step may still be its own. The state is a ``tf.Module``
 (``optimizer.dgc_state``: put it in ``tf.train.Checkpoint``; Keras 2 also saves it with
 the optimizer); ``hvd.elastic.KerasState`` commits it and a rank that joins takes rank
-0's round (hvd_dgc/tensorflow/elastic.py).
+0's round (hvd_dgc/tensorflow/elastic.py); with ``overlap`` every commit flushes first
+and a restore drops what was in flight, as with delayed averaging.
 """
 
 import os
@@ -275,15 +276,31 @@ class OuterRounds(tf.Module):
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) ----------------------------------
     def elastic_refusal(self):
         """Why this loop cannot run under elastic Horovod (None: it can)."""
-        if self.outer.overlap:
-            return ("OuterLoop(overlap=True) under elastic Horovod runs in hvd_dgc.torch "
-                    "only so far: a round's exchange in flight would be lost at a reset. "
-                    "Use overlap=False with KerasState.")
         return None
+
+    @property
+    def lags(self):
+        """``overlap``: an exchange may be in flight after a step, so every commit of the
+        elastic state flushes first (the exchange applied, the round under way ended:
+        commit at round ends, ``batches_per_commit`` a multiple of ``steps``, to keep
+        rounds whole), and a restore goes back to weights every rank agrees on."""
+        return bool(self.outer.overlap)
+
+    def abandon(self):
+        """An elastic restore: the exchange in flight belongs to a world that is gone
+        (the commit it goes back to was flushed, so nothing of it is lost); its
+        collectives fail once Horovod shuts down, on a pool of their own."""
+        self._inflight = None
+        if self._pool is not None:
+            old, self._pool = self._pool, ThreadPoolExecutor(
+                1, thread_name_prefix="hvd_dgc_outer")
+            old.shutdown(wait=False, cancel_futures=True)
+        self._function = None
 
     def replan(self):
         """After an elastic reset: the average's 1/N follows when the step is traced
-        again; the state stays."""
+        again (the overlapped exchange's function too); the state stays."""
+        self._function = None
 
     def shared_state(self):
         """What every rank must hold alike after an elastic sync: rank 0's counts, shared
@@ -309,6 +326,10 @@ class OuterRounds(tf.Module):
             t.assign(bool(value) if t.dtype == tf.bool else value)
         for t, value in zip(list(self.anchor) + list(self.buffer), anchor + buffer):
             t.assign(value)
+        for a, s in zip(self.anchor, self.start):  # overlap: the round starts at them
+            if s is not a:
+                s.assign(a)
+        self._inflight = None
         self._shared = None
 
 

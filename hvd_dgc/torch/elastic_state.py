@@ -3,7 +3,8 @@
 Horovod's handler saves and restores ``optimizer.state_dict()`` (which carries
 hvd_dgc's memory) and, when workers join, broadcasts rank 0's optimizer state,
 which leaves hvd_dgc's own state alone: residuals are per rank, and a newcomer
-rightly starts with an empty one. Its step and epoch, though, decide every
+rightly starts with an empty one. A commit with averages in flight flushes them
+first. Its step and epoch, though, decide every
 rank's density and path (a mismatch would hang a collective), so after
 Horovod's sync they are taken from rank 0 too, with the delay ``delay="auto"``
 has reached. Registered in Horovod's handler
@@ -27,6 +28,16 @@ class DGCOptimizerType(abc.ABC):
 
 
 class DGCOptimizerStateHandler(_state.OptimizerStateHandler):
+    def save(self):
+        """A commit. With averages in flight (``delay``, ``period``, the overlapped outer
+        loop) they are applied first (``flush``: every rank commits at the same step, as
+        Horovod's loop calls ``state.commit()``), so the commit holds weights every rank
+        agrees on and ``state_dict`` has nothing in flight to refuse; a restore drops
+        what was launched since. Keras' elastic state does the same."""
+        if self.value.in_flight:
+            self.value.flush()
+        super().save()
+
     def sync(self):
         super().sync()
         self.value.load_shared_state(broadcast_object(

@@ -165,6 +165,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             self._set_weights(self._anchor)
             self._start = self._anchor.clone() if self._outer.overlap else self._anchor
 
+    @property
+    def in_flight(self):
+        """1 while a round's exchange is in flight (``overlap``), else 0."""
+        return int(self._inflight is not None)
+
     def compression_stats(self):
         """The outer loop's counts (this rank): bytes sent over the rounds against dense
         fp32 rounds and against Horovod's allreduce every inner step (hvd_dgc/outer.py)."""

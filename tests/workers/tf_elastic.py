@@ -67,8 +67,11 @@ def _fit_elastic(flag, epochs, trigger, wait, seed, crash_at=None, commit_every=
                                    f"el.{step}.{hvd.size()}")
             log.append({"step": step, "size": hvd.size(), "epoch": state.epoch,
                         "in_flight": opt.in_flight,
-                        "loss": float(logs["loss"]), "dgc_step": stats["step"],
-                        "dgc_epoch": stats["epoch"], "world_size": stats["world_size"],
+                        "loss": float(logs["loss"]),
+                        # the outer loop counts inner steps and rounds, no warm-up
+                        "dgc_step": stats.get("step", stats.get("inner_steps")),
+                        "dgc_epoch": stats.get("epoch", state.epoch),
+                        "rounds": stats.get("rounds"), "world_size": stats["world_size"],
                         "density": stats["current_density"], "hosts": hvd.cross_size(),
                         "local_size": hvd.local_size(),
                         "identical": identical})
@@ -152,6 +155,24 @@ def keras_add_a_worker_passes(flag, epochs=3, trigger=8):
     return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
                         density=0.01, warmup=20, warmup_unit="step",
                         backward_passes_per_step=2)
+
+
+def keras_crash_a_worker_outer(flag, epochs=3, crash_at=13):
+    """``keras_crash_a_worker`` with the outer loop overlapped (``OuterLoop(steps=4,
+    overlap=True)``), commits at the 8th batch and each epoch's end (10 steps):
+    exchanges in flight between commits; every commit flushes, so the survivor goes
+    back to the commit of step 10 and drops what was in flight."""
+    from hvd_dgc import OuterLoop
+    return _fit_elastic(flag, epochs, None, None, seed=5, crash_at=crash_at,
+                        commit_every=8, outer=OuterLoop(steps=4, overlap=True))
+
+
+def keras_add_a_worker_outer(flag, epochs=3, trigger=8):
+    """``keras_add_a_worker`` with the outer loop overlapped (steps=4), a commit every
+    4 steps (every round end): the newcomer takes rank 0's weights and round."""
+    from hvd_dgc import OuterLoop
+    return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=4,
+                        commit_every=4, outer=OuterLoop(steps=4, overlap=True))
 
 
 def keras_add_a_worker(flag, epochs=3, trigger=8):

@@ -78,3 +78,49 @@ def add_a_worker(flag, steps=30, grow_at=8, density=0.01):
 
     train(state)
     return {"log": log, "rank": hvd.rank(), "size": hvd.size()}
+
+
+def lagging_drop_and_join(flag, steps=30, change_at=10, commit_every=5, grow=False,
+                          **dgc_options):
+    """A Horovod elastic loop (``state.commit()`` every ``commit_every`` steps, nothing
+    else added) with averages in flight between commits (``delay``, or the overlapped
+    outer loop): two ranks then one (``grow=False``), or one then two. The commit flushes
+    them first (elastic_state.py), so no commit is refused and every rank commits
+    weights it agrees on."""
+    model, opt, state = _elastic(5, **dgc_options)
+    log = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            opt.zero_grad()
+            loss = loss_of(model, state.step, hvd.rank())
+            loss.backward()
+            opt.step()
+            state.step += 1
+            log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
+                        "in_flight": opt.in_flight,
+                        "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}")})
+            if state.step == change_at and hvd.rank() == 0:
+                open(flag, "w").close()
+            if state.step >= change_at and hvd.size() == (1 if grow else 2):
+                time.sleep(0.3)  # let the driver see the change before training ends
+            if state.step % commit_every == 0:
+                state.commit()
+                log[-1]["committed_identical"] = ranks_identical(
+                    model, f"elc.{state.step}.{hvd.size()}")
+
+    train(state)
+    opt.flush()
+    return {"log": log, "rank": hvd.rank(), "size": hvd.size(),
+            "final": flat_params(model).tolist(), "stats": opt.compression_stats()}
+
+
+def delayed_drop(flag):
+    return lagging_drop_and_join(flag, delay=2, density=0.01)
+
+
+def outer_overlap_join(flag):
+    from hvd_dgc import OuterLoop
+    return lagging_drop_and_join(flag, change_at=8, commit_every=4, grow=True,
+                                 outer=OuterLoop(steps=4, overlap=True))
