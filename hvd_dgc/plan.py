@@ -84,6 +84,12 @@ class Planner:
             or (PathKind.DENSE,)
         self.replan(world_size, local_size)
 
+    def exclude(self, kind):
+        """Plan without the aggregation ``kind`` (a step traced once for every world
+        size cannot take region reduce, whose regions are the world's ranks)."""
+        self.flat = tuple(a for a in self.flat if a != kind) or (PathKind.DENSE,)
+        self.replan(self.world_size)
+
     def measured(self, link, local=None):
         """The probe's ``LinkMeasurement`` and DGC's ``LocalCost`` on this device (both
         the same on every rank; either may be None) become the cost model; every choice

@@ -202,7 +202,7 @@ def test_tape_quantizers_average_what_pytorchs_codecs_decode(tape, name):
 
 def test_a_step_in_another_world_than_planned_stops_with_a_clear_error(tape):
     """A step traced for another world than it runs in (an elastic reset without
-    hvd_dgc's KerasState, or the tape, which does not support elastic Horovod yet) would
+    hvd_dgc's KerasState, or a tape outside horovodrun's elastic mode) would
     average with a wrong plan (paths, 1/N scales), so it stops before any collective,
     eagerly and in tf.function, naming what does work (tests/test_tf_elastic.py)."""
     for out in _checked(tape, "tape_world_guard"):

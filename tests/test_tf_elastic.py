@@ -348,3 +348,80 @@ def test_keras_state_with_a_plain_optimizer_syncs_restores_and_commits_as_horovo
         assert out["restored"] == {"weights": synced["weights"], "batch": 20, "epoch": 10}
         assert out["committed"] == {"weights": [[[-5.0, -5.0]] * 3, [0.0, 0.0]],
                                     "batch": 22, "epoch": 12}
+
+
+def _tape_follows_the_world(log):
+    """A tape step under elastic Horovod, every step of every rank: no step lost or
+    done twice, hvd_dgc's step and world size follow, every rank holds the same weights,
+    and the user's tf.function was not traced again after a reset."""
+    assert [e["step"] for e in log] == list(range(log[0]["step"], log[-1]["step"] + 1)), \
+        [(e["step"], e["size"]) for e in log]
+    assert all(e["dgc_step"] == e["step"] for e in log), [(e["step"], e["dgc_step"]) for e in log]
+    assert all(e["world_size"] == e["size"] for e in log)
+    assert all(e["identical"] for e in log)
+    assert len({e["traced"] for e in log}) == 1, [(e["step"], e["traced"]) for e in log]
+    assert all(math.isfinite(e["loss"]) for e in log)
+
+
+@pytest.mark.parametrize("version", ["keras3", "keras2"])
+def test_tape_in_horovods_elastic_example_loses_a_worker(tmp_path, version):
+    """Horovod's TF2 elastic example (its tf.function made once, the tape inside it, a
+    plain optimizer in TensorFlowKerasState), import switched: 2 ranks, then 1 after
+    step 10. The step traced for two ranks runs on alone (it used to stop: "traced for
+    2 ranks"), reading the number of ranks when it runs."""
+    out = _fit_job(tmp_path, version, "tape_drop_a_worker", 2, "localhost:2",
+                   "localhost:1").results[0]
+    log = out["log"]
+    assert out["size"] == 1 and log[0]["step"] == 1 and log[-1]["step"] == 30
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert len(two) >= 10 and len(one) >= 5, [(e["step"], e["size"]) for e in log]
+    _tape_follows_the_world(log)
+    assert out["stats"]["world_size"] == 1 and out["stats"]["step"] == 30
+    assert all(math.isfinite(x) for x in out["final"])
+
+
+def test_tape_in_horovods_elastic_example_gains_a_worker(tmp_path):
+    """The example, 1 rank then 2 after step 8, in a warm-up by step (Keras 3): the
+    newcomer takes rank 0's weights and, before its first tape step makes its exchange,
+    rank 0's DGC step; both train in lock-step at rank 0's density to the end."""
+    job = _fit_job(tmp_path, "keras3", "tape_add_a_worker", 1, "localhost:1", "localhost:2")
+    assert sorted(job.results) == [0, 1], job.output()
+    first, newcomer = job.results[0]["log"], job.results[1]["log"]
+    joined = newcomer[0]["step"]
+    assert joined > 8 and first[-1]["step"] == newcomer[-1]["step"] == 30
+    _tape_follows_the_world(first)
+    _tape_follows_the_world(newcomer)
+    by_step = {e["step"]: e["density"] for e in first}
+    assert all(by_step[e["step"]] == e["density"] for e in newcomer)
+    assert len({e["density"] for e in newcomer}) > 1  # the warm-up went on across the join
+    assert job.results[0]["final"] == job.results[1]["final"]
+    # refused at the first gradient, before any collective, naming the fix
+    for rank in (0, 1):
+        refused = job.results[rank]["refused"]
+        assert sorted(refused) == ["delay", "fp16", "powersgd"], refused
+        for name, message in refused.items():
+            assert message.startswith("hvd_dgc: DistributedGradientTape under elastic "
+                                      "Horovod"), (name, message)
+            assert "hvd.elastic.KerasState" in message, message
+        assert "delay=2" in refused["delay"] and "Compression.none" in refused["fp16"]
+        assert "Compression.dgc" in refused["powersgd"]
+
+
+def test_tape_in_horovods_elastic_example_survives_a_worker_that_dies(tmp_path):
+    """The example on two hosts of one rank; rank 1 dies at step 13. The survivor's
+    collective fails, it restores the commit of step 12 (a commit every 4 steps:
+    weights, optimizer variables and the tape's DGC memory) and goes on alone; its first step redone sees the loss
+    logged at step 13 before the crash, bit for bit."""
+    out = _fit_job(tmp_path, "keras3", "tape_crash_a_worker", 2, "localhost:1\\n127.0.0.1:1",
+                   "localhost:1\\n127.0.0.1:1").results[0]
+    log = out["log"]
+    two = [e for e in log if e["size"] == 2]
+    one = [e for e in log if e["size"] == 1]
+    assert [e["step"] for e in two] == list(range(1, 14)), [(e["step"], e["size"]) for e in log]
+    assert [e["step"] for e in one] == list(range(13, 31))
+    assert one[0]["loss"] == two[12]["loss"], (one[0], two[12])
+    _tape_follows_the_world(two)
+    _tape_follows_the_world(one)
+    assert two[0]["traced"] == one[0]["traced"]  # (the restore traced nothing again)
+    assert out["stats"]["world_size"] == 1

@@ -23,6 +23,7 @@ checkpointing, and at the end of training.
 
 import hashlib
 import importlib
+from concurrent.futures import ThreadPoolExecutor
 
 from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
@@ -59,6 +60,18 @@ class TapeExchanges(tf.Module):
             n += 1
             name = f"{base}_{n}"
         setattr(self, name, exchange)
+        return name
+
+    def by_name(self):
+        """``{name: exchange}``, sorted: the same names on every rank that traced the
+        same step (an elastic sync hands rank 0's step and epoch over by them)."""
+        return {name: value for name, value in sorted(vars(self).items())
+                if isinstance(value, GradientExchange)}
+
+
+#: An elastic sync's shared state (rank 0's step and epoch) for a tape exchange this
+#: rank has not made yet (a worker that joined, before its first tape step), by name.
+_PENDING_SHARED = {}
 
 
 dgc_state = TapeExchanges()
@@ -105,7 +118,9 @@ def _exchange_for(sources, options):
     if exchange is None:
         exchange = GradientExchange(**options)
         _EXCHANGES[key] = exchange
-        dgc_state._attach(exchange, sources)
+        name = dgc_state._attach(exchange, sources)
+        if name in _PENDING_SHARED:
+            exchange.load_shared_state(_PENDING_SHARED.pop(name))
     return exchange
 
 
@@ -157,12 +172,24 @@ class _DistributedGradientTape(tf.GradientTape):
         shared = [i for i, s in enumerate(flat) if _ref(s) not in self._local_sources]
         variables = [flat[i] for i in shared]
         exchange = _exchange_for(variables, self._dgc_options)
-        exchange.build(variables, [gradients[i] for i in shared])
+        _outside_trace(lambda: exchange.build(variables, [gradients[i] for i in shared]))
         averaged = exchange([gradients[i] for i in shared])
         out = list(gradients)
         for i, g in zip(shared, averaged):
             out[i] = g
         return tf.nest.pack_sequence_as(sources, out)
+
+
+def _outside_trace(make):
+    """Run ``make`` (an exchange's build: it makes variables) where variables may be
+    made. A ``tf.function`` may make variables on its first call only, even under
+    ``init_scope``, and Horovod's TF2 elastic example calls its step once without the
+    tape first (to make the optimizer's slots), so the tape's exchange is built on the
+    second; a thread of its own runs eagerly, outside any trace."""
+    if not tf.inside_function():
+        return make()
+    with ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_build") as pool:
+        return pool.submit(make).result()
 
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='',

@@ -23,7 +23,10 @@ state commits and restores the model's, the optimizer's and hvd_dgc's variables
 
 Use it as Horovod's: ``state = hvd.elastic.KerasState(model, batch=0, epoch=0)``,
 training in a function decorated with ``@hvd.elastic.run`` (this module's: it also
-sees a failed collective of hvd_dgc's as a lost worker, below).
+sees a failed collective of hvd_dgc's as a lost worker, below). With a plain Keras
+optimizer and ``hvd.DistributedGradientTape`` (Horovod's TF2 elastic example), the
+state carries the tape's exchanges instead (``_TapeExchanges``), whose step is traced
+once for every world size (exchange.py).
 """
 
 import tensorflow as tf
@@ -59,8 +62,8 @@ class TensorFlowKerasState(_HorovodKerasState):
         optimizer = optimizer or getattr(model, "optimizer", None)
         # a plain optimizer (Horovod's state takes one): weights and its variables only
         exchange = getattr(optimizer, "_hvd_dgc", None)
-        if exchange is None:
-            exchange = _NoExchange()
+        if exchange is None:  # a tape's exchanges (Horovod's TF2 elastic example), if any
+            exchange = _TapeExchanges()
         refused = exchange.elastic_refusal()  # what a reset would lose
         if refused:
             raise ValueError(refused)
@@ -126,30 +129,58 @@ class TensorFlowKerasState(_HorovodKerasState):
         ObjectState.sync(self)
 
 
-class _NoExchange:
+class _TapeExchanges:
     """What the state asks of hvd_dgc's exchange, for an optimizer without one (Horovod's
     state accepts a plain Keras optimizer: its weights and variables are committed and
-    synced as Horovod does)."""
+    synced as Horovod does): this process's ``DistributedGradientTape`` exchanges, looked
+    up at each call (Horovod's TF2 elastic example makes its tape inside its
+    ``tf.function``, after the state). Their memories, step and epoch are committed and
+    restored with the weights; at a sync every rank takes rank 0's step and epoch, a
+    worker that joined for the exchange its first tape step will make. Their step is
+    traced once for every world size (exchange.py: ``traced_once``), so a reset keeps
+    its paths and reads the number of ranks when it runs. None: nothing of hvd_dgc's."""
 
-    variables, resuming = (), False
+    resuming, lags = False, False
+
+    @staticmethod
+    def _exchanges():
+        from hvd_dgc.tensorflow import dgc_state
+        return dgc_state.by_name()
+
+    @property
+    def variables(self):
+        return [v for e in self._exchanges().values() if e.memory is not None
+                for v in e.variables]
 
     def elastic_refusal(self):
-        return None
+        return None  # (what a traced-once step cannot hold is refused at its build)
 
     def set_epoch(self, epoch):
-        pass
+        for e in self._exchanges().values():
+            e.set_epoch(epoch)
 
     def current_epoch(self):
-        return 0.0
+        return next((e.current_epoch() for e in self._exchanges().values()), 0.0)
 
     def replan(self):
-        pass
+        for e in self._exchanges().values():
+            e.replan()
+
+    def abandon(self):
+        for e in self._exchanges().values():
+            e.abandon()
 
     def shared_state(self):
-        return None
+        return {name: e.shared_state() for name, e in self._exchanges().items()}
 
     def load_shared_state(self, state):
-        pass
+        from hvd_dgc.tensorflow import _PENDING_SHARED
+        mine = self._exchanges()
+        for name, shared in (state or {}).items():
+            if name in mine:
+                mine[name].load_shared_state(shared)
+            elif shared is not None:  # made at this rank's first tape step
+                _PENDING_SHARED[name] = shared
 
 
 #: What the message of a collective that lost a peer holds: Horovod's op names (what

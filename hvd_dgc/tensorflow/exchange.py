@@ -41,6 +41,7 @@ from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.masking import masking_density_limit
+from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, stage_densities
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
@@ -88,6 +89,8 @@ class GradientExchange(tf.Module):
         self.sparse_as_dense = sparse_as_dense
         self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
         self.wire = Wire(process_set, op, gradient_predivide_factor)
+        self.is_tape = optimizer is None  # (a Keras optimizer's step is traced again)
+        self.traced_once = False  # (build: a tape under elastic Horovod)
         self.densities = stage_densities(self.resolved.schedule)
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
@@ -148,10 +151,19 @@ class GradientExchange(tf.Module):
             self.tensors = tuple(
                 TensorInfo(i, name, int(np.prod(v.shape)), tuple(int(d) for d in v.shape), s)
                 for i, (v, name, s) in enumerate(zip(variables, names, sliced)))
-            self.planner = Planner(self.resolved, self.tensors, self.world_size())
             # Elastic: a worker added later builds alone, while the others wait in a
             # reset; a collective here would hang it. All run the same script.
             self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+            # A tape's step lives in the user's tf.function, which is not traced again
+            # after an elastic reset (Horovod's TF2 elastic example keeps it at module
+            # level): its graph must hold for every world size (traced_once).
+            self.traced_once = self.elastic and self.is_tape
+            if self.traced_once:
+                self._check_traced_once()
+                self.wire = self.wire._replace(agnostic=True)
+            self.planner = Planner(self.resolved, self.tensors, self._planning_world())
+            if self.traced_once:
+                self.planner.exclude(PathKind.REGION)
             if not self.elastic:
                 _check_consistent_config(self.planner.consistency(
                     momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
@@ -205,6 +217,38 @@ class GradientExchange(tf.Module):
                         self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
             self._planned()
 
+    def _planning_world(self):
+        """The world the paths are chosen for: this one; for a step traced once for every
+        world, at least 2 ranks (a world of one would plan no exchange, and a worker may
+        join later)."""
+        world = self.world_size()
+        return max(2, world) if self.traced_once else world
+
+    def _check_traced_once(self):
+        """What a step traced once for every world size cannot hold, refused with the
+        fix: its structure or its bounds would be the world's at the first trace."""
+        r = self.resolved
+        problem = None
+        if r.config.lagging:
+            problem = (f"{r.config.lagging} keeps collectives in flight across steps",
+                       r.config.undo_lagging)
+        elif r.kind == "exchange":
+            problem = (f"compression {type(self.compression).__name__} decodes a payload "
+                       f"per rank", "leave compression at Compression.dgc (the default)")
+        elif r.dense_fp16:
+            problem = ("fp16 values bound what each rank sends by the number of ranks",
+                       "pass compression=hvd.Compression.none (fp32 values)")
+        elif PathKind.REGION in r.aggregations and PathKind.ALLGATHER not in r.aggregations:
+            problem = ("region reduce splits indices into one region per rank",
+                       "pass aggregation='allgather' or 'auto'")
+        if problem:
+            raise ValueError(
+                f"hvd_dgc: DistributedGradientTape under elastic Horovod: {problem[0]}, and "
+                f"the tape's step (your tf.function) is traced once for every world size. "
+                f"Either {problem[1]}, or train with hvd_dgc.tensorflow.keras's "
+                f"DistributedOptimizer and its hvd.elastic.KerasState (model.fit traces "
+                f"its step again after a reset).")
+
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world
         the traced step is made for, and the words at wrap time."""
@@ -238,9 +282,10 @@ class GradientExchange(tf.Module):
             return
         self.abandon()
         with tf.init_scope():
-            self.planner.replan(self.world_size())
-            self.paths.replan(self.planner)
-            self._planned()
+            if not self.traced_once:  # (else the traced paths stay: they hold anywhere)
+                self.planner.replan(self.world_size())
+                self.paths.replan(self.planner)
+                self._planned()
             self.agreeing.assign(True)
 
     def measure_at_sync(self):
@@ -249,8 +294,8 @@ class GradientExchange(tf.Module):
         would wait for the others). Before the build the numbers wait for it; after,
         every choice is made afresh. Returns whether the paths changed (the traced step
         holds them: it must be traced again)."""
-        if self.resolved.cost_model != "measure":
-            return False
+        if self.resolved.cost_model != "measure" or self.traced_once:
+            return False  # (a step traced once keeps the paths it was traced with)
         with tf.init_scope():
             link, local = self._measured_at_sync = self._probe()
         if self.memory is None:
@@ -337,7 +382,7 @@ class GradientExchange(tf.Module):
     def exchange(self, grads):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
         a non-finite gradient on some rank made every rank skip this step."""
-        checked = self._check_world()
+        checked = tf.group() if self.traced_once else self._check_world()
         if self.elastic:
             with tf.control_dependencies([checked]):
                 agreed = self._agree()
@@ -372,8 +417,8 @@ class GradientExchange(tf.Module):
                     f"runs in a world of another size (an elastic Horovod reset?). Under "
                     f"elastic Horovod use hvd_dgc.tensorflow.keras's DistributedOptimizer "
                     f"with its hvd.elastic.KerasState (model.fit then re-plans and traces "
-                    f"its step again); DistributedGradientTape does not support elastic "
-                    f"Horovod yet")
+                    f"its step again), or DistributedGradientTape under horovodrun's "
+                    f"elastic mode (its step then holds in every world)")
 
     def _agree(self):
         """Under elastic Horovod, the first step after a build or a reset takes the

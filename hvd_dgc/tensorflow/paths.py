@@ -53,13 +53,20 @@ class At(NamedTuple):
 
 
 class Wire(NamedTuple):
-    """Horovod's arguments to the exchange's collectives, fixed at wrap time."""
+    """Horovod's arguments to the exchange's collectives, fixed at wrap time.
+    ``agnostic``: the step is traced once for every world size (a tape under elastic
+    Horovod: the user's ``tf.function`` is not traced again after a reset), so the
+    number of ranks is read when the step runs, not when it is traced."""
 
     process_set: object
     op: object
     predivide: float
+    agnostic: bool = False
 
     def world(self):
+        if self.agnostic:
+            return tf.cast(_hvd.size_op(process_set_id=self.process_set.process_set_id),
+                           tf.float32)
         return self.process_set.size()
 
     def scales(self):

@@ -316,3 +316,106 @@ def keras_add_a_worker_horovod_pattern(flag, epochs=4, trigger=25):
     return _fit_elastic(flag, epochs, trigger, lambda size: size == 1, seed=7,
                         horovod_pattern=True, density=0.01, warmup=2,
                         warmup_densities=(1.0,))
+
+
+def _tape_elastic(flag, steps, trigger, wait, seed, crash_at=None, commit_every=1,
+                  **options):
+    """Horovod's examples/elastic/tensorflow2/tensorflow2_mnist_elastic.py, its import
+    switched: a ``tf.function`` made once, the tape wrapped inside it, one step without
+    the exchange before the state (to make the optimizer's slots), a plain Keras
+    optimizer in ``hvd.elastic.TensorFlowKerasState``, a commit after every batch. Logs
+    each step: world size, loss, hvd_dgc's step and world size, ranks identical, and
+    how often the step was traced."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    keras = tf.keras
+    hvd.init()
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.layers.Input((20,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(5)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+
+    @tf.function
+    def training_step(images, labels, allreduce=True):
+        with tf.GradientTape() as tape:
+            loss_value = loss(labels, model(images, training=True))
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape, **options)
+        grads = tape.gradient(loss_value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss_value
+
+    x0, y0 = _epoch_of_data(hvd.rank())
+    refusals = _tape_refusals(tf, hvd) if trigger is not None and wait(1) else {}
+    training_step(x0[:BATCH], y0[:BATCH], allreduce=False)
+    log = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.batch < steps:
+            x, y = _epoch_of_data(hvd.rank())
+            i = state.batch % STEPS_PER_EPOCH
+            value = training_step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+            state.batch += 1
+            stats = hvd.compression_stats()
+            log.append({"step": state.batch, "size": hvd.size(), "loss": float(value),
+                        "dgc_step": stats["step"], "world_size": stats["world_size"],
+                        "density": stats["current_density"],
+                        "traced": training_step.experimental_get_tracing_count(),
+                        "identical": _identical(tf, hvd, model.trainable_variables,
+                                                f"tape.{state.batch}.{hvd.size()}")})
+            if state.batch == crash_at and hvd.rank() == 1:
+                os._exit(3)
+            if trigger is not None and state.batch == trigger and hvd.rank() == 0:
+                open(flag, "w").close()
+            if trigger is not None and state.batch >= trigger and wait(hvd.size()):
+                time.sleep(0.3)  # let the driver see the change before training ends
+            if state.batch % commit_every == 0:
+                state.commit()
+
+    state = hvd.elastic.TensorFlowKerasState(model, opt, batch=0)
+    train(state)
+    return {"log": log, "rank": hvd.rank(), "size": hvd.size(),
+            "final": np.concatenate([np.ravel(v) for v in model.get_weights()]).tolist(),
+            "stats": hvd.compression_stats(), "refused": refusals}
+
+
+def _tape_refusals(tf, hvd):
+    """What a tape traced once for every world cannot hold, each refused at its first
+    gradient (before any collective) with the fix."""
+    out = {}
+    for name, options in {"delay": {"delay": 2},
+                          "fp16": {"compression": hvd.Compression.fp16},
+                          "powersgd": {"compression": "powersgd"}}.items():
+        v = tf.Variable(tf.ones([4096]), name=f"refused_{name}")
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(v * v)
+        try:
+            hvd.DistributedGradientTape(tape, **options).gradient(y, [v])
+            out[name] = "NO EXCEPTION"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def tape_drop_a_worker(flag, steps=30, trigger=10):
+    """Two ranks, then one: the survivor's step, traced for two, runs on in a world of
+    one (its paths kept, the number of ranks read when it runs)."""
+    return _tape_elastic(flag, steps, trigger, lambda size: size > 1, seed=3,
+                         density=0.01, clip_norm=1.0)
+
+
+def tape_add_a_worker(flag, steps=30, trigger=8):
+    """One rank, then two, in a warm-up by step: the newcomer takes rank 0's DGC step
+    before it makes its exchange (at its first tape step)."""
+    return _tape_elastic(flag, steps, trigger, lambda size: size == 1, seed=4,
+                         density=0.01, warmup=20, warmup_unit="step")
+
+
+def tape_crash_a_worker(flag, steps=30, crash_at=13):
+    """Two hosts of one rank; rank 1 dies at step 13: the survivor's collective fails,
+    it restores the commit of step 12 (weights, optimizer and DGC memory; a commit every
+    4 steps) and goes on."""
+    return _tape_elastic(flag, steps, None, None, seed=5, crash_at=crash_at, commit_every=4,
+                         density=0.01)
