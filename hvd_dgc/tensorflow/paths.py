@@ -203,6 +203,38 @@ class DensePath(_Path):
 
     kind = PathKind.DENSE
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        #: tensor -> per density stage, is it folded into the step's allgathers
+        #: (``ExchangePaths.replan``: costmodel.folds, as PyTorch's AllgatherPath.absorb)
+        self.folds = {}
+
+    def synchronous(self, i, v, k, at, poison=None):
+        """Tensor i's average: an allreduce of its velocity, or where the plan folds it,
+        the same values as records of every index in an allgather that Horovod fuses
+        with the sparse tensors' allgathers: one Horovod operation a step instead of
+        two, two round trips fewer over a WAN (bench/results/round_trips.md)."""
+        stages = self.folds.get(i)
+        if not stages:
+            return super().synchronous(i, v, k, at, poison)
+        if all(stages):
+            return self._folded(i, v, at, poison)
+        return tf.cond(tf.gather(tf.constant(stages), at.stage),
+                       lambda: self._folded(i, v, at, poison),
+                       lambda: _Path.synchronous(self, i, v, k, at, poison))
+
+    def _folded(self, i, v, at, poison):
+        """The dense path's payload (its memory and statistics as they are), carried as
+        records ``[index | value]`` of every index; each rank sums them."""
+        ctx, n = self.ctx, self.ctx.numel(i)
+        payload = self.take(i, v, None, at, poison)
+        ctx.statistics.add(bytes_sent=SparseCompressor.INDEX_BYTES * n)  # + the indices
+        records = SparseCompressor.pack(payload * ctx.wire.scales()[0],
+                                        tf.range(n, dtype=tf.int32))
+        got = _hvd.allgather(records, name=f"hvd_dgc.{i}.folded",
+                             process_set=ctx.wire.process_set)
+        return SparseCompressor.scatter_sum(got, n) * ctx.wire.gathered()
+
     def _payload(self, i, v):
         ctx, numel = self.ctx, self.ctx.numel(i)
         ctx.statistics.count(self.kind, numel, numel, (2 if ctx.dense_fp16 else 4) * numel)
@@ -509,6 +541,25 @@ class ExchangePaths:
         densities = planner.densities()
         self.stages = [planner.stage_paths(t) for t in planner.tensors]
         self.ks = [tuple(planner.k(t, d) for d in densities) for t in planner.tensors]
+        self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
+
+    def _folds(self, planner, stages):
+        """Per dense tensor, the stages at which the synchronous step carries it in the
+        allgathers: where some tensor takes the allgather and the cost model folds the
+        stage's dense tensors together (PyTorch folds a launch's, AllgatherPath.absorb).
+        Not with fp16 on the dense wire (its records are fp32), and delayed averaging's
+        grouped launches keep them apart."""
+        ctx = self.ctx
+        if ctx.dense_fp16 or getattr(ctx.compressor, "value_bytes", 0) != 4:
+            return {}
+        folds = {}
+        for s in range(stages):
+            dense = [i for i, paths in enumerate(self.stages) if paths[s] == PathKind.DENSE]
+            if dense and any(paths[s] == PathKind.ALLGATHER for paths in self.stages) and \
+                    planner.folds(sum(ctx.numel(i) for i in dense)):
+                for i in dense:
+                    folds.setdefault(i, [False] * stages)[s] = True
+        return {i: tuple(f) for i, f in folds.items()}
 
     def kinds(self):
         """Every path some tensor may take."""
