@@ -21,6 +21,16 @@ def _elastic(seed, **dgc_options):
     return model, opt, hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 
 
+def _step(model, opt, state):
+    """One step of the elastic loop (the state counts it); its loss."""
+    opt.zero_grad()
+    loss = loss_of(model, state.step, hvd.rank())
+    loss.backward()
+    opt.step()
+    state.step += 1
+    return loss
+
+
 def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
     """Also the run that loses a whole host (``-H localhost:2,127.0.0.1:2``, then only
     ``localhost:2``): the log says how many hosts and ranks per host each step had."""
@@ -30,11 +40,7 @@ def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
     @hvd.elastic.run
     def train(state):
         while state.step < steps:
-            opt.zero_grad()
-            loss = loss_of(model, state.step, hvd.rank())
-            loss.backward()
-            opt.step()
-            state.step += 1
+            loss = _step(model, opt, state)
             log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
                         "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}"),
                         "dgc_step": opt.compression_stats()["step"],
@@ -93,11 +99,7 @@ def lagging_drop_and_join(flag, steps=30, change_at=10, commit_every=5, grow=Fal
     @hvd.elastic.run
     def train(state):
         while state.step < steps:
-            opt.zero_grad()
-            loss = loss_of(model, state.step, hvd.rank())
-            loss.backward()
-            opt.step()
-            state.step += 1
+            loss = _step(model, opt, state)
             log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
                         "in_flight": opt.in_flight,
                         "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}")})
