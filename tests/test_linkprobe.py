@@ -331,10 +331,10 @@ def test_keras_fit_measures_inside_its_first_step_and_trains(loopback):
 
 
 def test_under_elastic_both_frameworks_measure_at_the_sync(loopback):
-    synced = [out["elastic"]["synced"] for out in loopback]
     for rank, out in enumerate(loopback):
         assert "error" not in out["elastic"], (rank, out["elastic"]["error"])
         assert out["elastic"]["wrapped"] == "None"  # a joining worker wraps alone
+    synced = [out["elastic"]["synced"] for out in loopback]
     assert synced[0]["model"] == synced[1]["model"]
     assert synced[0]["alpha"] == synced[1]["alpha"] and synced[0]["bandwidth"] > 1e7
     assert synced[0]["line"].startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")

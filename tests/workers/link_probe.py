@@ -95,7 +95,8 @@ def _elastic():
             opt.load_shared_state(opt.shared_state())  # as the sync after a reset
         out["synced"] = _measured(opt._planner, line)
         variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024]))]
-        exchange = GradientExchange()
+        keras_sgd = (True, "SGD", False)  # a Keras optimizer's exchange (its step is traced
+        exchange = GradientExchange(optimizer=keras_sgd)  # again; a tape's is not: paths kept)
         line = io.StringIO()
         with contextlib.redirect_stdout(line):
             exchange.build(variables)  # a joining worker builds alone: nothing measured
@@ -106,7 +107,7 @@ def _elastic():
             changed = exchange.measure_at_sync()  # as the elastic state's sync calls it
         out["tf_synced"] = dict(_measured(exchange.planner, line), changed=changed)
         # measured at a sync before the build (the state's first sync): the build uses it
-        early = GradientExchange(cost_model="measure")
+        early = GradientExchange(cost_model="measure", optimizer=keras_sgd)
         early.measure_at_sync()
         early.build([tf.Variable(tf.zeros([1024, 1024]))])
         out["tf_early"] = {"link": repr(early.planner.link), "model":
