@@ -29,6 +29,7 @@ their arguments.
 """
 
 import math
+import zlib
 from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -103,6 +104,21 @@ def sent_all(u, v):
 
 
 # -- DGC Sec. 3.1: sparsification -------------------------------------------------------
+def draw(seed, rank, step, key):
+    """The sampling draw every rank and process computes alike, as written in Python
+    integers (splitmix64 of the four coordinates; a name ``key`` by its CRC-32): a
+    uniform number in [0, 1). hvd_dgc computes it in NumPy's wrapping uint64
+    (hvd_dgc/torch/cpu_select.py ``draws``), for every tensor of a launch at once."""
+    mask = (1 << 64) - 1
+    key = key if isinstance(key, int) else zlib.crc32(str(key).encode())
+    x = (seed * 0x9E3779B97F4A7C15 + rank * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
+         + key) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
 def num_selected(numel, density):
     """k = ceil(numel * density), at least 1 and at most numel (hvd_dgc/schedule.py)."""
     return max(1, min(numel, int(math.ceil(numel * density))))

@@ -777,8 +777,9 @@ def test_fp16_payload_sends_what_fits_and_keeps_the_rest():
 def test_gpu_form_selects_a_launch_from_its_buffer():
     """``select_span``, what the optimizer's pick runs on an accelerator: the tensors at
     their offsets in one buffer give ``select_many``'s records, with positions in the
-    buffer; the sampling draws are ``draw``'s, computed for every tensor at once."""
-    from hvd_dgc.torch.cpu_select import draw, draws
+    buffer; the sampling draws are the reference's, computed for every tensor at once."""
+    from hvd_dgc.torch.cpu_select import draws
+    from tests.reference import draw
     from hvd_dgc.torch.gpu_select import select_span
     from hvd_dgc.torch.memory import aligned_size
     gen = torch.Generator().manual_seed(9)
@@ -799,3 +800,21 @@ def test_gpu_form_selects_a_launch_from_its_buffer():
         assert torch.equal(span.values, each.values)
         assert torch.equal(buffer[span.indices][span.values != 0], span.values[span.values != 0])
         assert int((span.values != 0).sum()) >= 0.95 * sum(ks)
+
+
+def test_draws_are_the_reference_splitmix64_for_any_coordinates():
+    """``draws`` (NumPy's wrapping uint64, every tensor of a launch at once) and ``draw``
+    (one key, what extensions call: docs/extending.md) give the reference's Python-integer
+    splitmix64 bit for bit: large seeds and steps, int and name keys, negative ints."""
+    import random
+    from hvd_dgc.torch.cpu_select import draw, draws
+    from tests import reference as ref
+    rng = random.Random(1)
+    for _ in range(300):
+        seed, rank, step = rng.randrange(2 ** 63), rng.randrange(1024), rng.randrange(10 ** 9)
+        keys = tuple(rng.choice([rng.randrange(2 ** 32), -rng.randrange(1, 99),
+                                 f"layer{rng.randrange(99)}.weight"])
+                     for _ in range(rng.randrange(1, 9)))
+        want = [ref.draw(seed, rank, step, key) for key in keys]
+        assert draws(seed, rank, step, keys).tolist() == want, (seed, rank, step, keys)
+        assert [draw(seed, rank, step, key) for key in keys] == want

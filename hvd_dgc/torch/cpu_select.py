@@ -43,20 +43,15 @@ _MASK64 = (1 << 64) - 1
 
 def draw(seed, rank, step, key):
     """A uniform number in [0, 1) from its four coordinates (splitmix64): the same in
-    every process (``key``: an int, or a name)."""
-    key = key if isinstance(key, int) else zlib.crc32(str(key).encode())
-    x = (seed * 0x9E3779B97F4A7C15 + rank * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
-         + key) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return (x >> 11) / float(1 << 53)
+    every process (``key``: an int, or a name). One of ``draws``."""
+    return float(draws(seed, rank, step, (key,))[0])
 
 
 def draws(seed, rank, step, keys):
     """``[draw(seed, rank, step, key) for key in keys]`` as a float64 array, in one pass of
-    NumPy's wrapping uint64 arithmetic: a launch draws for every tensor each step, and 76
-    calls of ``draw`` took ~50 us of the host's time (``keys``: a tuple)."""
+    NumPy's wrapping uint64 arithmetic: a launch draws for every tensor each step, and a
+    Python loop over 76 keys took ~50 us of the host's time (``keys``: a tuple; the
+    scalar definition is tests/reference.py's ``draw``)."""
     x = np.uint64((seed * 0x9E3779B97F4A7C15 + rank * 0xBF58476D1CE4E5B9
                    + step * 0x94D049BB133111EB) & _MASK64) + _key_codes(keys)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -112,6 +107,9 @@ class SampleLayout:
             self.sizes.append(base.numel())
             self.starts.append(starts)
             self.steps.append(step)
+        # each segment's sampling start: draw x starts (whole runs) x steps, every step
+        self.starts = np.array(self.starts, dtype=np.float64)
+        self.steps = np.array(self.steps, dtype=np.int64)
         width = max(self.sizes)
         sizes = torch.tensor(self.sizes)
         rows = torch.arange(len(bases)).repeat_interleave(sizes)
@@ -127,8 +125,7 @@ class SampleLayout:
         from its sample: its k-th largest sampled |v|, k in proportion (the kernel
         library's partial sorts where it is built, else one top-k over a matrix with a
         row per segment)."""
-        shift = (draws(seed, rank, step, tuple(keys)) * np.array(self.starts, dtype=np.float64)
-                 ).astype(np.int64) * np.array(self.steps, dtype=np.int64)
+        shift = (draws(seed, rank, step, tuple(keys)) * self.starts).astype(np.int64) * self.steps
         shift = torch.from_numpy(shift).to(self.device)
         kth = torch.tensor([min(size, max(1, int(math.ceil(size * aim * k / n)))) - 1
                             for size, k, n in zip(self.sizes, ks, self.numels)],

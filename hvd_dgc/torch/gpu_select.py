@@ -50,8 +50,9 @@ import torch
 # memory lays out its sparse tensors (memory.MemoryBlock), so its buffer is read in place.
 from hvd_dgc.torch.memory import BLOCK
 
-__all__ = ["Selection", "select_many", "select_span", "slot_offsets", "slot_starts", "counts_on", "on_device",
-           "upload", "prime_at_least", "AIM", "MIN_HITS", "CAPACITY", "RUN", "BLOCK"]
+__all__ = ["Selection", "select_many", "select_span", "slot_offsets", "slot_starts",
+           "counts_on", "on_device", "upload", "prime_at_least", "AIM", "MIN_HITS", "CAPACITY",
+           "RUN", "BLOCK"]
 
 RUN = 16       # sampled elements read together: 64 bytes of float32
 AIM = 2        # each threshold aims at this many times k candidates
@@ -160,7 +161,7 @@ def _plan(sizes, ks, device, sample_ratio, min_sample):
 def select_many(flats, ks, draws, sample_ratio=0.001, min_sample=1000):
     """``Selection`` of ``ks[i]`` records from each flat tensor of ``flats`` (one device,
     one dtype). ``draws``: per tensor a number in [0, 1) placing its sampling start
-    (cpu_select.draw: from seed, rank, step and tensor, as on the CPU path).
+    (cpu_select.draws: from seed, rank, step and tensor, as on the CPU path).
 
     On a CUDA device the selection's ~40 kernels are captured once as a CUDA graph and
     replayed (``_Graphed``): launched one by one they are bound by the host, not the GPU
@@ -196,7 +197,7 @@ def select_span(buffer, offsets, numels, ks, draws, sample_ratio=0.001, min_samp
     starts = slot_starts(offsets, ks, str(buffer.device))
     if buffer.device.type == "cuda" and graphs_enabled():
         plan = _plan(numels, ks, str(buffer.device), float(sample_ratio), int(min_sample))
-        graphed = _GRAPHS.get((plan.key, tuple(f.data_ptr() for f in flats), buffer.dtype))
+        graphed = _GRAPHS.get(_graph_key(plan, flats, buffer.dtype))
         if isinstance(graphed, _Graphed):  # captured (from the second call on)
             _SPANS[key] = (graphed, starts)
             while len(_SPANS) > _GRAPHS_KEPT:
@@ -323,11 +324,16 @@ _GRAPHS_KEPT = 4         # each holds its own memory pool (its intermediates)
 _WARM = "warm"           # run eagerly once: that initialises what capture will need
 
 
+def _graph_key(plan, flats, dtype):
+    """A captured graph reads its tensors' addresses: one per plan, addresses, dtype."""
+    return plan.key, tuple(f.data_ptr() for f in flats), dtype
+
+
 def _graphed(plan, flats, dtype):
     """The group's captured selection, or None on its first run (eager: it loads the
     kernels and fills the allocator before anything is captured) and where capture failed
     (said once; the eager selection, the same records, runs instead)."""
-    key = (plan.key, tuple(f.data_ptr() for f in flats), dtype)
+    key = _graph_key(plan, flats, dtype)
     if key not in _GRAPHS:  # first run
         _GRAPHS[key] = _WARM
         while len(_GRAPHS) > _GRAPHS_KEPT:

@@ -21,14 +21,16 @@ def _elastic(seed, **dgc_options):
     return model, opt, hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 
 
-def _step(model, opt, state):
-    """One step of the elastic loop (the state counts it); its loss."""
+def _step(model, opt, state, tag="el"):
+    """One step of the elastic loop (the state counts it); its log entry: the step, the
+    world size, the loss and whether every rank holds the same weights after it."""
     opt.zero_grad()
     loss = loss_of(model, state.step, hvd.rank())
     loss.backward()
     opt.step()
     state.step += 1
-    return loss
+    return {"step": state.step, "size": hvd.size(), "loss": float(loss),
+            "identical": ranks_identical(model, f"{tag}.{state.step}.{hvd.size()}")}
 
 
 def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
@@ -40,12 +42,10 @@ def drop_a_worker(flag, steps=40, drop_at=10, density=0.01):
     @hvd.elastic.run
     def train(state):
         while state.step < steps:
-            loss = _step(model, opt, state)
-            log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
-                        "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}"),
-                        "dgc_step": opt.compression_stats()["step"],
-                        "world_size": opt.compression_stats()["world_size"],
-                        "hosts": hvd.cross_size(), "local_size": hvd.local_size()})
+            log.append(dict(_step(model, opt, state),
+                            dgc_step=opt.compression_stats()["step"],
+                            world_size=opt.compression_stats()["world_size"],
+                            hosts=hvd.cross_size(), local_size=hvd.local_size()))
             if state.step == drop_at and hvd.rank() == 0:
                 open(flag, "w").close()
             if state.step >= drop_at:
@@ -67,15 +67,10 @@ def add_a_worker(flag, steps=30, grow_at=8, density=0.01):
     @hvd.elastic.run
     def train(state):
         while state.step < steps:
-            opt.zero_grad()
-            loss_of(model, state.step, hvd.rank()).backward()
-            opt.step()
-            state.step += 1
+            entry = _step(model, opt, state, "ea")
             link = opt._planner.link  # the default cost model: measured at each sync
-            log.append({"step": state.step, "size": hvd.size(),
-                        "identical": ranks_identical(model, f"ea.{state.step}.{hvd.size()}"),
-                        "dgc_step": opt.compression_stats()["step"],
-                        "link": None if link is None else [link.alpha, link.bandwidth]})
+            log.append(dict(entry, dgc_step=opt.compression_stats()["step"],
+                            link=None if link is None else [link.alpha, link.bandwidth]))
             if state.step == grow_at and hvd.rank() == 0:
                 open(flag, "w").close()
             if state.step >= grow_at and hvd.size() == 1:
@@ -99,10 +94,7 @@ def lagging_drop_and_join(flag, steps=30, change_at=10, commit_every=5, grow=Fal
     @hvd.elastic.run
     def train(state):
         while state.step < steps:
-            loss = _step(model, opt, state)
-            log.append({"step": state.step, "size": hvd.size(), "loss": float(loss),
-                        "in_flight": opt.in_flight,
-                        "identical": ranks_identical(model, f"el.{state.step}.{hvd.size()}")})
+            log.append(dict(_step(model, opt, state), in_flight=opt.in_flight))
             if state.step == change_at and hvd.rank() == 0:
                 open(flag, "w").close()
             if state.step >= change_at and hvd.size() == (1 if grow else 2):
