@@ -24,9 +24,14 @@ Settings (bench/wan/train_worker.py's MLP, DGC 0.1%, synchronous: delay 0):
               one Horovod operation per step
 
 ``--framework tf``: the same with Keras (bench/wan/tf_train_worker.py's MLP, SGD momentum,
-DGC 0.1%): floor, dense (Horovod's DistributedGradientTape), and hvd_dgc with its
-defaults (``buckets``; TF has no ``fusion_threshold``: one launch per step) and with
-``CostModel(alpha=0)`` (``buckets-unfolded``).
+DGC 0.1%, the optimizer's apply_gradients in a tf.function): floor, dense (Horovod's
+DistributedGradientTape), and hvd_dgc with ``fusion_threshold=0`` (``per-tensor``: the
+dense tensors folded, each tensor its own allgather), ``CostModel(alpha=0)``
+(``buckets-unfolded``: nothing folds, and with no latency every tensor leaves alone) and
+its defaults (``buckets``: the step's tensors in one grouped allgather). ``--fit``
+trains the same model with ``model.fit`` (dense: Horovod's Keras optimizer, Keras 2
+only; no floor row: the loop's is the link's); ``--keras 2|3`` picks tf_keras or
+Keras 3.
 
 ``--probe`` times single Horovod collectives the same way (bench/wan/collective_probe.py):
 what one operation costs under Horovod's controller, and what makes it cost more.
@@ -58,6 +63,7 @@ TF_WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "tf_train_worker
 TF_SETTINGS = {
     "floor": ["--method", "floor"],
     "dense": ["--method", "dense"],
+    "per-tensor": ["--method", "dgc", "--fusion-threshold", "0"],
     "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "0"],
     "buckets": ["--method", "dgc"],
 }
@@ -68,6 +74,9 @@ def step_seconds(link, setting, args):
         (WORKER, SETTINGS)
     argv = worker + settings[setting] + ["--steps", str(args.steps), "--warmup-steps", "3",
                                          "--width", str(args.width), "--batch", "32"]
+    if args.framework == "tf":
+        argv += (["--fit"] if args.fit else []) + (["--keras", args.keras] if args.keras
+                                                    else [])
     results = run_job(link, argv, timeout=900)
     if any(code != 0 for code, _, _ in results):
         raise RuntimeError(f"{setting} over {link.description} failed:\n"
@@ -106,16 +115,25 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--framework", choices=["torch", "tf"], default="torch")
-    ap.add_argument("--settings", nargs="+", default=None, choices=list(SETTINGS),
+    ap.add_argument("--settings", nargs="+", default=None,
+                    choices=sorted(set(SETTINGS) | set(TF_SETTINGS)),
                     help="default: every setting of the framework")
     ap.add_argument("--probe", action="store_true", help="single collectives, no training")
+    ap.add_argument("--fit", action="store_true", help="tf: train with Keras' model.fit")
+    ap.add_argument("--keras", choices=["2", "3"], default=None, help="tf: Keras version")
     args = ap.parse_args()
+    if (args.fit or args.keras) and args.framework != "tf":
+        sys.exit("round_trips: --fit and --keras are for --framework tf")
     ok, why = available()
     if not ok:
         sys.exit(f"round_trips: {why}")
     if args.probe:
         return probe(args)
     known = TF_SETTINGS if args.framework == "tf" else SETTINGS
+    if args.fit:
+        known = {k: v for k, v in known.items() if k != "floor"}
+        if args.keras != "2":
+            known.pop("dense")  # Horovod 0.28.1's Keras optimizer: Keras 2 only
     args.settings = args.settings or list(known)
     unknown = [s for s in args.settings if s not in known]
     if unknown:
@@ -126,7 +144,10 @@ def main():
         with WanLink(rate_mbit=args.rate, rtt_ms=rtt) as link:
             for setting in args.settings:
                 times[setting, rtt] = step_seconds(link, setting, args)
-    print(f"{args.framework}: 2 workers, {args.rate:g} Mbit/s, RTT 0 and {args.rtt:g} ms; "
+    how = "" if args.framework != "tf" else \
+        (" model.fit" if args.fit else " tf.function loop") + \
+        (f", Keras {args.keras}" if args.keras else "")
+    print(f"{args.framework}{how}: 2 workers, {args.rate:g} Mbit/s, RTT 0 and {args.rtt:g} ms; "
           f"MLP width "
           f"{args.width}, {args.steps} timed steps each, synchronous\n")
     print("| setting | hvd_dgc launches per step | step at RTT 0 (ms) | step at RTT "

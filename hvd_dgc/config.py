@@ -97,16 +97,18 @@ class DGCConfig:
         aggregation: how sparse tensors are summed: "auto" (the cost model's choice
             among all), "allgather" (every rank's records to every rank: k(N-1) per
             worker), "region" (region reduce, after Ok-Topk: about 3k(N-1)/N, flat in
-            N), "hierarchical" (PyTorch; several hosts of several ranks: summed densely
-            inside each host, about k/L records per rank across hosts), "flat" (the cost
+            N), "hierarchical" (several hosts of several ranks: summed densely inside
+            each host, about k/L records per rank across hosts; TensorFlow: not with
+            delay, period or Adam taken over yet), "flat" (the cost
             model's choice without hierarchical) or "dense". A forced method runs even
             at density 1 (the equivalence with dense averaging).
-        fusion_threshold: bytes on the wire of one launch (PyTorch): tensors ready one
-            after another in backward leave together up to this size, so a step takes
-            as few of Horovod's negotiation rounds as it can (each costs round trips on
-            a slow link). None: Horovod's ``HOROVOD_FUSION_THRESHOLD``
-            (``horovodrun --fusion-threshold-mb``), 64 MiB if unset; 0: each tensor
-            leaves from its own hook.
+        fusion_threshold: bytes on the wire of one launch: tensors ready one after
+            another in backward leave together up to this size, so a step takes as few
+            of Horovod's negotiation rounds as it can (each costs round trips on a slow
+            link); in TensorFlow a bucket is one grouped collective in the step's graph.
+            None: Horovod's ``HOROVOD_FUSION_THRESHOLD`` (``horovodrun
+            --fusion-threshold-mb``), 64 MiB if unset; 0: each tensor leaves alone
+            (from its own hook in PyTorch).
         log_every: print compression statistics on rank 0 every N steps (PyTorch); 0:
             never.
         freeze_variance: with ``torch.optim.Adam`` or ``AdamW``, Keras' ``Adam`` or
@@ -487,10 +489,6 @@ _PER_RANK = ("log_every",)
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere.
 _TORCH_ONLY = (
-    ("aggregation", lambda c: c.aggregation == "hierarchical",
-     "aggregation='auto' (flat methods)"),
-    ("fusion_threshold", lambda c: c.fusion_threshold is not None,
-     "no fusion_threshold (each tensor is its own collective)"),
     ("log_every", lambda c: c.log_every != 0, "log_every=0 and print compression_stats()"),
 )
 

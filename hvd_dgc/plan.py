@@ -17,6 +17,7 @@ TensorFlow exchange asks per density stage when it builds its graph.
 
 import dataclasses
 import math
+import os
 from typing import NamedTuple
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes
@@ -25,7 +26,8 @@ from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.switch import idle_warning, summary
 
-__all__ = ["Planner", "TensorInfo", "stage_densities", "BUCKET_LATENCIES"]
+__all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
+           "HOROVOD_FUSION_DEFAULT"]
 
 #: A bucket closes with the member that brings its transfer past this many message
 #: latencies (the cost model's alpha). A bucket saves the Horovod operations of its
@@ -37,6 +39,27 @@ __all__ = ["Planner", "TensorInfo", "stage_densities", "BUCKET_LATENCIES"]
 #: emulated, density 0.25 with every large tensor dense): in buckets cut at 64 MiB only,
 #: 39.0 and 40.8 img/s; without buckets 44.8 and 45.0; stock 44.8 and 45.8.
 BUCKET_LATENCIES = 4
+#: Horovod's HOROVOD_FUSION_THRESHOLD default
+HOROVOD_FUSION_DEFAULT = 64 * 1024 * 1024
+
+
+def fusion_threshold(value):
+    """``fusion_threshold`` in bytes: the option (checked by DGCConfig), else Horovod's
+    environment variable (``horovodrun --fusion-threshold-mb``), else Horovod's
+    default."""
+    if value is not None:
+        return value
+    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if raw is None:
+        return HOROVOD_FUSION_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got "
+                         f"{raw!r}")
+    return value
 
 
 def stage_densities(schedule):
@@ -184,10 +207,11 @@ class Planner:
             self._hierarchical[tensor.numel] = decided
         return decided
 
-    def hierarchical_hosts(self, local_size, cross_size, global_set, elastic):
+    def hierarchical_hosts(self, local_size, cross_size, global_set, elastic, unsupported=None):
         """Whether hierarchical DGC may run here (then every rank looks up who shares its
         host): several hosts of several ranks, the global process set, not elastic, not
-        with ``period``. Forced (``aggregation="hierarchical"``) where it cannot: refused,
+        with ``period``, and not where the framework says it cannot yet (``unsupported``:
+        why, in words). Forced (``aggregation="hierarchical"``) where it cannot: refused,
         saying why."""
         aggregations = self.resolved.aggregations
         if PathKind.HIERARCHICAL not in aggregations or not self.resolved.sparse:
@@ -203,6 +227,8 @@ class Planner:
             problem = "it does not run under elastic Horovod yet"
         elif self.config.period > 1:  # its memory holds the host's sum: no own step back
             problem = f"it does not run with period={self.config.period} (use period=1)"
+        elif unsupported:
+            problem = unsupported
         if problem and aggregations == (PathKind.HIERARCHICAL,):
             raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
                              f"(hierarchical where it applies) or 'flat'.")

@@ -97,6 +97,10 @@ def test_hierarchical_where_it_can_run_and_refused_where_forced_and_it_cannot():
     with pytest.raises(ValueError, match="does not run with period=2"):
         _planner(density=0.001, warmup=0, aggregation="hierarchical",
                  period=2).hierarchical_hosts(4, 2, True, False)
+    # what a framework cannot run yet: flat under "auto", refused with why where forced
+    assert not auto.hierarchical_hosts(4, 2, True, False, "in TensorFlow it does not yet")
+    with pytest.raises(ValueError, match="in TensorFlow it does not yet. Use aggregation='auto'"):
+        forced.hierarchical_hosts(4, 2, True, False, "in TensorFlow it does not yet")
     # before the hosts are known (the wrap-time check refuses such a job): dense
     assert forced.path(TENSORS[2], 0.001) == PathKind.DENSE
     forced.replan(8, local_size=4)

@@ -671,21 +671,46 @@ def test_keras3_backward_passes_with_local_variables_and_a_nonfinite_pass(tape):
     _assert_passes(_checked(tape, "tf_keras_api.keras_passes"), with_returned=False)
 
 
-def test_tape_folds_its_dense_tensors_into_the_allgathers():
+def test_tape_folds_its_dense_tensors_and_buckets_its_step_into_one_operation():
     """A tape step whose biases the cost model folds (the defaults) holds no allreduce:
     the biases travel as records of every index in allgathers Horovod fuses with the
     kernels' (one Horovod operation a step instead of two: 4.9 round trips down to the
-    floor over a 100 ms link, bench/results/round_trips.md). Its averaged gradients are
-    those of the same step with them apart (``CostModel(alpha=0)``) bit for bit, every
-    rank ends identical, and only the indices' bytes are added to what it sent."""
+    floor over a 100 ms link, bench/results/round_trips.md); with the default
+    ``fusion_threshold`` (Horovod's 64 MiB) the six tensors are one bucket, one grouped
+    allgather, as PyTorch's buckets. Its averaged gradients are those of the same step
+    with them apart and alone (``CostModel(alpha=0)``) bit for bit, every rank ends
+    identical, and only the indices' bytes are added to what it sent."""
     outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
                kwargs={"names": ["tf_fold.folded_equals_apart"]})
     for out in outs:
         out = out["tf_fold.folded_equals_apart"]
         assert "error" not in out, out.get("error")
+        assert out["bucketed"]["ops"] == {"allreduce": 0, "allgather": 1}, out["bucketed"]
         assert out["folded"]["ops"] == {"allreduce": 0, "allgather": 6}, out["folded"]["ops"]
         assert out["apart"]["ops"] == {"allreduce": 4, "allgather": 2}, out["apart"]["ops"]
-        assert out["equal"] == [True] * 6, out["equal"]
-        assert out["folded"]["identical"] and out["apart"]["identical"]
-        assert out["folded"]["paths"] == out["apart"]["paths"]  # (counted as dense)
+        assert out["equal"] == {"bucketed": [True] * 6, "folded": [True] * 6}, out["equal"]
+        for name in ("bucketed", "folded", "apart"):
+            assert out[name]["identical"], name
+            assert out[name]["paths"] == out["apart"]["paths"], name  # (counted as dense)
+        assert out["bucketed"]["bytes"] == out["folded"]["bytes"]
         assert out["folded"]["bytes"] - out["apart"]["bytes"] == 6 * 4 * out["dense_numel"]
+
+
+def test_buckets_follow_the_warm_up_stages_and_change_no_average():
+    """Buckets per density stage (a switch on the stage every rank takes alike): the
+    default threshold puts a stage's six tensors in one grouped allgather (2 in the
+    traced step: one per stage), 6,000 bytes two (4), none one each (6). Every step's
+    averaged gradients, a NaN step skipped on every rank included, are bit-identical
+    to each tensor alone; the same bytes and paths; ranks identical."""
+    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
+               kwargs={"names": ["tf_fold.buckets_across_stages"]})
+    for out in outs:
+        out = out["tf_fold.buckets_across_stages"]
+        assert "error" not in out, out.get("error")
+        for name, gathers in (("default", 2), ("small", 4), ("alone", 6)):
+            res = out[name]
+            assert res["ops"] == {"allreduce": 0, "allgather": gathers}, (name, res["ops"])
+            assert res["identical"] and res["nonfinite_steps"] == 1, (name, res)
+            assert res["paths"] == {"dense": 4 * 7, "sparse": 2 * 7}, (name, res["paths"])
+            assert res["bytes"] == out["alone"]["bytes"], name
+        assert out["equal"] == {"default": [True] * 8, "small": [True] * 8}, out["equal"]

@@ -180,12 +180,15 @@ class _DistributedGradientTape(tf.GradientTape):
         return tf.nest.pack_sequence_as(sources, out)
 
 
+@tf.autograph.experimental.do_not_convert
 def _outside_trace(make):
     """Run ``make`` (an exchange's build: it makes variables) where variables may be
     made. A ``tf.function`` may make variables on its first call only, even under
     ``init_scope``, and Horovod's TF2 elastic example calls its step once without the
     tape first (to make the optimizer's slots), so the tape's exchange is built on the
-    second; a thread of its own runs eagerly, outside any trace."""
+    second; a thread of its own runs eagerly, outside any trace. Not converted by
+    AutoGraph (which would warn, in the user's log, that it cannot convert the
+    thread's ``Future.result``): nothing here is a graph op."""
     if not tf.inside_function():
         return make()
     with ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_build") as pool:
@@ -206,8 +209,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
-    (hvd_dgc.config.DGCConfig; hierarchical aggregation, ``fusion_threshold`` and
-    ``log_every`` run in PyTorch only so far). A tape
+    (hvd_dgc.config.DGCConfig; ``fusion_threshold`` and ``log_every`` run in PyTorch
+    only so far, hierarchical aggregation in the synchronous step only). A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).

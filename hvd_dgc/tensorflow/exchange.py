@@ -42,14 +42,15 @@ from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
-from hvd_dgc.plan import Planner, TensorInfo, stage_densities
+from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
 from hvd_dgc.tensorflow.link import measure as measure_link, measure_local
 from hvd_dgc.tensorflow.memory import DGCMemory
-from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire
+from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
+    host_slice
 from hvd_dgc.tensorflow.statistics import Statistics
 
 __all__ = ["GradientExchange", "variable_name", "TENSORFLOW", "HOROVOD_OPS"]
@@ -168,6 +169,10 @@ class GradientExchange(tf.Module):
                 _check_consistent_config(self.planner.consistency(
                     momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
                     self.process_set)
+            peers = self._host_peers()
+            if peers:  # several hosts of several ranks: hierarchical DGC may run
+                self.wire = self.wire._replace(peers=peers)
+                self.planner.replan(self.world_size(), local_size=len(peers))
             if self.planner.measure and self.elastic:
                 # a worker that joins builds alone: the link is measured at each sync
                 # of the elastic state instead, where every rank is (measure_at_sync)
@@ -189,7 +194,7 @@ class GradientExchange(tf.Module):
             # elastic: the next step first agrees on step and epoch (scratch, see _agree)
             object.__setattr__(self, "agreeing", tf.Variable(
                 self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))
-            self.memory = DGCMemory([t.numel for t in self.tensors], self.momentum,
+            self.memory = DGCMemory(self._held(), self.momentum,
                                     self.nesterov, self.config.momentum_masking,
                                     snapshots=self.may_skip,
                                     no_residual=sliced, preconditioner=None
@@ -203,7 +208,8 @@ class GradientExchange(tf.Module):
             self.paths = ExchangePaths(PathContext(
                 self.wire, self.compression, self.memory, self.statistics, self.tensors,
                 slots, masking_density_limit(self.config.momentum_masking, self.momentum),
-                self.dense_fp16, self.config.clip_norm), self.planner)
+                self.dense_fp16, self.config.clip_norm), self.planner,
+                fusion_threshold(self.config.fusion_threshold))
             if self.lags:
                 config = self.resolved.config
                 self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
@@ -216,6 +222,40 @@ class GradientExchange(tf.Module):
                     if self._first_delay is not None:
                         self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
             self._planned()
+
+    def _host_peers(self):
+        """The global ranks sharing this rank's host, sorted, where hierarchical DGC may
+        run (Planner.hierarchical_hosts says where; forced where it cannot, refused with
+        why); else (). One allgather at wrap time, after the config check (every rank
+        gets here alike). Not with delayed averaging or Adam taken over in TensorFlow
+        yet: its memory holds the host's sum of a slice, not this rank's own
+        contribution nor its own preconditioned gradient."""
+        unsupported = None
+        if self.lags:
+            unsupported = (f"in TensorFlow it does not run with {self.resolved.config.lagging}"
+                           f" yet")
+        elif self.adam is not None:
+            unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
+        if not self.planner.hierarchical_hosts(
+                _hvd.local_size(), _hvd.cross_size(),
+                self.process_set.process_set_id == global_process_set.process_set_id,
+                self.elastic, unsupported):
+            return ()
+        hosts = _hvd.allgather(tf.constant([_hvd.cross_rank()], tf.int64),
+                               name="hvd_dgc.hosts", process_set=self.process_set).numpy()
+        return tuple(r for r, h in enumerate(hosts.tolist()) if h == _hvd.cross_rank())
+
+    def _held(self):
+        """Elements of each tensor this rank's memory holds: all of it, or on
+        hierarchical DGC (every stage, Planner.hierarchical) its slice of the host's."""
+        held = []
+        for t in self.tensors:
+            if PathKind.HIERARCHICAL in self.planner.stage_paths(t):
+                lo, hi = host_slice(t.numel, self.wire.peers)
+                held.append(hi - lo)
+            else:
+                held.append(t.numel)
+        return held
 
     def _planning_world(self):
         """The world the paths are chosen for: this one; for a step traced once for every
@@ -482,7 +522,7 @@ class GradientExchange(tf.Module):
         return self.guard.skip(grads, lambda poison: self._synchronous(grads, at, poison))
 
     def _synchronous(self, grads, at, poison=None):
-        return [self.paths.synchronous(i, grad, at, poison) for i, grad in enumerate(grads)]
+        return self.paths.step(grads, at, poison)
 
     def _step(self, grads, at):
         """A step without the guard: synchronous, or delayed averaging; with Adam taken

@@ -30,6 +30,7 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
+from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.tensorflow.collective import Comm
@@ -38,7 +39,8 @@ from hvd_dgc.tensorflow.memory import local_gradient
 from hvd_dgc.tensorflow.region import share_kept, to_owners
 
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
-           "DensePath", "AllgatherPath", "RegionPath", "ExchangePath", "SparseGradPath"]
+           "DensePath", "AllgatherPath", "RegionPath", "HierarchicalPath", "ExchangePath",
+           "SparseGradPath", "host_slice"]
 
 
 class At(NamedTuple):
@@ -62,6 +64,7 @@ class Wire(NamedTuple):
     op: object
     predivide: float
     agnostic: bool = False
+    peers: tuple = ()  # global ranks on this rank's host, sorted (hierarchical DGC only)
 
     def world(self):
         if self.agnostic:
@@ -171,6 +174,8 @@ class _Path:
     kind = None
     #: its corrections give records back to this rank's residual
     gives_back = False
+    #: it takes the tensor's gradient, not the memory's ``v`` (it accumulates itself)
+    reads_gradient = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -223,17 +228,21 @@ class DensePath(_Path):
                        lambda: self._folded(i, v, at, poison),
                        lambda: _Path.synchronous(self, i, v, k, at, poison))
 
-    def _folded(self, i, v, at, poison):
-        """The dense path's payload (its memory and statistics as they are), carried as
-        records ``[index | value]`` of every index; each rank sums them."""
+    def fold(self, i, v, at, poison=None):
+        """The dense path's payload (its memory and statistics as they are) as records
+        ``[index | value]`` of every index, prescaled as an allgather's."""
         ctx, n = self.ctx, self.ctx.numel(i)
         payload = self.take(i, v, None, at, poison)
         ctx.statistics.add(bytes_sent=SparseCompressor.INDEX_BYTES * n)  # + the indices
-        records = SparseCompressor.pack(payload * ctx.wire.scales()[0],
-                                        tf.range(n, dtype=tf.int32))
-        got = _hvd.allgather(records, name=f"hvd_dgc.{i}.folded",
+        return SparseCompressor.pack(payload * ctx.wire.scales()[0],
+                                     tf.range(n, dtype=tf.int32))
+
+    def _folded(self, i, v, at, poison):
+        """``fold``'s records in an allgather of their own; each rank sums them."""
+        ctx = self.ctx
+        got = _hvd.allgather(self.fold(i, v, at, poison), name=f"hvd_dgc.{i}.folded",
                              process_set=ctx.wire.process_set)
-        return SparseCompressor.scatter_sum(got, n) * ctx.wire.gathered()
+        return SparseCompressor.scatter_sum(got, ctx.numel(i)) * ctx.wire.gathered()
 
     def _payload(self, i, v):
         ctx, numel = self.ctx, self.ctx.numel(i)
@@ -297,6 +306,10 @@ class AllgatherPath(_Path):
     def record_bytes(self):
         return self.ctx.compressor.record_bytes
 
+    def held(self, i):
+        """The elements of tensor i this rank's memory holds and selects from."""
+        return self.ctx.numel(i)
+
     def select(self, i, v, k, at):
         """The indices and values to send; the memory forgets them. Counted as ``k``
         records' bytes: ``_padded`` sends that many."""
@@ -305,7 +318,7 @@ class AllgatherPath(_Path):
         values = tf.gather(v, indices)
         ctx.memory.sent(i, indices, mask_momentum=at.density <= ctx.mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
-        ctx.statistics.count(self.kind, ctx.numel(i), sent,
+        ctx.statistics.count(self.kind, self.held(i), sent,
                              self.record_bytes() * tf.maximum(tf.cast(k, tf.int64), sent))
         return indices, values
 
@@ -425,6 +438,64 @@ class RegionPath(AllgatherPath):
         return out
 
 
+class HierarchicalPath(AllgatherPath):
+    """Hierarchical DGC for several hosts of several ranks each (Horovod's local_size > 1
+    and cross_size > 1), as PyTorch's (hvd_dgc/torch/paths.py ``HierarchicalPath``): the
+    dense gradient is summed inside the host first, over its fast links, and only
+    sparse records cross between hosts.
+
+    Round 1: an alltoall among the host's L ranks (Horovod's global alltoall, nothing to
+    other hosts) sends slice j of the clipped gradient to the host's j-th rank (the
+    slices of hvd_dgc.aggregation.slices): a reduce-scatter, so each rank holds its
+    host's sum of one slice. Round 2: that rank's memory, built slice-sized
+    (``held``), accumulates the host sum (momentum correction on it), selects its
+    share of k (the planner's ks are the slice's, ``ExchangePaths.replan``) and sends
+    the records in one allgather of every rank's, which every rank sums alike.
+
+    What a host did not send stays in the memory of the rank owning that slice. A host
+    sends about k records across hosts where flat DGC's L ranks send L k
+    (hvd_dgc/aggregation.py hierarchical_bytes). At density 1 every coordinate is sent:
+    dense momentum SGD. Synchronous steps only (delayed averaging would need this rank's
+    own contribution, and what it sends is its host's)."""
+
+    kind = PathKind.HIERARCHICAL
+    reads_gradient = True
+
+    def bounds(self, i):
+        return host_slice(self.ctx.numel(i), self.ctx.wire.peers)
+
+    def held(self, i):
+        lo, hi = self.bounds(i)
+        return hi - lo
+
+    def synchronous(self, i, grad, k, at, poison=None):
+        """Tensor i's average: the host's sum of this rank's slice into its memory, then
+        the allgather's path (select, records, sum) on that slice."""
+        ctx, peers, ps = self.ctx, self.ctx.wire.peers, self.ctx.wire.process_set
+        g = local_gradient(grad, ctx.clip_norm, ctx.wire.world())
+        if poison is not None:  # a non-finite flag: inf reaches the host's sums
+            g = tf.where(poison, float("inf"), g)
+        every = slices(ctx.numel(i), len(peers))
+        splits = np.zeros([ps.size()], np.int32)
+        for rank, (lo, hi) in zip(peers, every):
+            splits[rank] = hi - lo  # the slices lie in order: g is sent as it is
+        got, _ = _hvd.alltoall(g, splits=tf.constant(splits), name=f"hvd_dgc.{i}.local",
+                               process_set=ps)
+        host = tf.reduce_sum(tf.reshape(got, [len(peers), self.held(i)]), 0)  # rank order
+        return super().synchronous(i, ctx.memory.accumulate(i, host), k, at)
+
+    def take(self, i, v, k, at, poison=None):
+        indices, values = self.select(i, v, k, at)
+        offset = self.bounds(i)[0]
+        return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0],
+                                             indices + offset), k)
+
+    def launch(self, part):
+        comp = self.ctx.compressor
+        return [_hvd.allgather(comp.to_wire(part.payloads[0]), name=part.tag("cross"),
+                               process_set=self.ctx.wire.process_set)]
+
+
 class ExchangePath(_Path):
     """A compressor that runs its own collectives (collective.py: PowerSGD, sign, QSGD,
     bf16); the memory keeps what it did not send (error feedback)."""
@@ -525,23 +596,39 @@ class SparseGradPath(_Path):
 
 
 #: every way a tensor travels in TensorFlow
-PATH_CLASSES = (SparseGradPath, ExchangePath, AllgatherPath, RegionPath, DensePath)
+PATH_CLASSES = (SparseGradPath, ExchangePath, AllgatherPath, RegionPath, HierarchicalPath,
+                DensePath)
 
 
 class ExchangePaths:
-    """One exchange's paths: an instance of each class, and which one each tensor
-    takes at each density stage (``replan`` after an elastic reset)."""
+    """One exchange's paths: an instance of each class, which one each tensor takes at
+    each density stage, and which tensors leave together (``replan`` after an elastic
+    reset). ``fusion_threshold``: bytes on the wire of one bucket (0: no buckets)."""
 
-    def __init__(self, ctx, planner):
+    def __init__(self, ctx, planner, fusion_threshold=0):
         self.ctx = ctx
+        self.fusion_threshold = fusion_threshold
         self.by_kind = {cls.kind: cls(ctx) for cls in PATH_CLASSES}
         self.replan(planner)
 
     def replan(self, planner):
         densities = planner.densities()
         self.stages = [planner.stage_paths(t) for t in planner.tensors]
-        self.ks = [tuple(planner.k(t, d) for d in densities) for t in planner.tensors]
+        self.ks = [tuple(self._k(t, planner, d, paths) for d in densities)
+                   for t, paths in zip(planner.tensors, self.stages)]
         self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
+        # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
+        # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)
+        order = list(reversed(planner.tensors))
+        self.buckets = [planner.buckets(d, order, self.fusion_threshold) for d in densities]
+
+    def _k(self, tensor, planner, density, paths):
+        """Records tensor i sends at ``density``: the planner's k, or on hierarchical DGC
+        (every stage: Planner.hierarchical) this rank's share for its slice."""
+        k = planner.k(tensor, density)
+        if paths[0] != PathKind.HIERARCHICAL:
+            return k
+        return slice_k(k, tensor.numel, self.by_kind[PathKind.HIERARCHICAL].held(tensor.key))
 
     def _folds(self, planner, stages):
         """Per dense tensor, the stages at which the synchronous step carries it in the
@@ -555,7 +642,7 @@ class ExchangePaths:
         folds = {}
         for s in range(stages):
             dense = [i for i, paths in enumerate(self.stages) if paths[s] == PathKind.DENSE]
-            if dense and any(paths[s] == PathKind.ALLGATHER for paths in self.stages) and \
+            if dense and any(paths[s] in GATHERS for paths in self.stages) and \
                     planner.folds(sum(ctx.numel(i) for i in dense)):
                 for i in dense:
                     folds.setdefault(i, [False] * stages)[s] = True
@@ -587,9 +674,75 @@ class ExchangePaths:
         """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
         if isinstance(grad, tf.IndexedSlices):  # sparse already: as Horovod sends it
             return self.by_kind[PathKind.SPARSE_GRAD].synchronous(i, grad, None, at, poison)
-        v, k = self.ctx.accumulate(i, grad), self.k(i, at)
+        k, own = self.k(i, at), self.by_kind[self.stages[i][0]]
+        if own.reads_gradient:  # every stage's (hierarchical DGC: its memory is a slice)
+            return tf.reshape(own.synchronous(i, grad, k, at, poison), tf.shape(grad))
+        v = self.ctx.accumulate(i, grad)
         out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
         return tf.reshape(out, tf.shape(grad))
+
+    def step(self, grads, at, poison=None):
+        """Every tensor's average this step (the synchronous step), in the step's graph:
+        each tensor alone (``synchronous``), or where this stage's plan has buckets,
+        a bucket's tensors in one grouped collective: one Horovod negotiation for all
+        of them, as PyTorch's buckets (hvd_dgc/torch/scheduler.py). A ``tf.switch_case``
+        on the stage, which every rank takes alike, where the buckets differ by stage."""
+        if not any(self.buckets):
+            return [self.synchronous(i, g, at, poison) for i, g in enumerate(grads)]
+        out = [self.synchronous(i, g, at, poison) if isinstance(g, tf.IndexedSlices)
+               else None for i, g in enumerate(grads)]  # sparse already: no stage
+        dense = [i for i, g in enumerate(out) if g is None]
+        if len(self.buckets) == 1:
+            averages = self._bucketed(grads, dense, 0, at, poison)
+        else:
+            averages = tf.switch_case(at.stage, [
+                lambda s=s: self._bucketed(grads, dense, s, at, poison)
+                for s in range(len(self.buckets))])
+        for i, avg in zip(dense, averages):
+            out[i] = tf.reshape(avg, tf.shape(grads[i]))
+        return out
+
+    def _bucketed(self, grads, members, s, at, poison):
+        """The averages of tensors ``members`` at stage ``s`` (a Python int): by bucket
+        where the plan has one, else alone on the stage's path."""
+        plan, averages = self.buckets[s], {}
+        for i in members:
+            if i in averages:
+                continue
+            bucket = plan.get(i)
+            if bucket is None:
+                path, k = self.by_kind[self.stages[i][s]], self.ks[i][s]
+                averages[i] = path.synchronous(i, grads[i] if path.reads_gradient else
+                                               self.ctx.accumulate(i, grads[i]), k, at, poison)
+            else:
+                averages.update(zip(bucket, self._bucket(bucket, grads, s, at, poison)))
+        return [tf.reshape(averages[i], [-1]) for i in members]
+
+    def _bucket(self, bucket, grads, s, at, poison):
+        """One bucket's averages: the allgather's records and the folded dense tensors'
+        in one grouped allgather, the other dense tensors in one grouped allreduce."""
+        ctx, dense, gather = self.ctx, self.by_kind[PathKind.DENSE], \
+            self.by_kind[PathKind.ALLGATHER]
+        comp, name = ctx.compressor, f"hvd_dgc.s{s}.b{bucket[0]}"
+        records, summed = {}, {}
+        for i in bucket:
+            v = ctx.accumulate(i, grads[i])
+            if self.stages[i][s] == PathKind.ALLGATHER:
+                records[i] = comp.to_wire(gather.take(i, v, self.ks[i][s], at, poison))
+            elif dense.folds.get(i, (False,) * len(self.buckets))[s]:
+                records[i] = dense.fold(i, v, at, poison)  # fp32 records: as on the wire
+            else:
+                summed[i] = dense.take(i, v, None, at, poison)
+        averages = {}
+        if records:
+            got = _collective(_hvd.allgather, _hvd.grouped_allgather, list(records.values()),
+                              name=name + ".gather", process_set=ctx.wire.process_set)
+            averages.update((i, comp.scatter_sum(comp.from_wire(g), ctx.numel(i))
+                             * ctx.wire.gathered()) for i, g in zip(records, got))
+        if summed:
+            part = Part(name, tuple(summed), tuple(summed.values()), None)
+            averages.update(zip(part.members, dense.average(part, dense.launch(part))))
+        return [averages[i] for i in bucket]
 
     def take_own(self, i, grad, at, dropped=None, exchanging=None):
         """Delayed averaging, in the step's graph: ``(payload as int32 words, own)``.
@@ -625,6 +778,16 @@ class ExchangePaths:
         return [(self.by_kind[kind], tuple(members[kind]),
                  np.asarray([self.ks[i][stage] for i in members[kind]], np.int32))
                 for kind in ORDER if kind in members]
+
+
+def host_slice(numel, peers):
+    """``(start, stop)``: the slice of a tensor of ``numel`` elements this rank owns in
+    hierarchical DGC, among its host's ``peers``."""
+    return slices(numel, len(peers))[peers.index(_hvd.rank())]
+
+
+#: the paths whose allgathers Horovod fuses with a folded dense tensor's
+GATHERS = (PathKind.ALLGATHER, PathKind.HIERARCHICAL)
 
 
 def _words(path, sent):

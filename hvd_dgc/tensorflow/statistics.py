@@ -9,6 +9,7 @@ those checkpoints still restore:
     regioned   [steps on the region path, returned_elements]     where region may run
     gathered   steps of IndexedSlices gradients                  where there are some
     exchanged  steps of a compressor's own collectives           where one runs
+    hierarchical  steps on hierarchical DGC                       where it may run
     nonfinite  steps skipped (or dropped) for a NaN/Inf gradient
 
 Where each field lives is said once, in ``_WHERE``; everything else counts by name::
@@ -35,12 +36,14 @@ _WHERE = {
     PathKind.ALLGATHER: ("counters", 4), PathKind.DENSE: ("counters", 5),
     PathKind.REGION: ("regioned", 0), "returned_elements": ("regioned", 1),
     PathKind.SPARSE_GRAD: ("gathered", None), PathKind.EXCHANGE: ("exchanged", None),
+    PathKind.HIERARCHICAL: ("hierarchical", None),
     "nonfinite_steps": ("nonfinite", None),
 }
 
 #: the owner's attribute -> (the tf.Variable's name, its length; 0: a scalar)
 _STORES = {"counters": ("counters", 6), "regioned": ("region_counters", 2),
            "gathered": ("sparse_grad_steps", 0), "exchanged": ("exchange_steps", 0),
+           "hierarchical": ("hierarchical_steps", 0),
            "nonfinite": ("nonfinite", 0)}
 
 

@@ -41,7 +41,7 @@ from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.outer import check_outer
-from hvd_dgc.plan import Planner, TensorInfo
+from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
@@ -58,7 +58,6 @@ from hvd_dgc.torch.update import ViewUpdate
 
 __all__ = ["DistributedOptimizer"]
 
-HOROVOD_FUSION_DEFAULT = 64 * 1024 * 1024  # Horovod's HOROVOD_FUSION_THRESHOLD default
 TORCH = Framework("torch", Compression, (SparseCompressor, ExchangeCompressor), torch.Tensor,
                   "torch.Tensor")
 
@@ -122,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               process_set.size)
         self._scheduler = LaunchScheduler(
             trainable, self._param_index, infos, groups, backward_passes_per_step,
-            self._planner, _fusion_threshold(self._config.fusion_threshold), on_accelerator,
+            self._planner, fusion_threshold(self._config.fusion_threshold), on_accelerator,
             sparse_as_dense, self._launch, self._progress.density,
             lambda: self._progress.step)
         self._hooks = []
@@ -172,7 +171,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Horovod's arguments, as every rank must have them alike."""
         return {"op": repr(self.op), "backward_passes_per_step": self.backward_passes_per_step,
                 "gradient_predivide_factor": self.gradient_predivide_factor,
-                "fusion_threshold": _fusion_threshold(self._config.fusion_threshold)}
+                "fusion_threshold": fusion_threshold(self._config.fusion_threshold)}
 
     def _announce(self):
         """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
@@ -537,24 +536,6 @@ def _average_in_place(tensors, name, process_set):
     for t, s in zip(tensors, sent):
         if s is not t:
             t.copy_(s)
-
-
-def _fusion_threshold(value):
-    """``fusion_threshold`` in bytes: the option (checked by DGCConfig), else Horovod's
-    environment variable, else Horovod's default."""
-    if value is not None:
-        return value
-    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if raw is None:
-        return HOROVOD_FUSION_DEFAULT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got "
-                         f"{raw!r}")
-    return value
 
 
 def _check_consistent_config(config, process_set):
