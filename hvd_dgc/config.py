@@ -98,8 +98,8 @@ class DGCConfig:
             among all), "allgather" (every rank's records to every rank: k(N-1) per
             worker), "region" (region reduce, after Ok-Topk: about 3k(N-1)/N, flat in
             N), "hierarchical" (several hosts of several ranks: summed densely inside
-            each host, about k/L records per rank across hosts; TensorFlow: not with
-            delay, period or Adam taken over yet), "flat" (the cost
+            each host, about k/L records per rank across hosts; not with period;
+            TensorFlow: not with Adam taken over yet), "flat" (the cost
             model's choice without hierarchical) or "dense". A forced method runs even
             at density 1 (the equivalence with dense averaging).
         fusion_threshold: bytes on the wire of one launch: tensors ready one after
@@ -109,7 +109,7 @@ class DGCConfig:
             None: Horovod's ``HOROVOD_FUSION_THRESHOLD`` (``horovodrun
             --fusion-threshold-mb``), 64 MiB if unset; 0: each tensor leaves alone
             (from its own hook in PyTorch).
-        log_every: print compression statistics on rank 0 every N steps (PyTorch); 0:
+        log_every: print compression statistics on rank 0 every N steps; 0:
             never.
         freeze_variance: with ``torch.optim.Adam`` or ``AdamW``, Keras' ``Adam`` or
             ``AdamW`` (Keras 3, tf_keras and its legacy Adam): "auto"
@@ -487,10 +487,9 @@ class CompressorOptions:
 #: Options a rank may set alone: they change no collective.
 _PER_RANK = ("log_every",)
 
-#: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere.
-_TORCH_ONLY = (
-    ("log_every", lambda c: c.log_every != 0, "log_every=0 and print compression_stats()"),
-)
+#: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere:
+#: (option, used(config), instead). None now: every option runs in both frameworks.
+_TORCH_ONLY = ()
 
 
 def unsupported_message(config, framework):

@@ -77,13 +77,15 @@ def test_an_unknown_option_is_refused_with_the_closest_name(name):
     assert "min_compress_size" in message  # the list of options
 
 
-@pytest.mark.parametrize("option,value,instead", [("log_every", 10, "log_every=0")])
-def test_tensorflow_says_what_runs_in_torch_only(option, value, instead):
-    for wrap in (_tape, _keras):
-        kind, message = _error(wrap, **{option: value})
-        assert kind is ValueError
-        assert f"{option}={value!r} runs in hvd_dgc.torch only so far" in message, message
-        assert instead in message, message
+@pytest.mark.parametrize("option,value", [("aggregation", "hierarchical"),
+                                          ("fusion_threshold", 1024), ("log_every", 10)])
+def test_tensorflow_takes_the_options_pytorch_does(option, value):
+    """Once PyTorch-only (refused in TF with what to pass instead): now accepted at wrap
+    time by the tape and the Keras optimizer, and kept in their config (the multi-rank
+    tests run them: tests/test_tf_hierarchical.py, test_tf.py)."""
+    assert getattr(_tape(**{option: value})._dgc_options["config"], option) == value
+    opt = _keras(**{option: value})
+    assert getattr(opt._hvd_dgc.config, option) == value
 
 
 def test_freeze_variance_on_a_tape_is_refused():

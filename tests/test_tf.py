@@ -714,3 +714,19 @@ def test_buckets_follow_the_warm_up_stages_and_change_no_average():
             assert res["paths"] == {"dense": 4 * 7, "sparse": 2 * 7}, (name, res["paths"])
             assert res["bytes"] == out["alone"]["bytes"], name
         assert out["equal"] == {"default": [True] * 8, "small": [True] * 8}, out["equal"]
+
+
+def test_log_every_prints_statistics_on_rank_zero_only():
+    """As PyTorch's (tests/test_torch_optimizer.py): after steps 2 and 4 of 5, rank 0
+    prints step, density and the statistics' line; rank 1 prints nothing. The tape in
+    a tf.function and Keras 3's model.fit."""
+    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
+               kwargs={"names": ["tape_log_every"]})
+    rank0, rank1 = (_checked(outs, "tape_log_every")[r] for r in (0, 1))
+    for name in ("tape", "keras"):
+        lines = rank0[name]
+        assert [line.split()[:3] for line in lines] == [["[hvd_dgc]", "step", "2"],
+                                                        ["[hvd_dgc]", "step", "4"]], lines
+        assert all("density=0.01" in line and "ratio=" in line and "paths=" in line
+                   for line in lines), lines
+        assert rank1[name] == [], rank1

@@ -209,8 +209,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     averaging
     (hvd_dgc/switch.py). Rank 0 prints one line saying what runs.
     hvd_dgc's options, by keyword, are those of ``hvd_dgc.torch.DistributedOptimizer``
-    (hvd_dgc.config.DGCConfig; ``fusion_threshold`` and ``log_every`` run in PyTorch
-    only so far, hierarchical aggregation in the synchronous step only). A tape
+    (hvd_dgc.config.DGCConfig; ``log_every`` runs in PyTorch only so far). A tape
     does not know the optimizer, so its momentum is not taken over: the memory
     does error feedback and the optimizer applies its own momentum (use
     ``hvd_dgc.tensorflow.keras.DistributedOptimizer`` for momentum correction).

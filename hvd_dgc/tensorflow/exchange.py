@@ -227,14 +227,10 @@ class GradientExchange(tf.Module):
         """The global ranks sharing this rank's host, sorted, where hierarchical DGC may
         run (Planner.hierarchical_hosts says where; forced where it cannot, refused with
         why); else (). One allgather at wrap time, after the config check (every rank
-        gets here alike). Not with delayed averaging or Adam taken over in TensorFlow
-        yet: its memory holds the host's sum of a slice, not this rank's own
-        contribution nor its own preconditioned gradient."""
+        gets here alike). Not with Adam taken over in TensorFlow yet: its memory holds
+        the host's sum of a slice, which no rank's preconditioner scales."""
         unsupported = None
-        if self.lags:
-            unsupported = (f"in TensorFlow it does not run with {self.resolved.config.lagging}"
-                           f" yet")
-        elif self.adam is not None:
+        if self.adam is not None:
             unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
         if not self.planner.hierarchical_hosts(
                 _hvd.local_size(), _hvd.cross_size(),
@@ -443,8 +439,20 @@ class GradientExchange(tf.Module):
                 out, bad = self._guarded(grads, at)
             with tf.control_dependencies([values(a) for a in out]):
                 self._warn_fp16(clipped_before)
-            return out, bad
-        return self._guarded(grads, at)
+        else:
+            out, bad = self._guarded(grads, at)
+        if self.config.log_every and _hvd.rank() == 0:  # (no collective: rank 0's alone)
+            with tf.control_dependencies([values(a) for a in out]):
+                tf.py_function(self._log, [self.step.read_value()], [])
+        return out, bad
+
+    def _log(self, step):
+        """``log_every``: rank 0 prints the statistics after every N-th step, as PyTorch's
+        optimizer does (hvd_dgc/torch/state.py ``Progress.maybe_log``)."""
+        step = int(step)
+        if step and step % self.config.log_every == 0:
+            print(f"[hvd_dgc] step {step} density={float(self.density().numpy()):.4g} "
+                  f"{self.statistics.format(step)}", flush=True)
 
     def _check_world(self):
         """Stop, before any collective, a step running in another world than the plan

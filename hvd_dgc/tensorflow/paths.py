@@ -310,6 +310,10 @@ class AllgatherPath(_Path):
         """The elements of tensor i this rank's memory holds and selects from."""
         return self.ctx.numel(i)
 
+    def offset(self, i):
+        """Where in tensor i the memory's first element lies."""
+        return 0
+
     def select(self, i, v, k, at):
         """The indices and values to send; the memory forgets them. Counted as ``k``
         records' bytes: ``_padded`` sends that many."""
@@ -326,10 +330,12 @@ class AllgatherPath(_Path):
         indices, values = self.select(i, v, k, at)
         if poison is not None:
             values = tf.where(poison, float("inf"), values)
-        return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0], indices), k)
+        return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0],
+                                             indices + self.offset(i)), k)
 
     def take_own(self, i, v, k, at):
         indices, values = self.select(i, v, k, at)
+        indices += self.offset(i)
         pre = self.ctx.wire.scales()[0]
         values = self.ctx.compressor.wire_values(values * pre) / pre  # as the others read it
         return Sent(_padded(SparseCompressor.pack(values * pre, indices), k),
@@ -444,19 +450,20 @@ class HierarchicalPath(AllgatherPath):
     dense gradient is summed inside the host first, over its fast links, and only
     sparse records cross between hosts.
 
-    Round 1: an alltoall among the host's L ranks (Horovod's global alltoall, nothing to
-    other hosts) sends slice j of the clipped gradient to the host's j-th rank (the
-    slices of hvd_dgc.aggregation.slices): a reduce-scatter, so each rank holds its
-    host's sum of one slice. Round 2: that rank's memory, built slice-sized
-    (``held``), accumulates the host sum (momentum correction on it), selects its
-    share of k (the planner's ks are the slice's, ``ExchangePaths.replan``) and sends
-    the records in one allgather of every rank's, which every rank sums alike.
+    Round 1 (``accumulate``, in the step's graph): an alltoall among the host's L ranks
+    (Horovod's global alltoall, nothing to other hosts) sends slice j of the clipped
+    gradient to the host's j-th rank (the slices of hvd_dgc.aggregation.slices): a
+    reduce-scatter, so each rank holds its host's sum of one slice, which its memory,
+    built slice-sized (``held``), accumulates (momentum correction on it). Round 2: the
+    allgather's path on that slice: its share of k (``ExchangePaths.replan``), records
+    at the slice's ``offset``, one allgather of every rank's, summed alike by all.
 
     What a host did not send stays in the memory of the rank owning that slice. A host
     sends about k records across hosts where flat DGC's L ranks send L k
     (hvd_dgc/aggregation.py hierarchical_bytes). At density 1 every coordinate is sent:
-    dense momentum SGD. Synchronous steps only (delayed averaging would need this rank's
-    own contribution, and what it sends is its host's)."""
+    dense momentum SGD. Under delayed averaging round 1 stays in the step (a fast local
+    link) and the allgather is delayed; this rank's own part is what it sent (its slice
+    of its host's sum: over all ranks they add up to N x the average), as in PyTorch."""
 
     kind = PathKind.HIERARCHICAL
     reads_gradient = True
@@ -468,32 +475,28 @@ class HierarchicalPath(AllgatherPath):
         lo, hi = self.bounds(i)
         return hi - lo
 
-    def synchronous(self, i, grad, k, at, poison=None):
-        """Tensor i's average: the host's sum of this rank's slice into its memory, then
-        the allgather's path (select, records, sum) on that slice."""
+    def offset(self, i):
+        return self.bounds(i)[0]
+
+    def accumulate(self, i, grad, poison=None):
+        """Round 1: the host's sum of this rank's slice of tensor i's clipped gradient,
+        into its memory; returns the memory's ``v``. ``poison``: this rank's gradient is
+        not finite; it sends inf, so its host's sums and then every rank see it."""
         ctx, peers, ps = self.ctx, self.ctx.wire.peers, self.ctx.wire.process_set
         g = local_gradient(grad, ctx.clip_norm, ctx.wire.world())
-        if poison is not None:  # a non-finite flag: inf reaches the host's sums
+        if poison is not None:
             g = tf.where(poison, float("inf"), g)
-        every = slices(ctx.numel(i), len(peers))
         splits = np.zeros([ps.size()], np.int32)
-        for rank, (lo, hi) in zip(peers, every):
+        for rank, (lo, hi) in zip(peers, slices(ctx.numel(i), len(peers))):
             splits[rank] = hi - lo  # the slices lie in order: g is sent as it is
         got, _ = _hvd.alltoall(g, splits=tf.constant(splits), name=f"hvd_dgc.{i}.local",
                                process_set=ps)
         host = tf.reduce_sum(tf.reshape(got, [len(peers), self.held(i)]), 0)  # rank order
-        return super().synchronous(i, ctx.memory.accumulate(i, host), k, at)
+        return ctx.memory.accumulate(i, host)
 
-    def take(self, i, v, k, at, poison=None):
-        indices, values = self.select(i, v, k, at)
-        offset = self.bounds(i)[0]
-        return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0],
-                                             indices + offset), k)
-
-    def launch(self, part):
-        comp = self.ctx.compressor
-        return [_hvd.allgather(comp.to_wire(part.payloads[0]), name=part.tag("cross"),
-                               process_set=self.ctx.wire.process_set)]
+    def nothing(self, i, at):
+        raise AssertionError("a rank on hierarchical DGC always joins its host's alltoall "
+                             "(ExchangePaths.take_own sends zeros for a dropped tensor)")
 
 
 class ExchangePath(_Path):
@@ -674,12 +677,18 @@ class ExchangePaths:
         """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
         if isinstance(grad, tf.IndexedSlices):  # sparse already: as Horovod sends it
             return self.by_kind[PathKind.SPARSE_GRAD].synchronous(i, grad, None, at, poison)
-        k, own = self.k(i, at), self.by_kind[self.stages[i][0]]
-        if own.reads_gradient:  # every stage's (hierarchical DGC: its memory is a slice)
-            return tf.reshape(own.synchronous(i, grad, k, at, poison), tf.shape(grad))
-        v = self.ctx.accumulate(i, grad)
+        v, k = self.accumulate(i, grad, poison), self.k(i, at)
         out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
         return tf.reshape(out, tf.shape(grad))
+
+    def accumulate(self, i, grad, poison=None):
+        """Clip and accumulate tensor i's gradient: the memory's ``v``. A path that reads
+        the gradient itself (hierarchical DGC, every stage: its memory is a slice of its
+        host's sum) accumulates it its own way."""
+        path = self.by_kind[self.stages[i][0]]
+        if path.reads_gradient:
+            return path.accumulate(i, grad, poison)
+        return self.ctx.accumulate(i, grad)
 
     def step(self, grads, at, poison=None):
         """Every tensor's average this step (the synchronous step), in the step's graph:
@@ -712,8 +721,8 @@ class ExchangePaths:
             bucket = plan.get(i)
             if bucket is None:
                 path, k = self.by_kind[self.stages[i][s]], self.ks[i][s]
-                averages[i] = path.synchronous(i, grads[i] if path.reads_gradient else
-                                               self.ctx.accumulate(i, grads[i]), k, at, poison)
+                averages[i] = path.synchronous(i, self.accumulate(i, grads[i], poison), k, at,
+                                               poison)
             else:
                 averages.update(zip(bucket, self._bucket(bucket, grads, s, at, poison)))
         return [tf.reshape(averages[i], [-1]) for i in members]
@@ -751,9 +760,13 @@ class ExchangePaths:
         ``exchanging`` (``period`` > 1): False on a step between exchanges, which sends
         nothing and applies what the memory took in as its own (the words are empty)."""
         k = self.k(i, at)
+        if dropped is not None and self.by_kind[self.stages[i][0]].reads_gradient:
+            # its host's ranks wait for this rank's slices: it sends zeros (the others'
+            # parts of the sums it owns still enter its memory)
+            grad, dropped = tf.where(dropped, tf.zeros_like(grad), grad), None
 
         def run():
-            v = self.ctx.accumulate(i, grad)
+            v = self.accumulate(i, grad)
             return self.choose(i, at, lambda path: _words(path, path.take_own(i, v, k, at)))
 
         def drop():

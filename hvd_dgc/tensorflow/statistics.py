@@ -127,16 +127,24 @@ class Statistics:
         value = var.numpy()
         return int(value if position is None else value[position])
 
-    def summary(self, steps):
-        """As ``hvd_dgc.stats.CompressionStats.summary`` (less the last step, which a
-        graph does not keep), plus ``nonfinite_steps`` and ``fp16_clipped``."""
+    def _loaded(self, steps):
+        """The counters now, as the ``CompressionStats`` record both frameworks share."""
         stats = CompressionStats()
         totals = {field: self.value(field) for field in FIELDS}
         paths = {path.value: self.value(path) for path in PathKind if path in _WHERE}
         stats.load_state_dict(dict(totals, steps=steps, fp16_clipped=int(
             self.fp16_clipped.numpy()), paths={k: n for k, n in paths.items() if n}))
-        out = stats.summary()
+        return stats
+
+    def summary(self, steps):
+        """As ``hvd_dgc.stats.CompressionStats.summary`` (less the last step, which a
+        graph does not keep), plus ``nonfinite_steps`` and ``fp16_clipped``."""
+        out = self._loaded(steps).summary()
         out.pop("last_step")
-        out.update(nonfinite_steps=totals["nonfinite_steps"],
+        out.update(nonfinite_steps=self.value("nonfinite_steps"),
                    fp16_clipped=int(self.fp16_clipped.numpy()))
         return out
+
+    def format(self, steps):
+        """One line, as PyTorch's ``log_every`` prints it (``CompressionStats.format``)."""
+        return self._loaded(steps).format()

@@ -465,6 +465,44 @@ def keras_fit_digits(epochs=30, lr=0.02, batch=32, delay=0, compressors=(), dens
     return out
 
 
+def tape_log_every(steps=5):
+    """log_every=2 on a tape in a tf.function and on Keras 3's model.fit: rank 0 prints
+    the statistics after every 2nd step, as PyTorch's optimizer does; rank 1 nothing."""
+    import contextlib
+    import io
+    import sys
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    import hvd_dgc.tensorflow.keras as hvd_keras
+    rank, out = hvd.rank(), {}
+    variables = _vars(tf, seed=9)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, variables, x, y)
+        tape = hvd.DistributedGradientTape(tape, density=0.01, warmup=0, log_every=2)
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(0.1 * g)
+    keras = tf.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64), keras.layers.Dense(5)])
+    model.compile(hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05), density=0.01,
+                                                 warmup=0, log_every=2),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    for name, run in (("tape", lambda x, y: step(tf.constant(x), tf.constant(y))),
+                      ("keras", lambda x, y: model.fit(x, y, batch_size=16, epochs=1,
+                                                       verbose=0))):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            for s in range(steps):
+                run(*_batch(s, rank))
+            sys.stdout.flush()
+        out[name] = [line for line in buf.getvalue().splitlines() if "[hvd_dgc] step" in line]
+    return out
+
+
 def suite(names, kwargs=None):
     """Run the named test bodies (here, or "module.name" in tests/workers/); ``kwargs``
     maps a name to its keyword arguments."""

@@ -187,9 +187,8 @@ def nonfinite_skip():
 
 def auto_choice():
     """aggregation="auto" at 0.1% across a 100 Mbit/s link: hierarchical for the large
-    weights the cost model gives it (one choice per tensor); at 1 Gbit/s (the default
-    model) flat; "flat" never takes it; with delay in TensorFlow auto stays flat (not
-    refused: hierarchical does not run with delayed averaging in TF yet)."""
+    weights the cost model gives it (one choice per tensor), with delay too; at 1 Gbit/s
+    (the default model) flat; "flat" never takes it."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc import CostModel
@@ -207,15 +206,15 @@ def auto_choice():
 
 
 def bad_inputs():
-    """A forced hierarchical aggregation that cannot run in TensorFlow says why and
-    what to use: on one host, with delayed averaging, with Adam's variance taken over."""
+    """A forced hierarchical aggregation that cannot run says why and what to use: on
+    one host, with ``period``, with Adam's variance taken over (TensorFlow)."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     import hvd_dgc.tensorflow.keras as hvd_keras
     out = {}
     variables = _vars(tf, seed=6)
-    cases = {"delay": lambda: _exchange(tf, hvd, variables, aggregation="hierarchical",
-                                        delay=1, name="bad_delay"),
+    cases = {"period": lambda: _exchange(tf, hvd, variables, aggregation="hierarchical",
+                                         period=2, momentum=0.9, name="bad_period"),
              "adam": lambda: _keras_adam_step(tf, hvd_keras)}
     if hvd.cross_size() == 1:
         cases = {"single_host": lambda: _exchange(tf, hvd, variables,
@@ -233,3 +232,40 @@ def _keras_adam_step(tf, hvd_keras):
     with tf.GradientTape() as tape:
         loss = _loss(tf, variables, x, y)
     opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+
+def delayed(steps=6, lr=0.05):
+    """Delayed averaging (D=2) over hierarchical DGC, SGD with momentum taken over: each
+    rank applies what it sent (its slice of its host's sum) at once and the average two
+    steps later; rank 1's gradient NaN at step 2 (dropped: it sends zeros to its host,
+    nobody waits). Two steps in flight before the flush, every rank the same weights
+    after it; at density 0.01 and 1."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    rank, out = hvd.rank(), {}
+    for tag, density in (("sparse", 0.01), ("dense", 1.0)):
+        variables = _vars(tf, seed=8, width=128)
+        start = _flat(tf, variables).numpy()
+        exchange = _exchange(tf, hvd, variables, density=density, warmup=0, delay=2,
+                             momentum=0.9, aggregation="hierarchical", min_compress_size=0,
+                             name="dga" + tag)
+        run = tf.function(exchange)
+        for step in range(steps):
+            grads = _grads(tf, variables, step, rank)
+            if step == 2 and rank == 1 and tag == "sparse":
+                grads[2] = tf.tensor_scatter_nd_update(grads[2], [[0, 0]], [float("nan")])
+            for v, u in zip(variables, run(grads)):
+                v.assign_sub(lr * u)
+        in_flight = exchange.in_flight
+
+        def apply(corrections, to):
+            for v, c in zip(to, corrections):
+                v.assign_sub(lr * c)
+        exchange.flush(apply)
+        stats = exchange.stats()
+        out[tag] = {"in_flight": in_flight, "after": exchange.in_flight,
+                    "identical": _identical(tf, hvd, variables, "dga." + tag),
+                    "finite": bool(np.isfinite(_flat(tf, variables).numpy()).all()),
+                    "moved": float(np.abs(_flat(tf, variables).numpy() - start).max()),
+                    "paths": stats["paths"], "nonfinite_steps": stats["nonfinite_steps"]}
+    return out

@@ -559,9 +559,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     Returns a new optimizer of the same class built from ``optimizer.get_config()``
     (as Horovod does). hvd_dgc's options, by keyword, as in
-    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig;
-    ``fusion_threshold`` and ``log_every`` run in PyTorch only so far, hierarchical
-    aggregation in the synchronous step only);
+    ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``log_every``
+    runs in PyTorch only so far);
     Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / fp16 values in
     the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging.
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
