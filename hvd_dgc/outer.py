@@ -117,11 +117,15 @@ def round_bytes(numels, ks, density):
     return sum(numels) * VALUE_BYTES if density >= 1 else sum(ks) * RECORD_BYTES
 
 
-def outer_stats(outer, density, inner, rounds, bytes_sent, numels, in_flight, world_size):
+def outer_stats(outer, density, inner, rounds, bytes_sent, numels, in_flight, world_size,
+                waited=None):
     """``compression_stats()`` of the outer loop (this rank), the same keys in PyTorch
     and TensorFlow and the same meaning as DGC's: ``dense_fp32_bytes`` is what Horovod
     would have sent (the fp32 gradient every inner step), ``compression_ratio`` it over
-    ``bytes_sent``; ``round_fp32_bytes`` the change sent whole every round."""
+    ``bytes_sent``; ``round_fp32_bytes`` the change sent whole every round;
+    ``waited_seconds`` how long this rank's training stood still at round ends waiting
+    for an exchange (the wall time the link cost it; None where the wait happens inside
+    a traced step, TensorFlow without overlap)."""
     numel = sum(numels)
     dense = inner * numel * VALUE_BYTES
     return {"mode": "outer", "inner_steps": inner, "rounds": rounds,
@@ -130,7 +134,8 @@ def outer_stats(outer, density, inner, rounds, bytes_sent, numels, in_flight, wo
             "round_fp32_bytes": rounds * numel * VALUE_BYTES,
             "compression_ratio": dense / bytes_sent if bytes_sent else 1.0,
             "paths": {"dense" if density >= 1 else "sparse": rounds * len(numels)},
-            "in_flight": int(in_flight), "world_size": world_size}
+            "in_flight": int(in_flight), "world_size": world_size,
+            "waited_seconds": waited}
 
 
 def check_outer(outer, config, compression_is_default, op_is_average):

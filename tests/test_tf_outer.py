@@ -50,6 +50,10 @@ def test_keras_matches_the_reference_round_by_round(outs, variant):
         assert out["in_flight"] == int(outer.overlap)  # (the optimizer's own count)
         assert out["ended"] == (outer.overlap or bool(steps % 3))
         assert not out["ended_again"]  # nothing left to end
+        # the wait at rounds' ends: timed where it happens on a thread (overlap), not
+        # inside a traced step
+        waited = out["stats"]["waited_seconds"]
+        assert (waited is None) if not outer.overlap else 0 < waited < 60, out["stats"]
 
 
 def test_with_overlap_a_checkpoint_asks_for_flush_first(outs):

@@ -101,10 +101,13 @@ def main():
 
     for _ in range(args.warmup_steps):
         step()
+    waited = getattr(opt, "compression_stats", dict)().get("waited_seconds")
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     elapsed = time.perf_counter() - start
+    if waited is not None:  # (outer: the timed steps' wait for exchanges at round ends)
+        waited = opt.compression_stats()["waited_seconds"] - waited
     flush = 0.0
     if args.method in ("dga", "dts", "outer"):  # once per evaluation, not per step: apart
         start = time.perf_counter()
@@ -120,7 +123,7 @@ def main():
                           "flush_seconds": flush, "delay": stats.get("delay"),
                           "launches": stats.get("last_step", {}).get("launches"),
                           "delay_decisions": stats.get("delay_decisions"),
-                          "outer_rounds": stats.get("rounds"),
+                          "outer_rounds": stats.get("rounds"), "waited_seconds": waited,
                           "outer_bytes_sent": stats.get("bytes_sent")}),
               flush=True)
 

@@ -8,14 +8,18 @@ Then, every step, inside the user's ``tf.function`` or eagerly:
       stage = the warm-up stage             in TF ops, from step or epoch: the same on
                                             every rank (elastic: agreed first)
       grad = local_grad(grad)               dense, or IndexedSlices as Horovod sends it
-      ExchangePaths.synchronous(i, grad)    hvd_dgc/tensorflow/paths.py
-        v = memory.accumulate(clip(grad))     u = m u + g; v += u (momentum correction)
+      ExchangePaths.step(grads)             hvd_dgc/tensorflow/paths.py; per tensor:
+        v = memory.accumulate(clip(grad))     u = m u + g; v += u (momentum correction;
+                                              hierarchical DGC: of its host's sum of a
+                                              slice, after an alltoall in the host)
         path = the planner's for the stage    a tf.switch_case every rank takes alike:
                                               DensePath, AllgatherPath, RegionPath,
-                                              ExchangePath (IndexedSlices: SparseGradPath)
+                                              HierarchicalPath, ExchangePath
+                                              (IndexedSlices: SparseGradPath)
         path.take(i, v, k, at)                what leaves the memory (it keeps the rest:
                                               error feedback), counted in the statistics
-        path.launch / advance / collect       Horovod's collectives
+        path.launch / advance / collect       Horovod's collectives (a bucket's tensors,
+                                              fusion_threshold: one grouped collective)
         path.average(...)                     the average (region's owners give back
                                               what they did not send on)
       a NaN/Inf on any rank                 every rank puts its memory back, skips

@@ -30,6 +30,7 @@ and a restore drops what was in flight, as with delayed averaging.
 """
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -59,6 +60,7 @@ class OuterRounds(tf.Module):
         self._shared = None     # rank 0's round, for a build after an elastic sync
         self.numels = self.ks = None
         self._inflight = None   # overlap: the last round's exchange (a Future)
+        self._waited = 0.0      # overlap: seconds the steps waited for it at round ends
         self._function = None   # overlap: its collectives, traced once
         self._pool = None
 
@@ -208,7 +210,9 @@ class OuterRounds(tf.Module):
         """The last round's average (zeros and False before the first), then this round's
         payload launched (after: one collective of each name in flight)."""
         had = self._inflight is not None
+        began = time.perf_counter()
         average = self._inflight.result() if had else np.zeros(sum(self.numels), np.float32)
+        self._waited += time.perf_counter() - began
         arrays = [t.numpy() for t in payload]
         self._inflight = self._pool.submit(lambda: self._exchange(*arrays).numpy())
         return average, had
@@ -264,7 +268,8 @@ class OuterRounds(tf.Module):
         inner = int(self.inner.numpy()) if self.numels is not None else 0
         return outer_stats(self.outer, self.density, inner, rounds,
                            rounds * round_bytes(numels, self.ks or [], self.density),
-                           numels, self._inflight is not None, self.process_set.size())
+                           numels, self._inflight is not None, self.process_set.size(),
+                           self._waited if self.outer.overlap else None)
 
     def set_epoch(self, epoch):
         """(DGCCallback calls it; the outer loop has no warm-up.)"""

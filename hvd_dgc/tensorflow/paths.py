@@ -17,10 +17,14 @@ it changes, so every rank takes the same branch and joins the same collectives):
     path.average(part, got)        synchronous, in the step's graph: the averages
     path.correction(part, got)     delayed, on delayed.py's threads: avg - own, NumPy
 
-``path.synchronous(i, v, k, at)`` runs take..average in the step's graph. Delayed
-averaging (delayed.py) runs ``take_own`` in the graph, carries the payloads to its
-threads as int32 words (``to_words`` / ``from_words``), and runs launch..correction
-there. A new way to travel is one more class here.
+``path.synchronous(i, v, k, at)`` runs take..average in the step's graph;
+``ExchangePaths.step`` runs every tensor's, alone or in buckets (``fusion_threshold``:
+one grouped collective per bucket, as PyTorch's). Delayed averaging (delayed.py) runs
+``take_own`` in the graph, carries the payloads to its threads as int32 words
+(``to_words`` / ``from_words``), and runs launch..correction there. A path that reads
+the gradient itself (``reads_gradient``: hierarchical DGC, whose memory holds its
+host's sum of a slice) makes ``v`` in its own ``accumulate``. A new way to travel is
+one more class here.
 """
 
 from typing import NamedTuple

@@ -18,6 +18,7 @@ between rounds the job never waits on the network.
 
 import contextlib
 import os
+import time
 import warnings
 from typing import NamedTuple
 
@@ -61,6 +62,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._inner = 0        # inner steps taken
         self._round_began = 0  # the inner step the current round began after
         self._rounds = 0
+        self._waited = 0.0     # seconds this rank waited for exchanges at round ends
 
     # -- the round ----------------------------------------------------------------------
     def _flat(self):
@@ -103,6 +105,13 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             _hvd.allgather_async(values, name="hvd_dgc.outer.values",
                                  process_set=self.process_set)), delta)
 
+    def _waited_for(self, flight):
+        """``_average`` at a round's end: the time training stands still is counted."""
+        began = time.perf_counter()
+        average = self._average(flight)
+        self._waited += time.perf_counter() - began
+        return average
+
     def _average(self, flight):
         """Wait for ``flight``: the average of every rank's change."""
         if len(flight.handles) == 1:
@@ -122,11 +131,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             delta = self._start - self._flat()  # this rank's change in the round
             self._round_began = self._inner
             if not self._outer.overlap:
-                self._apply(self._average(self._launch(delta)))
+                self._apply(self._waited_for(self._launch(delta)))
                 self._set_weights(self._anchor)
                 return
             if self._inflight is not None:  # the last round's average, a round late
-                self._apply(self._average(self._inflight))  # (before the next launch:
+                self._apply(self._waited_for(self._inflight))  # (before the next launch:
             # Horovod refuses a second collective of a name still in flight)
             self._start = self._anchor - delta  # the common trajectory, and own round
             self._set_weights(self._start)
@@ -176,7 +185,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         return outer_stats(self._outer, self._density, self._inner, self._rounds,
                            self._rounds * round_bytes(self._numels, self._ks, self._density),
                            self._numels, self._inflight is not None,
-                           self.process_set.size())
+                           self.process_set.size(), self._waited)
 
     # -- checkpoints and elastic Horovod ------------------------------------------------
     def state_dict(self):

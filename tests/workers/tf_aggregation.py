@@ -209,22 +209,29 @@ def nonfinite_skip():
     """A NaN on rank 1 at step 2: every rank skips it; memory and counters unchanged."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
-    rank = hvd.rank()
     variables = _vars(tf, seed=4, width=128)
     exchange = _exchange(tf, hvd, variables, density=0.01, aggregation="region", name="nan")
+    return nan_at_step_2(tf, exchange, variables, hvd.rank())
+
+
+def nan_at_step_2(tf, exchange, variables, rank, steps=4):
+    """``exchange``'s steps (in a tf.function) with rank 1's gradient NaN at step 2: per
+    step whether every rank skipped it, whether this rank's memory (v and u) and region
+    reduce's returned count are as before, and how far the step count moved."""
     run = tf.function(exchange.exchange)
-    out = []
-    for step in range(4):
+    memory, out = exchange.memory, []
+    for step in range(steps):
         grads = _grads(tf, variables, step, rank)
         if step == 2 and rank == 1:
             grads[2] = tf.tensor_scatter_nd_update(grads[2], [[0, 0]], [float("nan")])
-        before = np.concatenate([x.numpy() for x in exchange.memory.v])
-        stats = exchange.stats()
+        before = np.concatenate([x.numpy() for x in memory.v + memory.u])
+        stats, at = exchange.stats(), int(exchange.step.numpy())
         _, skipped = run(grads)
-        after = np.concatenate([x.numpy() for x in exchange.memory.v])
+        after = np.concatenate([x.numpy() for x in memory.v + memory.u])
         out.append({"skipped": bool(skipped), "memory_same": bool(np.array_equal(before, after)),
                     "returned_same": stats["returned_elements"]
-                    == exchange.stats()["returned_elements"]})
+                    == exchange.stats()["returned_elements"],
+                    "step_moved": int(exchange.step.numpy()) - at})
     return out
 
 

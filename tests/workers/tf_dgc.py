@@ -163,30 +163,38 @@ def tape_keras3_model(steps=6):
 def keras_dense_equivalence(steps=10):
     """Keras 2 (tf_keras): hvd_dgc's optimizer at density 1 == Horovod's, SGD momentum."""
     tf = _tf()
-    import horovod.tensorflow.keras as hvd_stock
     import hvd_dgc.tensorflow.keras as hvd
-    keras = tf.keras
-    rank = hvd.rank()
     out = {}
     for nesterov in (False, True):
-        params = []
-        for k, wrap in enumerate((lambda o: hvd_stock.DistributedOptimizer(o),
-                                  lambda o: hvd.DistributedOptimizer(
-                                      o, density=1.0))):
-            variables = _vars(tf, seed=2)
-            opt = wrap(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov))
-            for step in range(steps):
-                x, y = _batch(step, rank)
-                with tf.GradientTape() as tape:
-                    loss = _loss(tf, variables, x, y)
-                grads = tape.gradient(loss, variables)
-                if k == 0:  # Horovod's Keras optimizer averages in _compute_gradients
-                    grads = [hvd_stock.allreduce(g, name=f"ref.{i}") for i, g in enumerate(grads)]
-                opt.apply_gradients(zip(grads, variables))
-            params.append(_flat(tf, variables))
-        out["nesterov" if nesterov else "momentum"] = float(
-            tf.reduce_max(tf.abs(params[0] - params[1])))
+        ref, ours, _ = keras_against_horovod(
+            tf, lambda o: hvd.DistributedOptimizer(o, density=1.0), steps, "ref",
+            nesterov=nesterov)
+        out["nesterov" if nesterov else "momentum"] = float(tf.reduce_max(tf.abs(ref - ours)))
     return out
+
+
+def keras_against_horovod(tf, ours, steps, name, each_step=None, nesterov=False):
+    """Keras 2 SGD (momentum 0.9) on the same batches through Horovod's Keras
+    DistributedOptimizer and through ``ours(sgd)``: both runs' flat weights, and our
+    optimizer. ``each_step(variables, step)`` runs after each of our steps."""
+    import horovod.tensorflow.keras as hvd_stock
+    rank, params = hvd_stock.rank(), []
+    for k, wrap in enumerate((hvd_stock.DistributedOptimizer, ours)):
+        variables = _vars(tf, seed=2)
+        opt = wrap(tf.keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov))
+        for step in range(steps):
+            x, y = _batch(step, rank)
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, variables, x, y)
+            grads = tape.gradient(loss, variables)
+            if k == 0:  # Horovod's Keras optimizer averages in _compute_gradients
+                grads = [hvd_stock.allreduce(g, name=f"{name}.{i}")
+                         for i, g in enumerate(grads)]
+            opt.apply_gradients(zip(grads, variables))
+            if k == 1 and each_step is not None:
+                each_step(variables, step)
+        params.append(_flat(tf, variables))
+    return params[0], params[1], opt
 
 
 def keras_backward_passes(passes=2, calls=8):

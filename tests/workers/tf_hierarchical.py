@@ -8,9 +8,9 @@ model's choice, and what is refused."""
 import numpy as np
 
 from hvd_dgc.aggregation import slices
-from tests.workers.tf_aggregation import _exchange, _grads
+from tests.workers.tf_aggregation import _exchange, _grads, nan_at_step_2
 from tests.workers.tf_dgc import _batch, _flat, _identical, _loss, _sgd_momentum_step, _tf, \
-    _vars
+    _vars, keras_against_horovod
 from tests.workers.tf_sparse import _error_of
 
 
@@ -61,27 +61,14 @@ def density_one(steps=8):
 def _keras_density_one(tf, steps):
     """Keras 2 (tf_keras) SGD momentum 0.9: hvd_dgc's optimizer, hierarchical at density
     1 (its memory holds the host's momentum) against Horovod's."""
-    import horovod.tensorflow.keras as hvd_stock
     import hvd_dgc.tensorflow.keras as hvd
-    rank, params, identical = hvd.rank(), [], []
-    for k, wrap in enumerate((lambda o: hvd_stock.DistributedOptimizer(o),
-                              lambda o: hvd.DistributedOptimizer(
-                                  o, density=1.0, aggregation="hierarchical",
-                                  min_compress_size=0))):
-        variables = _vars(tf, seed=2)
-        opt = wrap(tf.keras.optimizers.SGD(0.05, momentum=0.9))
-        for step in range(steps):
-            x, y = _batch(step, rank)
-            with tf.GradientTape() as tape:
-                loss = _loss(tf, variables, x, y)
-            grads = tape.gradient(loss, variables)
-            if k == 0:  # Horovod's Keras optimizer averages in _compute_gradients
-                grads = [hvd_stock.allreduce(g, name=f"kref.{i}") for i, g in enumerate(grads)]
-            opt.apply_gradients(zip(grads, variables))
-            if k == 1:
-                identical.append(_identical(tf, hvd, variables, f"kd1.{step}"))
-        params.append(_flat(tf, variables).numpy())
-    return {"max_diff": float(np.abs(params[0] - params[1]).max()), "identical": identical,
+    identical = []
+    ref, ours, opt = keras_against_horovod(
+        tf, lambda o: hvd.DistributedOptimizer(o, density=1.0, aggregation="hierarchical",
+                                               min_compress_size=0), steps, "kref",
+        each_step=lambda variables, step: identical.append(
+            _identical(tf, hvd, variables, f"kd1.{step}")))
+    return {"max_diff": float(tf.reduce_max(tf.abs(ref - ours))), "identical": identical,
             "paths": opt.compression_stats()["paths"]}
 
 
@@ -166,23 +153,11 @@ def nonfinite_skip():
     step; every rank's memory and the step count unchanged."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
-    rank = hvd.rank()
     variables = _vars(tf, seed=4, width=128)
     exchange = _exchange(tf, hvd, variables, density=0.02, aggregation="hierarchical",
                          momentum=0.9, name="nanhier")
-    run = tf.function(exchange.exchange)
-    out = []
-    for step in range(4):
-        grads = _grads(tf, variables, step, rank)
-        if step == 2 and rank == 1:
-            grads[2] = tf.tensor_scatter_nd_update(grads[2], [[0, 0]], [float("nan")])
-        before = np.concatenate([x.numpy() for x in exchange.memory.v + exchange.memory.u])
-        at = int(exchange.step.numpy())
-        _, skipped = run(grads)
-        after = np.concatenate([x.numpy() for x in exchange.memory.v + exchange.memory.u])
-        out.append({"skipped": bool(skipped), "memory_same": bool(np.array_equal(before, after)),
-                    "step_moved": int(exchange.step.numpy()) - at})
-    return {"steps": out, "nonfinite_steps": exchange.stats()["nonfinite_steps"]}
+    return {"steps": nan_at_step_2(tf, exchange, variables, hvd.rank()),
+            "nonfinite_steps": exchange.stats()["nonfinite_steps"]}
 
 
 def auto_choice():
