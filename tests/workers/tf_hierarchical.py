@@ -2,8 +2,8 @@
 Horovod ranks that Horovod places on two hosts (``-H localhost:L,127.0.0.1:L --gloo``),
 as tests/workers/torch_hierarchical.py does for PyTorch: density 1 == flat == Horovod's
 tape and Keras optimizer, bit-identical ranks at 0.1%, a host's records across hosts,
-error feedback's conservation with slice-owned residuals, a skipped step, the cost
-model's choice, and what is refused."""
+error feedback's conservation with slice-owned residuals, a skipped step, delayed
+averaging over it, the cost model's choice, and what is refused."""
 
 import numpy as np
 
