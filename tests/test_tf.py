@@ -671,7 +671,15 @@ def test_keras3_backward_passes_with_local_variables_and_a_nonfinite_pass(tape):
     _assert_passes(_checked(tape, "tf_keras_api.keras_passes"), with_returned=False)
 
 
-def test_tape_folds_its_dense_tensors_and_buckets_its_step_into_one_operation():
+@pytest.fixture(scope="module")
+def how_steps_leave():
+    """One launch (2 ranks, Keras 3) for the tests of how a TF step's tensors leave."""
+    return run("tests.workers.tf_dgc:suite", np=2, timeout=400, env=KERAS3,
+               kwargs={"names": ["tf_fold.folded_equals_apart", "tf_fold.buckets_across_stages",
+                                 "tape_log_every"]})
+
+
+def test_tape_folds_its_dense_tensors_and_buckets_its_step_into_one_operation(how_steps_leave):
     """A tape step whose biases the cost model folds (the defaults) holds no allreduce:
     the biases travel as records of every index in allgathers Horovod fuses with the
     kernels' (one Horovod operation a step instead of two: 4.9 round trips down to the
@@ -680,9 +688,7 @@ def test_tape_folds_its_dense_tensors_and_buckets_its_step_into_one_operation():
     allgather, as PyTorch's buckets. Its averaged gradients are those of the same step
     with them apart and alone (``CostModel(alpha=0)``) bit for bit, every rank ends
     identical, and only the indices' bytes are added to what it sent."""
-    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
-               kwargs={"names": ["tf_fold.folded_equals_apart"]})
-    for out in outs:
+    for out in how_steps_leave:
         out = out["tf_fold.folded_equals_apart"]
         assert "error" not in out, out.get("error")
         assert out["bucketed"]["ops"] == {"allreduce": 0, "allgather": 1}, out["bucketed"]
@@ -696,15 +702,13 @@ def test_tape_folds_its_dense_tensors_and_buckets_its_step_into_one_operation():
         assert out["folded"]["bytes"] - out["apart"]["bytes"] == 6 * 4 * out["dense_numel"]
 
 
-def test_buckets_follow_the_warm_up_stages_and_change_no_average():
+def test_buckets_follow_the_warm_up_stages_and_change_no_average(how_steps_leave):
     """Buckets per density stage (a switch on the stage every rank takes alike): the
     default threshold puts a stage's six tensors in one grouped allgather (2 in the
     traced step: one per stage), 6,000 bytes two (4), none one each (6). Every step's
     averaged gradients, a NaN step skipped on every rank included, are bit-identical
     to each tensor alone; the same bytes and paths; ranks identical."""
-    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
-               kwargs={"names": ["tf_fold.buckets_across_stages"]})
-    for out in outs:
+    for out in how_steps_leave:
         out = out["tf_fold.buckets_across_stages"]
         assert "error" not in out, out.get("error")
         for name, gathers in (("default", 2), ("small", 4), ("alone", 6)):
@@ -716,13 +720,11 @@ def test_buckets_follow_the_warm_up_stages_and_change_no_average():
         assert out["equal"] == {"default": [True] * 8, "small": [True] * 8}, out["equal"]
 
 
-def test_log_every_prints_statistics_on_rank_zero_only():
+def test_log_every_prints_statistics_on_rank_zero_only(how_steps_leave):
     """As PyTorch's (tests/test_torch_optimizer.py): after steps 2 and 4 of 5, rank 0
     prints step, density and the statistics' line; rank 1 prints nothing. The tape in
     a tf.function and Keras 3's model.fit."""
-    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=300, env=KERAS3,
-               kwargs={"names": ["tape_log_every"]})
-    rank0, rank1 = (_checked(outs, "tape_log_every")[r] for r in (0, 1))
+    rank0, rank1 = (_checked(how_steps_leave, "tape_log_every")[r] for r in (0, 1))
     for name in ("tape", "keras"):
         lines = rank0[name]
         assert [line.split()[:3] for line in lines] == [["[hvd_dgc]", "step", "2"],
