@@ -736,25 +736,21 @@ class ExchangePaths:
         in one grouped allgather, the other dense tensors in one grouped allreduce."""
         ctx, dense, gather = self.ctx, self.by_kind[PathKind.DENSE], \
             self.by_kind[PathKind.ALLGATHER]
-        comp, name = ctx.compressor, f"hvd_dgc.s{s}.b{bucket[0]}"
         records, summed = {}, {}
         for i in bucket:
             v = ctx.accumulate(i, grads[i])
             if self.stages[i][s] == PathKind.ALLGATHER:
-                records[i] = comp.to_wire(gather.take(i, v, self.ks[i][s], at, poison))
+                records[i] = gather.take(i, v, self.ks[i][s], at, poison)
             elif dense.folds.get(i, (False,) * len(self.buckets))[s]:
-                records[i] = dense.fold(i, v, at, poison)  # fp32 records: as on the wire
+                records[i] = dense.fold(i, v, at, poison)  # fp32 records (no fp16 fold)
             else:
                 summed[i] = dense.take(i, v, None, at, poison)
-        averages = {}
-        if records:
-            got = _collective(_hvd.allgather, _hvd.grouped_allgather, list(records.values()),
-                              name=name + ".gather", process_set=ctx.wire.process_set)
-            averages.update((i, comp.scatter_sum(comp.from_wire(g), ctx.numel(i))
-                             * ctx.wire.gathered()) for i, g in zip(records, got))
-        if summed:
-            part = Part(name, tuple(summed), tuple(summed.values()), None)
-            averages.update(zip(part.members, dense.average(part, dense.launch(part))))
+        averages, name = {}, f"hvd_dgc.s{s}.b{bucket[0]}"
+        for path, payloads in ((gather, records), (dense, summed)):  # each one collective
+            if payloads:
+                part = Part(name, tuple(payloads), tuple(payloads.values()), None)
+                got = path.collect(path.launch(part))
+                averages.update(zip(part.members, path.average(part, got)))
         return [averages[i] for i in bucket]
 
     def take_own(self, i, grad, at, dropped=None, exchanging=None):
