@@ -118,6 +118,11 @@ def assert_as_replayed(ranks, variant):
     assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
     assert stats["compression_ratio"] == stats["dense_fp32_bytes"] / stats["bytes_sent"]
     assert stats["paths"] == {"dense" if ks is None else "sparse": 2 * stats["rounds"]}
+    if "launched" in ranks[0]:  # PyTorch's: one Horovod operation a round, records packed
+        one = "allreduce_async_" if ks is None else "allgather_async"
+        for out in ranks:
+            assert out["launched"] == {"allreduce_async_": 0, "allgather_async": 0,
+                                       one: steps // 3}, out["launched"]
     return steps, outer
 
 

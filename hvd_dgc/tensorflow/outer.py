@@ -177,7 +177,9 @@ class OuterRounds(tf.Module):
     def _payload(self, delta):
         """What this rank sends: its change whole (one flat tensor; density 1.0), or the
         density's largest coordinates of ``residual + delta`` per variable as records
-        (flat positions, values), the rest kept in the residual."""
+        (int32 [k, 2]: flat position, the value's bits), the rest kept in the residual.
+        One tensor, so one collective: a Horovod operation costs round trips, which a
+        long link makes the exchange's largest part."""
         if self.density >= 1:
             return [tf.concat(delta, 0)]
         positions, values, offset = [], [], 0
@@ -192,17 +194,18 @@ class OuterRounds(tf.Module):
             v.scatter_nd_update(picked[:, None], tf.zeros([k], tf.float32))  # sent
             positions.append(picked + offset)
             offset += n
-        return [tf.concat(positions, 0), tf.concat(values, 0)]
+        return [tf.stack([tf.concat(positions, 0),
+                          tf.bitcast(tf.concat(values, 0), tf.int32)], 1)]
 
     def _collectives(self, *payload):
         """The average of every rank's payload, flat."""
         if self.density >= 1:
             return _hvd.allreduce(payload[0], op=Average, process_set=self.process_set,
                                   name="hvd_dgc.outer.dense")
-        positions, values = (_hvd.allgather(t, name=f"hvd_dgc.outer.{part}",
-                                            process_set=self.process_set)
-                             for t, part in zip(payload, ("positions", "values")))
-        total = tf.math.unsorted_segment_sum(values, positions, sum(self.numels))
+        records = _hvd.allgather(payload[0], name="hvd_dgc.outer.records",
+                                 process_set=self.process_set)
+        total = tf.math.unsorted_segment_sum(tf.bitcast(records[:, 1], tf.float32),
+                                             records[:, 0], sum(self.numels))
         return total / tf.cast(self.process_set.size(), tf.float32)
 
     # -- overlap: the exchange on a worker thread (tf.py_function), as delayed.py's -------
@@ -221,7 +224,7 @@ class OuterRounds(tf.Module):
         """The collectives in a tf.function of their own: eager Horovod ops are named by
         their type, and the step's graph is waiting on this thread's result."""
         if self._function is None:
-            specs = [tf.TensorSpec([a.size], tf.as_dtype(a.dtype)) for a in arrays]
+            specs = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in arrays]
             self._function = tf.function(self._collectives, input_signature=specs)
         return self._function(*arrays)
 

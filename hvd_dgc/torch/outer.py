@@ -32,10 +32,11 @@ OUTER_KEY = "hvd_dgc_outer"
 
 
 class InFlight(NamedTuple):
-    """A round's exchange under way: Horovod's handles, and the buffer's shape."""
+    """A round's exchange under way: Horovod's handle, and the buffer's shape."""
 
-    handles: tuple    # (allreduce,) or (allgather of positions, allgather of values)
+    handle: int       # the allreduce of the change, or the allgather of its records
     like: object      # a flat tensor of the buffer's size, dtype and device
+    records: bool     # the handle's result is every rank's [k, 2] int32 records
 
 
 class _OuterLoopOptimizer(torch.optim.Optimizer):
@@ -83,9 +84,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         the residual."""
         self._rounds += 1
         if self._density >= 1:
-            return InFlight((_hvd.allreduce_async_(delta, op=Average,
-                                                   name="hvd_dgc.outer.dense",
-                                                   process_set=self.process_set),), delta)
+            return InFlight(_hvd.allreduce_async_(delta, op=Average,
+                                                  name="hvd_dgc.outer.dense",
+                                                  process_set=self.process_set), delta, False)
         if self._residual is None:
             self._residual = torch.zeros_like(delta)
         v = self._residual.add_(delta)
@@ -99,11 +100,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         positions = torch.cat(picked)
         values = v[positions]
         v[positions] = 0.0  # sent: what stays is owed to a later round
-        return InFlight((
-            _hvd.allgather_async(positions.to(torch.int32), name="hvd_dgc.outer.positions",
-                                 process_set=self.process_set),
-            _hvd.allgather_async(values, name="hvd_dgc.outer.values",
-                                 process_set=self.process_set)), delta)
+        # one collective, not one for positions and one for values: a Horovod operation
+        # costs round trips, which a long link makes the exchange's largest part
+        records = torch.stack([positions.to(torch.int32), values.view(torch.int32)], 1)
+        return InFlight(_hvd.allgather_async(records, name="hvd_dgc.outer.records",
+                                             process_set=self.process_set), delta, True)
 
     def _waited_for(self, flight):
         """``_average`` at a round's end: the time training stands still is counted."""
@@ -114,11 +115,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
 
     def _average(self, flight):
         """Wait for ``flight``: the average of every rank's change."""
-        if len(flight.handles) == 1:
-            return _hvd.synchronize(flight.handles[0])
-        positions, values = (_hvd.synchronize(h) for h in flight.handles)
+        result = _hvd.synchronize(flight.handle)
+        if not flight.records:
+            return result
         total = torch.zeros_like(flight.like)
-        total.index_add_(0, positions.long(), values)
+        total.index_add_(0, result[:, 0].long(), result[:, 1].contiguous().view(torch.float32))
         return total.div_(self.process_set.size())
 
     def _apply(self, average):

@@ -3,6 +3,7 @@ tests/test_outer.py, run under horovodrun."""
 
 import copy
 
+import horovod.torch as horovod_torch
 import numpy as np
 import torch
 from torch import nn
@@ -28,16 +29,43 @@ class Quadratic(nn.Module):
             0.5 * ((self.b - torch.from_numpy(tb)) ** 2).sum()
 
 
+class Launched:
+    """Counts the Horovod operations launched inside it (Horovod's own functions still
+    run: this only counts the calls)."""
+
+    NAMES = ("allreduce_async_", "allgather_async")
+
+    def __init__(self):
+        self.counts = dict.fromkeys(self.NAMES, 0)
+
+    def __enter__(self):
+        self.saved = {n: getattr(horovod_torch, n) for n in self.NAMES}
+        for name, real in self.saved.items():
+            setattr(horovod_torch, name, self._counted(name, real))
+        return self
+
+    def _counted(self, name, real):
+        def call(*args, **kwargs):
+            self.counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(horovod_torch, name, real)
+
+
 def _quadratic(tag, steps, lr, **options):
     model = Quadratic()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
                                    named_parameters=model.named_parameters(), **options)
     start = flat_params(model).tolist()
-    for step in range(steps):
-        opt.zero_grad()
-        model.loss(step, hvd.rank()).backward()
-        opt.step()
-    out = {"start": start, "final": flat_params(model).tolist(),
+    with Launched() as launched:
+        for step in range(steps):
+            opt.zero_grad()
+            model.loss(step, hvd.rank()).backward()
+            opt.step()
+    out = {"start": start, "final": flat_params(model).tolist(), "launched": launched.counts,
            "identical": ranks_identical(model, f"outer.q.{tag}"),
            "stats": opt.compression_stats()}
     opt.flush()
