@@ -56,6 +56,12 @@ VARIANTS = {
     "outer H=32": {"outer": OuterLoop(steps=32)},
     "outer H=8, density 0.01": {"outer": OuterLoop(steps=8), "density": 0.01},
     "outer H=8, overlap": {"outer": OuterLoop(steps=8, overlap=True)},
+    # bench/outer_wan.py's settings that keep the compute busy at 200 and 700 ms
+    "outer H=32, density 0.01, overlap": {"outer": OuterLoop(steps=32, overlap=True),
+                                          "density": 0.01},
+    "outer H=128, density 0.01, overlap": {"outer": OuterLoop(steps=128, overlap=True),
+                                           "density": 0.01},
+    "outer H=128, overlap": {"outer": OuterLoop(steps=128, overlap=True)},
 }
 
 

@@ -192,7 +192,10 @@ def _route(packet, subnet, nodes):
     return index if 0 <= index < nodes else None
 
 
-def _forward(fds, stop_fd, rate, delay, jitter, loss, queue_bytes, seed, subnet=None):
+def _forward(fds, stop_fd, rate, delay, jitter, loss, queue_bytes, seed, subnet=None,
+             control_fd=None):
+    """Forward packets between the namespaces' devices until ``stop_fd`` is readable;
+    a line on ``control_fd`` (``WanLink.set_rate``) is the bottleneck's new rate."""
     rng = random.Random(seed)
     n = len(fds)
     # One bottleneck per ordered pair (source fd, destination index): pairs do not share.
@@ -201,11 +204,19 @@ def _forward(fds, stop_fd, rate, delay, jitter, loss, queue_bytes, seed, subnet=
     while True:
         pending = [t for t in (w.next_time() for w in ways.values()) if t is not None]
         timeout = max(0.0, min(pending) - time.monotonic()) if pending else 0.5
-        ready, _, _ = select.select([*fds, stop_fd], [], [], timeout)
+        controls = [control_fd] if control_fd is not None else []
+        ready, _, _ = select.select([*fds, stop_fd, *controls], [], [], timeout)
         if stop_fd in ready:
             return
+        if controls and control_fd in ready:
+            line = os.read(control_fd, 256).split()
+            if line:
+                for way in ways.values():  # what is queued keeps its departure time
+                    way.rate = float(line[-1])
         now = time.monotonic()
         for fd in ready:
+            if fd == control_fd:
+                continue
             try:
                 packet = os.read(fd, MTU + 1024)
             except BlockingIOError:
@@ -292,21 +303,30 @@ class WanLink(ClosedOnExit):
                 subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
                                 f"{key}=4096 131072 67108864"], capture_output=True)
         stop_r, self._stop_w = os.pipe()
+        control_r, self._control_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the forwarder
             code = 0
             try:
                 os.close(self._stop_w)
+                os.close(self._control_w)
                 _forward(fds, stop_r, self.rate, self.delay, self.jitter, self.loss,
-                         self.queue_bytes, self.seed, self.subnet)
+                         self.queue_bytes, self.seed, self.subnet, control_r)
             except BaseException:
                 code = 1
             finally:
                 os._exit(code)
         self._forwarder = pid
         os.close(stop_r)
+        os.close(control_r)
         for fd in fds:  # the forwarder holds them; the devices die with it
             os.close(fd)
+
+    def set_rate(self, rate_mbit):
+        """Change the bottleneck's rate, each way, while the link runs (None: unlimited):
+        a link that gets slower or faster under a running job."""
+        self.rate = rate_mbit * 1e6 / 8 if rate_mbit else 0.0
+        os.write(self._control_w, f"{self.rate!r}\n".encode())
 
     def close(self):
         self._disarm()
@@ -314,6 +334,7 @@ class WanLink(ClosedOnExit):
             try:
                 os.write(self._stop_w, b"x")
                 os.close(self._stop_w)
+                os.close(self._control_w)
             except OSError:
                 pass
             for _ in range(50):

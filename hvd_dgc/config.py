@@ -21,6 +21,7 @@ from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, check_refres
     freeze_steps, resolve_refresh
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel, default_cost_model
+from hvd_dgc.linkwatch import LinkWatch, as_link_watch
 from hvd_dgc.masking import check_masking
 from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
 from hvd_dgc.schedule import DensitySchedule, as_schedule
@@ -75,6 +76,14 @@ class DGCConfig:
             dense run dense. Under elastic Horovod both measure at each sync of the
             elastic state (``TorchState``, ``KerasState``; after a reset too: every rank
             is there).
+        link_watch: with the link measured (``cost_model`` "measure"), PyTorch, delay 0
+            and period 1: the link measured again when the step's own waits for its
+            averages say it got slower or faster (an agreed window's mean wait beyond
+            twice, or under half, what it was), and the paths chosen afresh where the
+            new numbers move the step's predicted exchange by more than 1.5x, said in
+            rank 0's log (hvd_dgc/linkwatch.py). None (default): on; False: the
+            wrap-time measurement stands; ``hvd_dgc.LinkWatch(window=50, ...)`` to
+            change its settings. TensorFlow: measured at wrap time only, so far.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" chooses D from measured compute and waits, the same on every
@@ -141,6 +150,7 @@ class DGCConfig:
     momentum_masking: Any = "auto"
     clip_norm: Optional[float] = None
     cost_model: Any = None  # a CostModel, "measure" or None
+    link_watch: Any = None  # None, False or a LinkWatch
     delay: Any = 0
     period: int = 1
     skip_nonfinite: bool = True
@@ -169,6 +179,7 @@ class DGCConfig:
             raise TypeError(f"cost_model must be a hvd_dgc.CostModel(alpha=..., "
                             f"bandwidth=...) or 'measure' (the link timed at wrap time), "
                             f"got {self.cost_model!r}")
+        as_link_watch(self.link_watch)
         as_auto_delay(self.delay)
         _check_int("period", self.period, 1,
                    "exchange every period-th step; 1 = every step")
@@ -245,7 +256,7 @@ class DGCConfig:
                 continue
             value = getattr(self, f.name)
             config = getattr(value, "config", None)
-            if isinstance(value, AutoDelay):
+            if isinstance(value, (AutoDelay, LinkWatch)):
                 value = repr(value)
             elif callable(config):
                 value = repr(config())
@@ -488,8 +499,11 @@ class CompressorOptions:
 _PER_RANK = ("log_every",)
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere:
-#: (option, used(config), instead). None now: every option runs in both frameworks.
-_TORCH_ONLY = ()
+#: (option, used(config), instead).
+_TORCH_ONLY = (
+    ("link_watch", lambda c: isinstance(c.link_watch, LinkWatch),
+     "the default (TensorFlow measures the link at wrap time only, so far)"),
+)
 
 
 def unsupported_message(config, framework):

@@ -78,11 +78,13 @@ class LinkMeasurement(NamedTuple):
 
     def words(self):
         """For the rank-0 line."""
+        return f"link measured: {self.numbers()} (cost_model='measure', {self.seconds:.2f} s)"
+
+    def numbers(self):
         gather = "" if self.gather_bandwidth is None else \
             f" (allgather {self.gather_bandwidth * 8 / 1e6:.0f})"
-        return (f"link measured: {self.alpha * 1e6:.0f} us per message, "
-                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s{gather} (cost_model='measure', "
-                f"{self.seconds:.2f} s)")
+        return (f"{self.alpha * 1e6:.0f} us per message, "
+                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s{gather}")
 
 
 def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None):

@@ -20,7 +20,7 @@ import math
 import os
 from typing import NamedTuple
 
-from hvd_dgc.aggregation import allgather_bytes, dense_bytes
+from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
@@ -101,6 +101,7 @@ class Planner:
         self.unmeasured = ""  # why the link was not measured where it was to be, in words
         self.adam_frozen_at = None  # Adam's take-over: the step it freezes (adam_freeze)
         self.adam_declined = False  # Adam left exact: nothing is ever compressed here
+        self.generation = 0  # how many times a probe during training moved the model
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -118,11 +119,58 @@ class Planner:
         the same on every rank; either may be None) become the cost model; every choice
         is made afresh."""
         if link is not None:
-            self.link, self.cost_model = link, link.cost_model(self.cost_model)
+            self.link = link
         if local is not None:
             self.local = local
-            self.cost_model = dataclasses.replace(self.cost_model, **local._asdict())
+        self.cost_model = self.priced(link)
         self.replan(self.world_size)
+
+    def priced(self, link):
+        """The cost model ``measured(link)`` would make (this device's ``local`` kept);
+        ``link`` None: the one in use."""
+        model = self.cost_model if link is None else link.cost_model(self.cost_model)
+        if self.local is not None:
+            model = dataclasses.replace(model, **self.local._asdict())
+        return model
+
+    def relink(self, link):
+        """A probe during training (linkwatch.py) measured ``link``: the cost model moves to
+        it and every flat tensor's path is chosen afresh; a hierarchical tensor stays
+        (its residual lives in slices across its host's ranks)."""
+        kept = self._hierarchical
+        self.measured(link)
+        self._hierarchical = kept
+        self.generation += 1
+
+    def exchange_seconds(self, density, launches, model=None, step=None):
+        """The step's exchange on the paths it takes now at ``density``, priced by
+        ``model`` (the one in use by default): each tensor's transfer, and the latency
+        of ``launches`` Horovod operations. Hierarchical tensors count their records'
+        transfer between hosts only."""
+        model = model or self.cost_model
+        world = self.world_size
+        seconds = launches * 2 * (world - 1) * model.alpha
+        for tensor in self.tensors:
+            path = self.path(tensor, density, step)
+            k = self.k(tensor, density)
+            if path == PathKind.ALLGATHER:
+                wire = allgather_bytes(k, world, self.record_bytes)
+            elif path == PathKind.REGION:
+                wire = region_bytes(k, world, self.record_bytes)
+            elif path == PathKind.HIERARCHICAL:
+                wire = hierarchical_bytes(k, world, self.local_size, self.record_bytes)
+            else:
+                seconds += dense_bytes(tensor.numel, world, self.dense_value_bytes) / \
+                    model.bandwidth
+                continue
+            seconds += wire / model.records_bandwidth
+        return seconds
+
+    def sparse_words(self, density):
+        """How many large tensors take a sparse path at ``density``, in words."""
+        large = [t for t in self.tensors if self.large(t)]
+        sparse = sum(self.path(t, density) != PathKind.DENSE for t in large)
+        return f"{sparse} of {len(large)} large tensors sparse at density {density:g}"
 
     def measured_words(self):
         """What was measured, for the rank-0 line ("" if nothing)."""

@@ -12,6 +12,7 @@ from horovod.torch import *  # noqa: F401,F403  (the drop-in contract)
 from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for readers)
 
 from hvd_dgc.autodelay import AutoDelay  # noqa: F401
+from hvd_dgc.linkwatch import LinkWatch  # noqa: F401 (link_watch=hvd.LinkWatch(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.outer import OuterLoop  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401

@@ -2,17 +2,20 @@
 work on this device (hvd_dgc/localcost.py) with the compressor's own selection and
 record handling: ``cost_model="measure"``."""
 
+import atexit
 import time
+import weakref
 
 import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
+from hvd_dgc.linkwatch import LinkWatchState, changes_plan
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
 from hvd_dgc.torch.memory import BLOCK
 
-__all__ = ["measure", "measure_local"]
+__all__ = ["measure", "measure_local", "LinkWatcher"]
 
 
 def _agree(process_set, name):
@@ -78,3 +81,72 @@ def measure_local(compressor, process_set, density, device):
         return fastest(once)
     return calibrate(select, records, _agree(process_set, "hvd_dgc.calibrate.agree"),
                      density)
+
+
+class LinkWatcher:
+    """The link watch of one optimizer (hvd_dgc/linkwatch.py): ``observe`` after each
+    synchronous step's wait for its averages; at a window's end the last window's agreed
+    waits may call for a probe, after which the paths follow the link where it changed."""
+
+    made = 0  # watchers made in this process: each names its collectives apart
+
+    def __init__(self, watch, planner, process_set):
+        self.state = LinkWatchState(watch)
+        self.planner, self.process_set = planner, process_set
+        self._agreeing = None  # (handle of the last window's sums, what they were on)
+        self._windows = 0
+        LinkWatcher.made += 1
+        self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
+        # A job that ends at a window's end leaves its agreement in flight; a rank that
+        # exits first would shut Horovod down under the others' (registered after
+        # hvd.init(), so it runs before Horovod's own shutdown at exit)
+        atexit.register(_settle, weakref.ref(self))
+
+    def observe(self, waited, launches, density, step):
+        state = self.state
+        state.observe(waited)
+        if not state.window_done():
+            return
+        now = (density, self.planner.generation)
+        sums = torch.tensor(state.take_window(), dtype=torch.float64)
+        moved = 0
+        if self._agreeing is not None:
+            handle, measured_on = self._agreeing
+            agreed = tuple(_hvd.synchronize(handle).tolist())
+            moved = state.decide(agreed, measured_on, now)
+        if moved:  # (before this window's agreement: nothing of ours in flight)
+            self._probe(density, launches, step, moved)
+            now = (density, self.planner.generation)
+        self._windows += 1
+        name = f"{self._name}.{self._windows % 2}"
+        self._agreeing = (_hvd.allreduce_async(sums, op=Max, process_set=self.process_set,
+                                               name=name), now)
+
+    def _probe(self, density, launches, step, moved):
+        planner = self.planner
+        link = measure(self.process_set)
+        before = planner.exchange_seconds(density, launches)
+        after = planner.exchange_seconds(density, launches, model=planner.priced(link))
+        relinked = link is not None and changes_plan(before, after, self.state.watch.change,
+                                                     moved)
+        if relinked:
+            was = planner.link
+            planner.relink(link)
+            if _hvd.rank() == 0:
+                print(f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
+                      f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange "
+                      f"on its paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} "
+                      f"ms, so each tensor's path was chosen afresh: "
+                      f"{planner.sparse_words(density)}", flush=True)
+        self.state.probed(relinked, step)
+
+
+def _settle(ref):
+    """At exit: wait for a watcher's agreement in flight (the other ranks submit theirs at
+    the same step; one that failed has shut Horovod down, which ends the wait)."""
+    watcher = ref()
+    if watcher is not None and watcher._agreeing is not None:
+        try:
+            _hvd.synchronize(watcher._agreeing[0])
+        except Exception:  # noqa: BLE001  (Horovod already shut down: nothing to wait for)
+            pass

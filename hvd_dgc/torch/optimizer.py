@@ -48,7 +48,8 @@ from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelera
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
-from hvd_dgc.torch.link import measure as measure_link, measure_local
+from hvd_dgc.linkwatch import as_link_watch
+from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local
 from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
@@ -112,6 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
             self._takeover.freeze_at(self._planner.adam_freeze(self._config.lagging))
+        self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
                               self._guard, {p: Member(p, infos[p].key, infos[p].name,
@@ -229,7 +231,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._engine.advance(launches)
         step = self._progress.step
         if not self._lagging.keeps_own:
+            began = time.perf_counter()
             self._collect(launches, views)
+            if self._watcher is not None and not flush:  # the link, from this step's wait
+                self._watcher.observe(time.perf_counter() - began, len(launches),
+                                      self._progress.density(), step)
         else:
             started = time.perf_counter()
             self._lagging.push(step, launches)
@@ -414,6 +420,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if lagging.auto is not None:
             out.update(delay_decisions=list(lagging.auto.decisions))
         out.update(self._takeover.stats())
+        if self._watcher is not None:
+            out.update(self._watcher.state.stats())
         return out
 
     def state_dict(self):
@@ -511,6 +519,18 @@ def _check_dtypes(params, names):
                             f"compresses real floating-point gradients only (float16, "
                             f"bfloat16, float32, float64). Leave it out of the optimizer "
                             f"or set requires_grad=False.")
+
+
+def _link_watcher(config, resolved, planner, process_set):
+    """The link watch (hvd_dgc/linkwatch.py) where it can act: the link was measured (a
+    multi-rank set, not elastic, where each sync measures it), DGC may choose its paths,
+    and each step waits for its own averages (delay and period change what a wait means;
+    ``delay="auto"`` answers a slower link with a longer delay instead)."""
+    watch = as_link_watch(config.link_watch)
+    if watch is None or planner.link is None or not resolved.sparse or config.lagging or \
+            not process_set.included() or os.environ.get("HOROVOD_ELASTIC") == "1":
+        return None
+    return LinkWatcher(watch, planner, process_set)
 
 
 def _host_peers(planner, process_set):

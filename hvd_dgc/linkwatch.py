@@ -1,0 +1,169 @@
+"""The link watched while training, and the paths re-decided when it changes (issue 33).
+
+The wrap-time probe (linkprobe.py) prices every path on the link of that moment. A link
+that later gets slower or faster (a shared uplink filling up, a job moved, a WAN's
+congestion) leaves the paths chosen for another link: dense on a link that has become
+slow, sparse with all its local work on one that has become fast. Probing again costs
+Horovod collectives every rank joins (up to ``linkprobe.BUDGET_SECONDS``), so the step's
+own collectives say when it is worth it:
+
+    w   the seconds a step waited for its averages (what the backward pass did not
+        hide), the window's mean (max over the ranks)
+    b   the baseline: the mean of the window after a probe, or the second whole window
+        on the step's paths (after the wrap, a density stage, a re-plan: the first
+        settles)
+    probe when  w > slower * b + floor     (the link got slower)
+           or   w < (b - floor) / slower   (it got faster: the step waits clearly less)
+
+``floor`` keeps a step's jitter (Horovod's cycle time, the scheduler) from reading as a
+change where the step barely waits. The probe's numbers then replace the cost model
+only where they move the predicted time of the step's exchange, on the paths it takes
+now, by more than ``change`` the way the waits moved (the same link measured twice moves
+by about 20%, bench/results/never_slower.md, and more on a busy machine; a probe that
+contradicts the waits is not believed); then every tensor's path is chosen afresh
+(``Planner.relink``). Two thresholds, one on the evidence and one on the measurement,
+so the paths do not flap on noise; and each probe that finds the link as it was doubles
+the windows before the next may run.
+
+Agreement, as ``delay="auto"`` (autodelay.py): each window's sums travel in one small
+non-blocking allreduce (max over ranks) read a window later, when it has long arrived;
+every rank then takes the same decision at the same step, and the probe agrees its own
+numbers. Framework-free: the optimizer holds a ``LinkWatchState`` and calls
+``observe``/``window_done``/``take_window``/``decide``; the maths is tested alone.
+"""
+
+from typing import NamedTuple
+
+__all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan"]
+
+
+class LinkWatch(NamedTuple):
+    """Hyper-parameters of the link watch (``link_watch=LinkWatch(window=100)``).
+
+    Args:
+        window: steps whose waits are averaged into one reading.
+        slower: how many times the baseline wait (plus ``floor``) a window must wait
+            for the link to read as slower; its inverse, faster.
+        floor: seconds a step's wait may move by without meaning anything.
+        change: how many times the predicted exchange time of the step's paths a new
+            measurement must move it, either way, to replace the cost model.
+        backoff: the most windows between probes that found nothing, as a power of two
+            (each such probe doubles the wait before the next, up to 2**backoff).
+    """
+
+    window: int = 50
+    slower: float = 2.0
+    floor: float = 0.002
+    change: float = 1.5
+    backoff: int = 6
+
+    def check(self):
+        for name in ("window", "backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LinkWatch {name} must be an int >= 1, got {value!r}")
+        for name in ("slower", "change"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not value > 1:
+                raise ValueError(f"LinkWatch {name} must be a number > 1, got {value!r}")
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or \
+                not self.floor >= 0:
+            raise ValueError(f"LinkWatch floor must be a number of seconds >= 0, got "
+                             f"{self.floor!r}")
+        return self
+
+
+def as_link_watch(value):
+    """``link_watch`` as given to an optimizer: None (the default: watched where the link
+    is measured), False (never re-measured) or a ``LinkWatch``. Returns a ``LinkWatch``
+    or None (off)."""
+    if value is None or value is True:
+        return LinkWatch()
+    if value is False:
+        return None
+    if isinstance(value, LinkWatch):
+        return value.check()
+    raise ValueError(f"link_watch must be None (the default: the link re-measured when the "
+                     f"step's waits say it changed), False (measured once, at wrap time) "
+                     f"or hvd_dgc.LinkWatch(window=...), got {value!r}")
+
+
+def changes_plan(before, after, change, direction=0):
+    """Do ``after`` seconds (the step's exchange on its current paths, priced by a new
+    measurement) differ from ``before`` (priced by the model in use) by more than
+    ``change`` times, the way the waits said (``direction`` 1: slower, -1: faster; 0:
+    either)? A probe that reads the other way than the waits (a busy moment) is not
+    believed: two measurements must agree."""
+    if before <= 0 or after <= 0:
+        return before != after and direction * (after - before) >= 0
+    if direction >= 0 and after / before > change:
+        return True
+    return direction <= 0 and before / after > change
+
+
+class LinkWatchState:
+    """One optimizer's watch: the window being measured and the agreed baseline."""
+
+    def __init__(self, watch):
+        self.watch = watch
+        self._sums = [0.0, 0.0]  # waited seconds, steps
+        self.baseline = None     # agreed mean wait a step; None: the next window sets it
+        self.key = None          # what the baseline was measured on (density, plan)
+        self.quiet = 0           # windows left before a probe may run
+        self.found_nothing = 0   # probes in a row that found the link as it was
+        self.probes = 0
+        self.relinked = []       # steps at which a probe replaced the cost model
+
+    def observe(self, waited):
+        self._sums[0] += waited
+        self._sums[1] += 1
+
+    def window_done(self):
+        return self._sums[1] >= self.watch.window
+
+    def take_window(self):
+        """This window's sums, to be agreed (max over ranks); a fresh window begins."""
+        sums, self._sums = tuple(self._sums), [0.0, 0.0]
+        return sums
+
+    def decide(self, agreed, measured_on, now):
+        """From a window's agreed sums: where the link should be probed now, the way the
+        waits moved (1: slower, -1: faster), else 0.
+        ``measured_on`` and ``now``: what fixed the step's paths when the window was
+        measured and now (its density and the plan's generation). A window measured on
+        other paths than today's says nothing; on today's, the first settles and the
+        second sets the baseline."""
+        waited, steps = agreed
+        if not steps or measured_on != now:
+            return 0
+        mean = waited / steps
+        if self.key != now:  # new paths: their first window settles (Horovod negotiates
+            self.key, self.baseline = now, None  # shapes it has not cached yet)
+            return 0
+        if self.baseline is None:
+            self.baseline = mean
+            return 0
+        if self.quiet > 0:
+            self.quiet -= 1
+            return 0
+        w = self.watch
+        if mean > w.slower * self.baseline + w.floor:
+            return 1
+        return -1 if mean < (self.baseline - w.floor) / w.slower else 0
+
+    def probed(self, relinked, step):
+        """After a probe: the next window sets the baseline; a probe that changed nothing
+        makes the next wait longer (up to 2**backoff windows)."""
+        self.probes += 1
+        self.baseline = None
+        if relinked:
+            self.relinked.append(step)
+            self.found_nothing = 0
+        else:
+            self.found_nothing = min(self.found_nothing + 1, self.watch.backoff)
+        self.quiet = 2 ** self.found_nothing - 1
+
+    def stats(self):
+        return {"link_probes": self.probes, "relinked_at": list(self.relinked)}
+

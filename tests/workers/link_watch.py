@@ -1,0 +1,79 @@
+"""tests/test_linkwatch.py's job, one rank in each namespace of an emulated link whose
+rate the test drops half-way (``python -m tests.workers.link_watch DIR``): the PyTorch
+optimizer with the default cost model (the link measured) and its link watch.
+
+Rank 0 writes DIR/ready after ``BEFORE`` steps and waits for DIR/changed (the test
+changes the link in between; rank 1 waits in the next step's collective); then both
+train ``AFTER`` steps more, rank 1 a little later, and end with no collective after the
+last step. Prints, last, a JSON line of what each phase measured; writes its weights to
+DIR/weights.<rank>."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import hvd_dgc.torch as hvd
+
+BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625  # (the job ends at a window's end)
+
+
+def _seen(opt, weight):
+    planner = opt._planner
+    link = planner.link
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth,
+            "gather_bandwidth": link.gather_bandwidth, "local": list(planner.local),
+            "generation": planner.generation, "numel": weight.numel,
+            "path": str(planner.path(weight, DENSITY)), "stats": opt.compression_stats()}
+
+
+def main(directory):
+    hvd.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 4))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(), density=DENSITY,
+        link_watch=hvd.LinkWatch(window=WINDOW))
+    weight = max(opt._planner.tensors, key=lambda t: t.numel)
+    gen = torch.Generator().manual_seed(1 + hvd.rank())
+    x, y = torch.randn(64, 128, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+    out = {}
+
+    def train(steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    train(BEFORE)
+    out["before"] = _seen(opt, weight)
+    if hvd.rank() == 0:
+        open(os.path.join(directory, "ready"), "w").close()
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(directory, "changed")):
+            if time.time() > deadline:
+                raise RuntimeError("the test did not change the link")
+            time.sleep(0.05)
+    train(AFTER - 1)
+    if hvd.rank() == 1:  # rank 0 ends first, its last window's agreement in flight:
+        observe = opt._watcher.observe  # rank 1 is late to launch its own
+
+        def late(*args):
+            time.sleep(0.5)
+            return observe(*args)
+        opt._watcher.observe = late
+    train(1)  # (the job ends at a window's end, with no collective after it)
+    out["after"] = _seen(opt, weight)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(directory, f"weights.{hvd.rank()}"))
+    out.update(before_steps=BEFORE, window=WINDOW, density=DENSITY)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
