@@ -61,6 +61,8 @@ VARIANTS = {
                                           "density": 0.01},
     "outer H=128, density 0.01, overlap": {"outer": OuterLoop(steps=128, overlap=True),
                                            "density": 0.01},
+    "outer H=128, density 0.1, overlap": {"outer": OuterLoop(steps=128, overlap=True),
+                                          "density": 0.1},
     "outer H=128, overlap": {"outer": OuterLoop(steps=128, overlap=True)},
 }
 

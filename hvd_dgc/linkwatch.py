@@ -45,8 +45,8 @@ class LinkWatch(NamedTuple):
         slower: how many times the baseline wait (plus ``floor``) a window must wait
             for the link to read as slower; its inverse, faster.
         floor: seconds a step's wait may move by without meaning anything.
-        change: how many times the predicted exchange time of the step's paths a new
-            measurement must move it, either way, to replace the cost model.
+        change: how many times a new measurement must move the predicted exchange time
+            of the step's paths, the way the waits moved, to replace the cost model.
         backoff: the most windows between probes that found nothing, as a power of two
             (each such probe doubles the wait before the next, up to 2**backoff).
     """
@@ -75,9 +75,9 @@ class LinkWatch(NamedTuple):
 
 
 def as_link_watch(value):
-    """``link_watch`` as given to an optimizer: None (the default: watched where the link
-    is measured), False (never re-measured) or a ``LinkWatch``. Returns a ``LinkWatch``
-    or None (off)."""
+    """``link_watch`` as given to an optimizer: None or True (the default: watched where
+    the link is measured), False (never re-measured) or a ``LinkWatch``. Returns a
+    ``LinkWatch`` or None (off)."""
     if value is None or value is True:
         return LinkWatch()
     if value is False:
