@@ -53,10 +53,7 @@ class AutoDelay(NamedTuple):
     idle: float = 0.05
 
     def check(self):
-        for name in ("max_delay", "window", "start"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AutoDelay {name} must be an int >= 1, got {value!r}")
+        check_counts(self, ("max_delay", "window", "start"))
         if not self.start <= self.max_delay:
             raise ValueError(f"AutoDelay start={self.start} is above max_delay="
                              f"{self.max_delay}; lower start or raise max_delay")
@@ -65,6 +62,16 @@ class AutoDelay(NamedTuple):
         if not (isinstance(self.idle, (int, float)) and 0 <= self.idle < 1):
             raise ValueError(f"AutoDelay idle must be a number in [0, 1), got {self.idle!r}")
         return self
+
+
+def check_counts(settings, names):
+    """Each of ``names`` of the settings record ``settings`` (AutoDelay, LinkWatch) is an
+    int >= 1, or a ValueError names the record, the field and the value."""
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(settings).__name__} {name} must be an int >= 1, got "
+                             f"{value!r}")
 
 
 def as_auto_delay(delay):

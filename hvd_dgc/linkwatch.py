@@ -34,6 +34,8 @@ numbers. Framework-free: the optimizer holds a ``LinkWatchState`` and calls
 
 from typing import NamedTuple
 
+from hvd_dgc.autodelay import check_counts
+
 __all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan"]
 
 
@@ -58,10 +60,7 @@ class LinkWatch(NamedTuple):
     backoff: int = 6
 
     def check(self):
-        for name in ("window", "backoff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LinkWatch {name} must be an int >= 1, got {value!r}")
+        check_counts(self, ("window", "backoff"))
         for name in ("slower", "change"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \

@@ -34,9 +34,9 @@ OUTER_KEY = "hvd_dgc_outer"
 class InFlight(NamedTuple):
     """A round's exchange under way: Horovod's handle, and the buffer's shape."""
 
-    handle: int       # the allreduce of the change, or the allgather of its records
+    handle: int       # the allreduce of the change (density 1.0), or the allgather of
+    #                   its records (every rank's int32 [k, 2])
     like: object      # a flat tensor of the buffer's size, dtype and device
-    records: bool     # the handle's result is every rank's [k, 2] int32 records
 
 
 class _OuterLoopOptimizer(torch.optim.Optimizer):
@@ -86,7 +86,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         if self._density >= 1:
             return InFlight(_hvd.allreduce_async_(delta, op=Average,
                                                   name="hvd_dgc.outer.dense",
-                                                  process_set=self.process_set), delta, False)
+                                                  process_set=self.process_set), delta)
         if self._residual is None:
             self._residual = torch.zeros_like(delta)
         v = self._residual.add_(delta)
@@ -104,7 +104,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         # costs round trips, which a long link makes the exchange's largest part
         records = torch.stack([positions.to(torch.int32), values.view(torch.int32)], 1)
         return InFlight(_hvd.allgather_async(records, name="hvd_dgc.outer.records",
-                                             process_set=self.process_set), delta, True)
+                                             process_set=self.process_set), delta)
 
     def _waited_for(self, flight):
         """``_average`` at a round's end: the time training stands still is counted."""
@@ -116,7 +116,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
     def _average(self, flight):
         """Wait for ``flight``: the average of every rank's change."""
         result = _hvd.synchronize(flight.handle)
-        if not flight.records:
+        if self._density >= 1:
             return result
         total = torch.zeros_like(flight.like)
         total.index_add_(0, result[:, 0].long(), result[:, 1].contiguous().view(torch.float32))
