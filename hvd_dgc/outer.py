@@ -43,22 +43,33 @@ from typing import NamedTuple
 from hvd_dgc.schedule import num_selected
 
 __all__ = ["OuterLoop", "outer_step", "check_outer", "round_ks", "round_bytes",
-           "outer_stats", "VALUE_BYTES", "RECORD_BYTES"]
+           "outer_stats", "RecordLayout", "VALUE_BYTES", "VALUE_BITS"]
 
-#: fp32 on the dense path; a record is an int32 position and an fp32 value.
-VALUE_BYTES, RECORD_BYTES = 4, 8
+#: fp32 on the dense path.
+VALUE_BYTES = 4
+#: What a record's value may travel as: its fp32 bits, or a sign and ``bits - 1`` bits of
+#: magnitude (SparseLoCo sends 2).
+VALUE_BITS = (32, 8, 4, 2)
 
 
 class OuterLoop(NamedTuple):
     """The outer loop's settings: ``steps`` inner steps per round (H), the outer
     optimizer's ``lr``, ``momentum`` and ``nesterov``; ``overlap``: each round's exchange
-    behind the next round's inner steps, applied one round late."""
+    behind the next round's inner steps, applied one round late; ``residual_decay``
+    (beta, sent sparse only): the residual is multiplied by it each round before the
+    round's change is added, ``v <- beta * v + d`` (SparseLoCo's error feedback: 1 keeps
+    everything owed; below 1 what the inner steps make again is not owed twice);
+    ``value_bits`` (sent sparse only): each record's value as its fp32 bits (32), or as
+    a sign and ``value_bits - 1`` bits of magnitude (``RecordLayout``), the rounding
+    kept in the residual."""
 
     steps: int = 32
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
     overlap: bool = False
+    residual_decay: float = 1.0
+    value_bits: int = 32
 
     def check(self):
         """Raises ValueError naming the bad setting and what works; returns self."""
@@ -76,6 +87,16 @@ class OuterLoop(NamedTuple):
         if not 0 <= self.momentum < 1:
             raise ValueError(f"OuterLoop(momentum={self.momentum!r}) must be in [0, 1) "
                              f"(DiLoCo uses 0.9; 0: no outer momentum)")
+        if (isinstance(self.residual_decay, bool)
+                or not isinstance(self.residual_decay, (int, float))
+                or not 0 < self.residual_decay <= 1):
+            raise ValueError(f"OuterLoop(residual_decay={self.residual_decay!r}) must be a "
+                             f"number in (0, 1] (1 keeps every unsent coordinate owed; "
+                             f"SparseLoCo uses 0.95)")
+        if isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS:
+            raise ValueError(f"OuterLoop(value_bits={self.value_bits!r}) must be one of "
+                             f"{VALUE_BITS} (32: the values' fp32 bits; 2: a sign and one "
+                             f"bit of magnitude, as SparseLoCo)")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"OuterLoop(nesterov={self.nesterov!r}) must be True or False")
         if not isinstance(self.overlap, bool):
@@ -91,6 +112,9 @@ class OuterLoop(NamedTuple):
                 f"weights' change averaged and applied by outer {kind} "
                 f"(lr {self.lr:g}" + (f", momentum {self.momentum:g})" if self.momentum
                                       else ")")
+                + (f"; the residual decayed by {self.residual_decay:g} a round"
+                   if self.residual_decay != 1 else "")
+                + (f"; values in {self.value_bits} bits" if self.value_bits < 32 else "")
                 + ("; each exchange overlapped with the next round, applied one round "
                    "late (flush() before evaluating)" if self.overlap else ""))
 
@@ -112,9 +136,39 @@ def round_ks(numels, density, min_compress_size):
             for n in numels]
 
 
-def round_bytes(numels, ks, density):
+class RecordLayout(NamedTuple):
+    """One rank's records of a round as the bytes of one allgather (every rank's the same
+    size, so the gathered buffer is ``[world, nbytes]``): the ``count`` positions
+    (int32), then for low-bit values each tensor's smallest and largest sent magnitude
+    (``lo``, ``hi``: fp32), then the values: fp32 bits, or a code a record packed
+    ``8 // value_bits`` to a byte, first in the low bits. A code holds the sign (its top
+    bit) and a level ``m`` in ``0 .. L - 1`` (``L = 2 ** (value_bits - 1)``); the value
+    that arrives is ``+-(lo + m * (hi - lo) / (L - 1))``, ``m`` the nearest level (half
+    to even). With 2 bits a value arrives as its tensor's ``lo`` or ``hi``."""
+
+    count: int        # records (sum of the tensors' k)
+    tensors: int      # tensors (each its own lo and hi)
+    value_bits: int
+
+    @property
+    def levels(self):
+        return 1 << (self.value_bits - 1)
+
+    @property
+    def values_at(self):
+        return 4 * self.count + (8 * self.tensors if self.value_bits < 32 else 0)
+
+    @property
+    def nbytes(self):
+        per = 8 // self.value_bits if self.value_bits < 32 else 0
+        return self.values_at + (4 * self.count if not per else -(-self.count // per))
+
+
+def round_bytes(numels, ks, density, value_bits=32):
     """What one rank sends a round: the change whole (fp32), or its records."""
-    return sum(numels) * VALUE_BYTES if density >= 1 else sum(ks) * RECORD_BYTES
+    if density >= 1:
+        return sum(numels) * VALUE_BYTES
+    return RecordLayout(sum(ks), len(ks), value_bits).nbytes
 
 
 def outer_stats(outer, density, inner, rounds, bytes_sent, numels, in_flight, world_size,
@@ -158,6 +212,15 @@ def check_outer(outer, config, compression_is_default, op_is_average):
                          f"share of each tensor's change sent per round; 1.0, the default, "
                          f"sends it whole), without warmup; got density={density!r}, "
                          f"warmup={config.warmup!r}.")
+    if outer.residual_decay != 1 and (density is None or density >= 1):
+        raise ValueError(f"OuterLoop(residual_decay={outer.residual_decay!r}) decays what "
+                         f"the sparse exchange still owes; with the change sent whole "
+                         f"(density 1.0) nothing is owed: pass density < 1 (SparseLoCo: "
+                         f"0.01-0.03) or drop residual_decay.")
+    if outer.value_bits < 32 and (density is None or density >= 1):
+        raise ValueError(f"OuterLoop(value_bits={outer.value_bits!r}) sends the records' "
+                         f"values in fewer bits; with the change sent whole (density 1.0) "
+                         f"there are no records: pass density < 1 or drop value_bits.")
     if not compression_is_default:
         raise ValueError("outer=OuterLoop(...) sends the weights' change as DGC's records "
                          "(density) or whole: pass no compression (or Compression.none / "

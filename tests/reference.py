@@ -395,13 +395,37 @@ OUTER_RUNS = {
     "overlap": (10, {"overlap": True}, {}, None),
     "overlap_sparse": (9, {"overlap": True}, {"density": 0.1, "min_compress_size": 100},
                        [200, 30]),
+    # SparseLoCo's shape: no outer momentum, the residual decayed each round (0.5 here,
+    # so that a framework which ignored it would be far off)
+    "decayed_residual": (9, {"overlap": True, "lr": 1.0, "momentum": 0.0,
+                             "nesterov": False, "residual_decay": 0.5},
+                         {"density": 0.1, "min_compress_size": 100}, [200, 30]),
+    # values in 2 bits (a sign and lo or hi per tensor): the rounding stays owed
+    "two_bit_values": (9, {"value_bits": 2}, {"density": 0.1, "min_compress_size": 100},
+                       [200, 30]),
 }
 
 
-def outer_average(deltas, residuals, sizes, ks=None):
+def low_bit(values, bits):
+    """A tensor's sent values as they arrive in ``bits`` (hvd_dgc/outer.py RecordLayout):
+    a sign and the nearest of 2 ** (bits - 1) levels from the smallest to the largest
+    magnitude."""
+    values = f32(values)
+    if bits == 32:
+        return values
+    mags = np.abs(values)
+    lo, hi = mags.min(), mags.max()
+    step = (hi - lo) / F32((1 << (bits - 1)) - 1)
+    level = np.round((mags - lo) / step) if step > 0 else np.zeros_like(mags)
+    arrived = lo + level.astype(np.float32) * step
+    return np.where(values < 0, -arrived, arrived).astype(np.float32)
+
+
+def outer_average(deltas, residuals, sizes, ks=None, decay=1.0, value_bits=32):
     """Every rank's pseudo-gradient ``deltas[r]`` (flat) averaged as the outer loop sends
     it: whole (``ks`` None), or per tensor (``sizes``) the ``ks`` largest
-    ``|residual + delta|`` as records, the rest kept in ``residuals[r]`` (updated in
+    ``|decay * residual + delta|`` as records, their values as ``low_bit`` sends them,
+    what was not sent (and the values' rounding) kept in ``residuals[r]`` (updated in
     place). Returns the average."""
     world = len(deltas)
     if ks is None:
@@ -409,13 +433,16 @@ def outer_average(deltas, residuals, sizes, ks=None):
     total = np.zeros_like(f32(deltas[0]))
     for r, delta in enumerate(deltas):
         v = residuals[r]
+        if decay != 1:
+            v *= F32(decay)
         v += f32(delta)
         offset = 0
         for numel, k in zip(sizes, ks):
             part = v[offset:offset + numel]
             chosen = np.arange(numel) if k >= numel else np.argsort(-np.abs(part))[:k]
-            total[offset + chosen] += part[chosen]
-            part[chosen] = 0.0
+            arrived = low_bit(part[chosen], value_bits)
+            total[offset + chosen] += arrived
+            part[chosen] -= arrived
             offset += numel
     return total / F32(world)
 

@@ -54,6 +54,22 @@ def test_outer_average_hand_vectors():
     np.testing.assert_allclose(avg, [0, -1.5, 0, 1.0])
     np.testing.assert_allclose(residuals[0], [1, 0, 0.5, 0])
     np.testing.assert_allclose(residuals[1], [0.5, 0, 0, 0])
+    # decayed (SparseLoCo, beta 0.5): rank 1's owed 1 at 3 counts 0.5, so its
+    # v = (0.5, 0, 0, 1.5) sends 1.5 at 3 and keeps 0.5 at 0
+    residuals = [np.zeros(4, np.float32), np.float32([0, 0, 0, 1])]
+    avg = ref.outer_average([np.float32([1, -3, 0.5, 0]), np.float32([0.5, 0, 0, 1])],
+                            residuals, [4], [1], decay=0.5)
+    np.testing.assert_allclose(avg, [0, -1.5, 0, 0.75])
+    np.testing.assert_allclose(residuals[1], [0.5, 0, 0, 0])
+    # values in 2 bits: one tensor's sent (-3, 0.5, 1.25) arrive as -3, 0.5 and the
+    # nearer of 0.5 and 3 for 1.25 (0.5); 3 bits: levels 0.5, 1.333.., 2.1666.., 3
+    np.testing.assert_allclose(ref.low_bit([-3.0, 0.5, 1.25], 2), [-3, 0.5, 0.5])
+    np.testing.assert_allclose(ref.low_bit([-3.0, 0.5, 1.25, 2.0], 8)[:2], [-3, 0.5])
+    residuals = [np.zeros(4, np.float32)]
+    avg = ref.outer_average([np.float32([1.25, -3, 0.5, 0])], residuals, [4], [3],
+                            value_bits=2)
+    np.testing.assert_allclose(avg, [0.5, -3, 0.5, 0])
+    np.testing.assert_allclose(residuals[0], [0.75, 0, 0, 0])  # the rounding, owed
 
 
 def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
@@ -71,7 +87,8 @@ def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
             xs[r] = xs[r] - np.float32(lr) * (xs[r] - t)
         if (step + 1) % outer.steps == 0:
             own = [s - x for s, x in zip(starts, xs)]
-            average = ref.outer_average(own, residuals, sizes, ks)
+            average = ref.outer_average(own, residuals, sizes, ks, outer.residual_decay,
+                                        outer.value_bits)
             if not outer.overlap:
                 anchor, buffer = ref.outer_update(anchor, average, buffer, outer.lr,
                                                   outer.momentum, outer.nesterov)
@@ -88,7 +105,8 @@ def _replay(start, steps, lr, outer, sizes, ks=None, world=2):
         anchor, buffer = ref.outer_update(anchor, pending, buffer, outer.lr, outer.momentum,
                                           outer.nesterov)
     if steps % outer.steps:
-        average = ref.outer_average([s - x for s, x in zip(starts, xs)], residuals, sizes, ks)
+        average = ref.outer_average([s - x for s, x in zip(starts, xs)], residuals, sizes, ks,
+                                    outer.residual_decay, outer.value_bits)
         anchor, buffer = ref.outer_update(anchor, average, buffer, outer.lr, outer.momentum,
                                           outer.nesterov)
     return before, anchor
@@ -112,7 +130,9 @@ def assert_as_replayed(ranks, variant):
     assert all(out["identical"] for out in ranks) == (steps % 3 == 0 and not outer.overlap)
     stats = ranks[0]["flushed_stats"]
     assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
-    per_round = 2030 * 4 if ks is None else sum(ks) * 8
+    per_round = 2030 * 4 if ks is None else (
+        sum(ks) * 8 if outer.value_bits == 32  # int32 positions, then fp32 values; or
+        else sum(ks) * 4 + 2 * 8 + -(-sum(ks) * outer.value_bits // 8))  # lo, hi, codes
     assert stats["bytes_sent"] == stats["rounds"] * per_round
     assert stats["round_fp32_bytes"] == stats["rounds"] * 2030 * 4
     assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step
@@ -181,10 +201,18 @@ def test_an_elastic_sync_hands_every_rank_rank_0s_round(gloo):
     ({"period": 4}, "with period=4"),
     ({"density": 0.01, "warmup": 2}, "takes density as a number in \\(0, 1\\]"),
     ({"density": lambda step, epoch: 0.1}, "takes density as a number"),
+    ({"residual_decay": 0.95}, "with the change sent whole \\(density 1.0\\) nothing is "
+                               "owed: pass density < 1"),
+    ({"residual_decay": 0.95, "density": 1.0}, "pass density < 1"),
+    ({"value_bits": 2}, "value_bits=2\\) sends the records' values in fewer bits; with "
+                        "the change sent whole \\(density 1.0\\) there are no records"),
 ])
 def test_options_that_mean_nothing_in_an_outer_loop_are_refused(options, message):
+    options = dict(options)
+    outer = OuterLoop(steps=8, residual_decay=options.pop("residual_decay", 1.0),
+                      value_bits=options.pop("value_bits", 32))
     with pytest.raises(ValueError, match=message):
-        check_outer(OuterLoop(steps=8), DGCConfig(**options), True, True)
+        check_outer(outer, DGCConfig(**options), True, True)
 
 
 @pytest.mark.parametrize("outer,message", [
@@ -194,6 +222,10 @@ def test_options_that_mean_nothing_in_an_outer_loop_are_refused(options, message
     (OuterLoop(momentum=1.0), "momentum=1.0\\) must be in \\[0, 1\\)"),
     (OuterLoop(momentum=0.0), "nesterov=True\\) needs momentum > 0"),
     (OuterLoop(overlap="yes"), "overlap='yes'\\) must be True or False"),
+    (OuterLoop(residual_decay=0.0), "residual_decay=0.0\\) must be a number in \\(0, 1\\]"),
+    (OuterLoop(residual_decay=1.5), "SparseLoCo uses 0.95"),
+    (OuterLoop(value_bits=3), "value_bits=3\\) must be one of \\(32, 8, 4, 2\\)"),
+    (OuterLoop(value_bits=True), "value_bits=True"),
 ])
 def test_bad_outer_settings_name_the_fix(outer, message):
     with pytest.raises(ValueError, match=message):

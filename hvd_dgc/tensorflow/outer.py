@@ -38,7 +38,7 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.outer import outer_stats, outer_step, round_bytes, round_ks
+from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.tensorflow.delayed import check_inter_op_threads
 from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
 
@@ -90,6 +90,7 @@ class OuterRounds(tf.Module):
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_outer")
         self.numels = numels
         self.ks = round_ks(numels, self.density, self.min_compress_size)
+        self.layout = RecordLayout(sum(self.ks), len(self.ks), self.outer.value_bits)
 
         def zeros(name):
             return [tf.Variable(tf.zeros([n], tf.float32), trainable=False,
@@ -177,35 +178,40 @@ class OuterRounds(tf.Module):
     def _payload(self, delta):
         """What this rank sends: its change whole (one flat tensor; density 1.0), or the
         density's largest coordinates of ``residual + delta`` per variable as records
-        (int32 [k, 2]: flat position, the value's bits), the rest kept in the residual.
-        One tensor, so one collective: a Horovod operation costs round trips, which a
-        long link makes the exchange's largest part."""
+        (the bytes of hvd_dgc/outer.py ``RecordLayout``), the rest (and the values'
+        rounding) kept in the residual. One tensor, so one collective: a Horovod
+        operation costs round trips, which a long link makes the exchange's largest
+        part."""
         if self.density >= 1:
             return [tf.concat(delta, 0)]
-        positions, values, offset = [], [], 0
+        picks = []
         for v, d, n, k in zip(self.residual, delta, self.numels, self.ks):
-            v.assign_add(d, read_value=False)
+            if self.outer.residual_decay != 1:
+                v.assign(v * self.outer.residual_decay + d, read_value=False)
+            else:
+                v.assign_add(d, read_value=False)
             owed = v.read_value()
             if k >= n:
                 picked = tf.range(n, dtype=tf.int32)
             else:
                 picked = tf.math.top_k(tf.abs(owed), k, sorted=False).indices
-            values.append(tf.gather(owed, picked))
-            v.scatter_nd_update(picked[:, None], tf.zeros([k], tf.float32))  # sent
-            positions.append(picked + offset)
-            offset += n
-        return [tf.stack([tf.concat(positions, 0),
-                          tf.bitcast(tf.concat(values, 0), tf.int32)], 1)]
+            picks.append((picked, tf.gather(owed, picked)))
+        payload, sent = pack_records([p for p, _ in picks], tf.concat([s for _, s in picks], 0),
+                                     self.ks, self.numels, self.layout)
+        for v, (picked, _), arrived in zip(self.residual, picks, tf.split(sent, self.ks)):
+            v.scatter_nd_sub(picked[:, None], arrived)  # what stays is owed to a later round
+        return [payload]
 
     def _collectives(self, *payload):
         """The average of every rank's payload, flat."""
         if self.density >= 1:
             return _hvd.allreduce(payload[0], op=Average, process_set=self.process_set,
                                   name="hvd_dgc.outer.dense")
-        records = _hvd.allgather(payload[0], name="hvd_dgc.outer.records",
-                                 process_set=self.process_set)
-        total = tf.math.unsorted_segment_sum(tf.bitcast(records[:, 1], tf.float32),
-                                             records[:, 0], sum(self.numels))
+        gathered = _hvd.allgather(payload[0], name="hvd_dgc.outer.records",
+                                  process_set=self.process_set)
+        positions, values = unpack_records(gathered, self.ks, self.layout)
+        total = tf.math.unsorted_segment_sum(tf.reshape(values, [-1]),
+                                             tf.reshape(positions, [-1]), sum(self.numels))
         return total / tf.cast(self.process_set.size(), tf.float32)
 
     # -- overlap: the exchange on a worker thread (tf.py_function), as delayed.py's -------
@@ -270,7 +276,8 @@ class OuterRounds(tf.Module):
         rounds = int(self.rounds.numpy()) if self.numels is not None else 0
         inner = int(self.inner.numpy()) if self.numels is not None else 0
         return outer_stats(self.outer, self.density, inner, rounds,
-                           rounds * round_bytes(numels, self.ks or [], self.density),
+                           rounds * round_bytes(numels, self.ks or [], self.density,
+                                                self.outer.value_bits),
                            numels, self._inflight is not None, self.process_set.size(),
                            self._waited if self.outer.overlap else None)
 
@@ -343,3 +350,75 @@ class OuterRounds(tf.Module):
 
 def _flat(variable):
     return tf.reshape(tf.cast(tf.convert_to_tensor(variable), tf.float32), [-1])
+
+
+# -- a round's records on the wire (hvd_dgc/outer.py RecordLayout) -------------------------
+def pack_records(picked, values, ks, numels, layout):
+    """``(payload, sent)``: the uint8 bytes of this rank's records (``picked``: each
+    tensor's positions in it), and each value as it arrives (``values`` itself, or its
+    low-bit level)."""
+    offsets = np.cumsum([0] + list(numels[:-1]))
+    positions = tf.concat([p + int(o) for p, o in zip(picked, offsets)], 0)
+    as_bytes = [tf.reshape(tf.bitcast(positions, tf.uint8), [-1])]
+    if layout.value_bits == 32:
+        return tf.concat(as_bytes + [tf.reshape(tf.bitcast(values, tf.uint8), [-1])], 0), values
+    owner = _owners(ks)
+    mags = tf.abs(values)
+    lo = tf.math.unsorted_segment_min(mags, owner, len(ks))
+    hi = tf.math.unsorted_segment_max(mags, owner, len(ks))
+    step = (hi - lo) / float(layout.levels - 1)
+    step_r, lo_r = tf.gather(step, owner), tf.gather(lo, owner)
+    level = tf.clip_by_value(
+        tf.where(step_r > 0, tf.round((mags - lo_r) / tf.where(step_r > 0, step_r, 1.0)), 0.0),
+        0.0, float(layout.levels - 1))
+    negative = values < 0
+    arrived = lo_r + level * step_r
+    codes = tf.bitwise.bitwise_or(tf.cast(level, tf.int32), tf.bitwise.left_shift(
+        tf.cast(negative, tf.int32), layout.value_bits - 1))
+    scales = tf.reshape(tf.bitcast(tf.reshape(tf.stack([lo, hi], 1), [-1]), tf.uint8), [-1])
+    return (tf.concat(as_bytes + [scales, _pack(codes, layout.value_bits)], 0),
+            tf.where(negative, -arrived, arrived))
+
+
+def unpack_records(gathered, ks, layout):
+    """Every rank's ``(positions, values)``, ``[world, count]`` each, from the allgather
+    of ``pack_records``' payloads."""
+    rows = tf.reshape(gathered, [-1, layout.nbytes])
+    positions = tf.bitcast(tf.reshape(rows[:, :4 * layout.count], [-1, layout.count, 4]),
+                           tf.int32)
+    at = layout.values_at
+    if layout.value_bits == 32:
+        return positions, tf.bitcast(tf.reshape(rows[:, at:], [-1, layout.count, 4]),
+                                     tf.float32)
+    scales = tf.bitcast(tf.reshape(rows[:, 4 * layout.count:at], [-1, len(ks), 2, 4]),
+                        tf.float32)
+    lo, hi = scales[:, :, 0], scales[:, :, 1]
+    step = (hi - lo) / float(layout.levels - 1)
+    codes = _unpack(rows[:, at:], layout.count, layout.value_bits)
+    owner = _owners(ks)
+    level = tf.cast(tf.bitwise.bitwise_and(codes, layout.levels - 1), tf.float32)
+    arrived = tf.gather(lo, owner, axis=1) + level * tf.gather(step, owner, axis=1)
+    negative = tf.bitwise.right_shift(codes, layout.value_bits - 1) > 0
+    return positions, tf.where(negative, -arrived, arrived)
+
+
+def _owners(ks):
+    """Each record's tensor (0 .. len(ks) - 1)."""
+    return tf.constant(np.repeat(np.arange(len(ks), dtype=np.int32), ks))
+
+
+def _pack(codes, bits):
+    """int32 codes below ``2 ** bits``, ``8 // bits`` to a byte, the first in the low bits."""
+    per = 8 // bits
+    padded = tf.reshape(tf.pad(codes, [[0, (-codes.shape[0]) % per]]), [-1, per])
+    shifts = tf.range(per, dtype=tf.int32) * bits
+    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(padded, shifts), 1), tf.uint8)
+
+
+def _unpack(packed, count, bits):
+    """``_pack``'s codes back, per row: ``[rows, count]`` int32."""
+    per = 8 // bits
+    shifts = tf.range(per, dtype=tf.int32) * bits
+    codes = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.cast(packed, tf.int32)[:, :, None], shifts), (1 << bits) - 1)
+    return tf.reshape(codes, [tf.shape(packed)[0], -1])[:, :count]

@@ -26,7 +26,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
-from hvd_dgc.outer import outer_stats, outer_step, round_bytes, round_ks
+from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 
 OUTER_KEY = "hvd_dgc_outer"
 
@@ -55,6 +55,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._numels = numels = [p.numel() for p in self._params]
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._ks = round_ks(numels, density, min_compress_size)
+        self._layout = RecordLayout(sum(self._ks), len(self._ks), outer.value_bits)
         self._anchor = None    # flat float32: the shared weights (overlap: a round behind)
         self._start = None     # flat: where this rank's current round began
         self._buffer = None    # the outer momentum (flat), the same on every rank
@@ -89,7 +90,10 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
                                                   process_set=self.process_set), delta)
         if self._residual is None:
             self._residual = torch.zeros_like(delta)
-        v = self._residual.add_(delta)
+        v = self._residual
+        if self._outer.residual_decay != 1:
+            v.mul_(self._outer.residual_decay)
+        v.add_(delta)
         picked = []
         for offset, numel, k in zip(self._offsets, self._numels, self._ks):
             if k >= numel:
@@ -98,12 +102,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
                 part = v[offset:offset + numel]
                 picked.append(part.abs().topk(k, sorted=False).indices + offset)
         positions = torch.cat(picked)
-        values = v[positions]
-        v[positions] = 0.0  # sent: what stays is owed to a later round
+        payload, sent = pack_records(positions, v[positions], self._ks, self._layout)
+        v[positions] -= sent  # what stays (the values' rounding too) is owed to a later round
         # one collective, not one for positions and one for values: a Horovod operation
         # costs round trips, which a long link makes the exchange's largest part
-        records = torch.stack([positions.to(torch.int32), values.view(torch.int32)], 1)
-        return InFlight(_hvd.allgather_async(records, name="hvd_dgc.outer.records",
+        return InFlight(_hvd.allgather_async(payload, name="hvd_dgc.outer.records",
                                              process_set=self.process_set), delta)
 
     def _waited_for(self, flight):
@@ -118,8 +121,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         result = _hvd.synchronize(flight.handle)
         if self._density >= 1:
             return result
+        positions, values = unpack_records(result, self._ks, self._layout)
         total = torch.zeros_like(flight.like)
-        total.index_add_(0, result[:, 0].long(), result[:, 1].contiguous().view(torch.float32))
+        total.index_add_(0, positions.reshape(-1).long(), values.reshape(-1))
         return total.div_(self.process_set.size())
 
     def _apply(self, average):
@@ -184,7 +188,8 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         """The outer loop's counts (this rank): bytes sent over the rounds against dense
         fp32 rounds and against Horovod's allreduce every inner step (hvd_dgc/outer.py)."""
         return outer_stats(self._outer, self._density, self._inner, self._rounds,
-                           self._rounds * round_bytes(self._numels, self._ks, self._density),
+                           self._rounds * round_bytes(self._numels, self._ks, self._density,
+                                                      self._outer.value_bits),
                            self._numels, self._inflight is not None,
                            self.process_set.size(), self._waited)
 
@@ -240,6 +245,68 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
             return
         self._anchor = anchor.clone()
         self._start = self._anchor.clone() if self._outer.overlap else self._anchor
+
+
+# -- a round's records on the wire (hvd_dgc/outer.py RecordLayout) -------------------------
+def pack_records(positions, values, ks, layout):
+    """``(payload, sent)``: the uint8 bytes of this rank's records, and each value as it
+    arrives (``values`` itself, or its low-bit level)."""
+    as_bytes = [positions.to(torch.int32).view(torch.uint8)]
+    if layout.value_bits == 32:
+        return torch.cat(as_bytes + [values.view(torch.uint8)]), values
+    owner = _owners(ks, values.device)
+    mags = values.abs()
+    lo = mags.new_full((len(ks),), float("inf")).scatter_reduce(0, owner, mags, "amin")
+    hi = mags.new_zeros(len(ks)).scatter_reduce(0, owner, mags, "amax")
+    step = (hi - lo) / (layout.levels - 1)
+    level = torch.where(step[owner] > 0, torch.round((mags - lo[owner]) / step[owner]),
+                        torch.zeros_like(mags)).clamp_(0, layout.levels - 1)
+    negative = values < 0
+    arrived = lo[owner] + level * step[owner]
+    codes = level.to(torch.int32) | (negative.to(torch.int32) << (layout.value_bits - 1))
+    return (torch.cat(as_bytes + [torch.stack([lo, hi], 1).reshape(-1).view(torch.uint8),
+                                  _pack(codes, layout.value_bits)]),
+            torch.where(negative, -arrived, arrived))
+
+
+def unpack_records(gathered, ks, layout):
+    """Every rank's ``(positions, values)``, ``[world, count]`` each, from the allgather
+    of ``pack_records``' payloads."""
+    rows = gathered.view(-1, layout.nbytes)
+    positions = rows[:, :4 * layout.count].contiguous().view(torch.int32)
+    at = layout.values_at
+    if layout.value_bits == 32:
+        return positions, rows[:, at:].contiguous().view(torch.float32)
+    scales = rows[:, 4 * layout.count:at].contiguous().view(torch.float32)
+    lo, hi = scales.view(len(rows), -1, 2).unbind(-1)
+    step = (hi - lo) / (layout.levels - 1)
+    codes = _unpack(rows[:, at:], layout.count, layout.value_bits)
+    owner = _owners(ks, gathered.device)
+    level = (codes & (layout.levels - 1)).to(torch.float32)
+    arrived = lo[:, owner] + level * step[:, owner]
+    return positions, torch.where((codes >> (layout.value_bits - 1)) > 0, -arrived, arrived)
+
+
+def _owners(ks, device):
+    """Each record's tensor (0 .. len(ks) - 1)."""
+    return torch.repeat_interleave(torch.arange(len(ks), device=device),
+                                   torch.tensor(ks, device=device))
+
+
+def _pack(codes, bits):
+    """int32 codes below ``2 ** bits``, ``8 // bits`` to a byte, the first in the low bits."""
+    per = 8 // bits
+    padded = torch.cat([codes, codes.new_zeros((-len(codes)) % per)]).view(-1, per)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (padded << shifts).sum(1).to(torch.uint8)
+
+
+def _unpack(packed, count, bits):
+    """``_pack``'s codes back, per row: ``[rows, count]`` int32."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(len(packed), -1)[:, :count]
 
 
 def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
