@@ -67,6 +67,9 @@ VARIANTS = {
     # the average applied as it is (local SGD, FedAvg): no outer momentum, lr 1
     "outer H=128, overlap, averaged": {
         "outer": OuterLoop(steps=128, overlap=True, lr=1.0, momentum=0.0, nesterov=False)},
+    "outer H=128, density 0.1, overlap, averaged": {
+        "outer": OuterLoop(steps=128, overlap=True, lr=1.0, momentum=0.0, nesterov=False),
+        "density": 0.1},
     # SparseLoCo's recipe: no outer momentum (outer SGD, lr 1); the residual, decayed by
     # 0.95 a round, is the momentum
     "outer H=128, density 0.01, overlap, SparseLoCo": {

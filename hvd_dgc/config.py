@@ -76,14 +76,17 @@ class DGCConfig:
             dense run dense. Under elastic Horovod both measure at each sync of the
             elastic state (``TorchState``, ``KerasState``; after a reset too: every rank
             is there).
-        link_watch: with the link measured (``cost_model`` "measure"), PyTorch, delay 0
-            and period 1: the link measured again when the step's own waits for its
+        link_watch: with the link measured (``cost_model`` "measure"), delay 0 and
+            period 1: the link measured again when the step's own waits for its
             averages say it got slower or faster (an agreed window's mean wait beyond
             twice, or under half, what it was), and the paths chosen afresh where the
             new numbers move the step's predicted exchange by more than 1.5x, said in
             rank 0's log (hvd_dgc/linkwatch.py). None (default): on; False: the
             wrap-time measurement stands; ``hvd_dgc.LinkWatch(window=50, ...)`` to
-            change its settings. TensorFlow: measured at wrap time only, so far.
+            change its settings. Keras: ``model.fit`` with ``DGCCallback``, which times
+            whole train steps and has ``fit`` trace the step again where the paths
+            changed; ``DistributedGradientTape``: measured at wrap time only (its step
+            is traced into the script's own function).
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" chooses D from measured compute and waits, the same on every
@@ -500,10 +503,7 @@ _PER_RANK = ("log_every",)
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere:
 #: (option, used(config), instead).
-_TORCH_ONLY = (
-    ("link_watch", lambda c: isinstance(c.link_watch, LinkWatch),
-     "the default (TensorFlow measures the link at wrap time only, so far)"),
-)
+_TORCH_ONLY = ()
 
 
 def unsupported_message(config, framework):

@@ -160,12 +160,17 @@ def test_bad_link_watch_settings_name_the_fix(value, message):
         DGCConfig(link_watch=value)
 
 
-def test_link_watch_settings_are_refused_in_tensorflow_with_the_fix():
+def test_link_watch_settings_run_in_keras_and_the_tape_refuses_them_with_the_fix():
     assert as_link_watch(None) == LinkWatch() and as_link_watch(False) is None
-    assert unsupported_message(DGCConfig(), "tensorflow") is None
-    assert unsupported_message(DGCConfig(link_watch=False), "tensorflow") is None
-    message = unsupported_message(DGCConfig(link_watch=LinkWatch(window=5)), "tensorflow")
-    assert "link_watch=LinkWatch(window=5" in message and "hvd_dgc.torch only" in message
+    for watch in (None, False, LinkWatch(window=5)):
+        assert unsupported_message(DGCConfig(link_watch=watch), "tensorflow") is None
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    with pytest.raises(ValueError, match="link_watch=LinkWatch\\(window=5.*traced into your "
+                                         "tf.function.*use Keras' model.fit with "
+                                         "hvd.callbacks.DGCCallback\\(\\)"):
+        GradientExchange(link_watch=LinkWatch(window=5))  # a tape's (no optimizer)
+    GradientExchange(link_watch=LinkWatch(window=5), optimizer=(True, "SGD"))  # Keras'
+    GradientExchange(link_watch=False)
 
 
 def _expected_path(seen, density, world=2):
@@ -180,20 +185,20 @@ def _expected_path(seen, density, world=2):
     return "dense" if sparse * MEASURED_DENSE_PREFERENCE > dense else "sparse"
 
 
-def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_follow(
-        tmp_path):
-    """Two ranks across the emulated link, unlimited for 24 steps, then 4 Mbit/s: the
-    steps' waits show it, every rank probes at the same step, the new numbers replace
-    the model, and the paths are the model's choice on them."""
+def _drop_the_link(tmp_path, worker, rate_mbit=4):
+    """``worker`` (a module of tests/workers) on two ranks across the emulated link,
+    unlimited until rank 0 says it is ready, then ``rate_mbit``; checks what both
+    frameworks' watches must show and returns each rank's JSON line and rank 0's
+    output."""
     from harness.wan import WanLink, available
     ok, why = available()
     if not ok:
         pytest.skip(f"WAN emulator unavailable here: {why}")
     from harness.launch import run_job
-    results, rate_mbit = [], 4
+    results = []
     with WanLink() as link:
         job = threading.Thread(target=lambda: results.extend(run_job(
-            link, [sys.executable, "-m", "tests.workers.link_watch", str(tmp_path)],
+            link, [sys.executable, "-m", worker, str(tmp_path)],
             env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": ""}, timeout=300)))
         job.start()
         deadline = time.time() + 240
@@ -218,8 +223,8 @@ def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_f
     # numbers, but the weight's path stayed what it was every step (bias, weight, ...)
     sparse_steps = first["stats"]["paths"].get("sparse", 0)
     assert sparse_steps in (0, steps), first["stats"]
-    # after it: the first window wholly on the slow link is read one window later, and
-    # a probe there takes the slow link's numbers
+    # after it: the first window wholly on the slow link is read at most one window
+    # later, and a probe there takes the slow link's numbers
     after = [s for s in relinked if s >= steps]
     assert len(after) == 1 and after[0] <= steps + 3 * window, (relinked, first, last)
     assert last["bandwidth"] <= min(first["bandwidth"] / 3, 1.2 * rate_mbit * 1e6 / 8), \
@@ -231,7 +236,30 @@ def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_f
     assert said in line and "hvd_dgc: at step" not in results[1][1], line
     expected = int(last["path"] == "sparse")
     assert f"chosen afresh: {expected} of 1 large tensors sparse at density" in line, line
+    return outs, line
+
+
+def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_follow(
+        tmp_path):
+    """Two ranks across the emulated link, unlimited for 24 steps, then 4 Mbit/s: the
+    steps' waits show it, every rank probes at the same step, the new numbers replace
+    the model, and the paths are the model's choice on them."""
+    _drop_the_link(tmp_path, "tests.workers.link_watch")
     # every rank holds the same weights (compared after the job: a collective after
     # the last step would settle the watch's agreement still in flight at the end)
     import torch
     assert torch.equal(torch.load(tmp_path / "weights.0"), torch.load(tmp_path / "weights.1"))
+
+
+def test_keras_fit_follows_a_link_that_drops_and_traces_its_step_again(tmp_path):
+    """The same drop under Keras 3's ``model.fit`` with ``DGCCallback``: the whole train
+    steps show it, every rank probes at the same batch, and where the paths changed
+    ``fit`` made its train function again (once at the start, once per change)."""
+    import numpy as np
+    outs, line = _drop_the_link(tmp_path, "tests.workers.keras_link_watch")
+    changed = outs[0]["before"]["path"] != outs[0]["after"]["path"]
+    assert ("the step is traced again" in line) == changed, line
+    for out in outs:
+        assert out["train_functions"] == 1 + changed, out
+    np.testing.assert_array_equal(np.load(tmp_path / "weights.0.npy"),
+                                  np.load(tmp_path / "weights.1.npy"))

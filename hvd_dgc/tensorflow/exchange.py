@@ -44,6 +44,7 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
+from hvd_dgc.linkwatch import LinkWatch, as_link_watch
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
@@ -51,7 +52,7 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.tensorflow.link import measure as measure_link, measure_local
+from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measure_local
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
     host_slice
@@ -95,6 +96,12 @@ class GradientExchange(tf.Module):
         self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
         self.wire = Wire(process_set, op, gradient_predivide_factor)
         self.is_tape = optimizer is None  # (a Keras optimizer's step is traced again)
+        if self.is_tape and isinstance(config.link_watch, LinkWatch):
+            raise ValueError(
+                f"link_watch={config.link_watch!r}: DistributedGradientTape's step is "
+                f"traced into your tf.function, where its paths cannot follow a link that "
+                f"changes (the link is measured at wrap time); use Keras' model.fit with "
+                f"hvd.callbacks.DGCCallback() for a watched link, or drop link_watch.")
         self.traced_once = False  # (build: a tape under elastic Horovod)
         self.densities = stage_densities(self.resolved.schedule)
         self.memory = None
@@ -106,6 +113,7 @@ class GradientExchange(tf.Module):
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self._first_delay = None  # and the D its delay="auto" had reached
         self._measured_at_sync = None  # elastic: (link, local cost) of the last sync
+        self.watcher = None  # Keras, the link measured: its watch (DGCCallback drives it)
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     # what the options resolved to
@@ -187,6 +195,7 @@ class GradientExchange(tf.Module):
                                                "message) until the elastic state's sync")
             elif self.planner.measure:  # every rank agreed to probe (the default)
                 self.planner.measured(*self._probe())
+                self.watcher = self._link_watcher()
             if self.adam is not None:  # later, or never, where all goes dense before
                 self.adam.freeze_at(self.planner.adam_freeze(self.resolved.config.lagging))
             # rank 0's step, when an elastic reset gave it before this build
@@ -350,6 +359,36 @@ class GradientExchange(tf.Module):
             print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
                   f"{self.planner.measured_words()}", flush=True)
         return [tuple(stages) for stages in self.paths.stages] != before
+
+    def _link_watcher(self):
+        """The link watch where it can act (hvd_dgc/torch/optimizer.py's conditions): the
+        link measured, DGC choosing paths, each step waiting for its own averages (no
+        delay or period), and a step ``fit`` can trace again: a Keras optimizer's (a
+        tape's step lives in the script's own ``tf.function``)."""
+        watch = as_link_watch(self.config.link_watch)
+        if watch is None or self.planner.link is None or not self.resolved.sparse or \
+                self.lags or not self.process_set.included():
+            return None
+        return None if self.is_tape else LinkWatcher(watch, self)
+
+    def priced_now(self):
+        """``(density, launches)`` of the next step, as the watch prices its exchange
+        (eager): a bucket is one Horovod operation, a tensor outside one its own."""
+        stage = int(self.stage().numpy())
+        buckets = self.paths.buckets[stage]
+        launches = len(set(buckets.values())) + sum(t.key not in buckets for t in self.tensors)
+        return self.densities[stage], launches
+
+    def relink(self, link):
+        """The link watch measured ``link`` (every rank alike): the planner moves to it,
+        each tensor's path and the buckets are chosen afresh (Planner.relink). Returns
+        whether they changed: the step holds them, so ``fit`` must trace it again."""
+        before = ([tuple(s) for s in self.paths.stages], self.paths.buckets)
+        with tf.init_scope():
+            self.planner.relink(link)
+            self.paths.replan(self.planner)
+            self.statistics.cover(self.paths.kinds())
+        return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
 
     def _probe(self):
         """``(LinkMeasurement, LocalCost)`` of this world, agreed by every rank of the
@@ -632,6 +671,8 @@ class GradientExchange(tf.Module):
             out.update(self.adam.stats(int(self.step.numpy())))
         if self.dga is not None:  # the D in force, the period, delay="auto"'s decisions
             out.update(self.dga.stats())
+        if self.watcher is not None:  # probes of the link and where the paths followed
+            out.update(self.watcher.state.stats())
         return out
 
 

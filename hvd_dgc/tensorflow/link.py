@@ -1,6 +1,7 @@
 """The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager), and
 DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own selection
-and records, in a ``tf.function`` as a step runs them: ``cost_model="measure"``."""
+and records, in a ``tf.function`` as a step runs them: ``cost_model="measure"``. And the
+link watched while Keras' ``fit`` trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
 
 import time
 
@@ -9,9 +10,10 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
+from hvd_dgc.linkwatch import LinkWatchState, changes_plan
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
 
-__all__ = ["measure", "measure_local"]
+__all__ = ["measure", "measure_local", "LinkWatcher"]
 
 
 def _agree(process_set, name):
@@ -78,3 +80,56 @@ def measure_local(compressor, process_set, density):
         return fastest(records, indices)
     return calibrate(timed_select, timed_records,
                      _agree(process_set, "hvd_dgc.calibrate.agree"), density)
+
+
+class LinkWatcher:
+    """The link watch of one Keras optimizer's exchange, driven by ``DGCCallback`` between
+    ``fit``'s batches (hvd_dgc/linkwatch.py says what and why). A TF step runs its
+    collectives inside its graph, so what is timed is the whole train step (its
+    exchange and its compute): a link that got slower or faster moves it the same way.
+    At a window's end the ranks agree on its sums (max; one small blocking allreduce
+    between batches, every rank at the same batch) and, where they say the link
+    changed, probe it there; where the new numbers move the step's exchange on its
+    paths enough, each tensor's path is chosen afresh and ``observe`` returns True:
+    ``fit`` must trace its step again (the paths are in the graph)."""
+
+    made = 0  # watchers made in this process: each names its collectives apart
+
+    def __init__(self, watch, exchange):
+        self.state = LinkWatchState(watch)
+        self.exchange = exchange
+        LinkWatcher.made += 1
+        self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
+
+    def observe(self, seconds, step):
+        """One train step's ``seconds``; True where the paths changed."""
+        state = self.state
+        state.observe(seconds)
+        if not state.window_done():
+            return False
+        exchange, planner = self.exchange, self.exchange.planner
+        density, launches = exchange.priced_now()
+        now = (density, planner.generation)
+        agreed = tuple(_hvd.allreduce(tf.constant(state.take_window(), tf.float64), op=Max,
+                                      name=self._name,
+                                      process_set=exchange.process_set).numpy().tolist())
+        moved = state.decide(agreed, now, now)
+        if not moved:
+            return False
+        link = measure(exchange.process_set)
+        before = planner.exchange_seconds(density, launches)
+        after = planner.exchange_seconds(density, launches, model=planner.priced(link))
+        relinked = link is not None and changes_plan(before, after, state.watch.change, moved)
+        changed = False
+        if relinked:
+            was = planner.link
+            changed = exchange.relink(link)
+            if _hvd.rank() == 0:
+                print(f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
+                      f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange "
+                      f"on its paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} "
+                      f"ms, so each tensor's path was chosen afresh: "
+                      f"{planner.sparse_words(density)}"
+                      + ("; the step is traced again" if changed else ""), flush=True)
+        state.probed(relinked, step)
+        return changed

@@ -39,6 +39,7 @@ import horovod.tensorflow as _hvd
 from hvd_dgc.config import DGCConfig
 from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401 (cost_model=hvd.CostModel(...))
+from hvd_dgc.linkwatch import LinkWatch  # noqa: F401 (link_watch=hvd.LinkWatch(...))
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401 (density=hvd.DensitySchedule(...))
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
 from hvd_dgc.tensorflow import _ref

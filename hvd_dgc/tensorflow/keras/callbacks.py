@@ -8,6 +8,7 @@ Horovod's own versions go through ``keras.backend`` (``constant``, ``get_value``
 variables' own API instead.
 """
 
+import time
 import warnings
 
 import numpy as np
@@ -331,7 +332,10 @@ class DGCCallback(tf.keras.callbacks.Callback):
     delayed averaging (``delay=D``), flushes the steps in flight before each
     evaluation (so every rank evaluates the same weights) and when ``fit`` ends.
     After an elastic reset (``hvd.elastic.KerasState``) ``fit`` counts epochs from 0
-    again; the warm-up goes on from the epoch it had reached.
+    again; the warm-up goes on from the epoch it had reached. Where the link was
+    measured at wrap time (the default cost model), it times each train step for the
+    link watch (``link_watch``; hvd_dgc/tensorflow/link.py ``LinkWatcher``) and, where
+    the link changed enough to change the paths, has ``fit`` trace its step again.
 
     Args:
         verbose: print the statistics at the end of each epoch on rank 0.
@@ -342,6 +346,19 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self.verbose = verbose
         self.history = []
         self._offset = 0  # epochs done before this fit (elastic: hvd_dgc/tensorflow/elastic.py)
+        self._began = None  # perf_counter at this train step's start (the link watch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._began = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        watcher = getattr(self.model.optimizer._hvd_dgc, "watcher", None)
+        if watcher is None or self._began is None:
+            return
+        seconds, self._began = time.perf_counter() - self._began, None
+        step = int(self.model.optimizer._hvd_dgc.step.numpy())
+        if watcher.observe(seconds, step):  # the paths changed: they are in the graph
+            self.model.make_train_function(force=True)
 
     def on_test_begin(self, logs=None):
         self.model.optimizer.flush()

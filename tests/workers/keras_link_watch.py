@@ -1,0 +1,84 @@
+"""tests/test_linkwatch.py's Keras job (``python -m tests.workers.keras_link_watch DIR``),
+as tests/workers/link_watch.py's for PyTorch: one rank in each namespace of an emulated
+link whose rate the test drops half-way; Keras 3's ``model.fit`` with hvd_dgc's
+optimizer, the default cost model (the link measured) and ``DGCCallback``, which drives
+the link watch between batches.
+
+Rank 0 writes DIR/ready after ``BEFORE`` steps and waits for DIR/changed (the test
+changes the link in between; rank 1 waits in the next step's collective); then both
+train ``AFTER`` steps more in the same ``fit``. Prints, last, a JSON line of what each
+phase measured and how often ``fit`` traced its step; writes its weights to
+DIR/weights.<rank>.npy."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import hvd_dgc.tensorflow.keras as hvd
+
+BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625
+
+
+def _seen(opt, weight):
+    exchange = opt._hvd_dgc
+    planner = exchange.planner
+    link = planner.link
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth,
+            "gather_bandwidth": link.gather_bandwidth, "local": list(planner.local),
+            "generation": planner.generation, "numel": weight.numel,
+            "path": str(planner.path(weight, DENSITY)), "stats": exchange.stats()}
+
+
+def main(directory):
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    keras = tf.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((128,)), keras.layers.Dense(128,
+                              activation="tanh"), keras.layers.Dense(4)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                   density=DENSITY, link_watch=hvd.LinkWatch(window=WINDOW))
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(1 + hvd.rank())
+    x = rng.randn(64, 128).astype(np.float32)
+    y = rng.randint(0, 4, 64)
+    out, traced = {}, []
+
+    class Phases(keras.callbacks.Callback):
+        """After DGCCallback: the state before the drop; rank 0 waits for it there."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            traced.append(self.model.train_function)  # (held: ids stay apart)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 != BEFORE:
+                return
+            weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
+            out["before"] = _seen(opt, weight)
+            if hvd.rank() == 0:
+                open(os.path.join(directory, "ready"), "w").close()
+                deadline = time.time() + 60
+                while not os.path.exists(os.path.join(directory, "changed")):
+                    if time.time() > deadline:
+                        raise RuntimeError("the test did not change the link")
+                    time.sleep(0.05)
+
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    model.fit(data, steps_per_epoch=BEFORE + AFTER, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.DGCCallback(verbose=0), Phases()])
+    weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
+    out["after"] = _seen(opt, weight)
+    flat = np.concatenate([w.reshape(-1) for w in model.get_weights()])
+    np.save(os.path.join(directory, f"weights.{hvd.rank()}.npy"), flat)
+    out.update(before_steps=BEFORE, window=WINDOW, density=DENSITY,
+               train_functions=len({id(f) for f in traced}))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
