@@ -36,7 +36,9 @@ from harness.launch import run_job  # noqa: E402
 from harness.wan import WanLink, available  # noqa: E402
 from bench.wan_throughput import WORKER, local_rate  # noqa: E402
 
-MODEL = ["--width", "1024", "--batch", "128", "--optimizer", "adamw"]
+MODELS = {"mlp": ["--width", "1024", "--batch", "128", "--optimizer", "adamw"],
+          # the LM (bench/adam_lm.py's model, batches and AdamW)
+          "lm": ["--model", "lm", "--batch", "32", "--optimizer", "adamw"]}
 #: an H no timed window reaches: the same ranks, Horovod and link, no exchange
 NO_ROUND = 10 ** 6
 #: config -> (method, H, density, overlap); H None: an exchange every step
@@ -60,7 +62,7 @@ def label(config):
     return LABELS.get(config, f"outer loop {config}")
 
 
-def measure(link, config, dense_steps, timeout):
+def measure(link, config, dense_steps, timeout, model=MODELS["mlp"]):
     method, h, density, overlap = CONFIGS[config]
     if h is None:  # every step waits for its exchange: a few steps tell its rate
         steps, warmup = dense_steps, 2
@@ -73,7 +75,7 @@ def measure(link, config, dense_steps, timeout):
         extra = ["--outer-steps", str(h), "--outer-density", str(density)] + (
             ["--overlap"] if overlap else [])
     argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
-                     str(warmup), *MODEL, *extra]
+                     str(warmup), *model, *extra]
     results = run_job(link, argv, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     code, out, err = results[0]
     if code != 0 or results[1][0] != 0:
@@ -105,18 +107,23 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of --out's CSV that this run does not measure again")
+    ap.add_argument("--model", choices=list(MODELS), default="mlp",
+                    help="lm: bench/adam_lm.py's byte-level transformer (470k parameters, "
+                         "batch 32 x 128 bytes, real batches); writes outer_wan_lm.*")
     args = ap.parse_args()
+    args.name = "outer_wan" if args.model == "mlp" else "outer_wan_lm"
     ok, why = available()
     if not ok:
         sys.exit(f"outer_wan: the WAN emulator is unavailable here ({why}); run as root")
     started = time.time()
-    bound = local_rate(MODEL, steps=120, warmup_steps=10)
+    bound = local_rate(MODELS[args.model], steps=120, warmup_steps=10)
     print(f"two workers without Horovod: {bound:.1f} samples/s", flush=True)
     rows = []
     for rtt in args.rtts:
         with WanLink(rate_mbit=args.rate, rtt_ms=rtt) as link:
             for config in args.configs:
-                steps, r = measure(link, config, args.dense_steps, args.timeout)
+                steps, r = measure(link, config, args.dense_steps, args.timeout,
+                                   MODELS[args.model])
                 rows.append({"rate_mbit": args.rate, "rtt_ms": rtt, "config": config,
                              "steps": steps, "seconds": round(r["seconds"], 3),
                              "samples_per_s": round(r["samples_per_s"], 1),
@@ -126,7 +133,7 @@ def main():
                 print(f"{link.description:>28}  {label(config):<40} "
                       f"{r['samples_per_s']:8.1f} samples/s  {time.time() - started:5.0f} s "
                       f"so far", flush=True)
-    path = os.path.join(args.out, "outer_wan.csv")
+    path = os.path.join(args.out, f"{args.name}.csv")
     if args.append and os.path.exists(path):
         with open(path) as f:
             again = {(r["rtt_ms"], r["config"]) for r in rows}
@@ -158,18 +165,21 @@ def write(rows, bound, args):
         r["vs_bound"] = round(r["samples_per_s"] / bounds.get(r["rtt_ms"], bound), 4)
     rows.sort(key=lambda r: (r["rtt_ms"], list(CONFIGS).index(r["config"])))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "outer_wan.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, f"{args.name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     rtts = sorted({r["rtt_ms"] for r in rows})
     configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
     cell = {(r["config"], r["rtt_ms"]): r for r in rows}
-    with open(os.path.join(args.out, "outer_wan.md"), "w") as f:
+    model = ("bench/wan/train_worker.py's MLP of 2.1M parameters with AdamW, batch 128 "
+             "per worker" if args.model == "mlp" else
+             "bench/adam_lm.py's byte-level transformer LM on the standard library's "
+             "sources, 470k parameters, AdamW, batch 32 x 128 bytes per worker")
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("# The outer loop over an emulated WAN: AdamW, 2 workers\n\n"
-                f"`python bench/outer_wan.py` (one run; {args.rate:g} Mbit/s, 2 workers x 1 "
-                "CPU thread, bench/wan/train_worker.py's MLP of 2.1M parameters with AdamW, "
-                "batch 128 per worker). Cells: samples/s (% of the bound: the same two ranks "
+                f"`python bench/outer_wan.py --model {args.model}` (one run; {args.rate:g} "
+                f"Mbit/s, 2 workers x 1 CPU thread, {model}). Cells: samples/s (% of the bound: the same two ranks "
                 "over the link, Horovod initialised, an H that no timed window reaches, "
                 f"{bound:.0f} samples/s where it was measured at one RTT only; busy: the "
                 "share of the timed window the less busy rank did not stand still waiting "
@@ -180,7 +190,7 @@ def write(rows, bound, args):
             some = next(cell[(c, t)] for t in rtts if (c, t) in cell)
             f.write(f"| {label(c)} | {some['bytes_per_round'] / 1e6:.2f} MB | " + " | ".join(
                 _cell(cell[(c, t)]) if (c, t) in cell else "" for t in rtts) + " |\n")
-    print(f"wrote {args.out}/outer_wan.csv and outer_wan.md")
+    print(f"wrote {args.out}/{args.name}.csv and {args.name}.md")
 
 
 if __name__ == "__main__":

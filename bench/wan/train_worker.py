@@ -21,10 +21,15 @@ on rank 0: steps/s and samples/s over the timed steps, after warm-up steps.
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))))  # (the repository: harness/stdlib_lm.py for --model lm)
 
 
 def main():
@@ -43,6 +48,10 @@ def main():
     ap.add_argument("--outer-steps", type=int, default=32)
     ap.add_argument("--outer-density", type=float, default=1.0)
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--value-bits", type=int, default=32, help="OuterLoop(value_bits=)")
+    ap.add_argument("--model", choices=["mlp", "lm"], default="mlp",
+                    help="lm: harness/stdlib_lm.py's byte-level transformer on the "
+                         "standard library's sources (bench/adam_lm.py's; AdamW lr 2e-3)")
     ap.add_argument("--cost-alpha", type=float, default=None,
                     help="hvd_dgc CostModel alpha (s); 0: a bucket's dense tensors keep "
                          "their own allreduce (CostModel.folds)")
@@ -54,11 +63,17 @@ def main():
     # from 42 to 2.5 steps/s). Real training does not sit there; the GPU flushes them.
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, args.width), nn.ReLU(),
-                          nn.Linear(args.width, args.width), nn.ReLU(),
-                          nn.Linear(args.width, 10))
+    if args.model == "lm":
+        from harness.stdlib_lm import byte_lm
+        model = byte_lm(128)
+    else:
+        model = nn.Sequential(nn.Linear(1024, args.width), nn.ReLU(),
+                              nn.Linear(args.width, args.width), nn.ReLU(),
+                              nn.Linear(args.width, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) \
-        if args.optimizer == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if args.optimizer == "sgd" else torch.optim.AdamW(
+            model.parameters(), **(dict(lr=2e-3, weight_decay=0.01) if args.model == "lm"
+                                   else dict(lr=1e-3)))
     rank, size = 0, 1
     floor = None
     if args.method == "floor":
@@ -74,7 +89,8 @@ def main():
         elif args.method == "outer":
             import hvd_dgc.torch as hvd
             compression = hvd.Compression.dgc  # (the outer loop's records, or whole)
-            options = dict(outer=hvd.OuterLoop(steps=args.outer_steps, overlap=args.overlap),
+            options = dict(outer=hvd.OuterLoop(steps=args.outer_steps, overlap=args.overlap,
+                                               value_bits=args.value_bits),
                            density=args.outer_density)
         else:
             import hvd_dgc.torch as hvd
@@ -94,10 +110,19 @@ def main():
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 1024, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
+    if args.model == "lm":  # real batches, each step its own
+        from harness.stdlib_lm import Batches, loss_of
+        data = Batches(128, 0, rank)
+
+        def loss_fn():
+            return loss_of(model, *data.next(args.batch))
+    else:
+        def loss_fn():
+            return nn.functional.cross_entropy(model(x), y)
 
     def step():
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = loss_fn()
         loss.backward()
         opt.step()
         if floor is not None:
