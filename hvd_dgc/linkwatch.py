@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 from hvd_dgc.autodelay import check_counts
 
-__all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan"]
+__all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan", "judge_probe",
+           "relinked_words"]
 
 
 class LinkWatch(NamedTuple):
@@ -99,6 +100,26 @@ def changes_plan(before, after, change, direction=0):
     if direction >= 0 and after / before > change:
         return True
     return direction <= 0 and before / after > change
+
+
+def judge_probe(planner, link, density, launches, change, moved):
+    """A probe's ``link`` (None: one rank, nothing measured) against the model in use:
+    ``(relink, before, after)``, the step's exchange on its current paths priced both
+    ways (``Planner.exchange_seconds``), and whether the new numbers are to replace the
+    model (``changes_plan`` the way the waits ``moved``)."""
+    if link is None:
+        return False, 0.0, 0.0
+    before = planner.exchange_seconds(density, launches)
+    after = planner.exchange_seconds(density, launches, model=planner.priced(link))
+    return changes_plan(before, after, change, moved), before, after
+
+
+def relinked_words(step, link, was, before, after, planner, density):
+    """Rank 0's line where a probe moved the paths to a new link (both frameworks)."""
+    return (f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
+            f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange on its "
+            f"paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} ms, so each "
+            f"tensor's path was chosen afresh: {planner.sparse_words(density)}")
 
 
 class LinkWatchState:

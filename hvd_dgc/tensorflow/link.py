@@ -10,7 +10,7 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
-from hvd_dgc.linkwatch import LinkWatchState, changes_plan
+from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
 
 __all__ = ["measure", "measure_local", "LinkWatcher"]
@@ -117,19 +117,14 @@ class LinkWatcher:
         if not moved:
             return False
         link = measure(exchange.process_set)
-        before = planner.exchange_seconds(density, launches)
-        after = planner.exchange_seconds(density, launches, model=planner.priced(link))
-        relinked = link is not None and changes_plan(before, after, state.watch.change, moved)
+        relinked, before, after = judge_probe(planner, link, density, launches,
+                                              state.watch.change, moved)
         changed = False
         if relinked:
             was = planner.link
             changed = exchange.relink(link)
             if _hvd.rank() == 0:
-                print(f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
-                      f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange "
-                      f"on its paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} "
-                      f"ms, so each tensor's path was chosen afresh: "
-                      f"{planner.sparse_words(density)}"
+                print(relinked_words(step, link, was, before, after, planner, density)
                       + ("; the step is traced again" if changed else ""), flush=True)
         state.probed(relinked, step)
         return changed

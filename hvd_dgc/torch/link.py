@@ -11,7 +11,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
-from hvd_dgc.linkwatch import LinkWatchState, changes_plan
+from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
 from hvd_dgc.torch.memory import BLOCK
 
@@ -125,19 +125,14 @@ class LinkWatcher:
     def _probe(self, density, launches, step, moved):
         planner = self.planner
         link = measure(self.process_set)
-        before = planner.exchange_seconds(density, launches)
-        after = planner.exchange_seconds(density, launches, model=planner.priced(link))
-        relinked = link is not None and changes_plan(before, after, self.state.watch.change,
-                                                     moved)
+        relinked, before, after = judge_probe(planner, link, density, launches,
+                                              self.state.watch.change, moved)
         if relinked:
             was = planner.link
             planner.relink(link)
             if _hvd.rank() == 0:
-                print(f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
-                      f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange "
-                      f"on its paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} "
-                      f"ms, so each tensor's path was chosen afresh: "
-                      f"{planner.sparse_words(density)}", flush=True)
+                print(relinked_words(step, link, was, before, after, planner, density),
+                      flush=True)
         self.state.probed(relinked, step)
 
 

@@ -13,24 +13,18 @@ DIR/weights.<rank>.npy."""
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import hvd_dgc.tensorflow.keras as hvd
+from tests.workers.link_seen import seen, wait_for_the_change
 
 BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625
 
 
 def _seen(opt, weight):
-    exchange = opt._hvd_dgc
-    planner = exchange.planner
-    link = planner.link
-    return {"alpha": link.alpha, "bandwidth": link.bandwidth,
-            "gather_bandwidth": link.gather_bandwidth, "local": list(planner.local),
-            "generation": planner.generation, "numel": weight.numel,
-            "path": str(planner.path(weight, DENSITY)), "stats": exchange.stats()}
+    return seen(opt._hvd_dgc.planner, weight, DENSITY, opt._hvd_dgc.stats())
 
 
 def main(directory):
@@ -60,13 +54,7 @@ def main(directory):
                 return
             weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
             out["before"] = _seen(opt, weight)
-            if hvd.rank() == 0:
-                open(os.path.join(directory, "ready"), "w").close()
-                deadline = time.time() + 60
-                while not os.path.exists(os.path.join(directory, "changed")):
-                    if time.time() > deadline:
-                        raise RuntimeError("the test did not change the link")
-                    time.sleep(0.05)
+            wait_for_the_change(directory, hvd.rank())
 
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     model.fit(data, steps_per_epoch=BEFORE + AFTER, epochs=1, verbose=0,

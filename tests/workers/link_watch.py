@@ -16,17 +16,13 @@ import time
 import torch
 
 import hvd_dgc.torch as hvd
+from tests.workers.link_seen import seen, wait_for_the_change
 
 BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625  # (the job ends at a window's end)
 
 
 def _seen(opt, weight):
-    planner = opt._planner
-    link = planner.link
-    return {"alpha": link.alpha, "bandwidth": link.bandwidth,
-            "gather_bandwidth": link.gather_bandwidth, "local": list(planner.local),
-            "generation": planner.generation, "numel": weight.numel,
-            "path": str(planner.path(weight, DENSITY)), "stats": opt.compression_stats()}
+    return seen(opt._planner, weight, DENSITY, opt.compression_stats())
 
 
 def main(directory):
@@ -52,13 +48,7 @@ def main(directory):
 
     train(BEFORE)
     out["before"] = _seen(opt, weight)
-    if hvd.rank() == 0:
-        open(os.path.join(directory, "ready"), "w").close()
-        deadline = time.time() + 60
-        while not os.path.exists(os.path.join(directory, "changed")):
-            if time.time() > deadline:
-                raise RuntimeError("the test did not change the link")
-            time.sleep(0.05)
+    wait_for_the_change(directory, hvd.rank())
     train(AFTER - 1)
     if hvd.rank() == 1:  # rank 0 ends first, its last window's agreement in flight:
         observe = opt._watcher.observe  # rank 1 is late to launch its own
