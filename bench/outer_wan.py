@@ -62,11 +62,17 @@ def label(config):
     return LABELS.get(config, f"outer loop {config}")
 
 
-def measure(link, config, dense_steps, timeout, model=MODELS["mlp"]):
+#: Keras (``--framework keras``): bench/wan/tf_train_worker.py's LM, the outer loop on
+#: hvd_dgc's Keras optimizer, dense Horovod through its DistributedGradientTape
+TF_WORKER = [sys.executable, os.path.join(REPO, "bench", "wan", "tf_train_worker.py"),
+             "--batch", "32", "--keras", "2"]  # (Keras 2: bench/adam_lm.py keras_worker's)
+
+
+def measure(link, config, dense_steps, timeout, model=MODELS["mlp"], keras=False):
     method, h, density, overlap = CONFIGS[config]
     if h is None:  # every step waits for its exchange: a few steps tell its rate
         steps, warmup = dense_steps, 2
-        extra = []
+        extra = ["--outer-steps", "0"] if keras else []
     elif h == NO_ROUND:  # as many steps as H=32's window, none of them a round's end
         steps, warmup = 4 * 32, 32
         extra = ["--outer-steps", str(h)]
@@ -74,8 +80,8 @@ def measure(link, config, dense_steps, timeout, model=MODELS["mlp"]):
         steps, warmup = (4 if h <= 32 else 2) * h, (2 if overlap else 1) * h
         extra = ["--outer-steps", str(h), "--outer-density", str(density)] + (
             ["--overlap"] if overlap else [])
-    argv = WORKER + ["--method", method, "--steps", str(steps), "--warmup-steps",
-                     str(warmup), *model, *extra]
+    argv = (TF_WORKER if keras else WORKER + ["--method", method, *model]) + [
+        "--steps", str(steps), "--warmup-steps", str(warmup), *extra]
     results = run_job(link, argv, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     code, out, err = results[0]
     if code != 0 or results[1][0] != 0:
@@ -88,7 +94,9 @@ def measure(link, config, dense_steps, timeout, model=MODELS["mlp"]):
         r["samples_per_s"] = min(r["samples_per_s"], other["samples_per_s"])
         # the share of its timed window a rank was not standing still for the link (the
         # less busy rank's): what a machine with a core per rank would turn into rate
-        r["busy"] = min(1 - x["waited_seconds"] / x["seconds"] for x in (r, other))
+        # (None: TF's exchange without overlap waits inside its traced step, untimed)
+        r["busy"] = None if None in (r["waited_seconds"], other["waited_seconds"]) else \
+            min(1 - x["waited_seconds"] / x["seconds"] for x in (r, other))
         r["seconds"] = max(r["seconds"], other["seconds"])
     rounds = r.get("outer_rounds")
     r["bytes_per_round"] = (r["outer_bytes_sent"] / rounds if h != NO_ROUND else 0) \
@@ -110,20 +118,28 @@ def main():
     ap.add_argument("--model", choices=list(MODELS), default="mlp",
                     help="lm: bench/adam_lm.py's byte-level transformer (470k parameters, "
                          "batch 32 x 128 bytes, real batches); writes outer_wan_lm.*")
+    ap.add_argument("--framework", choices=["torch", "keras"], default="torch",
+                    help="keras: the LM in Keras (--model lm), writes outer_wan_lm_keras.*")
     args = ap.parse_args()
-    args.name = "outer_wan" if args.model == "mlp" else "outer_wan_lm"
+    keras = args.framework == "keras"
+    if keras and args.model != "lm":
+        ap.error("--framework keras runs the LM only: add --model lm")
+    args.name = "outer_wan" if args.model == "mlp" else (
+        "outer_wan_lm_keras" if keras else "outer_wan_lm")
     ok, why = available()
     if not ok:
         sys.exit(f"outer_wan: the WAN emulator is unavailable here ({why}); run as root")
     started = time.time()
-    bound = local_rate(MODELS[args.model], steps=120, warmup_steps=10)
-    print(f"two workers without Horovod: {bound:.1f} samples/s", flush=True)
+    bound = float("nan") if keras else local_rate(MODELS[args.model], steps=120,
+                                                   warmup_steps=10)
+    print(f"two workers without Horovod: {bound:.1f} samples/s (Keras: the 'no exchange' "
+          f"rows are the bound)", flush=True)
     rows = []
     for rtt in args.rtts:
         with WanLink(rate_mbit=args.rate, rtt_ms=rtt) as link:
             for config in args.configs:
                 steps, r = measure(link, config, args.dense_steps, args.timeout,
-                                   MODELS[args.model])
+                                   MODELS[args.model], keras)
                 rows.append({"rate_mbit": args.rate, "rtt_ms": rtt, "config": config,
                              "steps": steps, "seconds": round(r["seconds"], 3),
                              "samples_per_s": round(r["samples_per_s"], 1),
@@ -175,10 +191,13 @@ def write(rows, bound, args):
     model = ("bench/wan/train_worker.py's MLP of 2.1M parameters with AdamW, batch 128 "
              "per worker" if args.model == "mlp" else
              "bench/adam_lm.py's byte-level transformer LM on the standard library's "
-             "sources, 470k parameters, AdamW, batch 32 x 128 bytes per worker")
+             "sources, 470k parameters, AdamW, batch 32 x 128 bytes per worker"
+             + (", in Keras 3 (tf_train_worker.py; Horovod's DistributedGradientTape "
+                "for the dense run)" if args.framework == "keras" else ""))
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("# The outer loop over an emulated WAN: AdamW, 2 workers\n\n"
-                f"`python bench/outer_wan.py --model {args.model}` (one run; {args.rate:g} "
+                f"`python bench/outer_wan.py --model {args.model} --framework "
+                f"{args.framework}` (one run; {args.rate:g} "
                 f"Mbit/s, 2 workers x 1 CPU thread, {model}). Cells: samples/s (% of the bound: the same two ranks "
                 "over the link, Horovod initialised, an H that no timed window reaches, "
                 f"{bound:.0f} samples/s where it was measured at one RTT only; busy: the "

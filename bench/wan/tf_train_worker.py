@@ -10,7 +10,11 @@ averaging with --delay (0 = synchronous). Prints one JSON line on rank 0.
                      a synchronous step waits under Horovod's controller
     --fit            the same MLP as a Keras model trained by ``model.fit`` (the step
                      Keras traces), not a tf.function of the optimizer's apply_gradients
-    --keras 2|3      tf_keras (TF_USE_LEGACY_KERAS=1) or Keras 3"""
+    --keras 2|3      tf_keras (TF_USE_LEGACY_KERAS=1) or Keras 3
+    --outer-steps H  bench/outer_wan.py --framework keras: the outer loop (DiLoCo) on
+                     harness/stdlib_lm.py's Keras LM with AdamW, the weights' change sent
+                     whole or at --outer-density, --overlap; --outer-steps 0: Horovod's
+                     own tape every step (dense AdamW); each rank prints its JSON line"""
 
 import argparse
 import json
@@ -36,11 +40,16 @@ def main():
     ap.add_argument("--fit", action="store_true", help="train with model.fit")
     ap.add_argument("--keras", choices=["2", "3"], default=None,
                     help="Keras version (default: as TF_USE_LEGACY_KERAS says)")
+    ap.add_argument("--outer-steps", type=int, default=None)
+    ap.add_argument("--outer-density", type=float, default=1.0)
+    ap.add_argument("--overlap", action="store_true")
     args = ap.parse_args()
     if args.keras is not None:
         os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "2" else "0"
     if args.fit:
         return fit(args)
+    if args.outer_steps is not None:
+        return outer_lm(args)
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(2)  # delay=D needs 2 (delayed.py)
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -92,6 +101,70 @@ def main():
                           "samples_per_s": args.steps * args.batch * size / elapsed,
                           "params": int(sum(np.prod(s) for s in shapes)),
                           "flush_seconds": flush}), flush=True)
+
+
+def outer_lm(args):
+    """The stdlib LM in Keras (bench/adam_lm.py's keras_worker: AdamW lr 2e-3, batch
+    --batch x 128 bytes, real batches), a tf.function of the optimizer's apply_gradients:
+    the outer loop, or (--outer-steps 0) Horovod's own tape every step."""
+    import sys
+    import tensorflow as tf
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    from harness.stdlib_lm import Batches, keras_byte_lm
+    tf.config.threading.set_inter_op_parallelism_threads(2)  # overlap's worker thread
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import horovod.tensorflow as hvd_stock
+    import hvd_dgc.tensorflow.keras as hvd
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    keras = tf.keras
+    keras.utils.set_random_seed(0)
+    data = Batches(128, 0, rank, as_numpy=True)
+    model = keras_byte_lm(keras, 128)
+    opt = keras.optimizers.AdamW(2e-3, weight_decay=0.01)
+    dense = args.outer_steps == 0
+    if not dense:
+        opt = hvd.DistributedOptimizer(
+            opt, sparse_as_dense=True, density=args.outer_density,
+            outer=hvd.OuterLoop(steps=args.outer_steps, overlap=args.overlap))
+    hvd_stock.broadcast_variables(model.variables, root_rank=0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if dense:
+            tape = hvd_stock.DistributedGradientTape(tape, sparse_as_dense=True)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    for _ in range(args.warmup_steps):
+        step(*data.next(args.batch))
+    stats = getattr(opt, "compression_stats", dict)
+    waited = stats().get("waited_seconds")
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step(*data.next(args.batch))
+    float(loss)
+    elapsed = time.perf_counter() - start
+    if waited is not None:
+        waited = stats()["waited_seconds"] - waited
+    start = time.perf_counter()
+    if not dense:
+        opt.flush()
+    flush = time.perf_counter() - start
+    out = stats()
+    print(json.dumps({"method": "dense" if dense else "outer", "steps": args.steps,
+                      "seconds": elapsed,
+                      "samples_per_s": args.steps * args.batch * size / elapsed,
+                      "workers": size, "params": int(sum(
+                          np.prod(v.shape) for v in model.trainable_variables)),
+                      "flush_seconds": flush, "outer_rounds": out.get("rounds"),
+                      "waited_seconds": waited, "outer_bytes_sent": out.get("bytes_sent")}),
+          flush=True)
 
 
 def _wrapped(hvd, base, args):
