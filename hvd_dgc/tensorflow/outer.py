@@ -7,7 +7,8 @@ H-th step ends a round, traced into the same step (``tf.cond``: every rank count
 so every rank takes the same branch and joins the same collectives)::
 
     d = start - x                        this rank's change in the round (per variable)
-    v += d                               this rank's residual (error feedback)
+    v = beta v + d                       this rank's residual (error feedback; beta:
+                                         residual_decay, 1 by default)
     send the density's largest |v| of each variable (records), v -= what was sent
     a = sum of every rank's records / N  (density 1.0: an allreduce of d, flat)
     anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank

@@ -5,7 +5,8 @@ returns this: ``step()`` runs the user's own optimizer on this rank's gradients,
 collective, and every H-th step ends a round:
 
     d = start - x                        this rank's change in the round (flat)
-    v += d                               this rank's residual (error feedback)
+    v = beta v + d                       this rank's residual (error feedback; beta:
+                                         residual_decay, 1 by default)
     send the density's largest |v| of each tensor (records), v -= what was sent
     a = sum of every rank's records / N  (density 1.0: an allreduce of d)
     anchor -= lr * outer step(a)         Nesterov momentum, the same on every rank
