@@ -40,6 +40,7 @@ is tests/reference.py ``outer_round``.
 
 from typing import NamedTuple
 
+from hvd_dgc.packing import plane_bytes
 from hvd_dgc.schedule import num_selected
 
 __all__ = ["OuterLoop", "outer_step", "check_outer", "round_ks", "round_bytes",
@@ -140,9 +141,10 @@ class RecordLayout(NamedTuple):
     """One rank's records of a round as the bytes of one allgather (every rank's the same
     size, so the gathered buffer is ``[world, nbytes]``): the ``count`` positions
     (int32), then for low-bit values each tensor's smallest and largest sent magnitude
-    (``lo``, ``hi``: fp32), then the values: fp32 bits, or a code a record packed
-    ``8 // value_bits`` to a byte, first in the low bits. A code holds the sign (its top
-    bit) and a level ``m`` in ``0 .. L - 1`` (``L = 2 ** (value_bits - 1)``); the value
+    (``lo``, ``hi``: fp32), then the values: fp32 bits, or a code a record as
+    ``value_bits`` bit planes (hvd_dgc/packing.py, the quantising compressors' layout).
+    A code holds the sign (its top bit) and a level ``m`` in ``0 .. L - 1``
+    (``L = 2 ** (value_bits - 1)``); the value
     that arrives is ``+-(lo + m * (hi - lo) / (L - 1))``, ``m`` the nearest level (half
     to even). With 2 bits a value arrives as its tensor's ``lo`` or ``hi``."""
 
@@ -160,8 +162,8 @@ class RecordLayout(NamedTuple):
 
     @property
     def nbytes(self):
-        per = 8 // self.value_bits if self.value_bits < 32 else 0
-        return self.values_at + (4 * self.count if not per else -(-self.count // per))
+        return self.values_at + (4 * self.count if self.value_bits == 32
+                                 else plane_bytes(self.count, self.value_bits))
 
 
 def round_bytes(numels, ks, density, value_bits=32):

@@ -132,7 +132,7 @@ def assert_as_replayed(ranks, variant):
     assert stats["rounds"] == -(-steps // 3)  # the flush ended the round under way
     per_round = 2030 * 4 if ks is None else (
         sum(ks) * 8 if outer.value_bits == 32  # int32 positions, then fp32 values; or
-        else sum(ks) * 4 + 2 * 8 + -(-sum(ks) * outer.value_bits // 8))  # lo, hi, codes
+        else sum(ks) * 4 + 2 * 8 + outer.value_bits * -(-sum(ks) // 8))  # lo, hi, planes
     assert stats["bytes_sent"] == stats["rounds"] * per_round
     assert stats["round_fp32_bytes"] == stats["rounds"] * 2030 * 4
     assert stats["dense_fp32_bytes"] == steps * 2030 * 4  # Horovod's, every inner step

@@ -30,6 +30,7 @@ the optimizer); ``hvd.elastic.KerasState`` commits it and a rank that joins take
 and a restore drops what was in flight, as with delayed averaging.
 """
 
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from horovod.tensorflow.mpi_ops import Average
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.tensorflow.delayed import check_inter_op_threads
 from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
+from hvd_dgc.tensorflow.quantize import pack_planes, unpack_planes
 
 __all__ = ["OuterRounds"]
 
@@ -377,7 +379,7 @@ def pack_records(picked, values, ks, numels, layout):
     codes = tf.bitwise.bitwise_or(tf.cast(level, tf.int32), tf.bitwise.left_shift(
         tf.cast(negative, tf.int32), layout.value_bits - 1))
     scales = tf.reshape(tf.bitcast(tf.reshape(tf.stack([lo, hi], 1), [-1]), tf.uint8), [-1])
-    return (tf.concat(as_bytes + [scales, _pack(codes, layout.value_bits)], 0),
+    return (tf.concat(as_bytes + [scales, pack_planes(codes, layout.value_bits)], 0),
             tf.where(negative, -arrived, arrived))
 
 
@@ -395,7 +397,8 @@ def unpack_records(gathered, ks, layout):
                         tf.float32)
     lo, hi = scales[:, :, 0], scales[:, :, 1]
     step = (hi - lo) / float(layout.levels - 1)
-    codes = _unpack(rows[:, at:], layout.count, layout.value_bits)
+    codes = tf.map_fn(functools.partial(_row_codes, layout), rows[:, at:],
+                      fn_output_signature=tf.int32)
     owner = _owners(ks)
     level = tf.cast(tf.bitwise.bitwise_and(codes, layout.levels - 1), tf.float32)
     arrived = tf.gather(lo, owner, axis=1) + level * tf.gather(step, owner, axis=1)
@@ -403,23 +406,12 @@ def unpack_records(gathered, ks, layout):
     return positions, tf.where(negative, -arrived, arrived)
 
 
+@tf.autograph.experimental.do_not_convert  # (nothing to convert; no AutoGraph line in logs)
+def _row_codes(layout, row):
+    """One rank's codes from its bit planes (``unpack_planes``)."""
+    return unpack_planes(row, layout.value_bits, layout.count)
+
+
 def _owners(ks):
     """Each record's tensor (0 .. len(ks) - 1)."""
     return tf.constant(np.repeat(np.arange(len(ks), dtype=np.int32), ks))
-
-
-def _pack(codes, bits):
-    """int32 codes below ``2 ** bits``, ``8 // bits`` to a byte, the first in the low bits."""
-    per = 8 // bits
-    padded = tf.reshape(tf.pad(codes, [[0, (-codes.shape[0]) % per]]), [-1, per])
-    shifts = tf.range(per, dtype=tf.int32) * bits
-    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(padded, shifts), 1), tf.uint8)
-
-
-def _unpack(packed, count, bits):
-    """``_pack``'s codes back, per row: ``[rows, count]`` int32."""
-    per = 8 // bits
-    shifts = tf.range(per, dtype=tf.int32) * bits
-    codes = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(tf.cast(packed, tf.int32)[:, :, None], shifts), (1 << bits) - 1)
-    return tf.reshape(codes, [tf.shape(packed)[0], -1])[:, :count]

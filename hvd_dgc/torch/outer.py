@@ -28,6 +28,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
+from hvd_dgc.torch.quantize import pack_planes, unpack_planes
 
 OUTER_KEY = "hvd_dgc_outer"
 
@@ -36,7 +37,7 @@ class InFlight(NamedTuple):
     """A round's exchange under way: Horovod's handle, and the buffer's shape."""
 
     handle: int       # the allreduce of the change (density 1.0), or the allgather of
-    #                   its records (every rank's int32 [k, 2])
+    #                   its records (every rank's bytes, hvd_dgc/outer.py RecordLayout)
     like: object      # a flat tensor of the buffer's size, dtype and device
 
 
@@ -260,13 +261,14 @@ def pack_records(positions, values, ks, layout):
     lo = mags.new_full((len(ks),), float("inf")).scatter_reduce(0, owner, mags, "amin")
     hi = mags.new_zeros(len(ks)).scatter_reduce(0, owner, mags, "amax")
     step = (hi - lo) / (layout.levels - 1)
-    level = torch.where(step[owner] > 0, torch.round((mags - lo[owner]) / step[owner]),
+    lo_r, step_r = lo[owner], step[owner]
+    level = torch.where(step_r > 0, torch.round((mags - lo_r) / step_r),
                         torch.zeros_like(mags)).clamp_(0, layout.levels - 1)
     negative = values < 0
-    arrived = lo[owner] + level * step[owner]
-    codes = level.to(torch.int32) | (negative.to(torch.int32) << (layout.value_bits - 1))
+    arrived = lo_r + level * step_r
+    codes = level.to(torch.uint8) | (negative.to(torch.uint8) << (layout.value_bits - 1))
     return (torch.cat(as_bytes + [torch.stack([lo, hi], 1).reshape(-1).view(torch.uint8),
-                                  _pack(codes, layout.value_bits)]),
+                                  pack_planes(codes, layout.value_bits)]),
             torch.where(negative, -arrived, arrived))
 
 
@@ -281,7 +283,8 @@ def unpack_records(gathered, ks, layout):
     scales = rows[:, 4 * layout.count:at].contiguous().view(torch.float32)
     lo, hi = scales.view(len(rows), -1, 2).unbind(-1)
     step = (hi - lo) / (layout.levels - 1)
-    codes = _unpack(rows[:, at:], layout.count, layout.value_bits)
+    codes = torch.stack([unpack_planes(row, layout.value_bits, layout.count)
+                         for row in rows[:, at:]])
     owner = _owners(ks, gathered.device)
     level = (codes & (layout.levels - 1)).to(torch.float32)
     arrived = lo[:, owner] + level * step[:, owner]
@@ -292,22 +295,6 @@ def _owners(ks, device):
     """Each record's tensor (0 .. len(ks) - 1)."""
     return torch.repeat_interleave(torch.arange(len(ks), device=device),
                                    torch.tensor(ks, device=device))
-
-
-def _pack(codes, bits):
-    """int32 codes below ``2 ** bits``, ``8 // bits`` to a byte, the first in the low bits."""
-    per = 8 // bits
-    padded = torch.cat([codes, codes.new_zeros((-len(codes)) % per)]).view(-1, per)
-    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
-    return (padded << shifts).sum(1).to(torch.uint8)
-
-
-def _unpack(packed, count, bits):
-    """``_pack``'s codes back, per row: ``[rows, count]`` int32."""
-    per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(len(packed), -1)[:, :count]
 
 
 def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
