@@ -146,7 +146,8 @@ def main():
     if rank == 0 or args.method == "outer":  # (outer: each rank's own rate; they drift)
         params = sum(p.numel() for p in model.parameters())
         stats = getattr(opt, "compression_stats", dict)()  # (stock Horovod: none)
-        print(json.dumps({"method": args.method, "steps": args.steps, "seconds": elapsed,
+        print(json.dumps({"method": args.method, "rank": rank, "steps": args.steps,
+                          "seconds": elapsed,
                           "steps_per_s": args.steps / elapsed,
                           "samples_per_s": args.steps * args.batch * size / elapsed,
                           "workers": size, "params": params, "loss": float(loss.detach()),
