@@ -71,7 +71,9 @@ class DGCConfig:
             the link between ranks timed at wrap time with Horovod's own allreduce, and
             its allgather where the budget allows (the records' rate; well under a
             second; every rank uses the same numbers, said in rank 0's line;
-            hvd_dgc/linkprobe.py), and DGC's own work on this device
+            hvd_dgc/linkprobe.py), on several hosts of several ranks the link inside a
+            host too (hierarchical DGC's in-host alltoall: ``local_alpha``,
+            ``local_bandwidth``), and DGC's own work on this device
             (hvd_dgc/localcost.py), so tensors and stages where sparse costs more than
             dense run dense. Under elastic Horovod both measure at each sync of the
             elastic state (``TorchState``, ``KerasState``; after a reset too: every rank

@@ -32,12 +32,24 @@ allgather of large buffers over TCP is bimodal, one call in two to five at the l
 rate, the rest at about half, bench/results/collective_rates.md), and the sparse paths
 are priced at its rate (``CostModel.gather_bandwidth``) where the budget allows it.
 
+Inside a host (several hosts of several ranks each, where hierarchical DGC may run: the
+framework passes ``alltoall(numel)``, the seconds this rank waited for Horovod's global
+alltoall sending ``numel`` float32 to each other rank of its host and nothing across
+hosts, the very collective of hierarchical DGC's first round), the same search fits::
+
+    in-host alltoall, numel to each of L-1 peers:  t(n) = (L-1) alpha_local
+                                                          + (L-1) 4n / bandwidth_local
+
+on half a budget of its own, up to 4 MiB to each peer. Every Horovod collective of the
+global set is negotiated by all its ranks, so alpha_local holds that negotiation's trip
+across hosts as well: what the in-host round of a hierarchical step pays under Horovod,
+not shared memory's 5 us.
+
 The bandwidth is the effective rate of the largest message timed: on a long round trip
 TCP's window grows over several trips, so the 64-300 KB that fit in the budget at 20 ms
 see a tenth to a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py); the model
-then leans to sparse, the right side on such a link. Only the link between
-ranks is measured; ``local_alpha`` and ``local_bandwidth`` (inside a host, for
-hierarchical DGC) keep their defaults.
+then leans to sparse, the right side on such a link. On several hosts the allreduce's
+ring crosses the link between them, its slowest hop: that is the link it measures.
 """
 
 from typing import NamedTuple, Optional
@@ -45,7 +57,7 @@ from typing import NamedTuple, Optional
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
 
-__all__ = ["LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
+__all__ = ["HostMeasurement", "LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
 
 #: The probe tries no larger message that would take it past this (agreed time).
 BUDGET_SECONDS = 1.0
@@ -53,8 +65,26 @@ BUDGET_SECONDS = 1.0
 #: The first bandwidth message (float32 elements: 64 KiB) and the largest (64 MiB).
 FIRST_NUMEL, LARGEST_NUMEL = 16384, 16 * 1024 * 1024
 
+#: The largest in-host message (float32 elements to each peer: 4 MiB). Its latency holds
+#: a negotiation across hosts, which no in-host transfer need outweigh: past this the
+#: in-host bytes cost little beside it, and on busy cores a larger one overran the budget.
+HOST_LARGEST_NUMEL = 1024 * 1024
+
 #: A size is large enough when its transfer takes this many times its latency part.
 TRANSFER_OVER_LATENCY = 2.0
+
+
+class HostMeasurement(NamedTuple):
+    """The link inside a host as the in-host alltoall found it, the same on every rank."""
+
+    alpha: float       # seconds per message (Horovod's negotiation included)
+    bandwidth: float   # bytes per second a rank sends to its host's other ranks
+    seconds: float     # this probe's agreed duration
+    largest: int       # float32 elements sent to each peer in the largest one timed
+
+    def numbers(self):
+        return (f"inside a host {self.alpha * 1e6:.0f} us per message, "
+                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s")
 
 
 class LinkMeasurement(NamedTuple):
@@ -66,60 +96,94 @@ class LinkMeasurement(NamedTuple):
     largest: int       # float32 elements of the largest allreduce timed
     gather_bandwidth: Optional[float] = None  # bytes per second of an allgather; None:
     #                                           not timed (no function, or no budget left)
+    host: Optional[HostMeasurement] = None  # inside a host; None: not measured (one
+    #                                         rank a host, one host, or no function)
 
     def cost_model(self, base=None):
-        """A ``CostModel`` with these numbers between ranks (``base``'s inside a host),
-        wanting a sparse path MEASURED_DENSE_PREFERENCE times cheaper than dense."""
+        """A ``CostModel`` with these numbers between ranks, and inside a host where
+        measured (else ``base``'s), wanting a sparse path MEASURED_DENSE_PREFERENCE times
+        cheaper than dense."""
         base = base or CostModel()
+        host = self.host or HostMeasurement(base.local_alpha, base.local_bandwidth, 0.0, 0)
         return CostModel(alpha=self.alpha, bandwidth=self.bandwidth,
-                         local_alpha=base.local_alpha, local_bandwidth=base.local_bandwidth,
+                         local_alpha=host.alpha, local_bandwidth=host.bandwidth,
                          gather_bandwidth=self.gather_bandwidth,
                          dense_preference=MEASURED_DENSE_PREFERENCE)
 
     def words(self):
         """For the rank-0 line."""
-        return f"link measured: {self.numbers()} (cost_model='measure', {self.seconds:.2f} s)"
+        seconds = self.seconds + (self.host.seconds if self.host else 0.0)
+        return f"link measured: {self.numbers()} (cost_model='measure', {seconds:.2f} s)"
 
     def numbers(self):
         gather = "" if self.gather_bandwidth is None else \
             f" (allgather {self.gather_bandwidth * 8 / 1e6:.0f})"
+        host = f"; {self.host.numbers()}" if self.host else ""
         return (f"{self.alpha * 1e6:.0f} us per message, "
-                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s{gather}")
+                f"{self.bandwidth * 8 / 1e6:.0f} Mbit/s{gather}{host}")
 
 
-def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None):
-    """``LinkMeasurement`` from the framework's timed ``allreduce``, ``agree`` and (where
-    given) ``allgather`` (see the module docstring); None for a single rank (no link)."""
-    if world < 2:
-        return None
-    spent = 0.0
+class _Timer:
+    """Agreed timings of one collective, and the agreed seconds they took together."""
 
-    def timed(numel, times):
+    def __init__(self, collective, agree):
+        self.collective, self.agree, self.spent = collective, agree, 0.0
+
+    def __call__(self, numel, times):
         """The faster of ``times`` calls, agreed: the slowest rank's."""
-        nonlocal spent
-        local = [allreduce(numel) for _ in range(times)]
-        spent += float(agree([sum(local)])[0])
-        return float(agree([min(local)])[0])
+        local = [self.collective(numel) for _ in range(times)]
+        self.spent += float(self.agree([sum(local)])[0])
+        return float(self.agree([min(local)])[0])
 
-    agree([0.0])  # every rank here first: a rank still starting up is not the link
-    small = timed(1, 3)  # 2 (N-1) alpha, and 4 bytes' transfer
+
+def _two_points(timed, budget, largest=LARGEST_NUMEL):
+    """The sizes the line is fitted through, on every rank alike: ``(small, numel,
+    transfer)``, the one-element time, the largest size timed (at most ``largest``) and
+    its time past ``small`` (see the module docstring)."""
+    timed.agree([0.0])  # every rank here first: a rank still starting up is not the link
+    small = timed(1, 3)  # the latency part, and 4 bytes' transfer
     numel = FIRST_NUMEL
     while True:
         big = timed(numel, 2)
         transfer = max(big - small, 0.0)
-        if transfer >= TRANSFER_OVER_LATENCY * small or numel >= LARGEST_NUMEL:
+        if transfer >= TRANSFER_OVER_LATENCY * small or numel >= largest:
             break
         grow = min(64.0, max(4.0, TRANSFER_OVER_LATENCY * small / max(transfer, small / 64)))
-        bigger = min(LARGEST_NUMEL, int(numel * grow))
-        if spent + 2 * (small + transfer * bigger / numel) > budget:
+        bigger = min(largest, int(numel * grow))
+        if timed.spent + 2 * (small + transfer * bigger / numel) > budget:
             break  # the next size would overrun the budget: the line through this one
         numel = bigger
-    if spent + 3 * (small + big) <= budget / 2:
+    if timed.spent + 3 * (small + big) <= budget / 2:
         # a rank descheduled during both timings of a size (ranks sharing cores) reads as
         # a slow link, and a slow link sends everything sparse: where the budget allows,
         # both points are timed three times more and the fastest kept
         small = min(small, timed(1, 3))
         transfer = max(min(big, timed(numel, 3)) - small, 0.0)
+    return small, numel, transfer
+
+
+def measure_host(alltoall, agree, local_size, budget=BUDGET_SECONDS):
+    """``HostMeasurement`` from the framework's timed in-host ``alltoall`` (see the module
+    docstring); None where a host has one rank."""
+    if local_size < 2:
+        return None
+    timed = _Timer(alltoall, agree)
+    small, numel, transfer = _two_points(timed, budget, HOST_LARGEST_NUMEL)
+    peers = local_size - 1
+    bandwidth = peers * 4 * (numel - 1) / max(transfer, 1e-9)
+    alpha = max(small - peers * 4 / bandwidth, 0.0) / peers
+    return HostMeasurement(alpha, bandwidth, timed.spent, numel)
+
+
+def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None,
+                 alltoall=None, local_size=1):
+    """``LinkMeasurement`` from the framework's timed ``allreduce``, ``agree`` and (where
+    given) ``allgather`` and in-host ``alltoall`` of ``local_size`` ranks (see the module
+    docstring); None for a single rank (no link)."""
+    if world < 2:
+        return None
+    timed = _Timer(allreduce, agree)
+    small, numel, transfer = _two_points(timed, budget)
     # the line through the two points: t(n) = latency + dense_bytes(n) / bandwidth
     extra_bytes = dense_bytes(numel, world, 4) - dense_bytes(1, world, 4)
     bandwidth = extra_bytes / max(transfer, 1e-9)  # (1e-9: a link too fast to time)
@@ -129,10 +193,12 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None)
     # the records' collective at the allreduce's largest bytes, if three fit the budget
     # at half the allreduce's rate (the agreed times: every rank takes the same branch)
     gathered = max(1, int(dense_bytes(numel, world, 4) / allgather_bytes(1, world, 4)))
-    if allgather is not None and spent + 3 * (small + 2 * transfer) <= budget:
+    if allgather is not None and timed.spent + 3 * (small + 2 * transfer) <= budget:
         local = [allgather(gathered) for _ in range(3)]
         *times, total = agree(local + [sum(local)])  # each call's slowest rank, and all
-        spent += float(total)
+        timed.spent += float(total)
         moved = sorted(times)[1] - (world - 1) * alpha  # the median
         gather = allgather_bytes(gathered, world, 4) / max(moved, 1e-9)
-    return LinkMeasurement(alpha, bandwidth, spent, numel, gather)
+    host = None if alltoall is None else measure_host(alltoall, agree, local_size,
+                                                      budget / 2)
+    return LinkMeasurement(alpha, bandwidth, timed.spent, numel, gather, host)

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from harness.hvdrun import REPO, run
+from harness.hvdrun import REPO, launch, run
 from hvd_dgc.aggregation import dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
-from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_link
+from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_host, measure_link
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.paths import PathKind
 
@@ -36,6 +36,43 @@ def test_probe_recovers_the_alpha_and_bandwidth_of_a_known_link(alpha, bandwidth
     assert (model.alpha, model.bandwidth, model.local_alpha) == (link.alpha, link.bandwidth,
                                                                   7e-6)
     assert "link measured:" in link.words() and "cost_model='measure'" in link.words()
+
+
+def _host(alpha, bandwidth, local_size):
+    """An in-host alltoall of ``numel`` float32 to each of the other L-1 ranks."""
+    return lambda numel: (local_size - 1) * (alpha + 4 * numel / bandwidth)
+
+
+@pytest.mark.parametrize("alpha,bandwidth,local_size", [(5e-6, 1e10, 2), (2e-3, 4e9, 4),
+                                                        (30e-3, 1e9, 2)])
+def test_probe_recovers_the_link_inside_a_host(alpha, bandwidth, local_size):
+    """The in-host alltoall's line gives alpha and bandwidth back; they become the cost
+    model's local numbers (hierarchical DGC's first round) and the rank-0 line says them;
+    the allreduce's numbers between ranks stay the allreduce's."""
+    world = 2 * local_size
+    link = measure_link(_link(50e-6, 1.25e8, world), lambda values: values, world,
+                        alltoall=_host(alpha, bandwidth, local_size), local_size=local_size)
+    assert link.alpha == pytest.approx(50e-6, rel=1e-9)
+    assert link.host.alpha == pytest.approx(alpha, rel=1e-6)
+    assert link.host.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert link.host.seconds <= BUDGET_SECONDS / 2 + 8 * _host(alpha, bandwidth, local_size)(
+        link.host.largest)
+    model = link.cost_model(CostModel(local_alpha=7e-6, local_bandwidth=3e9))
+    assert (model.local_alpha, model.local_bandwidth) == (link.host.alpha,
+                                                          link.host.bandwidth)
+    assert (model.alpha, model.bandwidth) == (link.alpha, link.bandwidth)
+    assert f"inside a host {alpha * 1e6:.0f} us per message" in link.words()
+    # the whole probe's time is said: between hosts and inside one
+    said = float(link.words().split("cost_model='measure', ")[1].split(" s)")[0])
+    assert said == pytest.approx(link.seconds + link.host.seconds, abs=0.006)
+
+
+def test_no_host_probe_for_one_rank_a_host():
+    assert measure_host(_host(1e-3, 1e9, 1), lambda values: values, 1) is None
+    link = measure_link(_link(50e-6, 1.25e8, 2), lambda values: values, 2)
+    assert link.host is None
+    assert link.cost_model(CostModel(local_alpha=7e-6)).local_alpha == 7e-6
+    assert "inside a host" not in link.words()
 
 
 def test_a_rank_descheduled_while_timing_does_not_read_as_a_slow_link():
@@ -192,6 +229,7 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
     assert out["seconds"] < BUDGET_SECONDS + 0.5, out["seconds"]
     assert "link measured:" in out["line"] and "us per message" in out["line"]
     assert outs[1]["line"] == ""  # rank 0 speaks
+    assert out["host"] is None and "inside a host" not in out["line"]  # one host
     # DGC's own work measured too, and agreed
     assert outs[0]["local"] == outs[1]["local"]
     sigma, rho_select, rho_record = out["local"]
@@ -211,6 +249,35 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
         expected = "dense" if k >= n or sparse * MEASURED_DENSE_PREFERENCE > dense \
             else "sparse"  # (allgather's name)
         assert path == expected, (density, path, dense, sparse)
+
+
+def test_two_hosts_of_two_ranks_measure_inside_the_host_too():
+    """horovodrun -H localhost:2,127.0.0.1:2 (Horovod places 2 ranks on each of 2 hosts):
+    both frameworks time hierarchical DGC's in-host alltoall as well, every rank gets the
+    same numbers, the cost model prices the in-host round with them, and rank 0 says
+    them."""
+    job = launch("tests.workers.link_probe:suite", 4, "gloo",
+                 {"names": ["torch", "tensorflow"]}, 300,
+                 env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""},
+                 launcher_args=["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo"])
+    assert job.returncode == 0 and sorted(job.results) == [0, 1, 2, 3], job.output()
+    for framework in ("torch", "tensorflow"):
+        outs = [job.results[r][framework] for r in range(4)]
+        for rank, out in enumerate(outs):
+            assert "error" not in out, (framework, rank, out.get("error"))
+            assert out["local_size"] == 2, (framework, rank, out)
+        assert all(out["host"] == outs[0]["host"] for out in outs), framework  # agreed
+        assert all(out["model"] == outs[0]["model"] for out in outs), framework
+        alpha, bandwidth, seconds, largest = outs[0]["host"]
+        # loopback inside the "host" (Horovod's negotiation, counted in alpha, too): 4
+        # ranks on 2 busy cores read it as slow as 60 ms and 10 Mbit/s, the ranks taking
+        # turns on the cores; its budget holds whatever it reads
+        assert 0 < alpha < 0.5 and bandwidth > 1e5 and largest >= 16384, outs[0]["host"]
+        assert seconds < BUDGET_SECONDS / 2 + 1.0, outs[0]["host"]
+        assert f"local_alpha={alpha!r}" in outs[0]["model"], outs[0]["model"]
+        assert f"local_bandwidth={bandwidth!r}" in outs[0]["model"], outs[0]["model"]
+        assert "inside a host" in outs[0]["line"], outs[0]["line"]
+        assert all(out["line"] == "" for out in outs[1:]), framework  # rank 0 speaks
 
 
 def test_probe_across_the_emulated_link_measures_its_rate_and_round_trip():

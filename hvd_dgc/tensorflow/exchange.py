@@ -394,7 +394,7 @@ class GradientExchange(tf.Module):
         """``(LinkMeasurement, LocalCost)`` of this world, agreed by every rank of the
         process set (each calls it at the same point): the link, and DGC's own work on
         this device where the compressor is sparse (linkprobe.py, localcost.py)."""
-        link = measure_link(self.process_set)
+        link = measure_link(self.process_set, self.wire.peers)
         local = None
         if link is not None and self.resolved.sparse:
             local = measure_local(self.compression, self.process_set,

@@ -23,9 +23,11 @@ def _agree(process_set, name):
     return agree
 
 
-def measure(process_set):
-    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank); eager,
-    outside any trace, every rank at the same point (the exchange's build)."""
+def measure(process_set, peers=()):
+    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank), and
+    inside this rank's host where ``peers`` (its global ranks, hierarchical DGC's) are
+    several; eager, outside any trace, every rank at the same point (the exchange's
+    build)."""
     def allreduce(numel):
         tensor = tf.zeros([numel])
         start = time.perf_counter()
@@ -39,8 +41,18 @@ def measure(process_set):
         _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}",
                        process_set=process_set).numpy()
         return time.perf_counter() - start
+    def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
+        splits = [numel if r in peers and r != _hvd.rank() else 0
+                  for r in range(process_set.size())]
+        tensor = tf.zeros([sum(splits)])
+        start = time.perf_counter()
+        _hvd.alltoall(tensor, splits=tf.constant(splits, tf.int32),
+                      name=f"hvd_dgc.probe.host.{numel}", process_set=process_set)[0].numpy()
+        return time.perf_counter() - start
     return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
-                        process_set.size(), allgather=allgather)
+                        process_set.size(), allgather=allgather,
+                        alltoall=alltoall if len(peers) > 1 else None,
+                        local_size=len(peers))
 
 
 def measure_local(compressor, process_set, density):

@@ -25,9 +25,11 @@ def _agree(process_set, name):
     return agree
 
 
-def measure(process_set):
-    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank). Every
-    rank of the set calls it at the same point (the wrapper, after the config check)."""
+def measure(process_set, peers=()):
+    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank), and
+    inside this rank's host where ``peers`` (its global ranks, hierarchical DGC's) are
+    several. Every rank of the set calls it at the same point (the wrapper, after the
+    config check)."""
     def allreduce(numel):
         tensor = torch.zeros(numel)
         start = time.perf_counter()
@@ -39,8 +41,18 @@ def measure(process_set):
         start = time.perf_counter()
         _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}", process_set=process_set)
         return time.perf_counter() - start
+    def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
+        splits = torch.zeros(process_set.size(), dtype=torch.int32)
+        splits[[r for r in peers if r != _hvd.rank()]] = numel
+        tensor = torch.zeros(int(splits.sum()))
+        start = time.perf_counter()
+        _hvd.alltoall(tensor, splits=splits, name=f"hvd_dgc.probe.host.{numel}",
+                      process_set=process_set)
+        return time.perf_counter() - start
     return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
-                        process_set.size(), allgather=allgather)
+                        process_set.size(), allgather=allgather,
+                        alltoall=alltoall if len(peers) > 1 else None,
+                        local_size=len(peers))
 
 
 def measure_local(compressor, process_set, density, device):

@@ -108,10 +108,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 _check_consistent_config(self._planner.consistency(**self._horovod_config()),
                                          process_set)
-            if os.environ.get("HOROVOD_ELASTIC") != "1":
-                self._measure(process_set, trainable)  # elastic: at each sync instead
             peers = _host_peers(self._planner, process_set)
             self._planner.replan(process_set.size(), local_size=len(peers))
+            if os.environ.get("HOROVOD_ELASTIC") != "1":  # elastic: at each sync instead
+                self._measure(process_set, trainable, peers)
             self._takeover.freeze_at(self._planner.adam_freeze(self._config.lagging))
         self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
@@ -133,14 +133,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda *_, p=p: self._scheduler.ready(p)))
 
-    def _measure(self, process_set, trainable):
-        """The link and DGC's own work on this device, measured (the default cost model:
-        hvd_dgc/linkprobe.py, hvd_dgc/localcost.py): every rank of ``process_set`` calls
-        this at the same point (the wrapper; elastic: each sync)."""
+    def _measure(self, process_set, trainable, peers=()):
+        """The link (inside the host too, where ``peers`` are several) and DGC's own work
+        on this device, measured (the default cost model: hvd_dgc/linkprobe.py,
+        hvd_dgc/localcost.py): every rank of ``process_set`` calls this at the same point
+        (the wrapper; elastic: each sync)."""
         if not self._planner.measure:
             return
         resolved = self._resolved
-        link = measure_link(process_set)
+        link = measure_link(process_set, peers)
         local = None
         if link is not None and resolved.sparse:  # DGC's own work, this device
             local = measure_local(resolved.compressor, process_set,

@@ -17,6 +17,8 @@ def _measured(planner, line):
     return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
             "gather_bandwidth": link.gather_bandwidth,
             "largest": link.largest, "line": line.getvalue(),
+            "host": None if link.host is None else list(link.host),
+            "local_size": planner.local_size,
             "model": repr(planner.cost_model), "local": list(local),
             "numel": weight.numel,
             "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
