@@ -67,6 +67,13 @@ VARIANTS = {
     # the average applied as it is (local SGD, FedAvg): no outer momentum, lr 1
     "outer H=128, overlap, averaged": {
         "outer": OuterLoop(steps=128, overlap=True, lr=1.0, momentum=0.0, nesterov=False)},
+    "outer H=128, averaged": {
+        "outer": OuterLoop(steps=128, lr=1.0, momentum=0.0, nesterov=False)},
+    "outer H=128": {"outer": OuterLoop(steps=128)},  # (DiLoCo's, its exchange waited for)
+    "outer H=32, overlap, averaged": {
+        "outer": OuterLoop(steps=32, overlap=True, lr=1.0, momentum=0.0, nesterov=False)},
+    "outer H=8, overlap, averaged": {
+        "outer": OuterLoop(steps=8, overlap=True, lr=1.0, momentum=0.0, nesterov=False)},
     "outer H=128, density 0.1, overlap, averaged": {
         "outer": OuterLoop(steps=128, overlap=True, lr=1.0, momentum=0.0, nesterov=False),
         "density": 0.1},
