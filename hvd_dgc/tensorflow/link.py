@@ -41,6 +41,7 @@ def measure(process_set, peers=()):
         _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}",
                        process_set=process_set).numpy()
         return time.perf_counter() - start
+
     def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
         splits = [numel if r in peers and r != _hvd.rank() else 0
                   for r in range(process_set.size())]

@@ -41,6 +41,7 @@ def measure(process_set, peers=()):
         start = time.perf_counter()
         _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}", process_set=process_set)
         return time.perf_counter() - start
+
     def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
         splits = torch.zeros(process_set.size(), dtype=torch.int32)
         splits[[r for r in peers if r != _hvd.rank()]] = numel
