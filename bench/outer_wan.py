@@ -61,6 +61,8 @@ CONFIGS = {
     "H=128, overlap": ("outer", 128, 1.0, True),
     "H=128, density 0.01, overlap": ("outer", 128, 0.01, True),
 }
+FIELDS = ["rate_mbit", "rtt_ms", "config", "steps", "seconds", "samples_per_s",
+          "bytes_per_round", "flush_seconds", "busy", "vs_bound"]
 LABELS = {"horovod": "Horovod AdamW (dense, every step)",
           "no exchange": "no exchange (the bound)"}
 
@@ -208,8 +210,8 @@ def main():
             kept = [r for r in csv.DictReader(f)
                     if (float(r["rtt_ms"]), r["config"]) not in again]
         rows = [dict({"busy": ""}, **{k: (float(v) if k in ("rate_mbit", "rtt_ms",
-                                                             "samples_per_s",
-                                                             "bytes_per_round") else v)
+                                                             "samples_per_s") else
+                                          int(float(v)) if k == "bytes_per_round" else v)
                                       for k, v in r.items() if k != "vs_bound"})
                 for r in kept] + rows
     write(rows, bound, args)
@@ -234,7 +236,7 @@ def write(rows, bound, args):
     rows.sort(key=lambda r: (r["rtt_ms"], list(CONFIGS).index(r["config"])))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
         w.writerows(rows)
     rtts = sorted({r["rtt_ms"] for r in rows})
