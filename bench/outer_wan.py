@@ -127,11 +127,11 @@ def run_on_hosts(hosts, argv, config, timeout):
     return [reports[k] for k in sorted(reports)]
 
 
-def measure(where, config, dense_steps, timeout, model=MODELS["mlp"], keras=False):
+def measure(run, where, config, dense_steps, timeout, model=MODELS["mlp"], keras=False):
+    """``config`` launched by ``run`` (run_on_link or run_on_hosts) on ``where``."""
     method, h, _, _ = CONFIGS[config]
     steps, argv = worker_argv(config, dense_steps, model, keras)
-    ranks = (run_on_hosts if hasattr(where, "horovodrun") else run_on_link)(
-        where, argv, config, timeout)
+    ranks = run(where, argv, config, timeout)
     r = dict(ranks[0])
     r["busy"] = None
     if method == "outer":  # with overlap a rank may run a round ahead: the slowest decides
@@ -182,17 +182,18 @@ def main():
     if not ok:
         sys.exit(f"outer_wan: the WAN emulator is unavailable here ({why}); run as root")
     started = time.time()
-    bound = float("nan") if keras or args.hosts else local_rate(MODELS[args.model], steps=120,
-                                                   warmup_steps=10)
+    bound = float("nan") if keras or args.hosts else local_rate(
+        MODELS[args.model], steps=120, warmup_steps=10)
     print("the 'no exchange' rows are the bound" if keras or args.hosts else
           f"two workers without Horovod: {bound:.1f} samples/s", flush=True)
     rows = []
     for rtt in args.rtts:
         where = EmulatedHosts(["h1:2", "h2:2"], rate_mbit=args.rate, rtt_ms=rtt) \
             if args.hosts else WanLink(rate_mbit=args.rate, rtt_ms=rtt)
+        run = run_on_hosts if args.hosts else run_on_link
         with where as link:
             for config in args.configs:
-                steps, r = measure(link, config, args.dense_steps, args.timeout,
+                steps, r = measure(run, link, config, args.dense_steps, args.timeout,
                                    MODELS[args.model], keras)
                 rows.append({"rate_mbit": args.rate, "rtt_ms": rtt, "config": config,
                              "steps": steps, "seconds": round(r["seconds"], 3),

@@ -104,9 +104,10 @@ class LinkMeasurement(NamedTuple):
         measured (else ``base``'s), wanting a sparse path MEASURED_DENSE_PREFERENCE times
         cheaper than dense."""
         base = base or CostModel()
-        host = self.host or HostMeasurement(base.local_alpha, base.local_bandwidth, 0.0, 0)
+        local = (self.host.alpha, self.host.bandwidth) if self.host else (
+            base.local_alpha, base.local_bandwidth)
         return CostModel(alpha=self.alpha, bandwidth=self.bandwidth,
-                         local_alpha=host.alpha, local_bandwidth=host.bandwidth,
+                         local_alpha=local[0], local_bandwidth=local[1],
                          gather_bandwidth=self.gather_bandwidth,
                          dense_preference=MEASURED_DENSE_PREFERENCE)
 
