@@ -135,7 +135,9 @@ class DGCConfig:
             correction, masking), and ``delay`` and ``period`` (PyTorch and Keras)
             apply from the freeze on; the density schedule starts at the
             freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
-            freeze; hvd_dgc/adam.py).
+            freeze; hvd_dgc/adam.py). With a compressor of its own collectives
+            (``Compression.sign``: 1-bit Adam itself; PowerSGD, QSGD, ...) every
+            tensor goes dense to the freeze, then through the compressor.
             False: Adam's own update on error feedback (no delay, no period).
         refresh_variance: with the variance frozen: None (default: "auto" with
             the default freeze, False with a freeze_variance=N the script chose),
@@ -322,6 +324,11 @@ class DGCConfig:
                                  f"{undo}, or a one-round compressor (Compression.sign, qsgd, "
                                  f"bf16, dgc).")
             schedule = as_schedule(1.0)
+            # Adam taken over: exact Adam on dense averages to the freeze, then the
+            # compressor on the linear update (sign: 1-bit Adam itself; plan.py `path`)
+            freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
+            if freeze is not None:
+                schedule = FrozenAdamSchedule(freeze, schedule, refresh)
         elif dense_requested(density, warmup) and self.aggregation not in (
                 "allgather", "region", "hierarchical"):
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)

@@ -220,6 +220,8 @@ class Planner:
         if not self.large(tensor) or r.kind == "dense":
             return PathKind.DENSE
         if r.kind == "exchange":
+            if self.exact_adam(step):
+                return PathKind.DENSE
             return PathKind.EXCHANGE if self.compressor.compressible(tensor.shape, step) \
                 else PathKind.DENSE
         if self.hierarchical(tensor):
@@ -288,7 +290,18 @@ class Planner:
 
     def stage_paths(self, tensor):
         """``tensor``'s path at each of ``densities()``."""
-        return tuple(self.path(tensor, d) for d in self.densities())
+        paths = tuple(self.path(tensor, d) for d in self.densities())
+        if self.exact_adam(0):  # stage 0: exact Adam, before the freeze
+            paths = (PathKind.DENSE,) + paths[1:]
+        return paths
+
+    def exact_adam(self, step):
+        """Is ``step`` (None: unknown) before the freeze of an Adam taken over with a
+        compressor of its own collectives? Exact Adam needs dense averages there; a
+        sparse compressor's schedule says density 1 instead."""
+        r = self.resolved
+        return r.kind == "exchange" and r.freeze is not None and step is not None and \
+            step < r.freeze
 
     # -- launches (PyTorch) ----------------------------------------------------------
     def buckets(self, density, order, threshold):
@@ -368,13 +381,14 @@ class Planner:
         tensor leaves other than dense on this link (before it every tensor goes dense,
         so exact Adam costs no byte more); None where none ever does (exact Adam
         throughout: ``adam_declined``). The schedule's freeze as it is with ``delay``
-        or ``period`` (they need the linear update from it), a callable schedule, or no
-        tensor large enough to compress (``min_compress_size``: the script's choice)."""
+        or ``period`` (they need the linear update from it), a compressor of its own
+        collectives (no density stages), a callable schedule, or no tensor large enough
+        to compress (``min_compress_size``: the script's choice)."""
         r = self.resolved
         inner = getattr(r.schedule, "inner", None)
         large = [t for t in self.tensors if self.large(t)]
-        if r.freeze is None or lagging or not isinstance(inner, DensitySchedule) or \
-                not large:
+        if r.freeze is None or lagging or r.kind == "exchange" or \
+                not isinstance(inner, DensitySchedule) or not large:
             return r.freeze
         warm = inner.warmup > 0
         stages = list(zip((0.0,) + inner.boundaries if warm else (0.0,),
@@ -405,6 +419,8 @@ class Planner:
         taken_over = self.resolved.taken_over.said
         if self.adam_frozen_at not in (None, self.resolved.freeze):
             warm = self.resolved.schedule.describe(self.adam_frozen_at)
+        if self.resolved.kind == "exchange" and self.resolved.freeze is not None:
+            taken_over = self.resolved.schedule.describe()  # Adam taken over (exact_adam)
         if self.adam_declined:
             warm = ""
             taken_over = ("Adam not taken over: every tensor goes dense on this link, so "

@@ -21,6 +21,10 @@ Papers:
   [01A] Lu, Li, Zhang, He, "Maximizing Communication Efficiency for Large-scale
         Training via 0/1 Adam", ICLR 2023: Adam's frozen variance refreshed at rare
         steps every rank agrees on.
+  [EF-SignSGD] Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and
+        other Gradient Compression Schemes", ICML 2019: the scaled sign of what the
+        memory holds, the rest kept; with Adam's variance frozen, 1-bit Adam (Tang et
+        al., ICML 2021).
 
 Every function computes in float32 (the frameworks' buffer dtype), in the order
 written in its docstring, so where a framework does the same operations in the same
@@ -245,14 +249,27 @@ def lagged_flush(owns, avgs, steps, delay, period):
     return out
 
 
-def lagged_memory_step(u, v, g, exchange, k=None, momentum=0.0, masking=True):
+def sign_sent(v):
+    """What ``Compression.sign`` sends of v [EF-SignSGD]: the mean |v| times the sign of
+    each element (0 counts as +), float32; error feedback keeps ``v - sign_sent(v)``."""
+    v = f32(v)
+    scale = np.mean(np.abs(v), dtype=F32)
+    return np.where(v >= 0, scale, -scale).astype(F32)
+
+
+def lagged_memory_step(u, v, g, exchange, k=None, momentum=0.0, masking=True,
+                       compress=None):
     """One worker's memory at a step of a ``period`` run: accumulate [DGC 3.2]; an
-    exchange sends v's top k (all of v when ``k`` is None: dense) and its own is what
-    it sent; a step between exchanges sends nothing and its own is what v took in
-    (u, or g without momentum). Returns (u, v, own)."""
+    exchange sends v's top k (all of v when ``k`` is None: dense; ``compress(v)`` when
+    given, e.g. ``sign_sent``, the rest kept: error feedback, the momentum unmasked) and
+    its own is what it sent; a step between exchanges sends nothing and its own is what
+    v took in (u, or g without momentum). Returns (u, v, own)."""
     u, v = accumulate(u, v, g, momentum)
     if not exchange:
         return u, v, (u if momentum else f32(g)).copy()
+    if compress is not None:
+        own = compress(v)
+        return u, v - own, own
     if k is None:
         own = v.copy()
         u, v = sent_all(u, v)
@@ -470,7 +487,7 @@ def refreshed_precondition(local_vs, old, t, betas, eps, floor, keras=False):
 
 
 def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, wd, delay,
-                        floor, keras=False, period=1, refresh=()):
+                        floor, keras=False, period=1, refresh=(), compress=None):
     """Adam taken over with delayed averaging [1-bit Adam] [DGA], dense: the reference
     both frameworks' are held to. Synchronous exact Adam on the ranks' average to the
     freeze; then each rank's memory takes (1 - beta1) P g at momentum beta1 and sends it
@@ -485,8 +502,12 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     then the ranks' average. ``refresh``: Adam's steps t at whose end the variance is
     refreshed: from the freeze each rank's own v moves on with its own gradient (in
     Keras' form ``v + (g^2 - v)(1 - beta2)`` with ``keras``), and
-    ``refreshed_precondition`` replaces P and rescales the memory."""
+    ``refreshed_precondition`` replaces P and rescales the memory. ``compress``: per
+    tensor, what an exchange sends of the memory (``lagged_memory_step``; None: all of
+    it), as a compressor of its own collectives does after the freeze (sign: 1-bit Adam
+    itself [1-bit Adam]); before the freeze every tensor goes dense."""
     x = [[f32(a).copy() for a in start] for _ in range(world)]
+    compress = compress or [None] * len(start)
     n = len(start)
     m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
     owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
@@ -518,7 +539,8 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
                         F32(betas[1]) * local_v[r][i] + F32(1.0 - betas[1]) * g * g
                     g = frozen_adam_gradient(grads[r][i], pre[i], betas[0])
                     u[r][i], res[r][i], owns_now[r][i] = lagged_memory_step(
-                        u[r][i], res[r][i], g, exchange, momentum=betas[0])
+                        u[r][i], res[r][i], g, exchange, momentum=betas[0],
+                        compress=compress[i])
         avgs.append([average([own[i] for own in owns_now]) for i in range(n)])
         for r in range(world):
             owns[r].append(owns_now[r])

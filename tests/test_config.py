@@ -248,10 +248,16 @@ def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers
         0.001, ADAPTIVE_SENDS).config()
     assert sgd._hvd_dgc.schedule.config() == DensitySchedule.coverage(
         0.001, DEFAULT_SENDS).config()
-    # a quantiser has no density: Adam with Compression.sign is not refused for one
+    # a quantiser has no density: Adam with Compression.sign is taken over all the same
+    # (1-bit Adam: exact Adam to the freeze, then the quantiser on the linear update)
     signed = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
                                             compression=TFCompression.sign)
     assert signed._hvd_dgc.schedule.density == 1.0
+    assert signed._hvd_dgc.resolved.freeze == DEFAULT_FREEZE
+    assert not signed._hvd_dgc.resolved.taken_over.lost
+    raw = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3), freeze_variance=False,
+                                         compression=TFCompression.sign)
+    assert raw._hvd_dgc.resolved.freeze is None and raw._hvd_dgc.resolved.taken_over.lost
 
 
 def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys):

@@ -205,6 +205,25 @@ def test_vector_period_memory():
     assert own.tolist() == [0, -5, 0] and v.tolist() == [3, 0, 1] and u.tolist() == [3, 0, 1]
 
 
+def test_vector_sign_compression_keeps_what_it_did_not_send():
+    # v = [0.5, -1.5, 0, 2]: mean |v| = 1, so the scaled signs are [1, -1, 1, 1] (0 counts +)
+    assert ref.sign_sent(np.float32([0.5, -1.5, 0, 2])).tolist() == [1, -1, 1, 1]
+    # a step of the memory, momentum 0.5, u = [2, 0, 0, 0], v = 0, g = [-1.5, -1.5, 0, 2]:
+    #   u = 0.5 u + g = [-0.5, -1.5, 0, 2];  v = v + u = [-0.5, -1.5, 0, 2]
+    #   mean |v| = 1: sent [-1, -1, 1, 1]; kept v - sent = [0.5, -0.5, -1, 1]; u unmasked
+    u, v, own = ref.lagged_memory_step(np.float32([2, 0, 0, 0]), np.zeros(4, np.float32),
+                                       np.float32([-1.5, -1.5, 0, 2]), True, momentum=0.5,
+                                       compress=ref.sign_sent)
+    assert own.tolist() == [-1, -1, 1, 1] and v.tolist() == [0.5, -0.5, -1, 1]
+    assert u.tolist() == [-0.5, -1.5, 0, 2]
+    # what was kept goes out later: the next step with g = 0 (u decays to half)
+    u, v, own = ref.lagged_memory_step(u, v, np.zeros(4, np.float32), True, momentum=0.5,
+                                       compress=ref.sign_sent)
+    # v = [0.5, -0.5, -1, 1] + [-0.25, -0.75, 0, 1] = [0.25, -1.25, -1, 2], mean |v| = 1.125
+    assert own.tolist() == [1.125, -1.125, -1.125, 1.125]
+    assert v.tolist() == [-0.875, -0.125, 0.125, 0.875]
+
+
 def test_vector_frozen_adam():
     # x0 = [1, 2], lr = 0.1, betas (0.5, 0.75), eps = 0, no weight decay; freeze after step 1.
     # step 1 (exact Adam), g1 = [2, -4]:

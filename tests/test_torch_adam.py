@@ -7,7 +7,8 @@ from harness.hvdrun import run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
-             "period_run", "late_tensor", "refresh_reference", "declined_on_a_fast_link"]
+             "period_run", "late_tensor", "refresh_reference", "declined_on_a_fast_link",
+             "sign_reference"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,29 @@ def test_delayed_averaging_with_adamw_equals_the_reference(gloo):
         assert out["apart"] > 1e-4
         assert out["in_flight"] == [0, 0, 0, 0, 1, 2, 2, 2, 2, 2]
         assert out["flushed_diff"] < 3e-5 and out["flushed_identical"]
+
+
+def test_adamw_with_sign_compression_is_one_bit_adam_and_equals_the_reference(gloo):
+    """compression=Compression.sign takes AdamW over as the sparse compressors do: dense
+    exact Adam to the freeze (step 4), then the scaled sign of the memory, the rest kept
+    (tests/reference.py ``sign_sent``), synchronous with refreshes and with delay=2."""
+    for out in _checked(gloo, "sign_reference"):
+        for name, res in out.items():
+            # float32 rounding, as at density one; but a sign is not continuous: an
+            # element the memory holds within rounding of 0 (|v| / mean|v| reaches 2.5e-6
+            # here) may be sent with the other sign than the reference's, a step of
+            # 2 lr mean|v| on that one coordinate, which error feedback then carries.
+            # A run that sent the memory whole instead ends off in most coordinates
+            # (dense_off, of 85,002), as would a mistake in the scale or the residual.
+            assert max(res["diffs"][:4]) < 3e-5, (name, res["diffs"])  # exact Adam
+            assert max(res["off"]) <= 20, (name, res["off"])
+            assert res["flushed_off"] <= 20 and res["flushed_diff"] < 3e-6, (name, res)
+            assert res["dense_off"] > res["numel"] // 2, (name, res["dense_off"])
+            assert res["identical"], name
+            assert res["phases"] == ["exact Adam"] * 3 + ["frozen variance"] * 8, name
+            # 6 tensors; the 3 weights dense for the 4 exact steps, then sign for 7
+            assert res["paths"] == {"dense": 6 * 4 + 3 * 7, "sign": 3 * 7}, (name, res)
+        assert out["delay=0"]["refreshes"] == 3 and out["delay=2"]["refreshes"] is None
 
 
 def test_refreshed_variance_equals_the_reference_synchronous_and_delayed(gloo):

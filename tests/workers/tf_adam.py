@@ -159,7 +159,7 @@ def reference_equivalence():
 
 
 def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd, delay,
-                     batches=None, period=1, refresh=()):
+                     batches=None, period=1, refresh=(), compress=None):
     """tests/reference.py ``delayed_frozen_adam`` with Keras' Adam, each rank's gradients
     at its own weights on its batch; ``batches``: which batch each step takes (default:
     step i the i-th)."""
@@ -167,7 +167,7 @@ def _reference_delay(tf, model, start, steps, world, freeze, lr, betas, eps, wd,
     return ref.delayed_frozen_adam(
         start, lambda x, step, r: _grads_at(tf, model, x, *_batch(batches[step], r)), steps,
         world, freeze, lr, betas, eps, wd, delay, VARIANCE_FLOOR, keras=True, period=period,
-        refresh=refresh)
+        refresh=refresh, compress=compress)
 
 
 def declined_on_a_fast_link(steps=26):
@@ -255,6 +255,57 @@ def refresh_reference():
                                     f"adamr.{label}.{delay}"),
             "refreshed": max(float(np.abs(a - b).max())
                              for a, b in zip(per_rank[rank][-1], plain[rank][-1]))}
+    return results
+
+
+def sign_reference():
+    """Keras' AdamW taken over with ``compression=Compression.sign`` (1-bit Adam): exact
+    Adam on dense averages to the freeze (step 3), then each rank's memory sends the
+    scaled sign of what it holds and keeps the rest (tests/reference.py ``sign_sent``);
+    synchronous with the variance refreshed every 2nd step, and with delay=2: the
+    reference PyTorch's is held to, step by step on each rank, and after the flush."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    from hvd_dgc.tensorflow import Compression
+    rank, world = hvd.rank(), hvd.size()
+    steps, freeze, lr, betas, eps, wd = 10, 3, 0.01, (0.9, 0.99), 1e-7, 0.05
+    label, make, _ = _classes()[0]  # AdamW
+    shadow = _model(tf.keras, 0)
+    start = _flat(v.numpy() for v in shadow.trainable_variables)
+    large = 200  # min_compress_size: the two kernels go sign, the biases dense
+    compress = [ref.sign_sent if a.size >= large else None for a in start]
+    results = {}
+    for delay, refresh in ((0, 2), (2, False)):
+        refreshed = {5, 7, 9} if refresh else ()
+        per_rank, flushed = _reference_delay(tf, shadow, start, steps, world, freeze, lr,
+                                             betas, eps, wd, delay, refresh=refreshed,
+                                             compress=compress)
+        _, dense = _reference_delay(tf, shadow, start, steps, world, freeze, lr, betas, eps,
+                                    wd, delay, refresh=refreshed)
+        model = _model(tf.keras, 0)
+        opt = hvd.DistributedOptimizer(make(lr, betas, eps, wd), freeze_variance=freeze,
+                                       refresh_variance=refresh, min_compress_size=large,
+                                       compression=Compression.sign, delay=delay)
+        step, diffs, off, phases = _train_step(tf, model, opt), [], [], []
+        for s in range(steps):
+            step(*_batch(s, rank))
+            ours = np.concatenate(_flat(v.numpy() for v in model.trainable_variables))
+            diff = np.abs(ours - np.concatenate(per_rank[rank][s]))
+            diffs.append(float(diff.max()))
+            off.append(int((diff > 2e-5).sum()))
+            phases.append(opt.compression_stats()["adam_phase"])
+        opt.flush()
+        stats = opt.compression_stats()
+        ours = np.concatenate(_flat(v.numpy() for v in model.trainable_variables))
+        diff = np.abs(ours - np.concatenate(flushed))
+        results[f"delay={delay}"] = {
+            "diffs": diffs, "off": off, "phases": phases, "paths": stats["paths"],
+            "refreshes": stats.get("adam_refreshes"), "numel": int(diff.size),
+            "flushed_diff": float(np.median(diff)), "flushed_off": int((diff > 2e-5).sum()),
+            "dense_off": int((np.abs(np.concatenate(flushed) - np.concatenate(dense))
+                              > 2e-5).sum()),
+            "identical": _identical(tf, hvd, model.trainable_variables,
+                                    f"adams.{label}.{delay}")}
     return results
 
 
