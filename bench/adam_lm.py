@@ -49,6 +49,9 @@ VARIANTS = {
         "density": DensitySchedule(0.001, warmup=200, unit="step")},
     "refreshed, density=0.01": {"freeze_variance": 20, "refresh_variance": "auto",
                                 "density": 0.01, "warmup": 150, "warmup_unit": "step"},
+    # 1-bit Adam (Tang et al.): the sign of the error-compensated momentum after the freeze
+    "sign (1-bit Adam)": {"compression": "sign"},
+    "powersgd r=1": {"compression": ("powersgd", {"rank": 1, "start_iter": 0})},
     "delay=4": {"delay": 4},
     "period=4": {"period": 4},
     # the outer loop (DiLoCo): AdamW locally, the weights' change averaged every H steps
@@ -94,6 +97,15 @@ VARIANTS = {
 }
 
 
+def _built(options, compressions):
+    """A variant's options with ``compression=(name, kwargs)`` made by the framework's
+    ``Compression`` namespace (VARIANTS is shared by both frameworks)."""
+    spec = options.get("compression")
+    if not isinstance(spec, tuple):
+        return options
+    return dict(options, compression=getattr(compressions, spec[0])(**spec[1]))
+
+
 def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
     import torch
     import horovod.torch as stock
@@ -114,7 +126,7 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       **options)
+                                       **_built(options, hvd.Compression))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def validation():
@@ -164,7 +176,9 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
     numel = sum(int(tf.size(v)) for v in model.trainable_variables)
     opt = keras.optimizers.AdamW(2e-3, weight_decay=0.01)
     if options is not None:
-        opt = hvd.DistributedOptimizer(opt, sparse_as_dense=True, **options)
+        from hvd_dgc.tensorflow import Compression
+        opt = hvd.DistributedOptimizer(opt, sparse_as_dense=True,
+                                       **_built(options, Compression))
     htf.broadcast_variables(model.variables, root_rank=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
