@@ -535,7 +535,8 @@ def check_linear_update(config, linear, optimizer_name, framework, adam=False):
         kind += " or Adam/AdamW with its variance frozen (freeze_variance)"
         fix = f"Use {config.undo_lagging}"
         if adam:
-            fix += (", or a sparse compressor with freeze_variance='auto' (the default)"
+            fix += (", or a compressor (DGC, the default, or sign: 1-bit Adam) with "
+                    "freeze_variance='auto' (the default)"
                     if config.freeze_variance is not False else
                     ", or freeze_variance='auto' (the default)")
         raise ValueError(f"{config.lagging} needs {kind}: the correction g_i - g_(i-D) + "

@@ -54,11 +54,13 @@ def test_bad_delay_arguments_give_clear_errors(gloo):
     for out in _checked(gloo, "bad_delay"):
         for case in ("negative", "float", "bool"):
             assert "delay must be an int >= 0" in out[case], out[case]
-        # Adam is linear once its variance is frozen (the default); not with it off, nor
-        # when a quantiser leaves it on error feedback
+        # Adam is linear once its variance is frozen (the default, with DGC or a
+        # quantiser: 1-bit Adam); not with it off, nor under dense averaging
         assert "needs torch.optim.SGD or Adam/AdamW with its variance frozen" in out["adam"]
         assert "Adam is not. Use delay=0, or freeze_variance='auto'" in out["adam"], out["adam"]
-        assert "or a sparse compressor with freeze_variance='auto'" in out["adam_dense"]
+        assert "or a compressor (DGC, the default, or sign: 1-bit Adam) with " \
+            "freeze_variance='auto'" in out["adam_dense"], out["adam_dense"]
+        assert out["adam_sign"] == "NO EXCEPTION", out["adam_sign"]
         assert "grad_scaler" in out["grad_scaler"]
         assert "after optimizer.step()" in out["flush_before_step"]
 

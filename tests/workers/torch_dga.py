@@ -432,7 +432,10 @@ def bad_delay():
         "adam": expect_error(wrap(torch.optim.Adam(model.parameters()), delay=2,
                                   freeze_variance=False), ValueError),
         "adam_dense": expect_error(wrap(torch.optim.Adam(model.parameters()), delay=2,
-                                        compression=hvd.Compression.sign), ValueError),
+                                        density=1.0), ValueError),
+        # a quantiser takes Adam over too (1-bit Adam): linear from the freeze
+        "adam_sign": expect_error(wrap(torch.optim.Adam(model.parameters()), delay=2,
+                                       compression=hvd.Compression.sign), ValueError),
         "grad_scaler": expect_error(wrap(sgd, delay=2, grad_scaler=torch.amp.GradScaler(
             "cpu")), ValueError),
     }
