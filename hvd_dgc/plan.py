@@ -419,8 +419,8 @@ class Planner:
         taken_over = self.resolved.taken_over.said
         if self.adam_frozen_at not in (None, self.resolved.freeze):
             warm = self.resolved.schedule.describe(self.adam_frozen_at)
-        if self.resolved.kind == "exchange" and self.resolved.freeze is not None:
-            taken_over = self.resolved.schedule.describe()  # Adam taken over (exact_adam)
+        if self.exact_adam(0):  # Adam taken over by a compressor of its own collectives
+            taken_over = self.resolved.schedule.describe()
         if self.adam_declined:
             warm = ""
             taken_over = ("Adam not taken over: every tensor goes dense on this link, so "
