@@ -51,6 +51,9 @@ VARIANTS = {
                                 "density": 0.01, "warmup": 150, "warmup_unit": "step"},
     # 1-bit Adam (Tang et al.): the sign of the error-compensated momentum after the freeze
     "sign (1-bit Adam)": {"compression": "sign"},
+    # 0/1 Adam (Lu et al.): 1-bit Adam with local steps, an exchange every 4th step
+    "sign (1-bit Adam), period=4": {"compression": "sign", "period": 4},
+    "sign (1-bit Adam), delay=4": {"compression": "sign", "delay": 4},
     "powersgd r=1": {"compression": ("powersgd", {"rank": 1, "start_iter": 0})},
     "delay=4": {"delay": 4},
     "period=4": {"period": 4},

@@ -101,8 +101,9 @@ def test_keras_adam_with_delay_equals_the_reference_on_each_rank(results):
 def test_keras_adamw_with_sign_compression_is_one_bit_adam_and_equals_the_reference(results):
     """compression=Compression.sign takes Keras' AdamW over as the sparse compressors do:
     dense exact Adam to the freeze (step 3), then the scaled sign of the memory, the
-    rest kept (the reference PyTorch's is held to), synchronous with refreshes and with
-    delay=2; a run that sent the memory whole would end off in most coordinates."""
+    rest kept (the reference PyTorch's is held to), synchronous with refreshes, with
+    delay=2 and with period=2; a run that sent the memory whole would end off in most
+    coordinates."""
     outs, _ = results
     for out in _checked(outs, "tf_adam.sign_reference"):
         for name, res in out.items():
@@ -112,8 +113,11 @@ def test_keras_adamw_with_sign_compression_is_one_bit_adam_and_equals_the_refere
             assert res["flushed_off"] == 0 and res["identical"], name
             assert res["dense_off"] > res["numel"] // 2, (name, res["dense_off"])
             assert res["phases"] == ["exact Adam"] * 2 + ["frozen variance"] * 8, name
-            # 4 variables; the 2 kernels dense for the 3 exact steps, then sign for 7
-            assert res["paths"] == {"dense": 4 * 3 + 2 * 7, "exchange": 2 * 7}, (name, res)
+            # 4 variables; the 2 kernels dense for the 3 exact steps, then sign at each
+            # of the 7 steps after, or at every 2nd (steps 3, 5, 7, 9), the biases beside
+            exchanges = 4 if name == "period=2" else 7
+            assert res["paths"] == {"dense": 4 * 3 + 2 * exchanges,
+                                    "exchange": 2 * exchanges}, (name, res)
         assert out["delay=0"]["refreshes"] == 3 and out["delay=2"]["refreshes"] is None
 
 

@@ -69,7 +69,8 @@ def test_delayed_averaging_with_adamw_equals_the_reference(gloo):
 def test_adamw_with_sign_compression_is_one_bit_adam_and_equals_the_reference(gloo):
     """compression=Compression.sign takes AdamW over as the sparse compressors do: dense
     exact Adam to the freeze (step 4), then the scaled sign of the memory, the rest kept
-    (tests/reference.py ``sign_sent``), synchronous with refreshes and with delay=2."""
+    (tests/reference.py ``sign_sent``), synchronous with refreshes, with delay=2, and
+    with period=2 (0/1 Adam's local steps)."""
     for out in _checked(gloo, "sign_reference"):
         for name, res in out.items():
             # float32 rounding, as at density one; but a sign is not continuous: an
@@ -84,8 +85,11 @@ def test_adamw_with_sign_compression_is_one_bit_adam_and_equals_the_reference(gl
             assert res["dense_off"] > res["numel"] // 2, (name, res["dense_off"])
             assert res["identical"], name
             assert res["phases"] == ["exact Adam"] * 3 + ["frozen variance"] * 8, name
-            # 6 tensors; the 3 weights dense for the 4 exact steps, then sign for 7
-            assert res["paths"] == {"dense": 6 * 4 + 3 * 7, "sign": 3 * 7}, (name, res)
+            # 6 tensors; the 3 weights dense for the 4 exact steps, then sign at each of
+            # the 7 steps after, or at every 2nd (steps 5, 7, 9), the biases dense beside
+            exchanges = 3 if name == "period=2" else 7
+            assert res["paths"] == {"dense": 6 * 4 + 3 * exchanges, "sign": 3 * exchanges}, \
+                (name, res)
         assert out["delay=0"]["refreshes"] == 3 and out["delay=2"]["refreshes"] is None
 
 

@@ -262,8 +262,9 @@ def sign_reference():
     """Keras' AdamW taken over with ``compression=Compression.sign`` (1-bit Adam): exact
     Adam on dense averages to the freeze (step 3), then each rank's memory sends the
     scaled sign of what it holds and keeps the rest (tests/reference.py ``sign_sent``);
-    synchronous with the variance refreshed every 2nd step, and with delay=2: the
-    reference PyTorch's is held to, step by step on each rank, and after the flush."""
+    synchronous with the variance refreshed every 2nd step, with delay=2, and with
+    period=2 (0/1 Adam's local steps): the reference PyTorch's is held to, step by step
+    on each rank, and after the flush."""
     tf = _tf()
     import hvd_dgc.tensorflow.keras as hvd
     from hvd_dgc.tensorflow import Compression
@@ -275,17 +276,19 @@ def sign_reference():
     large = 200  # min_compress_size: the two kernels go sign, the biases dense
     compress = [ref.sign_sent if a.size >= large else None for a in start]
     results = {}
-    for delay, refresh in ((0, 2), (2, False)):
+    for name, delay, refresh, period in (("delay=0", 0, 2, 1), ("delay=2", 2, False, 1),
+                                         ("period=2", 0, False, 2)):
         refreshed = {5, 7, 9} if refresh else ()
         per_rank, flushed = _reference_delay(tf, shadow, start, steps, world, freeze, lr,
-                                             betas, eps, wd, delay, refresh=refreshed,
-                                             compress=compress)
+                                             betas, eps, wd, delay, period=period,
+                                             refresh=refreshed, compress=compress)
         _, dense = _reference_delay(tf, shadow, start, steps, world, freeze, lr, betas, eps,
-                                    wd, delay, refresh=refreshed)
+                                    wd, delay, period=period, refresh=refreshed)
         model = _model(tf.keras, 0)
         opt = hvd.DistributedOptimizer(make(lr, betas, eps, wd), freeze_variance=freeze,
                                        refresh_variance=refresh, min_compress_size=large,
-                                       compression=Compression.sign, delay=delay)
+                                       compression=Compression.sign, delay=delay,
+                                       period=period)
         step, diffs, off, phases = _train_step(tf, model, opt), [], [], []
         for s in range(steps):
             step(*_batch(s, rank))
@@ -298,14 +301,14 @@ def sign_reference():
         stats = opt.compression_stats()
         ours = np.concatenate(_flat(v.numpy() for v in model.trainable_variables))
         diff = np.abs(ours - np.concatenate(flushed))
-        results[f"delay={delay}"] = {
+        results[name] = {
             "diffs": diffs, "off": off, "phases": phases, "paths": stats["paths"],
             "refreshes": stats.get("adam_refreshes"), "numel": int(diff.size),
             "flushed_diff": float(np.median(diff)), "flushed_off": int((diff > 2e-5).sum()),
             "dense_off": int((np.abs(np.concatenate(flushed) - np.concatenate(dense))
                               > 2e-5).sum()),
             "identical": _identical(tf, hvd, model.trainable_variables,
-                                    f"adams.{label}.{delay}")}
+                                    f"adams.{label}.{name}")}
     return results
 
 

@@ -139,8 +139,9 @@ def sign_reference():
     """AdamW taken over with ``compression=Compression.sign`` (1-bit Adam): exact Adam on
     dense averages to the freeze, then each rank's memory sends the scaled sign of what
     it holds and keeps the rest; synchronous with the variance refreshed every 2nd step
-    (its residual rescaled at each refresh), and with delay=2. The reference step by
-    step on each rank, its flush, and which path each tensor took."""
+    (its residual rescaled at each refresh), with delay=2, and with period=2 (0/1
+    Adam's local steps: the memory's sign every 2nd step). The reference step by step
+    on each rank, its flush, and which path each tensor took."""
     rank, world = hvd.rank(), hvd.size()
     steps, freeze, lr, betas, eps, wd = 11, 4, 0.01, (0.9, 0.99), 1e-8, 0.05
     shadow = wide_mlp(5)  # on the test device, as the batches loss_of draws
@@ -148,20 +149,22 @@ def sign_reference():
     large = 1024  # min_compress_size: the three weights go sign, the biases dense
     compress = [ref.sign_sent if a.size >= large else None for a in start]
     out = {}
-    for delay, refresh in ((0, 2), (2, False)):
+    for name, delay, refresh, period in (("delay=0", 0, 2, 1), ("delay=2", 2, False, 1),
+                                         ("period=2", 0, False, 2)):
         refreshed = {6, 8, 10} if refresh else ()
         per_rank, flushed = ref.delayed_frozen_adam(
             start, lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr,
-            betas, eps, wd, delay, VARIANCE_FLOOR, refresh=refreshed, compress=compress)
+            betas, eps, wd, delay, VARIANCE_FLOOR, refresh=refreshed, compress=compress,
+            period=period)
         _, dense = ref.delayed_frozen_adam(
             start, lambda x, step, r: _grads(shadow, x, step, r), steps, world, freeze, lr,
-            betas, eps, wd, delay, VARIANCE_FLOOR, refresh=refreshed)
+            betas, eps, wd, delay, VARIANCE_FLOOR, refresh=refreshed, period=period)
         model = wide_mlp(5)
         opt = hvd.DistributedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
-            named_parameters=[(f"sign{delay}." + n, p) for n, p in model.named_parameters()],
+            named_parameters=[(f"sign{name}." + n, p) for n, p in model.named_parameters()],
             compression=hvd.Compression.sign, min_compress_size=large, freeze_variance=freeze,
-            refresh_variance=refresh, delay=delay)
+            refresh_variance=refresh, delay=delay, period=period)
         diffs, off, phases = [], [], []
         for step in range(steps):
             train(model, opt, 1, rank, start=step, features=64, classes=10)
@@ -172,11 +175,11 @@ def sign_reference():
         opt.flush()
         stats = opt.compression_stats()
         diff = np.abs(flat_params(model).cpu().numpy() - np.concatenate(flushed))
-        out[f"delay={delay}"] = {
+        out[name] = {
             "diffs": diffs, "off": off, "phases": phases, "paths": stats["paths"],
             "refreshes": stats.get("adam_refreshes"), "numel": int(diff.size),
             "flushed_diff": float(np.median(diff)), "flushed_off": int((diff > 3e-5).sum()),
-            "identical": ranks_identical(model, f"sign{delay}.flushed"),
+            "identical": ranks_identical(model, f"sign{name}.flushed"),
             # the coordinates in which the dense reference ends elsewhere: what a run
             # that ignored the compressor would be off in
             "dense_off": int((np.abs(np.concatenate(flushed) - np.concatenate(dense))
