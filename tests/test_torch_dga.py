@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.hvdrun import run
+from harness.hvdrun import launch, run
 from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["delay_zero_is_synchronous", "delay_two_matches_simulation", "flush_in_synchronize",
@@ -146,3 +146,16 @@ def assert_auto_delay_trace(res, variant):
     else:  # every wait counts: up by the margin each window, to max_delay
         assert trace[0] == 1 and trace[-1] == 4, trace
         assert all(a <= b for a, b in zip(trace, trace[1:])), trace
+
+
+@pytest.mark.parametrize("config", ["sign, delay=4", "dgc, delay=4", "outer, overlap"])
+def test_a_script_that_ends_without_flush_ends_cleanly_on_every_rank(config):
+    """Rank 0 ends first, with collectives in flight that rank 1 submits later: it waits
+    for them at exit instead of shutting Horovod down under rank 1 (at_exit.py)."""
+    job = launch("tests.workers.torch_dga:ends_apart", np=2, controller="gloo",
+                 kwargs={"config": config}, timeout=240)
+    assert job.returncode == 0 and sorted(job.results) == [0, 1], job.output()
+    # something was in flight when each rank's script ended: delay=4 holds 4 steps,
+    # the overlapped loop its last round
+    expected = 1 if config.startswith("outer") else 4
+    assert [r["in_flight"] for r in (job.results[0], job.results[1])] == [expected] * 2

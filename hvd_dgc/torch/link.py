@@ -2,9 +2,7 @@
 work on this device (hvd_dgc/localcost.py) with the compressor's own selection and
 record handling: ``cost_model="measure"``."""
 
-import atexit
 import time
-import weakref
 
 import torch
 import horovod.torch as _hvd
@@ -13,6 +11,7 @@ from horovod.torch.mpi_ops import Max, Sum
 from hvd_dgc.linkprobe import measure_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
+from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.memory import BLOCK
 
 __all__ = ["measure", "measure_local", "LinkWatcher"]
@@ -110,10 +109,8 @@ class LinkWatcher:
         self._windows = 0
         LinkWatcher.made += 1
         self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
-        # A job that ends at a window's end leaves its agreement in flight; a rank that
-        # exits first would shut Horovod down under the others' (registered after
-        # hvd.init(), so it runs before Horovod's own shutdown at exit)
-        atexit.register(_settle, weakref.ref(self))
+        # a job that ends at a window's end leaves its agreement in flight (at_exit.py)
+        settle_at_exit(self, LinkWatcher._settle)
 
     def observe(self, waited, launches, density, step):
         state = self.state
@@ -135,6 +132,11 @@ class LinkWatcher:
         self._agreeing = (_hvd.allreduce_async(sums, op=Max, process_set=self.process_set,
                                                name=name), now)
 
+    def _settle(self):
+        """At exit: the agreement in flight, waited for."""
+        if self._agreeing is not None:
+            _hvd.synchronize(self._agreeing[0])
+
     def _probe(self, density, launches, step, moved):
         planner = self.planner
         link = measure(self.process_set)
@@ -149,12 +151,3 @@ class LinkWatcher:
         self.state.probed(relinked, step)
 
 
-def _settle(ref):
-    """At exit: wait for a watcher's agreement in flight (the other ranks submit theirs at
-    the same step; one that failed has shut Horovod down, which ends the wait)."""
-    watcher = ref()
-    if watcher is not None and watcher._agreeing is not None:
-        try:
-            _hvd.synchronize(watcher._agreeing[0])
-        except Exception:  # noqa: BLE001  (Horovod already shut down: nothing to wait for)
-            pass

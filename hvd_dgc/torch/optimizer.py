@@ -44,6 +44,7 @@ from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
+from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
@@ -97,6 +98,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._takeover = self._take_over(process_set.included())
         self._lagging = Lagging(self._config, process_set, resolved.freeze or 0,
                                 lambda: self._progress.step)
+        if self._config.lagging:  # a script that ends without flush() leaves its last
+            #                         steps in flight (at_exit.py)
+            settle_at_exit(self, lambda opt: opt._lagging.abandon(opt._engine))
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
         self._grad_scaler = grad_scaler

@@ -28,6 +28,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
+from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.quantize import pack_planes, unpack_planes
 
 OUTER_KEY = "hvd_dgc_outer"
@@ -67,6 +68,9 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         self._round_began = 0  # the inner step the current round began after
         self._rounds = 0
         self._waited = 0.0     # seconds this rank waited for exchanges at round ends
+        if outer.overlap:  # a script that ends without flush() leaves its last round in
+            #                flight (at_exit.py)
+            settle_at_exit(self, lambda opt: opt._settle())
 
     # -- the round ----------------------------------------------------------------------
     def _flat(self):
@@ -127,6 +131,11 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         total = torch.zeros_like(flight.like)
         total.index_add_(0, positions.reshape(-1).long(), values.reshape(-1))
         return total.div_(self.process_set.size())
+
+    def _settle(self):
+        """At exit: the round in flight (``overlap``), waited for, not applied."""
+        if self._inflight is not None:
+            _hvd.synchronize(self._inflight.handle)
 
     def _apply(self, average):
         """The outer step on the shared weights, the same on every rank."""

@@ -448,6 +448,31 @@ def bad_delay():
     return out
 
 
+def ends_apart(config, steps=12, lag=0.3):
+    """A script that ends without ``flush()`` with its ranks steps apart: rank 1 computes
+    its last steps slowly, so rank 0 ends first with collectives in flight that rank 1
+    has still to submit (delayed averaging's last D steps, an overlapped round). Run as
+    a job of its own: what is checked is that both ranks exit cleanly (hvd_dgc waits for
+    them at exit; Horovod's shutdown would otherwise fail rank 1's)."""
+    options = {"sign, delay=4": dict(compression=hvd.Compression.sign, delay=4,
+                                     min_compress_size=64),
+               "dgc, delay=4": dict(delay=4, density=0.1, warmup=0, min_compress_size=64),
+               "outer, overlap": dict(outer=hvd.OuterLoop(steps=3, overlap=True))}[config]
+    hvd.init()
+    rank = hvd.rank()
+    model = mlp(0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), **options)
+    for i in range(steps):
+        if rank == 1 and i >= steps - 4:
+            time.sleep(lag)
+        opt.zero_grad()
+        loss_of(model, i, rank).backward()
+        opt.step()
+    return {"in_flight": int(opt.in_flight)}
+
+
 def suite(names):
     from tests.workers.torch_dgc import suite as run_suite
     return run_suite(names, module=__import__(__name__, fromlist=["_"]))
