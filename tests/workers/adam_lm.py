@@ -13,7 +13,8 @@ from harness.stdlib_lm import Batches, byte_lm, loss_of
 def side_by_side(variants, steps=400, context=64, batch=16, seed=0):
     """``variants``: label -> hvd_dgc options, each trained beside dense Horovod
     ("horovod"); per label the validation loss every 100 steps, and for hvd_dgc's the
-    bytes this rank sent, the Adam phase, and whether the ranks hold the same weights."""
+    bytes this rank sent, the Adam phase, and whether the ranks hold the same weights
+    (after ``flush()`` where each rank steps on its own between exchanges)."""
     torch.set_num_threads(1)
     hvd.init()
     rank = hvd.rank()
@@ -47,8 +48,10 @@ def side_by_side(variants, steps=400, context=64, batch=16, seed=0):
             if (step + 1) % 100 == 0:
                 curves[label].append(validation(model))
     out = {"start": start, "curves": curves, "numel": numel, "steps": steps}
-    for label in variants:
+    for label, options in variants.items():
         model, opt = runs[label]
+        if options.get("period", 1) > 1 or options.get("delay"):
+            opt.flush()  # (each rank stepped on its own between exchanges: documented)
         stats = opt.compression_stats()
         mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         everyone = stock.allgather(mine.unsqueeze(0), name=f"adam_lm.{label}")
