@@ -266,7 +266,6 @@ def report(path, framework, np_, steps, out=None):
     finals = {v: [c[-1] for c in seeds.values() if c[-1][0] == steps]
               for v, seeds in runs.items()}
     finals = {v: f for v, f in finals.items() if f}
-    base = statistics.mean(p[1] for p in finals["horovod"]) if "horovod" in finals else None
     _, _, root = corpus()
     lines = [f"# AdamW, byte-level transformer LM on the standard library ({root})"
              + (", Keras 2" if framework == "keras" else ""), "",
@@ -290,8 +289,10 @@ def report(path, framework, np_, steps, out=None):
         done = [s for s, c in sorted(runs[variant].items()) if c[-1][0] == steps]
         same = [runs["horovod"][s][-1][1] for s in done
                 if s in runs.get("horovod", {}) and runs["horovod"][s][-1][0] == steps]
-        against = statistics.mean(same) if same and len(same) == len(done) else base
-        versus = f"{100 * (loss / against - 1):+.2f}%" if against else "n/a"
+        # against Horovod on the same seeds only: seeds differ by more than the variants
+        against = statistics.mean(same) if same and len(same) == len(done) else None
+        versus = f"{100 * (loss / against - 1):+.2f}%" if against else \
+            "n/a (Horovod not run on these seeds)"
         seeds = ", ".join(str(s) for s in done)
         lines.append(f"| {variant} | {seeds} | {loss:.4f}{spread} | {versus} | "
                      f"{_late(runs, variant, done)} | {ratio:.1f}x |")
