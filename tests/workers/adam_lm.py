@@ -48,10 +48,9 @@ def side_by_side(variants, steps=400, context=64, batch=16, seed=0):
             if (step + 1) % 100 == 0:
                 curves[label].append(validation(model))
     out = {"start": start, "curves": curves, "numel": numel, "steps": steps}
-    for label, options in variants.items():
+    for label in variants:
         model, opt = runs[label]
-        if options.get("period", 1) > 1 or options.get("delay"):
-            opt.flush()  # (each rank stepped on its own between exchanges: documented)
+        opt.flush()  # (documented with delay/period; nothing to do after synchronous steps)
         stats = opt.compression_stats()
         mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         everyone = stock.allgather(mine.unsqueeze(0), name=f"adam_lm.{label}")
