@@ -26,6 +26,16 @@ each rank sends k/L records of its slice across hosts::
     hierarchical              (L-1) alpha_local + (L-1)/L n w_dense beta_local
                               + (N-1) alpha + (N-1) ceil(k/L) (w + i) beta
 
+A compressor of its own collectives that allgathers a payload of ``p`` bytes a rank
+(sign, QSGD, bf16: hvd_dgc/torch/quantize.py) is priced as DGC's allgather is::
+
+    payload allgather         (N-1) alpha + (N-1) p beta
+
+Its volume grows with N too: one bit an element (sign) moves more than the dense fp32
+allreduce from N = 64 on, QSGD's default (7 levels: 4 bits an element) from N = 16, bf16
+from N = 5 (``choose_exchange``). PowerSGD's and TernGrad's allreduces are not priced:
+their volume does not grow with N.
+
 ``choose`` (dense or allgather) is unchanged; ``choose_aggregation`` picks among
 the four (hierarchical only where ``local_size`` says ranks share hosts).
 
@@ -161,6 +171,20 @@ class CostModel:
         sparse = self.sparse_seconds(k, world_size, sparse_value_bytes, index_bytes) + \
             self.local_seconds(numel, k, world_size)
         return ALLGATHER if sparse * self.dense_preference <= dense else DENSE
+
+    def gather_seconds(self, payload_bytes, world_size):
+        """One allgather of ``payload_bytes`` from every rank (a payload compressor's)."""
+        n1 = world_size - 1
+        return n1 * self.alpha + n1 * payload_bytes / self.records_bandwidth
+
+    def choose_exchange(self, numel, payload_bytes, world_size, dense_value_bytes=4):
+        """EXCHANGE (the compressor's allgather of ``payload_bytes`` a rank) or DENSE for
+        one tensor of ``numel`` elements. Ties go to the compressor, so np=1 (where both
+        cost nothing) runs what np=2 runs; ``dense_preference`` weighs the compressor's
+        side as it weighs a sparse path (its encoding runs on the training thread)."""
+        gather = self.gather_seconds(payload_bytes, world_size)
+        dense = self.dense_seconds(numel, world_size, dense_value_bytes)
+        return PathKind.EXCHANGE if gather * self.dense_preference <= dense else DENSE
 
     def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
         """Carry ``numel`` dense elements (a launch's dense tensors together) inside the

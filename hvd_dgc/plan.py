@@ -24,7 +24,7 @@ from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
-from hvd_dgc.switch import idle_warning, summary
+from hvd_dgc.switch import gather_idle_warning, idle_warning, summary
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -183,7 +183,21 @@ class Planner:
         dense = [f"{n} of {len(large)} at density {d:g}" for d, n in dense if n]
         if words and dense:  # said once; the statistics count each step's paths
             words.append(f"dense where sparse would cost more: {', '.join(dense)}")
+        priced = self.exchange_dense()
+        if priced:  # said with or without a measured link: it follows the world's size
+            large = sum(self.large(t) for t in self.tensors)
+            words.append(f"dense where {self.compressor.name}'s allgather at "
+                         f"{self.world_size} ranks would cost more than the allreduce: "
+                         f"{len(priced)} of {large} large tensors")
         return "; ".join(words)
+
+    def exchange_dense(self):
+        """The large tensors a compressor of its own collectives leaves dense because its
+        allgather would cost more (``exchange_path``)."""
+        if self.resolved.kind != "exchange":
+            return []
+        return [t for t in self.tensors if self.large(t)
+                and self.exchange_path(t) == PathKind.DENSE]
 
     def replan(self, world_size, local_size=None):
         """Plan for another world (an elastic reset): every choice is made afresh."""
@@ -220,10 +234,9 @@ class Planner:
         if not self.large(tensor) or r.kind == "dense":
             return PathKind.DENSE
         if r.kind == "exchange":
-            if self.exact_adam(step):
+            if self.exact_adam(step) or not self.compressor.compressible(tensor.shape, step):
                 return PathKind.DENSE
-            return PathKind.EXCHANGE if self.compressor.compressible(tensor.shape, step) \
-                else PathKind.DENSE
+            return self.exchange_path(tensor)
         if self.hierarchical(tensor):
             return PathKind.HIERARCHICAL
         k = num_selected(tensor.numel, density)
@@ -233,6 +246,24 @@ class Planner:
             chosen = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
                 self.compressor.value_bytes, allowed=self.flat)
+            self._paths[key] = chosen
+        return chosen
+
+    def exchange_path(self, tensor):
+        """EXCHANGE or DENSE for a tensor the compressor of its own collectives takes:
+        a payload allgathered from every rank (sign, QSGD, bf16) grows with the world and
+        is priced against the dense allreduce (costmodel.choose_exchange); PowerSGD's and
+        TernGrad's allreduces are not. A tensor that turns dense loses nothing: the dense
+        path sends the memory whole, what the compressor had left in it too."""
+        payload_bytes = getattr(self.compressor, "payload_bytes", None)
+        if payload_bytes is None:
+            return PathKind.EXCHANGE
+        key = ("exchange", tensor.numel)
+        chosen = self._paths.get(key)
+        if chosen is None:
+            chosen = self.cost_model.choose_exchange(
+                tensor.numel, payload_bytes(tensor.numel), self.world_size,
+                self.dense_value_bytes)
             self._paths[key] = chosen
         return chosen
 
@@ -380,13 +411,19 @@ class Planner:
         freeze, or later, at the start of the first density stage in which some large
         tensor leaves other than dense on this link (before it every tensor goes dense,
         so exact Adam costs no byte more); None where none ever does (exact Adam
-        throughout: ``adam_declined``). The schedule's freeze as it is with ``delay``
-        or ``period`` (they need the linear update from it), a compressor of its own
-        collectives (no density stages), a callable schedule, or no tensor large enough
-        to compress (``min_compress_size``: the script's choice)."""
+        throughout: ``adam_declined``), also where a compressor of its own collectives
+        would send every large tensor dense (``exchange_dense``). The schedule's freeze
+        as it is with ``delay`` or ``period`` (they need the linear update from it), a
+        compressor of its own collectives otherwise (no density stages), a callable
+        schedule, or no tensor large enough to compress (``min_compress_size``: the
+        script's choice)."""
         r = self.resolved
         inner = getattr(r.schedule, "inner", None)
         large = [t for t in self.tensors if self.large(t)]
+        if r.freeze is not None and not lagging and large and \
+                len(self.exchange_dense()) == len(large):
+            self.adam_declined = True
+            return None
         if r.freeze is None or lagging or r.kind == "exchange" or \
                 not isinstance(inner, DensitySchedule) or not large:
             return r.freeze
@@ -406,6 +443,9 @@ class Planner:
         """Why DGC does nothing with this set-up (said on every rank), or None."""
         if self.resolved.kind == "dense":
             return None
+        priced = self.exchange_dense()
+        if priced and len(priced) == sum(self.large(t) for t in self.tensors):
+            return gather_idle_warning(self.kind_name(), self.world_size)
         final, _ = self._final(density_now)
         large = any(self.large(t) for t in self.tensors)
         sums = self._sums(final)
@@ -428,7 +468,7 @@ class Planner:
         large = [t for t in self.tensors if self.large(t)]
         if self.resolved.sparse:  # those the cost model sends dense even at the final density
             large = [t for t in large if self.path(t, final) != PathKind.DENSE]
-        large = len(large)
+        large = len(large) - len(self.exchange_dense())
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 from hvd_dgc.paths import SUMS
 
-__all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning", "summary"]
+__all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning",
+           "gather_idle_warning", "summary"]
 
 class Choice(NamedTuple):
     """A resolved ``compression=``: the compressor, whether values travel as fp16
@@ -105,6 +106,15 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
                 f"every tensor dense (a sparse allgather would cost more), so DGC does "
                 f"nothing; lower the density, or pass density=1.0 to say dense.")
     return None
+
+
+def gather_idle_warning(kind, world):
+    """Why a payload compressor (sign, QSGD, bf16) does nothing: at ``world`` ranks its
+    allgather moves more than the dense allreduce of every large tensor."""
+    return (f"hvd_dgc: at {world} ranks every rank would receive {world - 1} {kind} "
+            f"payloads of each tensor, more than the dense allreduce moves, so every tensor "
+            f"goes dense (as Horovod does) and {kind} does nothing; DGC (the default) or "
+            f"PowerSGD send volumes that do not grow with the ranks.")
 
 
 class TakeOver(NamedTuple):

@@ -191,7 +191,8 @@ def test_options_and_identity():
 
 
 # -- 2 ranks under horovodrun --gloo, in hvd_dgc's optimizer (one launch) -----------------
-SCENARIOS = ["powersgd_vs_torch", "consistency", "delay_and_errors", "convergence"]
+SCENARIOS = ["powersgd_vs_torch", "consistency", "delay_and_errors", "priced_dense",
+             "convergence"]
 NAMES = ["powersgd", "sign", "terngrad", "qsgd", "bf16"]
 
 
@@ -244,6 +245,27 @@ def test_delay_and_stock_optimizer_errors(two_ranks):
         assert "no bfloat16 kernel" in out["stock_bf16"]
         assert "allreduce(op=Max)" in out["stock_terngrad"]
         assert "cannot run inside" in out["allreduce_sign"]
+
+
+def test_a_payload_compressor_priced_dense_trains_dense_and_loses_nothing(two_ranks):
+    """plan.exchange_path on 2 ranks: sign whose allgather the cost model finds dearer
+    than the allreduce sends every tensor dense and trains as dense averaging
+    (``density=1.0``) does, bit for bit; a
+    tensor that turns dense after signed steps sends sign's residual with it (the
+    memory's v empty after that step); AdamW whose every tensor goes dense is not taken
+    over (exact Adam: plan.adam_freeze)."""
+    for out in _checked(two_ranks, "priced_dense"):
+        assert out["paths"] == ["dense"], out["paths"]
+        assert out["vs_dense"] == 0.0, out["vs_dense"]  # density=1.0's weights, bit for bit
+        assert out["flip_paths"][:3] == [["dense", "sign"]] * 3, out["flip_paths"]
+        assert out["flip_paths"][3:] == [["dense"]] * 2, out["flip_paths"]
+        residual = out["residual"]
+        assert min(residual[:3]) > 1e-4, residual  # sign keeps what it did not send
+        assert residual[3:] == [0.0, 0.0], residual  # all of it left with the dense step
+        assert out["flip_identical"]
+        # AdamW, sign priced dense: exact Adam throughout, density=1.0's weights
+        assert out["adam_sign_slow"]["adam_freeze"] is None, out["adam_sign_slow"]
+        assert out["adam_vs_dense"] == 0.0, out["adam_vs_dense"]
 
 
 def test_digits_each_compressor_within_two_points_of_dense(two_ranks):

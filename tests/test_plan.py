@@ -157,3 +157,75 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
     epochs = dict(density=0.01, warmup=3, warmup_unit="epoch", warmup_densities=(0.5,))
     assert freeze(1e-6, **epochs) == (20, False)
     assert freeze(1e-3, **epochs) == (None, True)
+
+
+def test_adam_stays_exact_where_a_payload_compressor_would_send_everything_dense():
+    """AdamW with bf16: taken over (frozen at 20) on 2 ranks, where bf16's allgather is
+    the cheaper; exact Adam throughout on 8, where every large tensor would go dense
+    anyway (nothing to gain from the frozen variance); with delay as planned (it needs
+    the linear update)."""
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    tensors = [TensorInfo(0, "w", 65536, (256, 256)), TensorInfo(1, "b", 256, (256,))]
+
+    def freeze(world, lagging=""):
+        resolved = DGCConfig.from_options({}, "torch", "DistributedOptimizer").resolve(
+            TORCH, Compression.bf16, HorovodArguments(Average, 1.0, 1, None,
+                                                      (Average, Sum, Adasum)),
+            (False, "AdamW", True))
+        planner = Planner(resolved, tensors, world)
+        return planner.adam_freeze(lagging), planner.adam_declined
+
+    assert freeze(2) == (20, False)
+    assert freeze(8) == (None, True)
+    assert freeze(8, lagging="delay=2") == (20, False)
+
+
+def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
+    """sign, QSGD and bf16 allgather a payload from every rank: at N ranks each receives
+    N-1 of them, which outgrows the dense allreduce's 2(N-1)/N of the tensor (one bit an
+    element from N = 64, QSGD's 4 bits from N = 16, bf16's 16 from N = 5; latency aside,
+    as a 1,000-element tensor's 64 bytes show). Such a tensor goes dense, what the
+    compressor had kept in the memory with it; PowerSGD's allreduces are not priced."""
+    from hvd_dgc.packing import qsgd_payload_bytes, sign_payload_bytes
+    fc = TENSORS[2]  # 512,000 elements
+    model = CostModel()
+    cases = [(Compression.sign, sign_payload_bytes(fc.numel)),
+             (Compression.qsgd, qsgd_payload_bytes(fc.numel, 7, 128)),
+             (Compression.bf16, 2 * fc.numel)]
+    for compression, payload in cases:
+        last = None
+        for world in (1, 2, 4, 5, 8, 16, 32, 64, 68, 128):
+            planner = _planner(world=world, compression=compression)
+            path = planner.path(fc, 1.0, step=100)
+            # the formula, by hand: (N-1) alpha + (N-1) p beta against 2(N-1) alpha +
+            # 2(N-1)/N 4n beta
+            gather = (world - 1) * (model.alpha + payload / model.bandwidth)
+            dense = 2 * (world - 1) * (model.alpha + 4 * fc.numel / world / model.bandwidth)
+            assert path == (PathKind.EXCHANGE if gather <= dense else PathKind.DENSE), \
+                (compression.name, world, path)
+            assert last != PathKind.DENSE or path == PathKind.DENSE  # once dense, stays
+            last = path
+        assert last == PathKind.DENSE, compression.name  # every one of them, by 128 ranks
+    # where each turns for this tensor on the assumed link (its latency favours the one
+    # allgather a little: sign turns at 71, not 64)
+    turns = {c.name: min(w for w in range(2, 200) if _planner(world=w, compression=c).path(
+        fc, 1.0, step=100) == PathKind.DENSE) for c, _ in cases}
+    assert turns == {"sign": 71, "qsgd": 16, "bf16": 5}, turns
+    # the decision follows the world (an elastic reset), and is said; conv.weight's
+    # 36,864 elements stay signed at any N: one allgather's latency against the
+    # allreduce's two outweighs its bytes
+    planner = _planner(world=2, compression=Compression.sign)
+    assert planner.path(fc, 1.0, step=100) == PathKind.EXCHANGE
+    assert planner.exchange_dense() == [] and planner.idle_warning() is None
+    assert "would cost more than the allreduce" not in planner.summary("torch", 0)
+    planner.replan(128)
+    assert planner.exchange_dense() == [fc] and planner.idle_warning() is None
+    line = planner.summary("torch", 0)
+    assert "compressor sign on 1 of 5 tensors" in line, line
+    assert "dense where sign's allgather at 128 ranks would cost more than the allreduce: " \
+        "1 of 2 large tensors" in line, line
+    alone = Planner(planner.resolved, [fc], 128)  # nothing left to compress: warned
+    assert "at 128 ranks every rank would receive 127 sign payloads" in alone.idle_warning()
+    # PowerSGD's allreduces do not grow with N: not priced
+    assert _planner(world=128, compression=Compression.powersgd(start_iter=0)).path(
+        fc, 1.0, step=100) == PathKind.EXCHANGE

@@ -19,7 +19,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
         "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
         "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
-        "tape_fixed_records",
+        "tape_priced_dense", "tape_fixed_records",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
         "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference",
@@ -148,6 +148,16 @@ def test_tape_powersgd_sends_one_approximation_and_keeps_the_rest(tape):
     for r in ranks:
         assert r["bytes"] == 3 * (4 * (60 + 50) * 2 + 8 * 4)
         assert r["paths"] == {"exchange": 3, "dense": 3} and r["identical"]
+
+
+def test_tape_sign_priced_dense_averages_as_dense_averaging(tape):
+    """The planner's pricing of a payload compressor's allgather (plan.exchange_path)
+    holds in TensorFlow as in PyTorch: where the allgather is the dearer, sign sends
+    every tensor dense, bit for bit what density=1.0 sends, and keeps nothing."""
+    for out in _checked(tape, "tape_priced_dense"):
+        assert out["paths"] == {"dense": 3}, out
+        assert out["avg_diff"] == 0.0 and out["w_diff"] == 0.0, out
+        assert out["residual"] == 0.0, out
 
 
 @pytest.mark.parametrize("name", ["sign", "bf16", "qsgd"])

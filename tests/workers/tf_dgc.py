@@ -296,6 +296,38 @@ def tape_quantizers(steps=3, shape=(60, 50)):
     return out
 
 
+def tape_priced_dense(steps=3, shape=(60, 50)):
+    """sign through the tape where the cost model finds its allgather dearer than the
+    allreduce (plan.exchange_path): every tensor goes dense, each step's average and
+    the weights those of dense averaging (density=1.0), the memory empty after each."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc import CostModel
+    from hvd_dgc.tensorflow import _EXCHANGES
+    rank = hvd.rank()
+    runs = {}
+    for tag, options in (("dense", {"density": 1.0}),
+                         ("sign_slow", {"compression": hvd.Compression.sign,
+                                        "cost_model": CostModel(gather_bandwidth=1e3)})):
+        w = tf.Variable(tf.zeros(shape), name=f"pd_{tag}")
+        avgs = []
+        for step in range(steps):
+            g = np.random.RandomState(90 * step + rank).randn(*shape).astype(np.float32)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w * g)
+            tape = hvd.DistributedGradientTape(tape, **options)
+            avg, = tape.gradient(loss, [w])
+            avgs.append(avg.numpy())
+            w.assign_sub(0.1 * avg)
+        runs[tag] = {"avgs": avgs, "w": w.numpy()}
+    ex = next(e for e in _EXCHANGES.values()
+              if e.memory is not None and e.names[0].startswith("pd_sign_slow"))
+    return {"paths": ex.stats()["paths"], "residual": float(np.abs(ex.memory.v[0].numpy()).max()),
+            "avg_diff": max(float(np.abs(a - b).max()) for a, b in
+                            zip(runs["dense"]["avgs"], runs["sign_slow"]["avgs"])),
+            "w_diff": float(np.abs(runs["dense"]["w"] - runs["sign_slow"]["w"]).max())}
+
+
 def tape_fixed_records(steps=6, shape=(600, 50), density=0.01):
     """DGC through the tape, eager: the records each step hands Horovod's allgather (its
     input's shape, recorded by wrapping the call), the elements the selection chose, and

@@ -196,6 +196,75 @@ def delay_and_errors():
     return out
 
 
+def priced_dense():
+    """A payload compressor's allgather priced against the allreduce (plan.exchange_path):
+    sign on a link whose allgather the cost model finds slow sends every weight dense,
+    trained as hvd_dgc's dense averaging (``density=1.0``) trains; a weight that turns
+    dense after signed steps (the world or the link changed) sends what sign had kept in
+    the memory with it, so nothing is lost. AdamW whose every tensor would go dense
+    stays exact."""
+    from hvd_dgc import CostModel
+    rank, out = hvd.rank(), {}
+    slow = CostModel(gather_bandwidth=1e3)  # 1 kB/s for the allgather: dense is cheaper
+    runs = {}
+    for tag, options in (("dense", {"density": 1.0}),
+                         ("sign_slow", {"compression": hvd.Compression.sign,
+                                        "cost_model": slow})):
+        model = wide_mlp(24)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=[(f"pd{tag}.{n}", p) for n, p in model.named_parameters()],
+            **options)
+        for step in range(4):
+            opt.zero_grad()
+            loss_of(model, step, rank, features=64, classes=10).backward()
+            opt.step()
+        runs[tag] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if tag == "sign_slow":
+            out["paths"] = sorted({t["path"] for t in
+                                   opt.compression_stats()["last_step"]["tensors"].values()})
+    out["vs_dense"] = float((runs["sign_slow"] - runs["dense"]).abs().max())
+    # signed for three steps (the residual grows), then the allgather priced slow
+    model = wide_mlp(25)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[("pf." + n, p) for n, p in model.named_parameters()],
+        compression=hvd.Compression.sign, cost_model=CostModel())
+    residual = []
+    for step in range(5):
+        if step == 3:  # as a relink or an elastic reset would: the paths chosen afresh
+            opt._planner.cost_model = slow
+            opt._planner.replan(hvd.size())
+        opt.zero_grad()
+        loss_of(model, step, rank, features=64, classes=10).backward()
+        opt.step()
+        residual.append(max(float(s["v"].abs().max()) for s in opt.dgc_memory().values()))
+        out.setdefault("flip_paths", []).append(sorted(
+            {t["path"] for t in opt.compression_stats()["last_step"]["tensors"].values()}))
+    out["residual"] = residual
+    out["flip_identical"] = ranks_identical(model, "pf.id")
+    # AdamW with sign priced dense everywhere: exact Adam throughout (nothing would be
+    # compressed, so nothing is gained by freezing its variance), as density=1.0 trains
+    adam = {}
+    for tag, options in (("dense", {"density": 1.0}),
+                         ("sign_slow", {"compression": hvd.Compression.sign,
+                                        "cost_model": slow})):
+        model = wide_mlp(26)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            named_parameters=[(f"pa{tag}.{n}", p) for n, p in model.named_parameters()],
+            **options)
+        for step in range(30):  # past the freeze the take-over would make at 20
+            opt.zero_grad()
+            loss_of(model, step, rank, features=64, classes=10).backward()
+            opt.step()
+        adam[tag] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[f"adam_{tag}"] = {k: v for k, v in opt.compression_stats().items()
+                              if k.startswith("adam_")}
+    out["adam_vs_dense"] = float((adam["sign_slow"] - adam["dense"]).abs().max())
+    return out
+
+
 # -- convergence on digits --------------------------------------------------------------------
 def mlp(seed=0):
     torch.manual_seed(seed)
