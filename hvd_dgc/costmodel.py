@@ -29,12 +29,15 @@ each rank sends k/L records of its slice across hosts::
 A compressor of its own collectives that allgathers a payload of ``p`` bytes a rank
 (sign, QSGD, bf16: hvd_dgc/torch/quantize.py) is priced as DGC's allgather is::
 
-    payload allgather         (N-1) alpha + (N-1) p beta
+    payload allgather         (N-1) alpha + (N-1) p beta + n (epsilon + N delta)
 
 Its volume grows with N too: one bit an element (sign) moves more than the dense fp32
 allreduce from N = 64 on, QSGD's default (7 levels: 4 bits an element) from N = 16, bf16
-from N = 5 (``choose_exchange``). PowerSGD's and TernGrad's allreduces are not priced:
-their volume does not grow with N.
+from N = 5 (``choose_exchange``); and its own work, encoding this rank's payload
+(``encode_element_seconds``, epsilon) and decoding every rank's (``decode_element_seconds``,
+delta), measured on this device by ``cost_model="measure"`` (0 otherwise), can cost more
+than a fast link saves. PowerSGD's and TernGrad's allreduces are not priced: their volume
+does not grow with N.
 
 ``choose`` (dense or allgather) is unchanged; ``choose_aggregation`` picks among
 the four (hierarchical only where ``local_size`` says ranks share hosts).
@@ -112,7 +115,9 @@ class CostModel:
     (None: the same). Horovod's allgather of large buffers over TCP moved them at about
     half the allreduce's rate (bench/results/collective_rates.md); the probe times it.
     ``dense_preference``: how many times cheaper a sparse path must be predicted than the
-    dense allreduce to be chosen (module docstring; >= 1).
+    dense allreduce to be chosen (module docstring; >= 1). ``encode_element_seconds`` and
+    ``decode_element_seconds``: a payload compressor's own work per element, encoding
+    this rank's payload and decoding each rank's (0 by default).
     """
 
     alpha: float = 50e-6
@@ -124,6 +129,8 @@ class CostModel:
     record_seconds: float = 0.0
     gather_bandwidth: Optional[float] = None
     dense_preference: float = 1.0
+    encode_element_seconds: float = 0.0
+    decode_element_seconds: float = 0.0
 
     def __post_init__(self):
         if not self.dense_preference >= 1:
@@ -133,7 +140,8 @@ class CostModel:
             raise ValueError(f"CostModel.gather_bandwidth must be > 0 bytes/s or None (the "
                              f"allreduce's bandwidth), got {self.gather_bandwidth!r}")
         for name in ("alpha", "local_alpha", "select_element_seconds",
-                     "select_record_seconds", "record_seconds"):
+                     "select_record_seconds", "record_seconds", "encode_element_seconds",
+                     "decode_element_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0 seconds, got "
                                  f"{getattr(self, name)!r}")
@@ -178,11 +186,14 @@ class CostModel:
         return n1 * self.alpha + n1 * payload_bytes / self.records_bandwidth
 
     def choose_exchange(self, numel, payload_bytes, world_size, dense_value_bytes=4):
-        """EXCHANGE (the compressor's allgather of ``payload_bytes`` a rank) or DENSE for
-        one tensor of ``numel`` elements. Ties go to the compressor, so np=1 (where both
-        cost nothing) runs what np=2 runs; ``dense_preference`` weighs the compressor's
-        side as it weighs a sparse path (its encoding runs on the training thread)."""
-        gather = self.gather_seconds(payload_bytes, world_size)
+        """EXCHANGE (the compressor's allgather of ``payload_bytes`` a rank, with its
+        encoding and the decoding of every rank's payload) or DENSE for one tensor of
+        ``numel`` elements. Ties go to the compressor, so np=1 with no work measured
+        (where both cost nothing) runs what np=2 runs; ``dense_preference`` weighs the
+        compressor's side as it weighs a sparse path (its work runs on the training
+        thread)."""
+        gather = self.gather_seconds(payload_bytes, world_size) + numel * (
+            self.encode_element_seconds + world_size * self.decode_element_seconds)
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
         return PathKind.EXCHANGE if gather * self.dense_preference <= dense else DENSE
 
@@ -273,7 +284,8 @@ class CostModel:
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
                 self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
-                self.record_seconds, self.gather_bandwidth, self.dense_preference)
+                self.record_seconds, self.gather_bandwidth, self.dense_preference,
+                self.encode_element_seconds, self.decode_element_seconds)
 
 
 def default_cost_model(environ=None):

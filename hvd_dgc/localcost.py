@@ -1,4 +1,5 @@
-"""DGC's own work on this device, for the cost model (``cost_model="measure"``).
+"""DGC's own work on this device, for the cost model (``cost_model="measure"``); and a
+payload compressor's (sign, QSGD, bf16: ``PayloadCost``).
 
 A sparse path does work the dense path does not: it selects (DGC's sampled threshold,
 then a scan: per element of the tensor, and per candidate kept) and packs, unpacks and
@@ -18,7 +19,8 @@ step). Written once; each framework passes its functions (hvd_dgc/torch/link.py)
 
 from typing import NamedTuple
 
-__all__ = ["LocalCost", "calibrate", "CALIBRATION_NUMEL", "HIGH_DENSITY"]
+__all__ = ["LocalCost", "PayloadCost", "calibrate", "calibrate_payload", "CALIBRATION_NUMEL",
+           "HIGH_DENSITY"]
 
 #: Elements of the synthetic memory timed (4 MiB of float32: past the caches, as a model's).
 CALIBRATION_NUMEL = 1 << 20
@@ -51,3 +53,25 @@ def calibrate(select, records, agree, low_density=0.001, numel=CALIBRATION_NUMEL
     per_selected = max(t_high - t_low, 0.0) / (high - low)
     per_element = max(t_low - per_selected * low, 0.0) / numel
     return LocalCost(per_element, per_selected, max(t_records, 0.0) / high)
+
+
+class PayloadCost(NamedTuple):
+    """A payload compressor's own work (sign, QSGD, bf16), beyond the dense path's:
+    seconds per element to encode this rank's payload, and per element to decode each
+    rank's (every rank decodes all N: costmodel.CostModel.choose_exchange)."""
+
+    encode_element_seconds: float
+    decode_element_seconds: float
+
+    def words(self):
+        return (f"the compressor's local work measured: "
+                f"{self.encode_element_seconds * 1e9:.2f} ns per element to encode, "
+                f"{self.decode_element_seconds * 1e9:.2f} ns to decode each rank's")
+
+
+def calibrate_payload(encode, decode, agree, numel=CALIBRATION_NUMEL):
+    """``PayloadCost`` from the framework's timed ``encode(numel)`` and ``decode(numel)``
+    (seconds this rank took for one payload of ``numel`` elements, the faster of a few
+    calls), agreed as ``calibrate``'s are: the slowest rank's."""
+    t_encode, t_decode = agree([encode(numel), decode(numel)])
+    return PayloadCost(max(t_encode, 0.0) / numel, max(t_decode, 0.0) / numel)

@@ -186,7 +186,8 @@ class Planner:
         priced = self.exchange_dense()
         if priced:  # said with or without a measured link: it follows the world's size
             large = sum(self.large(t) for t in self.tensors)
-            words.append(f"dense where {self.compressor.name}'s allgather at "
+            work = " and its work" if self.local is not None else ""
+            words.append(f"dense where {self.compressor.name}'s allgather{work} at "
                          f"{self.world_size} ranks would cost more than the allreduce: "
                          f"{len(priced)} of {large} large tensors")
         return "; ".join(words)
@@ -445,7 +446,8 @@ class Planner:
             return None
         priced = self.exchange_dense()
         if priced and len(priced) == sum(self.large(t) for t in self.tensors):
-            return gather_idle_warning(self.kind_name(), self.world_size)
+            return gather_idle_warning(self.kind_name(), self.world_size,
+                                       self.link is not None)
         final, _ = self._final(density_now)
         large = any(self.large(t) for t in self.tensors)
         sums = self._sums(final)

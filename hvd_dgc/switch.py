@@ -108,9 +108,16 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
     return None
 
 
-def gather_idle_warning(kind, world):
-    """Why a payload compressor (sign, QSGD, bf16) does nothing: at ``world`` ranks its
-    allgather moves more than the dense allreduce of every large tensor."""
+def gather_idle_warning(kind, world, measured=False):
+    """Why a payload compressor (sign, QSGD, bf16) does nothing: its allgather, with its
+    encoding and decoding where they were ``measured``, costs more than the dense
+    allreduce of every large tensor."""
+    if measured:
+        return (f"hvd_dgc: on the link measured between the {world} ranks, {kind}'s "
+                f"allgather with its encoding and decoding costs more than a dense allreduce "
+                f"of each tensor, so every tensor goes dense (as Horovod does) and {kind} "
+                f"does nothing; to compress anyway, pass cost_model=hvd_dgc.CostModel("
+                f"alpha=..., bandwidth=...) for the link you expect.")
     return (f"hvd_dgc: at {world} ranks every rank would receive {world - 1} {kind} "
             f"payloads of each tensor, more than the dense allreduce moves, so every tensor "
             f"goes dense (as Horovod does) and {kind} does nothing; DGC (the default) or "

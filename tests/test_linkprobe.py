@@ -189,7 +189,8 @@ def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
 def loopback():
     return run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
                kwargs={"names": ["torch", "tensorflow", "elastic", "keras_fit",
-                                 "torch_options", "keras_options"]},
+                                 "torch_options", "keras_options", "torch_sign",
+                                 "tensorflow_sign"]},
                env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""})  # the default
 
 
@@ -249,6 +250,48 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
         expected = "dense" if k >= n or sparse * MEASURED_DENSE_PREFERENCE > dense \
             else "sparse"  # (allgather's name)
         assert path == expected, (density, path, dense, sparse)
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_payload_compressors_work_is_measured_and_priced(loopback, framework):
+    """compression=Compression.sign under the default cost model: its encoding and
+    decoding are timed on this device at wrap time (localcost.calibrate_payload), agreed
+    on every rank, said by rank 0, and each large tensor goes the cheaper way by the
+    model's formula: the allgather with that work, or the dense allreduce."""
+    from hvd_dgc.packing import sign_payload_bytes
+    outs = [out[f"{framework}_sign"] for out in loopback]
+    for rank, out in enumerate(outs):
+        assert "error" not in out, (rank, out.get("error"))
+    assert outs[0]["model"] == outs[1]["model"] and outs[0]["local"] == outs[1]["local"]
+    out = outs[0]
+    encode, decode = out["local"]
+    assert 0 < encode < 1e-6 and 0 < decode < 1e-6, out["local"]  # ns per element
+    assert "the compressor's local work measured:" in out["line"], out["line"]
+    assert outs[1]["line"] == ""
+    world = 2
+    # (the allgather's own rate where the probe had the time to measure it)
+    gather_bandwidth = out["gather_bandwidth"] or out["bandwidth"]
+    for name, (numel, path) in out["paths"].items():
+        gather = (world - 1) * (out["alpha"] + sign_payload_bytes(numel) / gather_bandwidth) \
+            + numel * (encode + world * decode)
+        dense = 2 * (world - 1) * out["alpha"] + 4 * numel / out["bandwidth"]
+        expected = "exchange" if gather * MEASURED_DENSE_PREFERENCE <= dense else "dense"
+        assert path == expected, (name, path, gather, dense)
+        if path == "dense":
+            assert "dense where sign's allgather and its work at 2 ranks" in out["line"]
+
+
+def test_a_payload_cost_is_fitted_per_element_and_agreed():
+    from hvd_dgc.localcost import PayloadCost, calibrate_payload
+    seen = []
+
+    def agree(values):  # the slowest rank's
+        seen.append(values)
+        return [max(v, o) for v, o in zip(values, [3e-3, 1e-3])]
+    cost = calibrate_payload(lambda n: n * 2e-9, lambda n: n * 4e-9, agree, numel=1 << 20)
+    assert seen == [[(1 << 20) * 2e-9, (1 << 20) * 4e-9]]
+    assert cost == PayloadCost(3e-3 / (1 << 20), 4e-9)
+    assert "ns per element to encode" in cost.words()
 
 
 def test_two_hosts_of_two_ranks_measure_inside_the_host_too():

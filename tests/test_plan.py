@@ -226,6 +226,16 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
         "1 of 2 large tensors" in line, line
     alone = Planner(planner.resolved, [fc], 128)  # nothing left to compress: warned
     assert "at 128 ranks every rank would receive 127 sign payloads" in alone.idle_warning()
+    # its work, measured: on a fast link sign's encoding and decoding cost more than
+    # the allreduce they spare, and the words say the work counted
+    from hvd_dgc.localcost import PayloadCost
+    fast = _planner(world=2, compression=Compression.sign,
+                    cost_model=CostModel(alpha=20e-6, bandwidth=1.25e9))
+    assert fast.path(fc, 1.0, step=100) == PathKind.EXCHANGE  # the bytes alone
+    fast.measured(None, PayloadCost(1e-9, 2e-9))  # 0.5 ms + 2 x 1 ms against ~1.7 ms
+    assert fast.path(fc, 1.0, step=100) == PathKind.DENSE
+    assert fast.cost_model.encode_element_seconds == 1e-9
+    assert "dense where sign's allgather and its work at 2 ranks" in fast.summary("torch", 0)
     # PowerSGD's allreduces do not grow with N: not priced
     assert _planner(world=128, compression=Compression.powersgd(start_iter=0)).path(
         fc, 1.0, step=100) == PathKind.EXCHANGE

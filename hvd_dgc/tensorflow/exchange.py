@@ -52,7 +52,8 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measure_local
+from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measure_local, \
+    measure_payload
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
     host_slice
@@ -399,6 +400,8 @@ class GradientExchange(tf.Module):
         if link is not None and self.resolved.sparse:
             local = measure_local(self.compression, self.process_set,
                                   self.resolved.final_density() or 0.001)
+        elif link is not None and hasattr(self.compression, "payload_bytes"):
+            local = measure_payload(self.compression, self.process_set)
         return link, local
 
     def abandon(self):

@@ -1,6 +1,7 @@
 """The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager), and
 DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own selection
-and records, in a ``tf.function`` as a step runs them: ``cost_model="measure"``. And the
+and records, or a payload compressor's encoding and decoding, in a ``tf.function`` as a
+step runs them: ``cost_model="measure"``. And the
 link watched while Keras' ``fit`` trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
 
 import time
@@ -11,9 +12,9 @@ from horovod.tensorflow.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
-from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
+from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 
-__all__ = ["measure", "measure_local", "LinkWatcher"]
+__all__ = ["measure", "measure_local", "measure_payload", "LinkWatcher"]
 
 
 def _agree(process_set, name):
@@ -74,25 +75,44 @@ def measure_local(compressor, process_set, density):
         v.scatter_nd_update(indices[:, None], tf.zeros_like(values))
         return compressor.scatter_sum(compressor.pack(values, indices), CALIBRATION_NUMEL)
 
-    def fastest(fn, *args, times=3):
-        fn(*args)  # traced, not timed
-        best = float("inf")
-        for _ in range(times):
-            start = time.perf_counter()
-            out = fn(*args)
-            tf.nest.map_structure(lambda t: t.numpy(), out)
-            best = min(best, time.perf_counter() - start)
-        return best
-
     def timed_select(numel, k):
-        return fastest(select, tf.constant(k, tf.int32))
+        return _fastest(select, tf.constant(k, tf.int32))
 
     def timed_records(k):
         indices = tf.random.stateless_uniform([k], seed=[1, 0], maxval=CALIBRATION_NUMEL,
                                               dtype=tf.int32)
-        return fastest(records, indices)
+        return _fastest(records, indices)
     return calibrate(timed_select, timed_records,
                      _agree(process_set, "hvd_dgc.calibrate.agree"), density)
+
+
+def _fastest(fn, *args, times=3):
+    """The fastest of ``times`` calls of the ``tf.function`` ``fn`` (traced first, not
+    timed), its results read back."""
+    fn(*args)
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        out = fn(*args)
+        tf.nest.map_structure(lambda t: t.numpy(), out)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_payload(compressor, process_set):
+    """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
+    ``encode``, ``decode``): one payload of a synthetic memory encoded, and decoded, in a
+    ``tf.function`` as a step runs them."""
+    v = tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0])
+    payload = compressor.encode(v, tf.constant([0, 0]))
+
+    def encode(numel):
+        return _fastest(tf.function(lambda: compressor.encode(v[:numel],
+                                                              tf.constant([0, 0]))))
+
+    def decode(numel):
+        return _fastest(tf.function(lambda: compressor.decode(payload, numel)))
+    return calibrate_payload(encode, decode, _agree(process_set, "hvd_dgc.calibrate.agree"))
 
 
 class LinkWatcher:

@@ -10,11 +10,11 @@ from horovod.torch.mpi_ops import Max, Sum
 
 from hvd_dgc.linkprobe import measure_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
-from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate
+from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.memory import BLOCK
 
-__all__ = ["measure", "measure_local", "LinkWatcher"]
+__all__ = ["measure", "measure_local", "measure_payload", "LinkWatcher"]
 
 
 def _agree(process_set, name):
@@ -64,21 +64,9 @@ def measure_local(compressor, process_set, density, device):
     block_max = v.view(-1, BLOCK).abs().amax(1)  # (the memory's update makes these)
     out = torch.zeros_like(v)
 
-    def fastest(fn, times=3):
-        best = float("inf")
-        for _ in range(times):
-            if v.is_cuda:
-                torch.cuda.synchronize(v.device)
-            start = time.perf_counter()
-            fn()
-            if v.is_cuda:
-                torch.cuda.synchronize(v.device)
-            best = min(best, time.perf_counter() - start)
-        return best
-
     def select(numel, k):
-        return fastest(lambda: compressor.pick(v, block_max, (0,), (numel,), (k,),
-                                               ("hvd_dgc.calibrate",), 0, 0))
+        return _fastest(lambda: compressor.pick(v, block_max, (0,), (numel,), (k,),
+                                                ("hvd_dgc.calibrate",), 0, 0), v.device)
 
     def records(k):
         positions = torch.randperm(CALIBRATION_NUMEL, generator=gen)[:k].to(device)
@@ -90,9 +78,39 @@ def measure_local(compressor, process_set, density, device):
             wire = compressor.pack(values, positions)
             at, got = compressor.records_at(wire, (0,), (k,))
             out.index_add_(0, at, got)
-        return fastest(once)
+        return _fastest(once, v.device)
     return calibrate(select, records, _agree(process_set, "hvd_dgc.calibrate.agree"),
                      density)
+
+
+def _fastest(fn, device, times=3):
+    """The fastest of ``times`` calls of ``fn``, in seconds (a GPU's work waited for)."""
+    cuda = torch.device(device).type == "cuda"
+    best = float("inf")
+    for _ in range(times):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_payload(compressor, process_set, device):
+    """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
+    ``encode``, ``decode``) on ``device``: one payload of a synthetic memory encoded, and
+    decoded, as every rank's is at each exchange."""
+    v = torch.randn(CALIBRATION_NUMEL, generator=torch.Generator().manual_seed(0)).to(device)
+    payload = compressor.encode(v, 0)
+
+    def encode(numel):
+        return _fastest(lambda: compressor.encode(v[:numel], 0), device)
+
+    def decode(numel):
+        return _fastest(lambda: compressor.decode(payload, numel, torch.float32), device)
+    return calibrate_payload(encode, decode, _agree(process_set, "hvd_dgc.calibrate.agree"))
 
 
 class LinkWatcher:

@@ -50,7 +50,8 @@ from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
 from hvd_dgc.linkwatch import as_link_watch
-from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local
+from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local, \
+    measure_payload
 from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
@@ -147,10 +148,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         resolved = self._resolved
         link = measure_link(process_set, peers)
         local = None
+        device = trainable[0].device if trainable else "cpu"
         if link is not None and resolved.sparse:  # DGC's own work, this device
             local = measure_local(resolved.compressor, process_set,
-                                  resolved.final_density() or 0.001,
-                                  trainable[0].device if trainable else "cpu")
+                                  resolved.final_density() or 0.001, device)
+        elif link is not None and hasattr(resolved.compressor, "payload_bytes"):
+            local = measure_payload(resolved.compressor, process_set, device)
         self._planner.measured(link, local)
 
     def _take_over(self, included):

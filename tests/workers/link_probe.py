@@ -47,6 +47,41 @@ def _tensorflow():
     return _measured(exchange.planner, line)
 
 
+def _payload(planner, line):
+    """A payload compressor's measured work and its large tensors' paths."""
+    return {"model": repr(planner.cost_model), "local": list(planner.local),
+            "line": line.getvalue(), "alpha": planner.link.alpha,
+            "bandwidth": planner.link.bandwidth,
+            "gather_bandwidth": planner.link.gather_bandwidth,
+            "paths": {t.name: [t.numel, str(planner.path(t, 1.0, step=100))]
+                      for t in planner.tensors if planner.large(t)}}
+
+
+def _torch_sign():
+    import torch
+    import hvd_dgc.torch as hvd
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hvd.Compression.sign)
+    return _payload(opt._planner, line)
+
+
+def _tensorflow_sign():
+    import tensorflow as tf
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow.exchange import GradientExchange
+    variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024])),
+                 tf.Variable(tf.zeros([1024, 4]))]
+    exchange = GradientExchange(compression=hvd.Compression.sign)
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        exchange.build(variables)
+    return _payload(exchange.planner, line)
+
+
 def _keras_fit():
     """Keras 3 ``model.fit`` with ``cost_model="measure"``: the probe runs inside the
     first traced step (the exchange's build lifts it out of the trace) on every rank."""
@@ -232,7 +267,8 @@ def suite(names):
         try:
             out[name] = {"torch": _torch, "tensorflow": _tensorflow, "elastic": _elastic,
                          "keras_fit": _keras_fit, "torch_options": _torch_options,
-                         "keras_options": _keras_options}[name]()
+                         "keras_options": _keras_options, "torch_sign": _torch_sign,
+                         "tensorflow_sign": _tensorflow_sign}[name]()
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
