@@ -206,62 +206,57 @@ def priced_dense():
     from hvd_dgc import CostModel
     rank, out = hvd.rank(), {}
     slow = CostModel(gather_bandwidth=1e3)  # 1 kB/s for the allgather: dense is cheaper
-    runs = {}
-    for tag, options in (("dense", {"density": 1.0}),
-                         ("sign_slow", {"compression": hvd.Compression.sign,
-                                        "cost_model": slow})):
-        model = wide_mlp(24)
+    ways = (("dense", {"density": 1.0}),
+            ("sign_slow", {"compression": hvd.Compression.sign, "cost_model": slow}))
+
+    def trained(tag, make, seed, steps, before_step=None, **options):
+        model = wide_mlp(seed)
         opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=[(f"pd{tag}.{n}", p) for n, p in model.named_parameters()],
+            make(model.parameters()),
+            named_parameters=[(f"p{seed}{tag}.{n}", p) for n, p in model.named_parameters()],
             **options)
-        for step in range(4):
+        for step in range(steps):
+            if before_step is not None:
+                before_step(opt, step)
             opt.zero_grad()
             loss_of(model, step, rank, features=64, classes=10).backward()
             opt.step()
-        runs[tag] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        if tag == "sign_slow":
-            out["paths"] = sorted({t["path"] for t in
-                                   opt.compression_stats()["last_step"]["tensors"].values()})
-    out["vs_dense"] = float((runs["sign_slow"] - runs["dense"]).abs().max())
+        return model, opt
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def flat(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def paths(opt):
+        return sorted({t["path"] for t in
+                       opt.compression_stats()["last_step"]["tensors"].values()})
+    runs = {tag: trained(tag, sgd, 24, 4, **options) for tag, options in ways}
+    out["paths"] = paths(runs["sign_slow"][1])
+    out["vs_dense"] = float((flat(runs["sign_slow"][0]) - flat(runs["dense"][0])).abs().max())
     # signed for three steps (the residual grows), then the allgather priced slow
-    model = wide_mlp(25)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=[("pf." + n, p) for n, p in model.named_parameters()],
-        compression=hvd.Compression.sign, cost_model=CostModel())
-    residual = []
-    for step in range(5):
+    residual, flip_paths = [], []
+
+    def watch(opt, step):
+        if step:  # the last step's
+            residual.append(max(float(s["v"].abs().max()) for s in opt.dgc_memory().values()))
+            flip_paths.append(paths(opt))
         if step == 3:  # as a relink or an elastic reset would: the paths chosen afresh
             opt._planner.cost_model = slow
             opt._planner.replan(hvd.size())
-        opt.zero_grad()
-        loss_of(model, step, rank, features=64, classes=10).backward()
-        opt.step()
-        residual.append(max(float(s["v"].abs().max()) for s in opt.dgc_memory().values()))
-        out.setdefault("flip_paths", []).append(sorted(
-            {t["path"] for t in opt.compression_stats()["last_step"]["tensors"].values()}))
-    out["residual"] = residual
+    model, opt = trained("flip", sgd, 25, 6, watch, compression=hvd.Compression.sign,
+                         cost_model=CostModel())
+    out["residual"], out["flip_paths"] = residual, flip_paths
     out["flip_identical"] = ranks_identical(model, "pf.id")
     # AdamW with sign priced dense everywhere: exact Adam throughout (nothing would be
-    # compressed, so nothing is gained by freezing its variance), as density=1.0 trains
-    adam = {}
-    for tag, options in (("dense", {"density": 1.0}),
-                         ("sign_slow", {"compression": hvd.Compression.sign,
-                                        "cost_model": slow})):
-        model = wide_mlp(26)
-        opt = hvd.DistributedOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-3),
-            named_parameters=[(f"pa{tag}.{n}", p) for n, p in model.named_parameters()],
-            **options)
-        for step in range(30):  # past the freeze the take-over would make at 20
-            opt.zero_grad()
-            loss_of(model, step, rank, features=64, classes=10).backward()
-            opt.step()
-        adam[tag] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        out[f"adam_{tag}"] = {k: v for k, v in opt.compression_stats().items()
-                              if k.startswith("adam_")}
-    out["adam_vs_dense"] = float((adam["sign_slow"] - adam["dense"]).abs().max())
+    # compressed, so nothing is gained by freezing its variance), as density=1.0 trains;
+    # 30 steps, past the freeze the take-over would make at 20
+    adam = {tag: trained(tag, lambda params: torch.optim.AdamW(params, lr=1e-3), 26, 30,
+                         **options) for tag, options in ways}
+    out["adam_sign_slow"] = {k: v for k, v in adam["sign_slow"][1].compression_stats().items()
+                             if k.startswith("adam_")}
+    out["adam_vs_dense"] = float((flat(adam["sign_slow"][0]) - flat(adam["dense"][0])).abs().max())
     return out
 
 
