@@ -392,9 +392,10 @@ class GradientExchange(tf.Module):
         return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
 
     def _probe(self):
-        """``(LinkMeasurement, LocalCost)`` of this world, agreed by every rank of the
-        process set (each calls it at the same point): the link, and DGC's own work on
-        this device where the compressor is sparse (linkprobe.py, localcost.py)."""
+        """``(LinkMeasurement, LocalCost or PayloadCost)`` of this world, agreed by every
+        rank of the process set (each calls it at the same point): the link, and the
+        compressor's own work on this device, DGC's selection where it is sparse, the
+        encoding and decoding where it allgathers payloads (linkprobe.py, localcost.py)."""
         link = measure_link(self.process_set, self.wire.peers)
         local = None
         if link is not None and self.resolved.sparse:

@@ -1,8 +1,8 @@
 """The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager), and
 DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own selection
 and records, or a payload compressor's encoding and decoding, in a ``tf.function`` as a
-step runs them: ``cost_model="measure"``. And the
-link watched while Keras' ``fit`` trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
+step runs them: ``cost_model="measure"``. And the link watched while Keras' ``fit``
+trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
 
 import time
 

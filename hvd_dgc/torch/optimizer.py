@@ -139,8 +139,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     lambda *_, p=p: self._scheduler.ready(p)))
 
     def _measure(self, process_set, trainable, peers=()):
-        """The link (inside the host too, where ``peers`` are several) and DGC's own work
-        on this device, measured (the default cost model: hvd_dgc/linkprobe.py,
+        """The link (inside the host too, where ``peers`` are several) and the
+        compressor's own work on this device (DGC's selection, or a payload compressor's
+        encoding and decoding), measured (the default cost model: hvd_dgc/linkprobe.py,
         hvd_dgc/localcost.py): every rank of ``process_set`` calls this at the same point
         (the wrapper; elastic: each sync)."""
         if not self._planner.measure:
