@@ -200,6 +200,11 @@ class Planner:
         return [t for t in self.tensors if self.large(t)
                 and self.exchange_path(t) == PathKind.DENSE]
 
+    def exchange_idle(self):
+        """Does the compressor of its own collectives leave every large tensor dense?"""
+        priced = self.exchange_dense()
+        return bool(priced) and len(priced) == sum(self.large(t) for t in self.tensors)
+
     def replan(self, world_size, local_size=None):
         """Plan for another world (an elastic reset): every choice is made afresh."""
         self.world_size = int(world_size)
@@ -421,8 +426,7 @@ class Planner:
         r = self.resolved
         inner = getattr(r.schedule, "inner", None)
         large = [t for t in self.tensors if self.large(t)]
-        if r.freeze is not None and not lagging and large and \
-                len(self.exchange_dense()) == len(large):
+        if r.freeze is not None and not lagging and self.exchange_idle():
             self.adam_declined = True
             return None
         if r.freeze is None or lagging or r.kind == "exchange" or \
@@ -444,8 +448,7 @@ class Planner:
         """Why DGC does nothing with this set-up (said on every rank), or None."""
         if self.resolved.kind == "dense":
             return None
-        priced = self.exchange_dense()
-        if priced and len(priced) == sum(self.large(t) for t in self.tensors):
+        if self.exchange_idle():
             return gather_idle_warning(self.kind_name(), self.world_size,
                                        self.link is not None)
         final, _ = self._final(density_now)

@@ -183,8 +183,8 @@ def test_adam_stays_exact_where_a_payload_compressor_would_send_everything_dense
 def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     """sign, QSGD and bf16 allgather a payload from every rank: at N ranks each receives
     N-1 of them, which outgrows the dense allreduce's 2(N-1)/N of the tensor (one bit an
-    element from N = 64, QSGD's 4 bits from N = 16, bf16's 16 from N = 5; latency aside,
-    as a 1,000-element tensor's 64 bytes show). Such a tensor goes dense, what the
+    element from N = 64, QSGD's 4 bits from N = 16, bf16's 16 from N = 5, latency aside:
+    with it, sign turns at 71 for this tensor). Such a tensor goes dense, what the
     compressor had kept in the memory with it; PowerSGD's allreduces are not priced."""
     from hvd_dgc.packing import qsgd_payload_bytes, sign_payload_bytes
     fc = TENSORS[2]  # 512,000 elements
