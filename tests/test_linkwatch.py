@@ -164,6 +164,7 @@ def test_link_watch_settings_run_in_keras_and_the_tape_refuses_them_with_the_fix
     assert as_link_watch(None) == LinkWatch() and as_link_watch(False) is None
     for watch in (None, False, LinkWatch(window=5)):
         assert unsupported_message(DGCConfig(link_watch=watch), "tensorflow") is None
+    pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (CI has it)")
     from hvd_dgc.tensorflow.exchange import GradientExchange
     with pytest.raises(ValueError, match="link_watch=LinkWatch\\(window=5.*traced into your "
                                          "tf.function.*use Keras' model.fit with "
