@@ -14,6 +14,9 @@ the link. Methods (bench/wan/multihost_worker.py runs them):
     flat DGC                         hvd_dgc, density 0.001, aggregation="flat"
     hierarchical DGC                 hvd_dgc, density 0.001, aggregation="hierarchical"
     hierarchical DGC + DGA           the same with delay=2 (flush at the end, timed apart)
+    hvd_dgc, import switched         hvd_dgc at --density, nothing else: each tensor's way
+                                     (dense, flat, hierarchical) by the cost model on the
+                                     link measured at wrap time (issue 33)
     no communication                 the same 4 ranks on the same hosts, plain torch
                                      SGD, no Horovod, no collectives (the reference rate)
 
@@ -62,10 +65,11 @@ from harness.hosts import EmulatedHosts, HostsError, available  # noqa: E402
 WORKER = os.path.join(REPO, "bench", "wan", "multihost_worker.py")
 HOSTS = ["h1:2", "h2:2"]
 NP, LOCAL_SIZE = 4, 2
-METHODS = ["local", "dense", "dense_hier", "dgc_flat", "dgc_hier", "dgc_hier_dga"]
+METHODS = ["local", "dense", "dense_hier", "dgc_flat", "dgc_hier", "dgc_hier_dga", "dgc"]
 LABELS = {"local": "no communication", "dense": "dense Horovod",
           "dense_hier": "Horovod hierarchical allreduce", "dgc_flat": "flat DGC",
-          "dgc_hier": "hierarchical DGC", "dgc_hier_dga": "hierarchical DGC + DGA (D=2)"}
+          "dgc_hier": "hierarchical DGC", "dgc_hier_dga": "hierarchical DGC + DGA (D=2)",
+          "dgc": "hvd_dgc, import switched (paths by cost)"}
 WORKLOADS = {"mlp": "MLP 6.3M (batch 128/rank)", "cnn": "ResNet-18 32x32 (batch {b}/rank)"}
 FIELDS = ["workload", "rate_mbit", "rtt_ms", "method", "label", "status", "error", "steps",
           "batch", "world", "params", "samples_per_s", "vs_nocomm", "step_s", "cpu_s_per_step", "cpu_share",

@@ -40,6 +40,15 @@ CONFIGS = {  # name: the example's flags
     # the switch's own cost where nothing is compressed: hvd_dgc's dense path
     "hvd_dgc 1.0 (dense)": ["--dgc", "--density", "1.0"],
 }
+#: Asked for by name only (``--configs``): what Horovod's own tensor fusion costs each side
+#: (it copies the tensors of a cycle into one buffer and out again; hvd_dgc's buckets are
+#: flat already).
+NO_FUSION = {"HOROVOD_FUSION_THRESHOLD": "0"}
+EXTRA = {
+    "stock Horovod, no fusion": ([], NO_FUSION),
+    "hvd_dgc 0.25 (measured), no fusion": (["--dgc", "--density", "0.25"], NO_FUSION),
+    "hvd_dgc 1.0 (dense), no fusion": (["--dgc", "--density", "1.0"], NO_FUSION),
+}
 ENV = {"HVD_DGC_COST_MODEL": "", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
@@ -50,11 +59,12 @@ def steps(link):
     return ["--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
 
 
-def run(link, flags, timeout):
+def run(link, flags, timeout, extra_env=None):
     """Rank 0's output of one run of the example over ``link``."""
     argv = SCRIPT + steps(link) + flags
+    job_env = dict(ENV, **(extra_env or {}))
     if link == "loopback":
-        env = dict(os.environ, **ENV, PYTHONPATH=REPO)
+        env = dict(os.environ, **job_env, PYTHONPATH=REPO)
         proc = subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"] + argv,
                               capture_output=True, text=True, env=env, timeout=timeout,
                               cwd=REPO)
@@ -65,7 +75,7 @@ def run(link, flags, timeout):
     from harness.wan import WanLink
     rate, rtt = link
     with WanLink(rate_mbit=rate, rtt_ms=rtt) as wan:
-        (code, out, err), (code1, _, err1) = run_job(wan, argv, env=ENV, timeout=timeout)
+        (code, out, err), (code1, _, err1) = run_job(wan, argv, env=job_env, timeout=timeout)
     return code if code else code1, out, err + err1
 
 
@@ -95,13 +105,15 @@ def main():
     ap.add_argument("--emulated-repeats", type=int, default=1,
                     help="runs of each configuration over an emulated link")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS),
-                    help=f"which of {list(CONFIGS)} (stock Horovod always runs)")
+                    help=f"which of {list(CONFIGS)} (stock Horovod always runs), or of "
+                         f"{list(EXTRA)} (by name only)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = ap.parse_args()
-    unknown = sorted(set(args.configs) - set(CONFIGS))
+    known = {**{name: (flags, None) for name, flags in CONFIGS.items()}, **EXTRA}
+    unknown = sorted(set(args.configs) - set(known))
     if unknown:
-        sys.exit(f"--configs: unknown {unknown}; choose among {list(CONFIGS)}")
-    configs = {name: flags for name, flags in CONFIGS.items()
+        sys.exit(f"--configs: unknown {unknown}; choose among {list(known)}")
+    configs = {name: spec for name, spec in known.items()
                if name == "stock Horovod" or name in args.configs}
     links = []
     for spec in args.links:
@@ -123,8 +135,8 @@ def main():
         repeats = args.repeats if link == "loopback" else args.emulated_repeats
         runs = {name: [] for name in configs}
         for _ in range(repeats):
-            for name, flags in configs.items():
-                code, out, err = run(link, flags, args.timeout)
+            for name, (flags, extra_env) in configs.items():
+                code, out, err = run(link, flags, args.timeout, extra_env)
                 row = parse(out)
                 if code != 0 or row["img_s"] is None:
                     sys.exit(f"{name} over {link_name(link)} failed (exit {code}):\n{out}\n"

@@ -24,6 +24,9 @@ Methods:
     dgc_hier     hvd_dgc, DGC at --density, aggregation="hierarchical"
     dgc_hier_dga hvd_dgc, aggregation="hierarchical", delay=--delay (flush at the end,
                  timed apart)
+    dgc          hvd_dgc at --density and nothing else: the import switched, each tensor's
+                 way (dense, flat or hierarchical) chosen by the cost model on the link
+                 it measured
 
 Timing: --warmup-steps untimed steps, then a barrier through files in SYNC_DIR
 (no network, so the no-communication ranks start together too), then --steps
@@ -49,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-METHODS = ["local", "dense", "dense_hier", "dgc_flat", "dgc_hier", "dgc_hier_dga"]
+METHODS = ["local", "dense", "dense_hier", "dgc_flat", "dgc_hier", "dgc_hier_dga", "dgc"]
 
 
 # -- models ------------------------------------------------------------------------
@@ -192,12 +195,14 @@ def main():
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=hvd.Compression.none)
         else:
-            aggregation = "flat" if args.method == "dgc_flat" else "hierarchical"
-            delay = args.delay if args.method == "dgc_hier_dga" else 0
+            options = {}
+            if args.method != "dgc":
+                options["aggregation"] = "flat" if args.method == "dgc_flat" else "hierarchical"
+            if args.method == "dgc_hier_dga":
+                options["delay"] = args.delay
             # density given, no warm-up: the steady state of DGC at that density
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           density=args.density, aggregation=aggregation,
-                                           delay=delay)
+                                           density=args.density, **options)
     dgc = hasattr(opt, "compression_stats")
 
     def step():
