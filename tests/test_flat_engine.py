@@ -76,3 +76,62 @@ def test_a_channels_last_model_trains_as_row_major_with_its_own_strides():
         # order read that way is a shuffle)
         assert out["residual_matches"] and not out["raw_read_row_major_matches"], out
         assert out["resumed_equal"] and out["portable"] and out["moved"] > 1e-3, out
+
+
+def test_a_view_update_clears_only_what_it_does_not_rewrite():
+    """ViewUpdate (update.py): the buffer the gradients view is zero but where the last
+    update wrote. A range assigned whole this time is not cleared first (a dense path's
+    range: a pass over it for nothing); the last records' positions inside it are; what
+    is neither assigned nor added this time is cleared once every path has written."""
+    import types
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hvd_dgc.torch.update import ViewUpdate
+
+    class Clears(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("zero_", "fill_", "index_fill_"):
+                self.ops.append((name, args[0].numel()))
+            return func(*args, **(kwargs or {}))
+
+    buffer = torch.full((128,), 7.0)  # never written: anything
+    layout = types.SimpleNamespace(update=buffer, written=None, g=buffer)
+
+    def update(assigns, adds):
+        out, seen = ViewUpdate(layout), Clears()
+        with seen:
+            for lo, hi, value in assigns:
+                out.assign(lo, hi, torch.full((hi - lo,), value))
+            for positions, values in adds:
+                out.add(torch.tensor(positions), torch.tensor(values))
+            out.finish()
+        return buffer, seen.ops
+
+    # unknown before: all but the assigned range cleared, once (records added after)
+    got, ops = update([(0, 32, 1.0)], [([40, 100], [2.0, 3.0])])
+    want = torch.zeros(128)
+    want[:32], want[40], want[100] = 1.0, 2.0, 3.0
+    assert torch.equal(got, want) and ops == [("zero_", 96)], ops
+    # [32, 64) assigned over the record at 40: the last records' positions cleared first
+    # (one call), then [0, 32) (assigned last time, not now), nothing else
+    got, ops = update([(32, 64, 5.0)], [])
+    want = torch.zeros(128)
+    want[32:64] = 5.0
+    assert torch.equal(got, want), got
+    assert ops == [("index_fill_", 128), ("zero_", 32)], ops
+    # the same dense range again: nothing cleared at all
+    got, ops = update([(32, 64, 6.0)], [])
+    want[32:64] = 6.0
+    assert torch.equal(got, want) and ops == [], ops
+    # records where the dense range was: that range cleared before they are added
+    got, ops = update([], [([50], [4.0])])
+    want = torch.zeros(128)
+    want[50] = 4.0
+    assert torch.equal(got, want) and ops == [("zero_", 32)], ops

@@ -426,6 +426,7 @@ class Engine:
             averages = path.collect(handle, out)
             if averages is not None:  # a sparse gradient's average replaces the flat one
                 sparse += averages
+        out.finish()
         return out, sparse
 
     def _check_views(self, layout):

@@ -50,6 +50,9 @@ class _Update:
                                      else torch.float64))
         return values
 
+    def finish(self):
+        """Every path has written its part (the engine calls this once)."""
+
     def check(self):
         """The sum of everything written (non-finite iff something written was)."""
         if not self._sums:
@@ -95,20 +98,33 @@ class ViewUpdate(_Update):
     The buffer is zero but where the last ViewUpdate wrote (``layout.written``, a
     ``Written``; None when unknown: after a FlatUpdate, or when a gradient still
     viewing it was written to, which the engine checks before each collect), so only
-    those are zeroed."""
+    those are zeroed; and not those this update assigns whole (a dense path's range is
+    rewritten every step: clearing it first would be a pass over it for nothing). The
+    clearing waits for the first records added, or for ``finish``."""
 
     def __init__(self, layout):
         super().__init__(layout)
         self.buffer = buffer = layout.update
         last = layout.written
         if last is None or last.count() > SCATTERED * buffer.numel():
-            buffer.zero_()
+            self._stale = ([], [(0, buffer.numel())])
         else:
-            if last.positions:
-                buffer.index_fill_(0, last.flat_positions(), 0)
-            for lo, hi in last.ranges:
-                buffer[lo:hi].zero_()
+            self._stale = (list(last.positions), list(last.ranges))
         self.written = layout.written = Written([], [])
+
+    def _settle(self):
+        """Zero what the last update left and this one has not assigned."""
+        if self._stale is None:
+            return
+        positions, ranges = self._stale
+        self._stale = None
+        if positions:
+            self.buffer.index_fill_(0, Written(positions, []).flat_positions(), 0)
+        for lo, hi in ranges:
+            self.buffer[lo:hi].zero_()
+
+    def finish(self):
+        self._settle()
 
     @staticmethod
     def fits(layout):
@@ -119,13 +135,21 @@ class ViewUpdate(_Update):
                    (p.grad is None or not p.grad.is_sparse) for i in layout.dense_grads)
 
     def zero(self, lo, hi):
-        """Zero already."""
+        """Zero already (``add`` settles first)."""
 
     def add(self, positions, values):
+        self._settle()
         add_in_order(self.buffer, positions, self._checked(values.to(self.buffer.dtype)))
         self.written.positions.append(positions)
 
     def assign(self, lo, hi, values):
+        if self._stale is not None:  # [lo, hi) is rewritten: no need to clear it first
+            positions, ranges = self._stale
+            if positions:  # (records' positions: few; cleared now, as they may lie in it)
+                self.buffer.index_fill_(0, Written(positions, []).flat_positions(), 0)
+            self._stale = ([], [piece for a, b in ranges
+                                for piece in ((a, min(b, lo)), (max(a, hi), b))
+                                if piece[0] < piece[1]])
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
         self.written.ranges.append((lo, hi))
 
