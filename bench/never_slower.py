@@ -4,7 +4,7 @@
     python bench/never_slower.py --links loopback         # a part of it
 
 The same script, examples/pytorch_synthetic_benchmark.py (Horovod's synthetic
-benchmark, 2 ranks, one CPU thread each, the built-in 25M-parameter ``wide_mlp``),
+benchmark, 2 ranks, one CPU thread each, the built-in 33.5M-parameter ``wide_mlp``),
 run side by side in one go: stock Horovod, and the import switched (``--dgc``) with
 hvd_dgc's default cost model, the link and DGC's own work measured at wrap time, at
 the warm-up's first stage (density 0.25, where a fast link should run dense) and at
@@ -166,7 +166,7 @@ def main():
     with open(os.path.join(args.out, "never_slower.md"), "w") as f:
         f.write("# The one-line switch vs stock Horovod, fast and slow links\n\n"
                 "`python bench/never_slower.py` (one run; 2 ranks, one CPU thread each, "
-                "examples/pytorch_synthetic_benchmark.py `--model wide_mlp`, 25M "
+                "examples/pytorch_synthetic_benchmark.py `--model wide_mlp`, 33.5M "
                 "parameters; hvd_dgc with its default cost model: the link and DGC's own "
                 "work measured at wrap time).\n\n"
                 "| link | run | img/s (median of runs) | vs stock | sent less | large tensors "
