@@ -17,6 +17,7 @@ from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
 from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_host, measure_link
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.paths import PathKind
+from tests.workers.link_probe import TF_CASES, TORCH_CASES
 
 
 def _link(alpha, bandwidth, world, extra=0.0):
@@ -186,8 +187,6 @@ def test_ranks_with_different_local_timings_take_the_same_steps_and_result():
     assert results[0].alpha == pytest.approx((4e-3 + 3e-3) / 2, rel=1e-9)  # the slower rank
 
 
-#: A machine with torch alone (the lent GPU machines carry no TensorFlow) runs the torch
-#: cases; the TensorFlow ones say why they do not run. CI installs both.
 def _has_tf():
     try:
         return importlib.util.find_spec("tensorflow") is not None
@@ -195,10 +194,11 @@ def _has_tf():
         return False
 
 
+#: A machine with torch alone (the lent GPU machines carry no TensorFlow) runs the torch
+#: cases; the TensorFlow ones say why they do not run. CI installs both.
 HAS_TF = _has_tf()
 FRAMEWORKS = ["torch", "tensorflow"] if HAS_TF else ["torch"]
-LOOPBACK = ["torch", "torch_options", "torch_sign"] + (
-    ["tensorflow", "elastic", "keras_fit", "keras_options", "tensorflow_sign"] if HAS_TF else [])
+LOOPBACK = list(TORCH_CASES + (TF_CASES if HAS_TF else ()))
 
 
 def _needs(name):

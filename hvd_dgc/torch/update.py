@@ -106,22 +106,26 @@ class ViewUpdate(_Update):
         super().__init__(layout)
         self.buffer = buffer = layout.update
         last = layout.written
+        # what to clear (a Written: the last records' positions, ranges), None once done
         if last is None or last.count() > SCATTERED * buffer.numel():
-            self._stale = ([], [(0, buffer.numel())])
+            self._stale = Written([], [(0, buffer.numel())])
         else:
-            self._stale = (list(last.positions), list(last.ranges))
+            self._stale = Written(list(last.positions), list(last.ranges))
         self.written = layout.written = Written([], [])
+
+    def _clear_positions(self):
+        if self._stale.positions:
+            self.buffer.index_fill_(0, self._stale.flat_positions(), 0)
+            self._stale.positions.clear()
 
     def _settle(self):
         """Zero what the last update left and this one has not assigned."""
         if self._stale is None:
             return
-        positions, ranges = self._stale
-        self._stale = None
-        if positions:
-            self.buffer.index_fill_(0, Written(positions, []).flat_positions(), 0)
-        for lo, hi in ranges:
+        self._clear_positions()
+        for lo, hi in self._stale.ranges:
             self.buffer[lo:hi].zero_()
+        self._stale = None
 
     def finish(self):
         self._settle()
@@ -144,12 +148,10 @@ class ViewUpdate(_Update):
 
     def assign(self, lo, hi, values):
         if self._stale is not None:  # [lo, hi) is rewritten: no need to clear it first
-            positions, ranges = self._stale
-            if positions:  # (records' positions: few; cleared now, as they may lie in it)
-                self.buffer.index_fill_(0, Written(positions, []).flat_positions(), 0)
-            self._stale = ([], [piece for a, b in ranges
-                                for piece in ((a, min(b, lo)), (max(a, hi), b))
-                                if piece[0] < piece[1]])
+            self._clear_positions()  # (few; cleared now, as they may lie in it)
+            self._stale.ranges[:] = [piece for a, b in self._stale.ranges
+                                     for piece in ((a, min(b, lo)), (max(a, hi), b))
+                                     if piece[0] < piece[1]]
         self.buffer[lo:hi] = self._checked(values.reshape(-1))
         self.written.ranges.append((lo, hi))
 

@@ -257,10 +257,16 @@ def _keras_options():
     return out
 
 
+#: The cases that need torch alone, and those that need TensorFlow too (a machine may lack
+#: it: tests/test_linkprobe.py asks for these only where it is installed).
+TORCH_CASES = ("torch", "torch_options", "torch_sign")
+TF_CASES = ("tensorflow", "elastic", "keras_fit", "keras_options", "tensorflow_sign")
+
+
 def suite(names):
     import horovod.torch as hvd_torch
     hvd_torch.init()
-    if set(names) - {"torch", "torch_options", "torch_sign"}:  # (a machine may lack TF)
+    if set(names) & set(TF_CASES):
         import horovod.tensorflow as hvd_tf
         hvd_tf.init()
     out = {}
