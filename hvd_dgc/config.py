@@ -89,6 +89,13 @@ class DGCConfig:
             whole train steps and has ``fit`` trace the step again where the paths
             changed; ``DistributedGradientTape``: measured at wrap time only (its step
             is traced into the script's own function).
+        timeline: PyTorch, with the link measured, delay 0 and period 1: each gradient's
+            hook timed over steps 2-4 (agreed across ranks), each step laid out on a
+            timeline where the part of a transfer the backward pass hides costs nothing,
+            and where that plan differs from the cost model's sums' both run 5 steps and
+            the faster is kept, said in rank 0's log (hvd_dgc/overlap.py). None
+            (default): on; False: the sums' plan throughout. TensorFlow keeps the sums'
+            plan (a traced step has no hook per gradient).
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" chooses D from measured compute and waits, the same on every
@@ -158,6 +165,7 @@ class DGCConfig:
     clip_norm: Optional[float] = None
     cost_model: Any = None  # a CostModel, "measure" or None
     link_watch: Any = None  # None, False or a LinkWatch
+    timeline: Optional[bool] = None  # None (on where it applies) or False
     delay: Any = 0
     period: int = 1
     skip_nonfinite: bool = True
@@ -187,6 +195,11 @@ class DGCConfig:
                             f"bandwidth=...) or 'measure' (the link timed at wrap time), "
                             f"got {self.cost_model!r}")
         as_link_watch(self.link_watch)
+        if self.timeline not in (None, True, False):
+            raise ValueError(f"timeline must be None (the default: the backward pass timed "
+                             f"and the step's timeline tried against the cost model's "
+                             f"sums, PyTorch) or False (the sums' plan throughout), got "
+                             f"{self.timeline!r}")
         as_auto_delay(self.delay)
         _check_int("period", self.period, 1,
                    "exchange every period-th step; 1 = every step")

@@ -71,6 +71,12 @@ alone). The measured model asks for MEASURED_DENSE_PREFERENCE: at the warm-up's 
 within a few percent of each other, and a run that went sparse on them made 23.3 img/s
 where dense made 43-45 (stock Horovod 45.0).
 
+That factor stands in for the overlap until PyTorch has timed the backward pass
+(hvd_dgc/overlap.py, a few steps in): then each step is laid out on a timeline from
+``path_seconds`` (each transfer, and DGC's work on the training thread), where the part
+of a transfer the backward pass hides costs nothing, and where that plan differs from the
+sums' both are run for a few steps and the faster is kept.
+
 Where the script passes no ``cost_model``, the link is measured (``"measure"``,
 hvd_dgc/linkprobe.py) unless the environment says ``HVD_DGC_COST_MODEL=assumed``: the
 defaults below, so that the same script takes the same paths on every run (the measured
@@ -251,41 +257,57 @@ class CostModel:
         single name forces it. HIERARCHICAL is a candidate only where ranks share hosts
         and there are several hosts (1 < ``local_size`` < ``world_size``).
         """
-        if isinstance(allowed, str):
-            allowed = (allowed,)
-        allowed = tuple(allowed)
-        unknown = [a for a in allowed if a not in AGGREGATIONS]
-        if unknown or not allowed:
-            raise ValueError(f"allowed must name some of {AGGREGATIONS}, got {allowed!r}")
+        allowed = _allowed(allowed)
         if k >= numel and DENSE in allowed:
             return DENSE
+        weight = self.dense_preference  # (the sparse paths' order among themselves stays)
+        best, best_cost = None, None
+        for name, (comm, local) in self.path_seconds(
+                numel, k, world_size, dense_value_bytes, sparse_value_bytes, index_bytes,
+                allowed, local_size).items():
+            c = comm if name == DENSE else weight * (comm + local)
+            if best is None or c < best_cost:
+                best, best_cost = name, c
+        return best
+
+    def path_seconds(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
+                     index_bytes=4, allowed=(DENSE, ALLGATHER, REGION), local_size=1):
+        """``{path: (transfer seconds, DGC's local work seconds)}`` for each of
+        ``allowed`` that applies (HIERARCHICAL only where 1 < ``local_size`` <
+        ``world_size``, unless it is the only one), in the order of preference on equal
+        cost (``AGGREGATIONS``). ``choose_aggregation`` weighs them;
+        overlap.choose_paths places them on the step's timeline."""
+        allowed = _allowed(allowed)
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
         local = self.local_seconds(numel, k, world_size)  # DGC's own work, sparse paths
-        weight = self.dense_preference  # (the sparse paths' order among themselves stays)
         cost = {
-            HIERARCHICAL: lambda: weight * (self.hierarchical_seconds(
+            HIERARCHICAL: lambda: self.hierarchical_seconds(
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
-                index_bytes) + local),
-            ALLGATHER: lambda: weight * (self.sparse_seconds(k, world_size, sparse_value_bytes,
-                                                             index_bytes) + local),
-            REGION: lambda: weight * (self.region_seconds(k, world_size, sparse_value_bytes,
-                                                          index_bytes) + local),
+                index_bytes),
+            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes,
+                                                   index_bytes),
+            REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
+                                                index_bytes),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
         }
-        best, best_cost = None, None
-        for name in AGGREGATIONS:
-            if name in allowed:
-                c = cost[name]()
-                if best is None or c < best_cost:
-                    best, best_cost = name, c
-        return best
+        return {name: (cost[name](), 0.0 if name == DENSE else local)
+                for name in AGGREGATIONS if name in allowed}
 
     def config(self):
         return ("CostModel", self.alpha, self.bandwidth, self.local_alpha,
                 self.local_bandwidth, self.select_element_seconds, self.select_record_seconds,
                 self.record_seconds, self.gather_bandwidth, self.dense_preference,
                 self.encode_element_seconds, self.decode_element_seconds)
+
+
+def _allowed(allowed):
+    """``allowed`` paths as a tuple (a single name: that one), checked."""
+    allowed = (allowed,) if isinstance(allowed, str) else tuple(allowed)
+    unknown = [a for a in allowed if a not in AGGREGATIONS]
+    if unknown or not allowed:
+        raise ValueError(f"allowed must name some of {AGGREGATIONS}, got {allowed!r}")
+    return allowed
 
 
 def default_cost_model(environ=None):

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.costmodel import CostModel
+from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.switch import gather_idle_warning, idle_warning, summary
@@ -101,7 +102,11 @@ class Planner:
         self.unmeasured = ""  # why the link was not measured where it was to be, in words
         self.adam_frozen_at = None  # Adam's take-over: the step it freezes (adam_freeze)
         self.adam_declined = False  # Adam left exact: nothing is ever compressed here
-        self.generation = 0  # how many times a probe during training moved the model
+        self.generation = 0  # how many times the paths' basis moved while training (a
+        #                      probe's new model, the timeline's plan on or off)
+        self.profile = None  # the agreed BackwardProfile (overlap.py), once measured
+        self.at_end = frozenset()  # paths this framework launches at synchronize
+        self.timeline = False  # paths from the step's timeline rather than the sums
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -141,6 +146,55 @@ class Planner:
         self.measured(link)
         self._hierarchical = kept
         self.generation += 1
+
+    def overlapped(self, profile, at_end=()):
+        """The agreed ``BackwardProfile`` (overlap.py) and the paths the framework launches
+        at synchronize (``at_end``): ``overlap_plan`` can place each step on its timeline
+        from now on; ``use_timeline`` says whether the paths follow it."""
+        self.profile, self.at_end = profile, frozenset(at_end)
+        self._overlap = {}
+
+    def use_timeline(self, on):
+        """Each flat tensor's path from the step's timeline (``overlap_plan``: a transfer
+        the backward pass hides costs nothing), or from the cost model's sums weighed by
+        its ``dense_preference`` (the default). The buckets follow; the plan's generation
+        moves (the link watch's baseline starts afresh)."""
+        on = bool(on) and self.profile is not None
+        if on != self.timeline:
+            self.timeline = on
+            self._buckets = {}
+            self.generation += 1
+
+    def overlap_plan(self, density):
+        """``overlap.OverlapPlan`` of the step at ``density``: every tensor in the order
+        its gradient was ready (the profile's ``h``, largest first), small, sparse-gradient
+        and hierarchical ones on their fixed path, the others choosing among the flat
+        paths, priced by the cost model in use (its transfers and DGC's work, without
+        ``dense_preference``)."""
+        plan = self._overlap.get(density)
+        if plan is not None:
+            return plan
+        model, world, hide = self.cost_model, self.world_size, self.profile.hide
+        order, candidates = [], {}
+        for tensor in sorted(self.tensors, key=lambda t: -hide.get(t.key, 0.0)):
+            if tensor.sliced:
+                continue
+            k = self.k(tensor, density)
+            if not self.large(tensor) or not self.resolved.sparse or \
+                    k >= tensor.numel and PathKind.DENSE in self.flat:
+                allowed = (PathKind.DENSE,)
+            elif self.hierarchical(tensor):
+                allowed = (PathKind.HIERARCHICAL,)
+            else:
+                allowed = self.flat
+            seconds = model.path_seconds(tensor.numel, k, world, self.dense_value_bytes,
+                                         self.compressor.value_bytes, allowed=allowed,
+                                         local_size=self.local_size)
+            order.append((tensor.key, hide.get(tensor.key, 0.0)))
+            candidates[tensor.key] = [Candidate(path, comm, local, path in self.at_end)
+                                      for path, (comm, local) in seconds.items()]
+        plan = self._overlap[density] = choose_paths(order, candidates)
+        return plan
 
     def exchange_seconds(self, density, launches, model=None, step=None):
         """The step's exchange on the paths it takes now at ``density``, priced by
@@ -213,6 +267,7 @@ class Planner:
         self._paths = {}         # (numel, k, world) -> PathKind, for the cost model's choice
         self._hierarchical = {}  # numel -> bool, decided once per tensor
         self._buckets = {}       # the latest (density, world) -> {key: bucket}
+        self._overlap = {}       # density -> OverlapPlan, once the profile is agreed
 
     # -- per tensor ----------------------------------------------------------------
     @property
@@ -245,6 +300,13 @@ class Planner:
             return self.exchange_path(tensor)
         if self.hierarchical(tensor):
             return PathKind.HIERARCHICAL
+        if self.timeline:
+            return self.overlap_plan(density).paths[tensor.key]
+        return self.summed_path(tensor, density)
+
+    def summed_path(self, tensor, density):
+        """A flat tensor's path by the cost model's sums (``choose_aggregation``, with its
+        ``dense_preference``)."""
         k = num_selected(tensor.numel, density)
         key = (tensor.numel, k)
         chosen = self._paths.get(key)
@@ -254,6 +316,15 @@ class Planner:
                 self.compressor.value_bytes, allowed=self.flat)
             self._paths[key] = chosen
         return chosen
+
+    def timeline_differs(self, density):
+        """Would the step's timeline (``overlap_plan``) send some flat tensor another way
+        than the sums do, at ``density``? (Only then is there anything to try.)"""
+        if self.profile is None or not self.resolved.sparse:
+            return False
+        plan = self.overlap_plan(density).paths
+        return any(plan[t.key] != self.summed_path(t, density) for t in self.tensors
+                   if self.large(t) and not t.sliced and not self.hierarchical(t))
 
     def exchange_path(self, tensor):
         """EXCHANGE or DENSE for a tensor the compressor of its own collectives takes:

@@ -273,6 +273,49 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
         assert path == expected, (density, path, dense, sparse)
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_the_backward_pass_is_profiled_and_both_plans_tried_alike_on_every_rank(loopback,
+                                                                               kind):
+    """hvd_dgc/overlap.py on 2 ranks whose backward passes differ by 30 ms (rank 1 sleeps
+    in a middle layer's backward hook): steps 2-4 are timed and their sums agreed (one
+    integer allreduce, read a step later); the plans differ (the worker prices the link
+    so that they do), so from step 6 (AdamW: 11, after its freeze at 10) the sums' plan runs 5
+    steps, the timeline's 5, their times are agreed (the ranks' max), and from the step
+    after every rank runs the faster plan: the same profile, trial, verdict and paths on
+    every rank, and bit-identical weights; rank 0 says it."""
+    outs = [out[f"overlap_{kind}"] for out in loopback]
+    for rank, out in enumerate(outs):
+        assert "error" not in out, (rank, out.get("error"))
+    first = outs[0]
+    for key in ("hide", "backward", "paths", "summed", "planned", "timeline", "stats"):
+        assert outs[1][key] == first[key], key
+    hide = first["hide"]
+    # the last layer's gradient is ready first: rank 1's 30 ms sleep follows it (a mean of
+    # 15 ms or more over the ranks); the first layer's is ready last: nothing follows
+    assert hide["4.weight"] >= 0.015 and first["backward"] >= 0.015, first
+    assert hide["0.weight"] < hide["4.weight"] - 0.01 and hide["0.weight"] < 0.01, hide
+    # the timeline sends the hidden 4096-element weight dense, the sums sparse
+    assert first["planned"]["4.weight"] == "dense" and first["summed"]["4.weight"] == "sparse"
+    trial = first["stats"]["timeline"]
+    start = 6 if kind == "sgd" else 11  # the trial's first step (AdamW: after the first
+    #                                     step at density 0.01, its freeze's)
+    assert trial["from"] == start + 11  # 5 steps each, the verdict read a step later
+    assert trial["sums"] >= 0.03 and trial["timeline"] >= 0.03, trial  # rank 1's sleep
+    kept = trial["kept"] == "timeline"
+    assert kept == (trial["timeline"] < 0.97 * trial["sums"]), trial
+    expected = [False] * (start + 4) + [True] * 6 + [kept] * (24 - start - 10)
+    assert first["timeline"] == expected, first["timeline"]
+    assert first["paths"] == {**first["paths"], **(first["planned"] if kept else
+                                                    first["summed"])}
+    assert first["stats"]["backward_seconds"] == first["backward"]
+    assert first["identical"] and outs[1]["identical"]
+    said = f"hvd_dgc: from step {start + 11}, the backward pass measured:"
+    assert said in first["line"] and "both were tried at density 0.01" in first["line"], \
+        first["line"]
+    assert f"{'the timeline' if kept else 'the sums'} kept" in first["line"]
+    assert outs[1]["line"] == ""
+
+
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_a_payload_compressors_work_is_measured_and_priced(loopback, framework):
     """compression=Compression.sign under the default cost model: its encoding and

@@ -45,6 +45,7 @@ from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
+from hvd_dgc.torch.backward import BackwardProfiler
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
@@ -53,7 +54,7 @@ from hvd_dgc.linkwatch import as_link_watch
 from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local, \
     measure_payload
 from hvd_dgc.torch.outer import outer_optimizer
-from hvd_dgc.torch.paths import Wire
+from hvd_dgc.torch.paths import CLASSES, Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.sgd import SGDTakeOver
 from hvd_dgc.torch.state import STATE_KEY, Progress, checkpoint, restore
@@ -131,12 +132,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._planner, fusion_threshold(self._config.fusion_threshold), on_accelerator,
             sparse_as_dense, self._launch, self._progress.density,
             lambda: self._progress.step)
+        self._profiler = _backward_profiler(self._config, resolved, self._planner,
+                                            process_set, self._scheduler, self._takeover)
         self._hooks = []
         if process_set.included():
             # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda *_, p=p: self._scheduler.ready(p)))
+                    lambda *_, p=p: self._ready(p)))
+
+    def _ready(self, p):
+        """``p``'s hook: the scheduler's, timed while the backward pass is profiled."""
+        if self._profiler is None:
+            self._scheduler.ready(p)
+        else:
+            self._profiler.hook(self._param_index[p], self._scheduler.ready, p)
 
     def _measure(self, process_set, trainable, peers=()):
         """The link (inside the host too, where ``peers`` are several) and the
@@ -245,6 +255,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._watcher is not None and not flush:  # the link, from this step's wait
                 self._watcher.observe(time.perf_counter() - began, len(launches),
                                       self._progress.density(), step)
+            if self._profiler is not None and not flush:  # the backward pass's overlap
+                self._profiler.end_step(step, self._progress.density())
         else:
             started = time.perf_counter()
             self._lagging.push(step, launches)
@@ -431,6 +443,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out.update(self._takeover.stats())
         if self._watcher is not None:
             out.update(self._watcher.state.stats())
+        if self._profiler is not None:
+            out.update(self._profiler.stats())
         return out
 
     def state_dict(self):
@@ -540,6 +554,25 @@ def _link_watcher(config, resolved, planner, process_set):
             not process_set.included() or os.environ.get("HOROVOD_ELASTIC") == "1":
         return None
     return LinkWatcher(watch, planner, process_set)
+
+
+def _backward_profiler(config, resolved, planner, process_set, scheduler, takeover):
+    """The backward pass profiled and the plans tried (hvd_dgc/overlap.py; ``timeline``)
+    where the paths may follow it: the measured cost model (a ``cost_model`` the script
+    passes keeps its own weighing), the link measured (several ranks, not elastic), DGC
+    choosing among several flat paths, and each step waiting for its own averages (with
+    ``delay`` and ``period`` a transfer hides behind whole steps). An Adam take-over's
+    trial waits for its freeze, and one that is declined (exact Adam: every tensor dense)
+    is not profiled."""
+    if config.timeline is False or not planner.measure or planner.link is None or \
+            not resolved.sparse or config.lagging or len(planner.flat) < 2 or \
+            not process_set.included() or os.environ.get("HOROVOD_ELASTIC") == "1" or \
+            getattr(takeover, "declined", False):
+        return None
+    at_end = set(planner.flat) if scheduler.batch_all else \
+        {kind for kind in planner.flat if CLASSES[kind].batched}
+    return BackwardProfiler(planner, process_set, [t.key for t in planner.tensors], at_end,
+                            not_before=getattr(takeover, "freeze", 0))
 
 
 def _host_peers(planner, process_set):

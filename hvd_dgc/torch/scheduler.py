@@ -73,6 +73,11 @@ class LaunchScheduler:
                 for p in g:
                     self._group_of[p] = g
 
+    @property
+    def batch_all(self):
+        """Does every launch wait for synchronize (an accelerator, a sparse compressor)?"""
+        return self._batch_all
+
     # -- the hook ------------------------------------------------------------------------
     def ready(self, p):
         """``p``'s hook fired (its gradient accumulated)."""

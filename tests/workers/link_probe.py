@@ -259,7 +259,74 @@ def _keras_options():
 
 #: The cases that need torch alone, and those that need TensorFlow too (a machine may lack
 #: it: tests/test_linkprobe.py asks for these only where it is installed).
-TORCH_CASES = ("torch", "torch_options", "torch_sign")
+def _overlap(kind):
+    """The backward pass profiled and the two plans tried (hvd_dgc/overlap.py) with rank
+    1's backward 30 ms longer (a sleep in the middle layer's backward hook, rank 1 only):
+    24 steps of SGD, or of AdamW frozen at step 10, at density 0.01. The link is probed
+    at wrap time as always, and its numbers replaced by a 1 Gbit/s link's (50 us per
+    message) with 2 ns of DGC's work an element, so that the plans are the same however
+    loopback measured: sparse at density 0.01 by the sums weighed twice (so AdamW is
+    taken over), and the last layer's 4096-element weight dense on the timeline, where
+    the backward pass hides its allreduce. What each rank agreed and chose, and whether
+    the ranks' weights are bit-identical."""
+    import time
+    import torch
+    import hvd_dgc.torch as hvd
+    import hvd_dgc.torch.optimizer as wrapper
+    from hvd_dgc.localcost import LocalCost
+    from tests.workers.torch_dgc import ranks_identical
+    probe = wrapper.measure_link
+
+    def one_gbit(process_set, peers=()):
+        return probe(process_set, peers)._replace(alpha=50e-6, bandwidth=1.25e8,
+                                                  gather_bandwidth=None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 4))
+    if hvd.rank() == 1:
+        model[2].register_full_backward_hook(lambda *_: time.sleep(0.03))
+    if kind == "sgd":
+        base, options = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), {}
+    else:
+        base = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        options = {"freeze_variance": 10}
+    line = io.StringIO()
+    measured = wrapper.measure_link, wrapper.measure_local
+    wrapper.measure_link = one_gbit
+    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
+    try:
+        with contextlib.redirect_stdout(line):
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           density=0.01, warmup=0, cost_model="measure",
+                                           link_watch=False, **options)
+    finally:
+        wrapper.measure_link, wrapper.measure_local = measured
+    planner = opt._planner
+    with contextlib.redirect_stdout(line):
+        gen = torch.Generator().manual_seed(hvd.rank())
+        timeline = []
+        for _ in range(24):
+            opt.zero_grad()
+            x = torch.randn(32, 256, generator=gen)
+            torch.nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,),
+                                                                      generator=gen)).backward()
+            opt.step()
+            timeline.append(planner.timeline)
+    names = {t.key: t.name for t in planner.tensors}
+    return {"line": line.getvalue(), "timeline": timeline,
+            "stats": {k: v for k, v in opt.compression_stats().items()
+                      if k in ("timeline", "backward_seconds")},
+            "hide": {names[k]: h for k, h in planner.profile.hide.items()},
+            "backward": planner.profile.backward,
+            "paths": {t.name: str(planner.path(t, 0.01)) for t in planner.tensors},
+            "summed": {t.name: str(planner.summed_path(t, 0.01)) for t in planner.tensors
+                       if planner.large(t)},
+            "planned": {names[k]: str(p) for k, p in planner.overlap_plan(0.01).paths.items()},
+            "identical": ranks_identical(model, f"overlap.{kind}")}
+
+
+TORCH_CASES = ("torch", "torch_options", "torch_sign", "overlap_sgd", "overlap_adamw")
 TF_CASES = ("tensorflow", "elastic", "keras_fit", "keras_options", "tensorflow_sign")
 
 
@@ -275,7 +342,9 @@ def suite(names):
             out[name] = {"torch": _torch, "tensorflow": _tensorflow, "elastic": _elastic,
                          "keras_fit": _keras_fit, "torch_options": _torch_options,
                          "keras_options": _keras_options, "torch_sign": _torch_sign,
-                         "tensorflow_sign": _tensorflow_sign}[name]()
+                         "tensorflow_sign": _tensorflow_sign,
+                         "overlap_sgd": lambda: _overlap("sgd"),
+                         "overlap_adamw": lambda: _overlap("adamw")}[name]()
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
