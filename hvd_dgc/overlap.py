@@ -173,7 +173,7 @@ class PlanTrial:
 
     ``end_step(seconds, density, differs)`` after each step (``differs()``: do the two
     plans differ at ``density``?) returns what the next steps run on: "timeline" or
-    "sums" (switch to it), "agree" (both windows done: ``sums`` go to the ranks' max),
+    "sums" (switch to it), "agree" (both windows done: ``timed`` goes to the ranks' max),
     or None (as they were). ``decide(agreed, density)`` with the agreed sums gives the
     verdict (True: the timeline's plan kept); a density that changed meanwhile voids
     the trial, which waits for the next density where the plans differ."""
@@ -183,7 +183,7 @@ class PlanTrial:
         self.phase = "waiting"   # waiting, sums, timeline, agreeing, decided
         self.density = None      # the density the trial runs at
         self.count = 0
-        self.sums = [0.0, 0.0]   # timed seconds on the sums' plan, on the timeline's
+        self.timed = [0.0, 0.0]  # timed seconds on the sums' plan, on the timeline's
         self.verdict = None
         self.means = None        # the agreed mean step of each plan
 
@@ -193,14 +193,15 @@ class PlanTrial:
             return "sums"
         if self.phase == "waiting":
             if differs():
-                self.phase, self.density, self.count, self.sums = "sums", density, 0, [0.0, 0.0]
+                self.phase, self.density, self.count = "sums", density, 0
+                self.timed = [0.0, 0.0]
             return None
         if self.phase not in ("sums", "timeline"):
             return None
         which = 0 if self.phase == "sums" else 1
         self.count += 1
         if self.count > 1:  # (the first settles)
-            self.sums[which] += seconds
+            self.timed[which] += seconds
         if self.count < self.steps:
             return None
         self.count = 0
@@ -211,13 +212,13 @@ class PlanTrial:
         return "agree"
 
     def decide(self, agreed, density):
-        """``agreed``: the ranks' max of ``sums``. Returns the verdict, or None where the
-        density changed while the sums travelled (the trial waits again)."""
+        """``agreed``: the ranks' max of ``timed``. Returns the verdict, or None where the
+        density changed while the times travelled (the trial waits again)."""
         if density != self.density:
             self.phase = "waiting"
             return None
-        timed = self.steps - 1
-        self.means = (agreed[0] / timed, agreed[1] / timed)
+        steps = self.steps - 1  # timed of each plan's
+        self.means = (agreed[0] / steps, agreed[1] / steps)
         self.verdict = self.means[1] < self.means[0] * (1 - self.margin)
         self.phase = "decided"
         return self.verdict

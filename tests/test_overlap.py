@@ -172,8 +172,8 @@ def test_the_trial_times_both_plans_and_keeps_the_faster():
         assert actions == [None, None, "timeline"]
         actions = [trial.end_step(s, 0.25, None) for s in (7.0,) + (timeline_seconds,) * 2]
         assert actions == [None, None, "agree"]
-        assert trial.sums == pytest.approx([2.0, 2 * timeline_seconds])
-        assert trial.decide(trial.sums, 0.25) is kept
+        assert trial.timed == pytest.approx([2.0, 2 * timeline_seconds])
+        assert trial.decide(trial.timed, 0.25) is kept
         assert trial.means == pytest.approx((1.0, timeline_seconds))
         assert trial.phase == "decided" and trial.end_step(1.0, 0.25, None) is None
 
@@ -187,4 +187,4 @@ def test_a_density_stage_during_the_trial_voids_it():
     for _ in range(6):
         action = trial.end_step(1.0, 0.0625, None)
     assert action == "agree" and trial.density == 0.0625
-    assert trial.decide(trial.sums, 0.015625) is None and trial.phase == "waiting"
+    assert trial.decide(trial.timed, 0.015625) is None and trial.phase == "waiting"

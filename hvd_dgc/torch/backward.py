@@ -78,7 +78,7 @@ class BackwardProfiler:
         if action in ("timeline", "sums"):
             planner.use_timeline(action == "timeline")
         elif action == "agree":
-            self._agree("trial", trial.sums, torch.float64, Max)
+            self._agree("trial", trial.timed, torch.float64, Max)
 
     def _agree(self, what, values, dtype, op):
         self._agreeing = (what, _hvd.allreduce_async(
