@@ -85,32 +85,35 @@ class OverlapPlan(NamedTuple):
     exposed: float
 
 
+def _place(work, link, hide, c):
+    """One tensor on the timeline: DGC's work so far and the link's end, after ``c`` (a
+    ``Candidate``) for a tensor ready ``hide`` seconds before the backward pass ends."""
+    work += c.local
+    return work, max(work - (0.0 if c.at_end else hide), link) + c.comm
+
+
 def exchange_ends(order, chosen):
     """The module docstring's timeline: ``order`` is ``[(key, h)]`` in the order the
     gradients are ready, ``chosen`` maps each key to its ``Candidate``. Returns the
     exposed seconds."""
-    link, work = float("-inf"), 0.0
+    work, link = 0.0, float("-inf")
     for key, hide in order:
-        c = chosen[key]
-        work += c.local
-        start = max(work - (0.0 if c.at_end else hide), link)
-        link = start + c.comm
+        work, link = _place(work, link, hide, chosen[key])
     return max(link, work) if order else 0.0
 
 
 def choose_paths(order, candidates):
     """``OverlapPlan`` for ``order`` (``[(key, h)]``, ready order) and ``candidates``
     (key -> ``Candidate``s, in the order of preference on equal time)."""
-    link, work, paths = float("-inf"), 0.0, {}
+    work, link, paths = 0.0, float("-inf"), {}
     for key, hide in order:
         best = None
         for c in candidates[key]:
-            w = work + c.local
-            end = max(w - (0.0 if c.at_end else hide), link) + c.comm
-            score = max(end, w)
+            placed = _place(work, link, hide, c)
+            score = max(placed)
             if best is None or score < best[0]:
-                best = (score, c, w, end)
-        _, c, work, link = best
+                best = (score, c, placed)
+        _, c, (work, link) = best
         paths[key] = c.path
     return OverlapPlan(paths, max(link, work) if order else 0.0)
 
