@@ -9,9 +9,12 @@ run side by side in one go: stock Horovod, and the import switched (``--dgc``) w
 hvd_dgc's default cost model, the link and DGC's own work measured at wrap time, at
 the warm-up's first stage (density 0.25, where a fast link should run dense) and at
 the final 0.001; and, for contrast, density 0.25 with the assumed 1 Gbit/s link
-(``--assumed-link``) and density 1.0 (nothing compressed: what the switch itself costs). Over loopback (``horovodrun -np 2 -H localhost:2 --gloo``) and
-over the emulated links of harness/wan.py (rate in Mbit/s, round trip in ms; one rank in
-each of two network namespaces). Prints and writes, from this one run:
+(``--assumed-link``) and density 1.0 (nothing compressed: what the switch itself
+costs). ``--framework keras``: examples/keras_synthetic_benchmark.py instead (the same
+model in ``model.fit``, Keras 2, stock Horovod's Keras optimizer against hvd_dgc's;
+written to never_slower_keras.*). Over loopback (``horovodrun -np 2 -H localhost:2
+--gloo``) and over the emulated links of harness/wan.py (rate in Mbit/s, round trip in
+ms; one rank in each of two network namespaces). Prints and writes, from this one run:
 
     bench/results/never_slower.csv   every configuration: img/s (the median of --repeats
                                      runs over loopback, taking turns), ratio to stock
@@ -29,9 +32,18 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from hvd_dgc.overlap import DECIDED_BY_STEP  # noqa: E402
 
-SCRIPT = [sys.executable, os.path.join(REPO, "examples", "pytorch_synthetic_benchmark.py"),
-          "--model", "wide_mlp", "--batch-size", "32"]
+#: Each framework's Horovod-shaped example, and what its stock run needs: Horovod's own
+#: Keras optimizer runs under Keras 2 (tf_keras), so the Keras runs all do.
+SCRIPTS = {
+    "torch": ([sys.executable, os.path.join(REPO, "examples", "pytorch_synthetic_benchmark.py"),
+               "--model", "wide_mlp", "--batch-size", "32"], {}),
+    "keras": ([sys.executable, os.path.join(REPO, "examples", "keras_synthetic_benchmark.py"),
+               "--model", "wide_mlp", "--batch-size", "32"], {"TF_USE_LEGACY_KERAS": "1"}),
+}
+#: What the Keras example has no flag for.
+TORCH_ONLY = ("--assumed-link",)
 CONFIGS = {  # name: the example's flags
     "stock Horovod": [],
     "hvd_dgc 0.25 (measured)": ["--dgc", "--density", "0.25"],
@@ -55,17 +67,20 @@ ENV = {"HVD_DGC_COST_MODEL": "", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL":
 def steps(link):
     """Few steps where a dense step takes seconds (134 MB each way per step); the warm-up
     batches cover hvd_dgc's profile of the backward pass and its trial of two plans
-    (hvd_dgc/overlap.py: decided at step 17 at the latest), so the timed steps run on the
+    (hvd_dgc/overlap.py: decided by DECIDED_BY_STEP, 17), so the timed steps run on the
     paths a long job runs on."""
     if link == "loopback":
-        return ["--num-warmup-batches", "17", "--num-batches-per-iter", "3", "--num-iters", "4"]
-    return ["--num-warmup-batches", "17", "--num-batches-per-iter", "2", "--num-iters", "2"]
+        timed = ["--num-batches-per-iter", "3", "--num-iters", "4"]
+    else:
+        timed = ["--num-batches-per-iter", "2", "--num-iters", "2"]
+    return ["--num-warmup-batches", str(DECIDED_BY_STEP)] + timed
 
 
-def run(link, flags, timeout, extra_env=None):
-    """Rank 0's output of one run of the example over ``link``."""
-    argv = SCRIPT + steps(link) + flags
-    job_env = dict(ENV, **(extra_env or {}))
+def run(link, flags, timeout, extra_env=None, framework="torch"):
+    """Rank 0's output of one run of ``framework``'s example over ``link``."""
+    script, script_env = SCRIPTS[framework]
+    argv = script + steps(link) + flags
+    job_env = dict(ENV, **script_env, **(extra_env or {}))
     if link == "loopback":
         env = dict(os.environ, **job_env, PYTHONPATH=REPO)
         proc = subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"] + argv,
@@ -116,12 +131,21 @@ def main():
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS),
                     help=f"which of {list(CONFIGS)} (stock Horovod always runs), or of "
                          f"{list(EXTRA)} (by name only)")
+    ap.add_argument("--framework", choices=sorted(SCRIPTS), default="torch",
+                    help="torch: examples/pytorch_synthetic_benchmark.py; keras: "
+                         "examples/keras_synthetic_benchmark.py (model.fit, Keras 2)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = ap.parse_args()
     known = {**{name: (flags, None) for name, flags in CONFIGS.items()}, **EXTRA}
     unknown = sorted(set(args.configs) - set(known))
     if unknown:
         sys.exit(f"--configs: unknown {unknown}; choose among {list(known)}")
+    if args.framework != "torch":
+        torch_only = [name for name in args.configs
+                      if any(flag in known[name][0] for flag in TORCH_ONLY)]
+        if torch_only:
+            sys.exit(f"--configs {torch_only} run in PyTorch's example only: leave them out "
+                     f"with --framework {args.framework}")
     configs = {name: spec for name, spec in known.items()
                if name == "stock Horovod" or name in args.configs}
     links = []
@@ -145,7 +169,7 @@ def main():
         runs = {name: [] for name in configs}
         for _ in range(repeats):
             for name, (flags, extra_env) in configs.items():
-                code, out, err = run(link, flags, args.timeout, extra_env)
+                code, out, err = run(link, flags, args.timeout, extra_env, args.framework)
                 row = parse(out)
                 if code != 0 or row["img_s"] is None:
                     sys.exit(f"{name} over {link_name(link)} failed (exit {code}):\n{out}\n"
@@ -172,16 +196,18 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     fields = ["link", "config", "img_s", "runs", "vs_stock", "compression", "dense_by_cost",
               "overlap", "link_measured"]
-    with open(os.path.join(args.out, "never_slower.csv"), "w", newline="") as f:
+    stem = "never_slower" if args.framework == "torch" else f"never_slower_{args.framework}"
+    example = os.path.basename(SCRIPTS[args.framework][0][1])
+    with open(os.path.join(args.out, f"{stem}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    with open(os.path.join(args.out, "never_slower.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("# The one-line switch vs stock Horovod, fast and slow links\n\n"
-                "`python bench/never_slower.py` (one run; 2 ranks, one CPU thread each, "
-                "examples/pytorch_synthetic_benchmark.py `--model wide_mlp`, 33.5M "
-                "parameters; hvd_dgc with its default cost model: the link and DGC's own "
-                "work measured at wrap time).\n\n"
+                f"`python bench/never_slower.py --framework {args.framework}` (one run; 2 "
+                f"ranks, one CPU thread each, examples/{example} `--model wide_mlp`, "
+                "33.5M parameters; hvd_dgc with its default cost model: the link and DGC's "
+                "own work measured at wrap time).\n\n"
                 "| link | run | img/s (median of runs) | vs stock | sent less | large tensors "
                 "sent dense (cost model) | the step's timeline tried against the sums "
                 "(hvd_dgc/overlap.py) | link measured |\n|---|---|---|---|---|---|---|---|\n")
@@ -190,7 +216,7 @@ def main():
                     f"{r['vs_stock']:.2f}x | "
                     f"{r['compression']} | {r['dense_by_cost']} | {r['overlap']} | "
                     f"{r['link_measured']} |\n")
-    print(f"wrote {args.out}/never_slower.csv and never_slower.md")
+    print(f"wrote {args.out}/{stem}.csv and {stem}.md")
 
 
 if __name__ == "__main__":

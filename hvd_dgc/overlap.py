@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 __all__ = ["Candidate", "BackwardProfile", "OverlapPlan", "choose_paths", "exchange_ends",
            "ProfileRecorder", "profile_from", "PlanTrial", "SETTLE_STEPS", "PROFILE_STEPS",
-           "TRIAL_STEPS", "TRIAL_MARGIN"]
+           "TRIAL_STEPS", "TRIAL_MARGIN", "DECIDED_BY_STEP"]
 
 #: Steps left out before the profile is measured (allocations, Horovod's first
 #: negotiations of each name), and steps measured.
@@ -48,6 +48,11 @@ PROFILE_STEPS = 3
 #: Steps each plan runs in a ``PlanTrial``: the first settles (Horovod negotiates the
 #: names a new path brings), the others are timed.
 TRIAL_STEPS = 5
+#: The step from which a job that starts at step 0 runs on the trial's verdict: the profile
+#: agreed a step after it is summed, each plan's steps, the verdict read a step later (an
+#: Adam take-over's trial starts after its freeze). Benchmarks that time the paths a long
+#: job runs on warm up this long.
+DECIDED_BY_STEP = SETTLE_STEPS + PROFILE_STEPS + 1 + 2 * TRIAL_STEPS + 1
 #: How much faster the timeline's plan must make the step to be kept.
 TRIAL_MARGIN = 0.03
 
