@@ -70,14 +70,20 @@ class DGCMemory(tf.Module):
             frozen, scale = self.preconditioner.frozen(), self.preconditioner.scale(i)
             g = tf.where(frozen, g * tf.reshape(scale, [-1]), g)
             momentum = tf.where(frozen, momentum, 0.0)
+        if self.momentum and not self.nesterov:
+            # One pass over u, g and v where TF's ops take four (u = m u + g, then
+            # v += u, each a pass of its own): TF's momentum kernel with lr = -1
+            # (accum = m accum + grad; var -= lr accum).
+            u = self.u[i]
+            tf.raw_ops.ResourceApplyMomentum(
+                var=v.handle, accum=u.handle, lr=tf.constant(-1.0), grad=g,
+                momentum=tf.cast(momentum, tf.float32), use_locking=False,
+                use_nesterov=False)
+            return u.read_value()
         if self.momentum:
             u = self.u[i]
-            if self.nesterov:
-                u.assign(momentum * (u + g))
-                taken = u.read_value() + g
-            else:
-                u.assign(momentum * u + g)
-                taken = u.read_value()
+            u.assign(momentum * (u + g))
+            taken = u.read_value() + g
         else:
             taken = g
         v.assign_add(taken)

@@ -265,7 +265,7 @@ class DensePath(_Path):
     def take(self, i, v, k, at, poison=None):
         payload = self._payload(i, v)
         if poison is not None:
-            payload = tf.where(poison, tf.cast(float("inf"), payload.dtype), payload)
+            payload = poisoned(payload, poison)
         return payload
 
     def take_own(self, i, v, k, at):
@@ -333,7 +333,7 @@ class AllgatherPath(_Path):
     def take(self, i, v, k, at, poison=None):
         indices, values = self.select(i, v, k, at)
         if poison is not None:
-            values = tf.where(poison, float("inf"), values)
+            values = poisoned(values, poison)
         return _padded(SparseCompressor.pack(values * self.ctx.wire.scales()[0],
                                              indices + self.offset(i)), k)
 
@@ -399,7 +399,7 @@ class RegionPath(AllgatherPath):
     def take(self, i, v, k, at, poison=None):
         indices, values = self.select(i, v, k, at)
         if poison is not None:  # inf is the largest sum: some owner keeps and sends it
-            values = tf.where(poison, float("inf"), values)
+            values = poisoned(values, poison)
         return SparseCompressor.pack(values, indices)
 
     def take_own(self, i, v, k, at):
@@ -489,7 +489,7 @@ class HierarchicalPath(AllgatherPath):
         ctx, peers, ps = self.ctx, self.ctx.wire.peers, self.ctx.wire.process_set
         g = local_gradient(grad, ctx.clip_norm, ctx.wire.world())
         if poison is not None:
-            g = tf.where(poison, float("inf"), g)
+            g = poisoned(g, poison)
         splits = np.zeros([ps.size()], np.int32)
         for rank, (lo, hi) in zip(peers, slices(ctx.numel(i), len(peers))):
             splits[rank] = hi - lo  # the slices lie in order: g is sent as it is
@@ -523,7 +523,7 @@ class ExchangePath(_Path):
         """Every round in the compressor's own call (PowerSGD's second round needs its
         first's result, so what it sent is known only at the end)."""
         ctx, numel = self.ctx, self.ctx.numel(i)
-        send = v if poison is None else tf.where(poison, np.inf, v)
+        send = v if poison is None else poisoned(v, poison)
         res = ctx.compressor.exchange(send, ctx.tensors[i].shape, ctx.slots[i],
                                       Comm(ctx.wire.process_set, f"hvd_dgc.{i}"), at)
         ctx.memory.keep(i, v - res.sent)  # error feedback
@@ -582,7 +582,7 @@ class SparseGradPath(_Path):
         ctx, wire = self.ctx, self.ctx.wire
         values = grad.values
         if poison is not None:
-            values = tf.where(poison, tf.cast(float("inf"), values.dtype), values)
+            values = poisoned(values, poison)
         name = f"hvd_dgc.{i}.slices"
         rows = _hvd.allgather(values, name=name + ".values", process_set=wire.process_set)
         indices = _hvd.allgather(grad.indices, name=name + ".indices",
@@ -813,6 +813,15 @@ def _collective(single, grouped, tensors, **kwargs):
     if len(tensors) == 1:
         return [single(tensors[0], **kwargs)]
     return grouped(list(tensors), **kwargs)
+
+
+def poisoned(x, poison):
+    """``x`` as this rank sends it: all inf where ``poison`` (its gradient was not finite:
+    every rank's sums show it, guard.py), else ``x`` itself. A branch, not an element-wise
+    select: the usual step costs no pass over the payload (a dense tensor's is the whole
+    velocity)."""
+    return tf.cond(poison, lambda: tf.fill(tf.shape(x), tf.cast(float("inf"), x.dtype)),
+                   lambda: x)
 
 
 def _padded(records, k):
