@@ -225,10 +225,13 @@ def _layout(kind, sizes=(960, 48, 2304, 48, 240, 5)):
     """hvd_dgc's variables in a checkpoint, as every release has written them (the
     statistics' ``counters`` and ``nonfinite``, the memory, step and epoch; more where
     a path needs it: hvd_dgc/tensorflow/statistics.py): a checkpoint written before
-    must restore, so the keys and shapes stay."""
+    must restore, so the keys and shapes stay. ``memory/apart`` (each tensor's distance
+    from a settled memory, hvd_dgc/tensorflow/memory.py) came later: a checkpoint
+    without it restores with every tensor unsettled, its residual sent in full."""
     prefix = "dgc/exchange_*/" if kind == "tape" else "dgc/"
     memory = ["u", "v"] if kind == "keras" else ["v"]  # Keras: SGD's momentum taken over
-    keys = [("counters", [6]), ("epoch", []), ("nonfinite", []), ("step", [])] + [
+    keys = [("counters", [6]), ("epoch", []), ("nonfinite", []), ("step", []),
+            ("memory/apart", [len(sizes)])] + [
         (f"memory/{m}/{i}", [n]) for m in memory for i, n in enumerate(sizes)]
     return sorted([f"{prefix}{key}/.ATTRIBUTES/VARIABLE_VALUE", shape] for key, shape in keys)
 

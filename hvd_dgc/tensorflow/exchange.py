@@ -11,7 +11,9 @@ Then, every step, inside the user's ``tf.function`` or eagerly:
       ExchangePaths.step(grads)             hvd_dgc/tensorflow/paths.py; per tensor:
         v = memory.accumulate(clip(grad))     u = m u + g; v += u (momentum correction;
                                               hierarchical DGC: of its host's sum of a
-                                              slice, after an alltoall in the host)
+                                              slice, after an alltoall in the host;
+                                              a dense tensor whose memory is settled:
+                                              the gradient itself, DensePath.shortcut)
         path = the planner's for the stage    a tf.switch_case every rank takes alike:
                                               DensePath, AllgatherPath, RegionPath,
                                               HierarchicalPath, ExchangePath
@@ -24,6 +26,8 @@ Then, every step, inside the user's ``tf.function`` or eagerly:
                                               what they did not send on)
       a NaN/Inf on any rank                 every rank puts its memory back, skips
                                             (guard.py)
+      ExchangePaths.finish(averages)        kept: the shortcut's tensors get their
+                                            momentum, u = m u + avg (memory.settle)
       step += 1
 
 With ``delay=D`` (delayed gradient averaging) the same path classes take in the graph
@@ -337,6 +341,7 @@ class GradientExchange(tf.Module):
                 self.paths.replan(self.planner)
                 self._planned()
             self.agreeing.assign(True)
+            self.memory.unsettle()  # a worker that joined holds none of the others' u
 
     def measure_at_sync(self):
         """Elastic Horovod: every rank is in the state's sync, so the link of this world
@@ -356,6 +361,7 @@ class GradientExchange(tf.Module):
             self.planner.measured(link, local)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
+            self.memory.unsettle()
         if _hvd.rank() == 0 and self.planner.measured_words():
             print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
                   f"{self.planner.measured_words()}", flush=True)
@@ -389,6 +395,7 @@ class GradientExchange(tf.Module):
             self.planner.relink(link)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
+            self.memory.unsettle()  # a tensor that goes dense may hold a residual
         return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
 
     def _probe(self):
@@ -432,6 +439,7 @@ class GradientExchange(tf.Module):
         else:
             self.step.assign(step)
             self.epoch.assign(epoch)
+            self.memory.unsettle()
             if delay is not None and self.dga is not None and self.dga.auto is not None:
                 self.dga.resume_delay(int(delay))
 
@@ -574,10 +582,11 @@ class GradientExchange(tf.Module):
     def _skipping(self, grads, at):
         """A synchronous step every rank skips when any rank's gradient is not finite
         (the guard counts the step when it is kept)."""
-        return self.guard.skip(grads, lambda poison: self._synchronous(grads, at, poison))
+        return self.guard.skip(grads, lambda poison: self.paths.step(grads, at, poison),
+                               self.paths.finish, self.paths.shortcuts)
 
-    def _synchronous(self, grads, at, poison=None):
-        return self.paths.step(grads, at, poison)
+    def _synchronous(self, grads, at):
+        return self.paths.finish(self.paths.step(grads, at))
 
     def _step(self, grads, at):
         """A step without the guard: synchronous, or delayed averaging; with Adam taken

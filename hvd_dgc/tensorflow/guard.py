@@ -27,25 +27,31 @@ class NonFiniteGuard:
         return [tf.logical_not(tf.math.is_finite(tf.reduce_sum(tf.cast(values(g), tf.float32))))
                 for g in grads]
 
-    def skip(self, grads, exchange):
+    def skip(self, grads, exchange, finish=list, settled=()):
         """``(averages, skipped)`` of ``exchange(poison)``, the step's averages with this
-        rank's gradients poisoned where ``poison`` (a bool tensor) is true."""
-        local_bad = tf.reduce_any(self.not_finite(grads))
-        self.memory.snapshot()
+        rank's gradients poisoned where ``poison`` (a bool tensor) is true, made what
+        the optimizer applies by ``finish`` where the step is kept. ``settled``: tensors
+        whose memory does not move before ``finish`` while it is settled (the dense
+        path's shortcut): no copy of it is needed then."""
+        # (a dense shortcut's gradient goes into the sums whole: a NaN there shows in
+        # every rank's average without a check here)
+        local_bad = tf.reduce_any(self.not_finite(
+            [g for i, g in enumerate(grads) if i not in settled]) or [False])
+        self.memory.snapshot(settled)
         saved = self.statistics.save()
         out = exchange(local_bad)
         bad = tf.logical_not(tf.reduce_all(
             [tf.math.is_finite(tf.reduce_sum(values(a))) for a in out]))
 
         def skipped():
-            self.memory.restore()
+            self.memory.restore(settled)
             self.statistics.restore(saved)
             self.statistics.add(nonfinite_steps=1)
             return [_nan_like(a) for a in out]
 
         def kept():
             self.step.assign_add(1)
-            return out
+            return finish(out)
 
         return tf.cond(bad, skipped, kept), bad
 

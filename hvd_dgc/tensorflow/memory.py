@@ -9,7 +9,10 @@ known, so the memory works inside ``tf.function`` and is saved by
 
 import tensorflow as tf
 
-__all__ = ["DGCMemory", "local_gradient"]
+__all__ = ["DGCMemory", "local_gradient", "UNSETTLED"]
+
+#: DGCMemory.apart of a tensor whose residual may not be empty
+UNSETTLED = 2
 
 
 def local_gradient(grad, clip_norm=None, world_size=1):
@@ -43,19 +46,83 @@ class DGCMemory(tf.Module):
                       for i, (n, skip) in enumerate(zip(numels, no_residual))]
             self.u = [tf.Variable(tf.zeros([n]), trainable=False, name=f"u{i}")
                       for i, n in enumerate(numels)] if self.momentum else []
+            # Per tensor, how far its memory is from one every rank holds alike, for the
+            # dense path's shortcut (paths.DensePath.shortcut): 2 = v may hold a
+            # residual; 1 = v is empty, u is this rank's own momentum; 0 = v is empty
+            # and u is the ranks' average momentum, the same on every rank. Starts, and
+            # starts again after anything that may change the paths (``unsettle``), at 2.
+            self.apart = tf.Variable(tf.fill([len(numels)], UNSETTLED), trainable=False,
+                                     name="apart")
             # Copies of v and u taken before a step that may be undone (skip_nonfinite).
             # Scratch, kept out of checkpoints (set past tf.Module's attribute tracking).
             object.__setattr__(self, "_saved", tuple(
-                tf.Variable(tf.zeros_like(x), trainable=False) for x in self.v + self.u)
-                if snapshots else ())
+                tuple(tf.Variable(tf.zeros_like(x), trainable=False) for x in self._of(i))
+                for i in range(len(numels))) if snapshots else ())
 
-    def snapshot(self):
-        for saved, x in zip(self._saved, self.v + self.u):
-            saved.assign(x)
+    def _of(self, i):
+        return (self.v[i],) + ((self.u[i],) if self.u else ())
 
-    def restore(self):
-        for saved, x in zip(self._saved, self.v + self.u):
-            x.assign(saved)
+    def snapshot(self, settled=()):
+        """Copies of every tensor's ``v`` and ``u`` before a step that may be undone.
+        Tensors in ``settled`` whose memory is settled (``apart`` 0) need none: it
+        does not move before the step is known to be kept (DensePath.shortcut)."""
+        self._each(settled, lambda saved, x: saved.assign(x))
+
+    def restore(self, settled=()):
+        """Back to ``snapshot``'s copies (``apart`` has not moved since: it moves when a
+        step is kept, ``settle``)."""
+        self._each(settled, lambda saved, x: x.assign(saved))
+
+    def _each(self, settled, copy):
+        for i, saved in enumerate(self._saved):
+            def run(i=i, saved=saved):
+                for a, b in zip(saved, self._of(i)):
+                    copy(a, b)
+                return tf.constant(True)
+            if i in settled:
+                tf.cond(self.settled(i), lambda: tf.constant(False), run)
+            else:
+                run()
+
+    def settled(self, i):
+        """Whether tensor i's memory is the same on every rank (``apart`` 0)."""
+        return tf.equal(self.apart[i], 0)
+
+    def unsettle(self):
+        """The paths may change (a relink, an elastic reset): every tensor goes back to
+        the dense path's full exchanges until its memory is settled again."""
+        self.apart.assign(tf.fill(tf.shape(self.apart), UNSETTLED))
+
+    def settle(self, i, mean):
+        """Tensor i's dense average, ``mean``, taken where the step is kept: what the
+        optimizer applies, and one step closer to settled. Settled, ``mean`` is the
+        ranks' average gradient and the momentum is applied to it here (the average
+        of every rank's u = m u + g is m u + mean where every rank holds the same u);
+        one step from settled (v was empty), ``mean`` is the average of every rank's
+        new u, which each rank keeps (u is now alike everywhere); else ``mean``
+        carried v's residual too, now sent (v is empty)."""
+        apart = self.apart[i]
+        if self.u:
+            mean = tf.switch_case(tf.minimum(apart, UNSETTLED), [
+                lambda: self._momentum(i, mean),
+                lambda: self._adopt(i, mean),
+                lambda: tf.identity(mean)])
+        with tf.control_dependencies([mean]):
+            self.apart.scatter_nd_update([[i]], [tf.maximum(apart - 1, 0)])
+        return tf.identity(mean)
+
+    def _momentum(self, i, mean):
+        """u = m u + mean, in place: TF's momentum kernel on u, its ``var`` the settled
+        (empty) v with lr = 0, which leaves it empty (TF's ops would make m u a fresh
+        buffer, a pass and, from TF's CPU allocator, page faults of its own)."""
+        tf.raw_ops.ResourceApplyMomentum(
+            var=self.v[i].handle, accum=self.u[i].handle, lr=tf.constant(0.0), grad=mean,
+            momentum=tf.constant(self.momentum), use_locking=False, use_nesterov=False)
+        return self.u[i].read_value()
+
+    def _adopt(self, i, u):
+        self.u[i].assign(u)
+        return tf.identity(u)
 
     def accumulate(self, i, g):
         """u = m u + g; v += u (Nesterov: u = m (u + g); v += u + g). Returns v's value."""

@@ -187,7 +187,11 @@ class _Path:
     def synchronous(self, i, v, k, at, poison=None):
         """Tensor i's average this step (flat), all in the step's graph. ``poison``: this
         rank's gradient was not finite; it sends inf, so every rank sees it."""
-        part = Part(f"hvd_dgc.{i}", (i,), (self.take(i, v, k, at, poison),), (k,))
+        return self.alone(i, self.take(i, v, k, at, poison), k)
+
+    def alone(self, i, payload, k):
+        """Tensor i's ``payload`` through its own collectives: its average (flat)."""
+        part = Part(f"hvd_dgc.{i}", (i,), (payload,), (k,))
         handle = self.launch(part)
         self.advance(handle)
         return self.average(part, self.collect(handle))[0]
@@ -247,6 +251,27 @@ class DensePath(_Path):
         got = _hvd.allgather(self.fold(i, v, at, poison), name=f"hvd_dgc.{i}.folded",
                              process_set=ctx.wire.process_set)
         return SparseCompressor.scatter_sum(got, ctx.numel(i)) * ctx.wire.gathered()
+
+    def shortcut(self, i, grad, poison=None):
+        """Tensor i's payload where every rank's memory of it may be settled (dense at
+        every stage, fp32, Average, momentum that is not Nesterov's, no Adam: a
+        synchronous step): settled (DGCMemory.apart), the gradient itself, and the
+        momentum is applied to the average when the step is kept (DGCMemory.settle,
+        ``ExchangePaths.finish``). By linearity the average is the one the velocity
+        would have made (DGC at density 1 is momentum SGD), and nothing of the memory
+        is read, written or saved before the exchange: the velocity's pass, its
+        guard's copies and emptying ``v`` cost nothing. Unsettled, the whole velocity
+        as ``take`` sends it, which takes v's residual along."""
+        ctx, numel = self.ctx, self.ctx.numel(i)
+        g = local_gradient(grad, ctx.clip_norm, ctx.wire.world())
+        payload = tf.cond(ctx.memory.settled(i), lambda: tf.identity(g),
+                          lambda: self._sent_all(i, ctx.memory.accumulate(i, g)))
+        ctx.statistics.count(self.kind, numel, numel, 4 * numel)
+        return payload if poison is None else poisoned(payload, poison)
+
+    def _sent_all(self, i, v):
+        self.ctx.memory.sent_all(i)
+        return v
 
     def _payload(self, i, v):
         ctx, numel = self.ctx, self.ctx.numel(i)
@@ -624,6 +649,7 @@ class ExchangePaths:
         self.ks = [tuple(self._k(t, planner, d, paths) for d in densities)
                    for t, paths in zip(planner.tensors, self.stages)]
         self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
+        self.shortcuts = self._shortcuts()
         # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
         # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)
         order = list(reversed(planner.tensors))
@@ -655,6 +681,33 @@ class ExchangePaths:
                     folds.setdefault(i, [False] * stages)[s] = True
         return {i: tuple(f) for i, f in folds.items()}
 
+    def _shortcuts(self):
+        """The tensors whose synchronous step takes DensePath.shortcut: dense at every
+        stage and never folded, on an fp32 wire, averaged (the linearity it rests on
+        holds for the mean: a sum would count a shared momentum N times), with SGD's
+        momentum (Nesterov's adds the gradient after the momentum, which the average
+        cannot give apart) and no Adam taken over (its scales precede the momentum)."""
+        ctx, memory = self.ctx, self.ctx.memory
+        if ctx.dense_fp16 or ctx.wire.op != Average or memory.nesterov or \
+                memory.preconditioner is not None:
+            return frozenset()
+        folds = self.by_kind[PathKind.DENSE].folds
+        return frozenset(i for i, stages in enumerate(self.stages)
+                         if not ctx.tensors[i].sliced and i not in folds
+                         and all(kind == PathKind.DENSE for kind in stages))
+
+    def finish(self, averages):
+        """The step's averages as the optimizer takes them, once the step is known to
+        be kept: a shortcut tensor's average gradient with the momentum applied
+        (DGCMemory.settle)."""
+        out = list(averages)
+        for i in sorted(self.shortcuts):
+            if isinstance(out[i], tf.IndexedSlices):
+                continue
+            out[i] = tf.reshape(self.ctx.memory.settle(i, tf.reshape(out[i], [-1])),
+                                tf.shape(out[i]))
+        return out
+
     def kinds(self):
         """Every path some tensor may take."""
         return {kind for stages in self.stages for kind in stages}
@@ -681,6 +734,10 @@ class ExchangePaths:
         """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
         if isinstance(grad, tf.IndexedSlices):  # sparse already: as Horovod sends it
             return self.by_kind[PathKind.SPARSE_GRAD].synchronous(i, grad, None, at, poison)
+        if i in self.shortcuts:
+            dense = self.by_kind[PathKind.DENSE]
+            return tf.reshape(dense.alone(i, dense.shortcut(i, grad, poison), None),
+                              tf.shape(grad))
         v, k = self.accumulate(i, grad, poison), self.k(i, at)
         out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
         return tf.reshape(out, tf.shape(grad))
@@ -723,7 +780,9 @@ class ExchangePaths:
             if i in averages:
                 continue
             bucket = plan.get(i)
-            if bucket is None:
+            if bucket is None and i in self.shortcuts:
+                averages[i] = self.synchronous(i, grads[i], at, poison)
+            elif bucket is None:
                 path, k = self.by_kind[self.stages[i][s]], self.ks[i][s]
                 averages[i] = path.synchronous(i, self.accumulate(i, grads[i], poison), k, at,
                                                poison)
@@ -738,6 +797,9 @@ class ExchangePaths:
             self.by_kind[PathKind.ALLGATHER]
         records, summed = {}, {}
         for i in bucket:
+            if i in self.shortcuts:
+                summed[i] = dense.shortcut(i, grads[i], poison)
+                continue
             v = ctx.accumulate(i, grads[i])
             if self.stages[i][s] == PathKind.ALLGATHER:
                 records[i] = gather.take(i, v, self.ks[i][s], at, poison)

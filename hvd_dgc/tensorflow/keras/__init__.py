@@ -253,6 +253,22 @@ def _finish(self, prepared, apply, grads=None):
     return tf.cond(prepared.apply, step, other)
 
 
+def _momentum_free_step(base):
+    """tf_keras' SGD whose momentum DGC took over: ``w -= lr g`` in one in-place pass
+    (TF's gradient-descent kernel). tf_keras' own step keeps its momentum slot at
+    momentum 0 and updates it every step (``m = -g lr + m 0; w += m``): four temporaries
+    of the tensor's size and two writes, the same values (Keras 3's SGD and the legacy
+    one already skip the slot at momentum 0)."""
+    def update_step(self, gradient, variable):
+        if isinstance(gradient, tf.IndexedSlices) or not isinstance(variable, tf.Variable) \
+                or gradient.dtype != variable.dtype:
+            return base.update_step(self, gradient, variable)
+        return tf.raw_ops.ResourceApplyGradientDescent(
+            var=variable.handle, alpha=tf.cast(self.learning_rate, variable.dtype),
+            delta=gradient, use_locking=False)
+    return update_step
+
+
 def _local_velocity(self, variables):
     """SGD's momentum for the local variables when DGC took it over (else [])."""
     if self._hvd_dgc_local_momentum is None:
@@ -640,6 +656,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                "_hvd_dgc_adam": adam}
     if adam is not None:
         methods.update(adam_methods)
+    if momentum and not is_keras3(optimizer) and not is_legacy(optimizer):
+        methods["update_step"] = _momentum_free_step(optimizer.__class__)
     if is_keras3(optimizer):
         methods["apply"] = _apply
     else:
