@@ -361,7 +361,6 @@ class GradientExchange(tf.Module):
             self.planner.measured(link, local)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
-            self.memory.unsettle()
         if _hvd.rank() == 0 and self.planner.measured_words():
             print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
                   f"{self.planner.measured_words()}", flush=True)
@@ -395,7 +394,6 @@ class GradientExchange(tf.Module):
             self.planner.relink(link)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
-            self.memory.unsettle()  # a tensor that goes dense may hold a residual
         return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
 
     def _probe(self):

@@ -277,8 +277,7 @@ class DensePath(_Path):
         ctx, numel = self.ctx, self.ctx.numel(i)
         ctx.statistics.count(self.kind, numel, numel, (2 if ctx.dense_fp16 else 4) * numel)
         if not ctx.dense_fp16:
-            ctx.memory.sent_all(i)
-            return v
+            return self._sent_all(i, v)
         bound = ctx.wire.fp16_bound()
         finite = tf.math.is_finite(v)
         ctx.statistics.add_fp16_clipped(tf.math.count_nonzero(
@@ -650,6 +649,7 @@ class ExchangePaths:
                    for t, paths in zip(planner.tensors, self.stages)]
         self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
         self.shortcuts = self._shortcuts()
+        self.ctx.memory.unsettle()  # (eager) a tensor that goes dense may hold a residual
         # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
         # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)
         order = list(reversed(planner.tensors))
