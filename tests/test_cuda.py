@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
                                 "(tools/build_horovod_gpu.sh)")
 
 CUDA = {"HVD_DGC_TEST_DEVICE": "cuda"}
-SCENARIOS = ["syncs_per_step", "fixed_selection", "graphed_selection", "loss_scale_and_guard"]
+SCENARIOS = ["syncs_per_step", "fixed_selection", "graphed_selection", "loss_scale_and_guard",
+             "trial_syncs"]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
@@ -102,3 +103,27 @@ def test_grad_scaler_overflow_skips_everywhere_without_per_tensor_reads(cuda_run
         # skipped (the 4th) one more, that names the tensors that were not finite.
         ours = [[w for w in seen if w.startswith("torch/")] for seen in out["syncs"]]
         assert [len(w) for w in ours] == [1, 1, 1, 2, 1, 1], ours
+
+
+def test_the_backward_profile_adds_no_host_reads_and_no_trial_where_launches_wait(cuda_run):
+    """The measured cost model's profile of the backward pass (hvd_dgc/overlap.py) on CUDA
+    tensors, set up as the CPU test of the trial (tests/test_linkprobe.py), where the
+    timeline's plan sends the last layer's weight dense, hidden by the backward pass. On a
+    GPU every launch waits for synchronize (one launch of all tensors: the scheduler's
+    ``batch_all``), so the backward pass hides no transfer, the timeline's plan is the
+    sums' and there is nothing to try: no trial, no switch of paths. The profile and its
+    agreement (host clocks, a CPU tensor) add no host read: every step reads back once
+    (the non-finite check); the ranks' weights stay bit-identical. A world of one has no
+    link to profile."""
+    outs = _checked(cuda_run, "trial_syncs")
+    for out in outs:
+        assert out["ours"] == [1] * 22, (out["ours"], out["where"])
+        assert out["finite"] and out["identical"], out
+        assert out["timeline"] == [False] * 22, out["timeline"]
+    first = outs[0]
+    if len(outs) == 1:
+        assert not first["profiled"] and first["trial"] is None, first
+        return
+    assert outs[1]["trial"] == first["trial"]
+    assert first["profiled"] and first["flat"] and first["at_end"] == first["flat"], first
+    assert not first["differs"] and first["trial"]["from"] is None, first

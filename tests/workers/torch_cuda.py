@@ -254,6 +254,65 @@ def loss_scale_and_guard():
             "overflow_steps": opt.compression_stats()["overflow_steps"]}
 
 
+def trial_syncs(steps=24, warm=2):
+    """The backward pass profiled and the two plans tried (hvd_dgc/overlap.py) on CUDA
+    tensors, set up as tests/workers/link_probe._overlap sets it up on CPUs so that the
+    plans differ there (the link priced as 1 Gbit/s, 2 ns of DGC's work an element, rank
+    1's backward 30 ms longer): host synchronisations per step through the profile and
+    its agreement; which paths the planner launches at synchronize; whether the plans
+    differ, the trial's verdict and each step's plan; and whether the ranks' weights are
+    bit-identical. At np=1 nothing is profiled (no link)."""
+    import time
+    import hvd_dgc.torch.optimizer as wrapper
+    from hvd_dgc.localcost import LocalCost
+    from tests.workers.torch_dgc import ranks_identical
+    probe = wrapper.measure_link
+
+    def one_gbit(process_set, peers=()):
+        link = probe(process_set, peers)  # (None in a world of one)
+        return link and link._replace(alpha=50e-6, bandwidth=1.25e8, gather_bandwidth=None)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                      nn.Linear(1024, 4)).to(device())
+    if hvd.rank() == 1:
+        m[2].register_full_backward_hook(lambda *_: time.sleep(0.03))
+    saved = wrapper.measure_link, wrapper.measure_local
+    wrapper.measure_link = one_gbit
+    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
+    try:
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=[(f"trial.{n}", p) for n, p in m.named_parameters()],
+            density=0.01, warmup=0, cost_model="measure", link_watch=False)
+    finally:
+        wrapper.measure_link, wrapper.measure_local = saved
+    gen = torch.Generator().manual_seed(hvd.rank())
+    data = [(torch.randn(32, 256, generator=gen).to(device()),
+             torch.randint(0, 4, (32,), generator=gen).to(device())) for _ in range(steps)]
+
+    def step(i):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(data[i][0]), data[i][1]).backward()
+        opt.step()
+
+    for i in range(warm):
+        step(i)
+    ours, where, timeline = [], collections.Counter(), []
+    for i in range(warm, steps):
+        _, seen = _count_syncs(lambda: step(i))
+        ours.append(sum(w.startswith("torch/") for w in seen))
+        where.update(seen)
+        timeline.append(opt._planner.timeline)
+    stats, planner = opt.compression_stats(), opt._planner
+    return {"profiled": opt._profiler is not None, "ours": ours, "where": dict(where),
+            "at_end": sorted(map(str, planner.at_end)), "flat": sorted(map(str, planner.flat)),
+            "differs": planner.timeline_differs(0.01),
+            "timeline": timeline, "trial": stats.get("timeline"),
+            "identical": ranks_identical(m, "trial_syncs"),
+            "finite": bool(torch.isfinite(torch.cat([p.detach().reshape(-1)
+                                                     for p in m.parameters()])).all())}
+
+
 def suite(names):
     hvd.init()
     torch.cuda.set_device(device())
