@@ -11,11 +11,11 @@ import subprocess
 
 import pytest
 
-from harness.hvdrun import REPO, horovodrun_path, worker_env
+from harness.hvdrun import REPO, horovodrun_command, worker_env
 
 
 def launch(script, *args, env=None, timeout=600):
-    cmd = [horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", "python",
+    cmd = [*horovodrun_command(), "-np", "2", "-H", "localhost:2", "--gloo", "python",
            os.path.join(REPO, "examples", script), *args]
     proc = subprocess.run(cmd, env=worker_env(env), capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
