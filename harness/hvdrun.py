@@ -22,11 +22,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def horovodrun_path():
-    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    return exe if os.path.exists(exe) else shutil.which("horovodrun")
-
-
 def horovodrun_command():
     """How the suite starts ``horovodrun``: Horovod's own launcher with its build checks
     asked once, not at every launch (harness/horovodrun.py: 6 s of CPU a launch)."""
