@@ -259,6 +259,43 @@ def _keras_options():
 
 #: The cases that need torch alone, and those that need TensorFlow too (a machine may lack
 #: it: tests/test_linkprobe.py asks for these only where it is installed).
+def overlap_model(device="cpu"):
+    """_overlap's model (tests/workers/torch_cuda.py's too): three layers, rank 1's backward
+    30 ms longer (a sleep in the middle layer's backward hook, rank 1 only)."""
+    import time
+    import torch
+    import horovod.torch as hvd_torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 4)).to(device)
+    if hvd_torch.rank() == 1:
+        model[2].register_full_backward_hook(lambda *_: time.sleep(0.03))
+    return model
+
+
+@contextlib.contextmanager
+def priced_as_one_gbit():
+    """PyTorch optimizers wrapped inside: the link probed at wrap time as always, its
+    numbers replaced by a 1 Gbit/s link's (50 us a message), with 2 ns of DGC's work an
+    element, so that the plans are the same however the machine measured (a world of
+    one keeps no link)."""
+    import hvd_dgc.torch.optimizer as wrapper
+    from hvd_dgc.localcost import LocalCost
+    probe = wrapper.measure_link
+
+    def one_gbit(process_set, peers=()):
+        link = probe(process_set, peers)
+        return link and link._replace(alpha=50e-6, bandwidth=1.25e8, gather_bandwidth=None)
+    saved = wrapper.measure_link, wrapper.measure_local
+    wrapper.measure_link = one_gbit
+    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
+    try:
+        yield
+    finally:
+        wrapper.measure_link, wrapper.measure_local = saved
+
+
 def _overlap(kind):
     """The backward pass profiled and the two plans tried (hvd_dgc/overlap.py) with rank
     1's backward 30 ms longer (a sleep in the middle layer's backward hook, rank 1 only):
@@ -269,39 +306,20 @@ def _overlap(kind):
     taken over), and the last layer's 4096-element weight dense on the timeline, where
     the backward pass hides its allreduce. What each rank agreed and chose, and whether
     the ranks' weights are bit-identical."""
-    import time
     import torch
     import hvd_dgc.torch as hvd
-    import hvd_dgc.torch.optimizer as wrapper
-    from hvd_dgc.localcost import LocalCost
     from tests.workers.torch_dgc import ranks_identical
-    probe = wrapper.measure_link
-
-    def one_gbit(process_set, peers=()):
-        return probe(process_set, peers)._replace(alpha=50e-6, bandwidth=1.25e8,
-                                                  gather_bandwidth=None)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 4))
-    if hvd.rank() == 1:
-        model[2].register_full_backward_hook(lambda *_: time.sleep(0.03))
+    model = overlap_model()
     if kind == "sgd":
         base, options = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), {}
     else:
         base = torch.optim.AdamW(model.parameters(), lr=1e-3)
         options = {"freeze_variance": 10}
     line = io.StringIO()
-    measured = wrapper.measure_link, wrapper.measure_local
-    wrapper.measure_link = one_gbit
-    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
-    try:
-        with contextlib.redirect_stdout(line):
-            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           density=0.01, warmup=0, cost_model="measure",
-                                           link_watch=False, **options)
-    finally:
-        wrapper.measure_link, wrapper.measure_local = measured
+    with priced_as_one_gbit(), contextlib.redirect_stdout(line):
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       density=0.01, warmup=0, cost_model="measure",
+                                       link_watch=False, **options)
     planner = opt._planner
     with contextlib.redirect_stdout(line):
         gen = torch.Generator().manual_seed(hvd.rank())

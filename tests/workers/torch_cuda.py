@@ -262,30 +262,14 @@ def trial_syncs(steps=24, warm=2):
     its agreement; which paths the planner launches at synchronize; whether the plans
     differ, the trial's verdict and each step's plan; and whether the ranks' weights are
     bit-identical. At np=1 nothing is profiled (no link)."""
-    import time
-    import hvd_dgc.torch.optimizer as wrapper
-    from hvd_dgc.localcost import LocalCost
+    from tests.workers.link_probe import overlap_model, priced_as_one_gbit
     from tests.workers.torch_dgc import ranks_identical
-    probe = wrapper.measure_link
-
-    def one_gbit(process_set, peers=()):
-        link = probe(process_set, peers)  # (None in a world of one)
-        return link and link._replace(alpha=50e-6, bandwidth=1.25e8, gather_bandwidth=None)
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                      nn.Linear(1024, 4)).to(device())
-    if hvd.rank() == 1:
-        m[2].register_full_backward_hook(lambda *_: time.sleep(0.03))
-    saved = wrapper.measure_link, wrapper.measure_local
-    wrapper.measure_link = one_gbit
-    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
-    try:
+    m = overlap_model(device())
+    with priced_as_one_gbit():
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
             named_parameters=[(f"trial.{n}", p) for n, p in m.named_parameters()],
             density=0.01, warmup=0, cost_model="measure", link_watch=False)
-    finally:
-        wrapper.measure_link, wrapper.measure_local = saved
     gen = torch.Generator().manual_seed(hvd.rank())
     data = [(torch.randn(32, 256, generator=gen).to(device()),
              torch.randint(0, 4, (32,), generator=gen).to(device())) for _ in range(steps)]
