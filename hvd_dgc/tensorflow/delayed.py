@@ -233,7 +233,8 @@ class DelayedAveraging(LagQueue):
             process_set = self.paths.ctx.wire.process_set
             fn = tf.function(lambda x: _hvd.allreduce(x, op=Max, name="hvd_dgc.autodelay",
                                                       process_set=process_set),
-                             input_signature=[tf.TensorSpec([len(sums)], tf.float64)])
+                             input_signature=[tf.TensorSpec([len(sums)], tf.float64)],
+                             autograph=False)
             self._functions["autodelay"] = fn
         return fn(tf.constant(sums, tf.float64)).numpy().tolist()
 
@@ -284,7 +285,7 @@ class DelayedAveraging(LagQueue):
                 path.advance(handle)
                 return path.collect(handle)
             fn = tf.function(run, input_signature=[tf.TensorSpec([len(members)], tf.int32)]
-                             + [path.spec(i) for i in members])
+                             + [path.spec(i) for i in members], autograph=False)
             self._functions[key] = fn
         return fn
 

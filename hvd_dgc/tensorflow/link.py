@@ -65,11 +65,11 @@ def measure_local(compressor, process_set, density):
                     trainable=False)
     seed = tf.constant([0, 0])
 
-    @tf.function
+    @tf.function(autograph=False)
     def select(k):
         return compressor.select(v.read_value(), k, seed)
 
-    @tf.function
+    @tf.function(autograph=False)
     def records(indices):
         values = tf.gather(v, indices)  # what leaves the memory
         v.scatter_nd_update(indices[:, None], tf.zeros_like(values))
@@ -107,11 +107,11 @@ def measure_payload(compressor, process_set):
     payload = compressor.encode(v, tf.constant([0, 0]))
 
     def encode(numel):
-        return _fastest(tf.function(lambda: compressor.encode(v[:numel],
-                                                              tf.constant([0, 0]))))
+        return _fastest(tf.function(lambda: compressor.encode(v[:numel], tf.constant([0, 0])),
+                                    autograph=False))
 
     def decode(numel):
-        return _fastest(tf.function(lambda: compressor.decode(payload, numel)))
+        return _fastest(tf.function(lambda: compressor.decode(payload, numel), autograph=False))
     return calibrate_payload(encode, decode, _agree(process_set, "hvd_dgc.calibrate.agree"))
 
 

@@ -234,7 +234,8 @@ class OuterRounds(tf.Module):
         their type, and the step's graph is waiting on this thread's result."""
         if self._function is None:
             specs = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in arrays]
-            self._function = tf.function(self._collectives, input_signature=specs)
+            self._function = tf.function(self._collectives, input_signature=specs,
+                                         autograph=False)
         return self._function(*arrays)
 
     def _drain(self):

@@ -50,6 +50,10 @@ from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTak
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
     is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
+# The methods a training step calls run as written, not converted by AutoGraph: the
+# conversion of hvd_dgc, Horovod and json (their Python made into graph control flow
+# where nothing needs it) was 20 s of a 26 s first trace, in every process.
+_as_written = tf.autograph.experimental.do_not_convert
 # Horovod's star import bound `callbacks` to its own module; ours extends it.
 callbacks = importlib.import_module("hvd_dgc.tensorflow.keras.callbacks")
 elastic = importlib.import_module("hvd_dgc.tensorflow.keras.elastic")  # and its KerasState
@@ -378,6 +382,7 @@ def _adam_methods(optimizer):
     return kind, methods
 
 
+@_as_written
 def _apply(self, grads, trainable_variables=None):  # Keras 3
     variables = list(self._trainable_variables if trainable_variables is None
                      else trainable_variables)
@@ -386,6 +391,7 @@ def _apply(self, grads, trainable_variables=None):  # Keras 3
                    lambda g: base.apply(g, trainable_variables))
 
 
+@_as_written
 def _apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
     """Applies the gradients ``_compute_gradients`` just handed out (exchanged there,
     as in Horovod) as they are given; any others are exchanged first."""
@@ -418,6 +424,7 @@ def _own_gradients(self, loss, var_list, grad_loss, tape):
     return list(super(self.__class__, self).compute_gradients(loss, var_list, tape=tape))
 
 
+@_as_written
 def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):  # Keras 2
     """Horovod's aggregation API (its own tests and scripts call it): the gradients
     come back averaged (through DGC here) and the next ``apply_gradients`` applies them
@@ -445,6 +452,7 @@ def _dgc_state(self):
     return self._hvd_dgc
 
 
+@_as_written
 def _flush(self):
     """Delayed averaging (``delay=D``, ``period=p``): apply the steps still in flight
     (a period's own steps since its last exchange are taken back: their velocity is
@@ -495,12 +503,14 @@ def _outer_step(self, variables, apply):
     return out
 
 
+@_as_written
 def _outer_apply(self, grads, trainable_variables=None):  # Keras 3
     variables = self._trainable_variables if trainable_variables is None else trainable_variables
     base = super(self.__class__, self)
     return _outer_step(self, list(variables), lambda: base.apply(grads, trainable_variables))
 
 
+@_as_written
 def _outer_apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_keras)
     grads_and_vars = list(grads_and_vars)
     base = super(self.__class__, self)
@@ -508,6 +518,7 @@ def _outer_apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (t
                        lambda: base.apply_gradients(grads_and_vars, *args, **kwargs))
 
 
+@_as_written
 def _outer_flush(self):
     """Apply the exchange in flight (``overlap``) and end the round under way now, so
     every rank holds the same weights (before evaluating, checkpointing, or at the end;
@@ -521,6 +532,7 @@ def _outer_local_var(self, var):
                      f"variable it steps. Step a local variable with an optimizer of its own.")
 
 
+@_as_written
 def _outer_compute_gradients(self, loss, var_list, grad_loss=None, tape=None):  # Keras 2
     """Horovod's ``_compute_gradients``: this rank's own gradients (the inner steps are
     local; the round exchanges the weights' change)."""
