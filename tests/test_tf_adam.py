@@ -15,7 +15,7 @@ SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.che
 
 
 def _launch(legacy, ckdir):
-    return run("tests.workers.tf_dgc:suite", np=2, controller="gloo", timeout=480,
+    return run("tests.workers.tf_dgc:suite", np=2, controller="gloo", timeout=900,
                env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"},
                kwargs={"names": SCENARIOS,
                        "kwargs": {"tf_adam.checkpoint": {"ckdir": ckdir}}})

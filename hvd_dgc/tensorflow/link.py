@@ -13,6 +13,7 @@ from horovod.tensorflow.mpi_ops import Max, Sum
 from hvd_dgc.linkprobe import measure_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
+from hvd_dgc.tensorflow.memory import write_at
 
 __all__ = ["measure", "measure_local", "measure_payload", "LinkWatcher"]
 
@@ -66,13 +67,15 @@ def measure_local(compressor, process_set, density):
     seed = tf.constant([0, 0])
 
     @tf.function(autograph=False)
-    def select(k):
-        return compressor.select(v.read_value(), k, seed)
+    def select(k):  # and the memory cleared where selected, a write of all of it (write_at)
+        value = v.read_value()
+        indices = compressor.select(value, k, seed)
+        write_at(v, indices, tf.zeros(tf.shape(indices)), value)
+        return indices
 
     @tf.function(autograph=False)
     def records(indices):
-        values = tf.gather(v, indices)  # what leaves the memory
-        v.scatter_nd_update(indices[:, None], tf.zeros_like(values))
+        values = tf.gather(v.read_value(), indices)  # what leaves the memory
         return compressor.scatter_sum(compressor.pack(values, indices), CALIBRATION_NUMEL)
 
     def timed_select(numel, k):

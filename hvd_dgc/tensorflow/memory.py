@@ -9,7 +9,7 @@ known, so the memory works inside ``tf.function`` and is saved by
 
 import tensorflow as tf
 
-__all__ = ["DGCMemory", "local_gradient", "UNSETTLED"]
+__all__ = ["DGCMemory", "local_gradient", "write_at", "UNSETTLED"]
 
 #: DGCMemory.apart of a tensor whose residual may not be empty
 UNSETTLED = 2
@@ -22,6 +22,18 @@ def local_gradient(grad, clip_norm=None, world_size=1):
         limit = clip_norm / (world_size ** 0.5)
         g = g * tf.minimum(1.0, limit / (tf.norm(g) + 1e-6))
     return g
+
+
+def write_at(var, indices, values, value=None, op=tf.tensor_scatter_nd_update):
+    """``var[indices] = values`` (``op``: or ``+=``, ``-=``) as one write of a whole new
+    value (``value``: ``var``'s, if read already). TF's resource scatter ops
+    (``Variable.scatter_nd_update``, even ``tf.gather`` on a variable) update in place,
+    but put the variable in copy-on-read mode for good: every dense read after them
+    copies it (a 128 MB memory: a read 9 -> 135 ms), and a step reads its memory densely
+    several times. This costs one copy (~80 ms for 128 MB), once."""
+    if value is None:
+        value = var.read_value()
+    var.assign(op(value, tf.expand_dims(indices, 1), values), read_value=False)
 
 
 class DGCMemory(tf.Module):
@@ -181,21 +193,21 @@ class DGCMemory(tf.Module):
         """Coordinates ``indices`` left this worker: clear them, and their momentum where
         ``mask_momentum`` (a bool tensor: "auto" masking depends on the density, which
         is a tensor in the warm-up; None: the ``momentum_masking`` setting)."""
-        idx = tf.expand_dims(indices, 1)
         zeros = tf.zeros(tf.shape(indices), tf.float32)
-        self.v[i].scatter_nd_update(idx, zeros)
+        write_at(self.v[i], indices, zeros)
         if self.momentum and self.momentum_masking is not False:
             if mask_momentum is None:
-                self.u[i].scatter_nd_update(idx, zeros)
+                write_at(self.u[i], indices, zeros)
             else:
-                kept = tf.where(mask_momentum, zeros, tf.gather(self.u[i], indices))
-                self.u[i].scatter_nd_update(idx, kept)
+                u = self.u[i].read_value()
+                write_at(self.u[i], indices, tf.where(mask_momentum, zeros,
+                                                      tf.gather(u, indices)), u)
 
     def give_back(self, i, indices, values):
         """Add ``values`` at ``indices`` into tensor i's residual: what an aggregation took
         but did not deliver (region reduce's owner keeps what it did not send on), so
         error feedback sends it later (as hvd_dgc/torch/memory.py)."""
-        self.v[i].scatter_nd_add(tf.expand_dims(indices, 1), values)
+        write_at(self.v[i], indices, values, op=tf.tensor_scatter_nd_add)
 
     def keep(self, i, remainder):
         """Dense path with fp16 on the wire: what did not leave (fp16's rounding, values

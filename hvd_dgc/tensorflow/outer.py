@@ -43,6 +43,7 @@ from horovod.tensorflow.mpi_ops import Average
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.tensorflow.delayed import check_inter_op_threads
 from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
+from hvd_dgc.tensorflow.memory import write_at
 from hvd_dgc.tensorflow.quantize import pack_planes, unpack_planes
 
 __all__ = ["OuterRounds"]
@@ -202,7 +203,7 @@ class OuterRounds(tf.Module):
         payload, sent = pack_records([p for p, _ in picks], tf.concat([s for _, s in picks], 0),
                                      self.ks, self.numels, self.layout)
         for v, (picked, _), arrived in zip(self.residual, picks, tf.split(sent, self.ks)):
-            v.scatter_nd_sub(picked[:, None], arrived)  # what stays is owed to a later round
+            write_at(v, picked, arrived, op=tf.tensor_scatter_nd_sub)  # owed to a later round
         return [payload]
 
     def _collectives(self, *payload):
