@@ -53,9 +53,8 @@ def test_keras_adam_taken_over_equals_the_reference_at_density_one(results):
         # 4 variables a step, 8 steps; allgather: the 480-value kernel from the freeze
         assert out["AdamW.dense"]["paths"] == {"dense": 4 * 8}
         assert out["AdamW.allgather_clipped"]["paths"]["sparse"] > 0
-        # clip_norm moved the weights off the unclipped reference (and matched its own)
+        # clip_norm moved the reference off the unclipped one, and the weights matched it
         assert all(out[f"{c}.allgather_clipped"]["clipped"] for c in classes)
-        assert not out["AdamW.dense"]["clipped"]
 
 
 def test_keras_adam_with_delay_equals_the_reference_on_each_rank(results):
