@@ -30,7 +30,7 @@ def write_at(var, indices, values, value=None, op=tf.tensor_scatter_nd_update):
     (``Variable.scatter_nd_update``, even ``tf.gather`` on a variable) update in place,
     but put the variable in copy-on-read mode for good: every dense read after them
     copies it (a 128 MB memory: a read 9 -> 135 ms), and a step reads its memory densely
-    several times. This costs one copy (~80 ms for 128 MB), once."""
+    several times. This costs one copy a call (~80 ms for 128 MB) and no read after it."""
     if value is None:
         value = var.read_value()
     var.assign(op(value, tf.expand_dims(indices, 1), values), read_value=False)
