@@ -64,13 +64,16 @@ def measure_local(compressor, process_set, density):
     of the memory, packed and summed, each in a ``tf.function`` (traced first)."""
     v = tf.Variable(tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0]),
                     trainable=False)
+    # what the step's memory becomes once cleared where selected (write_at: a write of
+    # all of it), kept apart so that every timed call selects from the same values
+    cleared = tf.Variable(tf.zeros_like(v), trainable=False)
     seed = tf.constant([0, 0])
 
     @tf.function(autograph=False)
-    def select(k):  # and the memory cleared where selected, a write of all of it (write_at)
+    def select(k):
         value = v.read_value()
         indices = compressor.select(value, k, seed)
-        write_at(v, indices, tf.zeros(tf.shape(indices)), value)
+        write_at(cleared, indices, tf.zeros(tf.shape(indices)), value)
         return indices
 
     @tf.function(autograph=False)
