@@ -10,9 +10,11 @@ will use (same process set, same controller), and fits the model's own formula f
     dense allreduce of n float32:  t(n) = 2 (N-1) alpha + 2 (N-1)/N * 4n / bandwidth
 
 A one-element allreduce gives the latency; then larger ones, 64 KiB first, each sized from
-the last so that its transfer outweighs the latency (at most 64x larger), until one does
-or the next would overrun the budget; the line through the two gives alpha and the
-bandwidth. Each size is timed twice and the faster kept, the two points of the line
+the last so that its transfer takes TRANSFER_OVER_LATENCY times the latency (at most 64x
+larger), until one does, or the largest size that fits the budget (at least twice the
+last) has been timed; the line through the two gives alpha and the bandwidth. A far point
+only twice the latency read the emulated 1 Gbit/s link at 246-696 Mbit/s and 10 Gbit/s at
+560-2351 over six launches each; eight times, at 538-747 and 1342-2502 (stop 65). Each size is timed twice and the faster kept, the two points of the line
 three times more where that fits in half the budget (the first call of a shape
 negotiates it with Horovod's coordinator; later ones hit its response cache, as a step's
 collectives do). What Horovod adds to a message (its cycle time, the cache's bit
@@ -71,7 +73,7 @@ FIRST_NUMEL, LARGEST_NUMEL = 16384, 16 * 1024 * 1024
 HOST_LARGEST_NUMEL = 1024 * 1024
 
 #: A size is large enough when its transfer takes this many times its latency part.
-TRANSFER_OVER_LATENCY = 2.0
+TRANSFER_OVER_LATENCY = 8.0
 
 
 class HostMeasurement(NamedTuple):
@@ -151,9 +153,11 @@ def _two_points(timed, budget, largest=LARGEST_NUMEL):
             break
         grow = min(64.0, max(4.0, TRANSFER_OVER_LATENCY * small / max(transfer, small / 64)))
         bigger = min(largest, int(numel * grow))
-        if timed.spent + 2 * (small + transfer * bigger / numel) > budget:
-            break  # the next size would overrun the budget: the line through this one
-        numel = bigger
+        per_element = max(transfer, small / 64) / (numel - 1)  # (past the 1-element time)
+        fits = int(((budget - timed.spent) / 2 - small) / per_element)
+        if fits < 2 * numel:
+            break  # no size twice this one fits the budget: the line through this one
+        numel = min(bigger, fits)  # the largest that fits, where the one wanted does not
     if timed.spent + 3 * (small + big) <= budget / 2:
         # a rank descheduled during both timings of a size (ranks sharing cores) reads as
         # a slow link, and a slow link sends everything sparse: where the budget allows,

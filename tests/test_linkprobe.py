@@ -14,7 +14,8 @@ import pytest
 from harness.hvdrun import REPO, launch, run
 from hvd_dgc.aggregation import dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
-from hvd_dgc.linkprobe import BUDGET_SECONDS, LARGEST_NUMEL, measure_host, measure_link
+from hvd_dgc.linkprobe import (BUDGET_SECONDS, LARGEST_NUMEL, TRANSFER_OVER_LATENCY,
+                               measure_host, measure_link)
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.overlap import DECIDED_BY_STEP
 from hvd_dgc.paths import PathKind
@@ -68,6 +69,25 @@ def test_probe_recovers_the_link_inside_a_host(alpha, bandwidth, local_size):
     # the whole probe's time is said: between hosts and inside one
     said = float(link.words().split("cost_model='measure', ")[1].split(" s)")[0])
     assert said == pytest.approx(link.seconds + link.host.seconds, abs=0.006)
+
+
+@pytest.mark.parametrize("alpha,bandwidth", [(0.5e-3, 1e8), (0.5e-3, 1e9), (20e-3, 1.25e6)])
+def test_the_far_point_outweighs_the_latency_by_the_ratio_or_fills_the_budget(alpha,
+                                                                               bandwidth):
+    """A read that under-reads the link sends fast links' tensors sparse (stop 62's Keras
+    at 10 Gbit/s, read at 389 Mbit/s: 0.59x stock). The line's far point is timed where
+    its transfer is TRANSFER_OVER_LATENCY times the latency part, so that a millisecond
+    of jitter moves the rate by little; on a slow link whose wanted size would overrun
+    the budget, the largest size that fits, not the last one tried."""
+    world = 2
+    link = measure_link(_link(alpha, bandwidth, world), lambda values: values, world)
+    small = _link(alpha, bandwidth, world)(1)
+    transfer = _link(alpha, bandwidth, world)(link.largest) - small
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    if transfer < TRANSFER_OVER_LATENCY * small:  # the budget stopped it: nearly filled
+        assert link.seconds > 0.7 * BUDGET_SECONDS, link
+    assert link.seconds <= BUDGET_SECONDS, link
+    assert transfer >= min(TRANSFER_OVER_LATENCY * small, 0.2), link
 
 
 def test_no_host_probe_for_one_rank_a_host():
