@@ -85,10 +85,11 @@ class DGCConfig:
             new numbers move the step's predicted exchange by more than 1.5x, said in
             rank 0's log (hvd_dgc/linkwatch.py). None (default): on; False: the
             wrap-time measurement stands; ``hvd_dgc.LinkWatch(window=50, ...)`` to
-            change its settings. Keras: ``model.fit`` with ``DGCCallback``, which times
-            whole train steps and has ``fit`` trace the step again where the paths
-            changed; ``DistributedGradientTape``: measured at wrap time only (its step
-            is traced into the script's own function).
+            change its settings. Keras: ``model.fit`` with hvd_dgc's
+            ``BroadcastGlobalVariablesCallback`` (which a Horovod script already passes)
+            or ``DGCCallback``: either times whole train steps and has ``fit`` trace the
+            step again where the paths changed; ``DistributedGradientTape``: measured at
+            wrap time only (its step is traced into the script's own function).
         timeline: PyTorch, with the link measured, delay 0 and period 1: each gradient's
             hook timed over steps 2-4 (agreed across ranks), each step laid out on a
             timeline where the part of a transfer the backward pass hides costs nothing,

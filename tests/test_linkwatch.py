@@ -186,7 +186,7 @@ def _expected_path(seen, density, world=2):
     return "dense" if sparse * MEASURED_DENSE_PREFERENCE > dense else "sparse"
 
 
-def _drop_the_link(tmp_path, worker, rate_mbit=4):
+def _drop_the_link(tmp_path, worker, rate_mbit=4, args=()):
     """``worker`` (a module of tests/workers) on two ranks across the emulated link,
     unlimited until rank 0 says it is ready, then ``rate_mbit``; checks what both
     frameworks' watches must show and returns each rank's JSON line and rank 0's
@@ -199,7 +199,7 @@ def _drop_the_link(tmp_path, worker, rate_mbit=4):
     results = []
     with WanLink() as link:
         job = threading.Thread(target=lambda: results.extend(run_job(
-            link, [sys.executable, "-m", worker, str(tmp_path)],
+            link, [sys.executable, "-m", worker, str(tmp_path), *args],
             env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": ""}, timeout=300)))
         job.start()
         deadline = time.time() + 240
@@ -252,15 +252,22 @@ def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_f
     assert torch.equal(torch.load(tmp_path / "weights.0"), torch.load(tmp_path / "weights.1"))
 
 
-def test_keras_fit_follows_a_link_that_drops_and_traces_its_step_again(tmp_path):
-    """The same drop under Keras 3's ``model.fit`` with ``DGCCallback``: the whole train
-    steps show it, every rank probes at the same batch, and where the paths changed
-    ``fit`` made its train function again (once at the start, once per change)."""
+@pytest.mark.parametrize("callbacks", ["horovod", "dgc"])
+def test_keras_fit_follows_a_link_that_drops_and_traces_its_step_again(tmp_path, callbacks):
+    """The same drop under Keras 3's ``model.fit``, the watch driven by the
+    ``BroadcastGlobalVariablesCallback`` a Horovod script passes ("horovod": switched by
+    one line, nothing added), or by ``DGCCallback`` beside it ("dgc": it claims the
+    watch, so no step is observed twice: the same single probe after the drop): the
+    whole train steps show it, every rank probes at the same batch, and where the paths
+    changed ``fit`` made its train function again (once at the start, once per
+    change)."""
     import numpy as np
-    outs, line = _drop_the_link(tmp_path, "tests.workers.keras_link_watch")
+    outs, line = _drop_the_link(tmp_path, "tests.workers.keras_link_watch",
+                                args=(callbacks,))
     changed = outs[0]["before"]["path"] != outs[0]["after"]["path"]
     assert ("the step is traced again" in line) == changed, line
     for out in outs:
         assert out["train_functions"] == 1 + changed, out
+        assert out["observed_after_the_first"] == out["steps"] - 1, out  # once a step
     np.testing.assert_array_equal(np.load(tmp_path / "weights.0.npy"),
                                   np.load(tmp_path / "weights.1.npy"))

@@ -118,7 +118,9 @@ class GradientExchange(tf.Module):
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self._first_delay = None  # and the D its delay="auto" had reached
         self._measured_at_sync = None  # elastic: (link, local cost) of the last sync
-        self.watcher = None  # Keras, the link measured: its watch (DGCCallback drives it)
+        self.watcher = None  # Keras, the link measured: its watch (keras/callbacks.py
+        #                      _StepTimer drives it); claimed by a DGCCallback in its fit:
+        self.watch_claimed = False
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     # what the options resolved to

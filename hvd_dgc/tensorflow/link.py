@@ -122,8 +122,9 @@ def measure_payload(compressor, process_set):
 
 
 class LinkWatcher:
-    """The link watch of one Keras optimizer's exchange, driven by ``DGCCallback`` between
-    ``fit``'s batches (hvd_dgc/linkwatch.py says what and why). A TF step runs its
+    """The link watch of one Keras optimizer's exchange, driven between ``fit``'s batches
+    by hvd_dgc's ``BroadcastGlobalVariablesCallback`` or ``DGCCallback`` (keras/callbacks.py
+    ``_StepTimer``; hvd_dgc/linkwatch.py says what and why). A TF step runs its
     collectives inside its graph, so what is timed is the whole train step (its
     exchange and its compute): a link that got slower or faster moves it the same way.
     At a window's end the ranks agree on its sums (max; one small blocking allreduce

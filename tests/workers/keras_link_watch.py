@@ -1,8 +1,10 @@
-"""tests/test_linkwatch.py's Keras job (``python -m tests.workers.keras_link_watch DIR``),
-as tests/workers/link_watch.py's for PyTorch: one rank in each namespace of an emulated
-link whose rate the test drops half-way; Keras 3's ``model.fit`` with hvd_dgc's
-optimizer, the default cost model (the link measured) and ``DGCCallback``, which drives
-the link watch between batches.
+"""tests/test_linkwatch.py's Keras job (``python -m tests.workers.keras_link_watch DIR
+CALLBACKS``), as tests/workers/link_watch.py's for PyTorch: one rank in each namespace of
+an emulated link whose rate the test drops half-way; Keras 3's ``model.fit`` with hvd_dgc's
+optimizer and the default cost model (the link measured). CALLBACKS "horovod": the
+``BroadcastGlobalVariablesCallback`` alone, as a Horovod script switched by one line has
+it, drives the link watch between batches; "dgc": with ``DGCCallback`` beside it, which
+drives it instead.
 
 Rank 0 writes DIR/ready after ``BEFORE`` steps and waits for DIR/changed (the test
 changes the link in between; rank 1 waits in the next step's collective); then both
@@ -27,7 +29,7 @@ def _seen(opt, weight):
     return seen(opt._hvd_dgc.planner, weight, DENSITY, opt._hvd_dgc.stats())
 
 
-def main(directory):
+def main(directory, callbacks):
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     keras = tf.keras
@@ -41,15 +43,24 @@ def main(directory):
     rng = np.random.RandomState(1 + hvd.rank())
     x = rng.randn(64, 128).astype(np.float32)
     y = rng.randint(0, 4, 64)
-    out, traced = {}, []
+    out, traced, observed = {}, [], [0]
 
     class Phases(keras.callbacks.Callback):
-        """After DGCCallback: the state before the drop; rank 0 waits for it there."""
+        """After hvd_dgc's callbacks: the state before the drop; rank 0 waits for it
+        there."""
 
         def on_train_batch_begin(self, batch, logs=None):
             traced.append(self.model.train_function)  # (held: ids stay apart)
 
         def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:  # the watch exists from the first step's build: count the
+                state = opt._hvd_dgc.watcher.state  # steps it is given after this one
+                given = state.observe
+
+                def counted(seconds):
+                    observed[0] += 1
+                    given(seconds)
+                state.observe = counted
             if batch + 1 != BEFORE:
                 return
             weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
@@ -58,15 +69,18 @@ def main(directory):
 
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     model.fit(data, steps_per_epoch=BEFORE + AFTER, epochs=1, verbose=0,
-              callbacks=[hvd.callbacks.DGCCallback(verbose=0), Phases()])
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)] +
+              ([hvd.callbacks.DGCCallback(verbose=0)] if callbacks == "dgc" else []) +
+              [Phases()])
     weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
     out["after"] = _seen(opt, weight)
     flat = np.concatenate([w.reshape(-1) for w in model.get_weights()])
     np.save(os.path.join(directory, f"weights.{hvd.rank()}.npy"), flat)
     out.update(before_steps=BEFORE, window=WINDOW, density=DENSITY,
+               observed_after_the_first=observed[0], steps=BEFORE + AFTER,
                train_functions=len({id(f) for f in traced}))
     print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -38,6 +38,46 @@ def _identities(var):
     return {id(var), id(inner)} if isinstance(inner, tf.Variable) else {id(var)}
 
 
+class _StepTimer:
+    """Times ``fit``'s train steps for the link watch of an hvd_dgc optimizer (hvd_dgc/
+    tensorflow/link.py ``LinkWatcher``), and has ``fit`` trace its step again where the
+    paths followed a changed link. ``DGCCallback`` drives it; so does
+    ``BroadcastGlobalVariablesCallback``, which a Horovod script switched by one line
+    already passes, unless a ``DGCCallback`` runs in the same ``fit`` (it claims the
+    watch at the start of training, so no step is observed twice)."""
+
+    def __init__(self, claims):
+        self.claims = claims  # DGCCallback's: the watch is this timer's during its fit
+        self.began = None
+
+    @staticmethod
+    def _exchange(model):
+        return getattr(getattr(model, "optimizer", None), "_hvd_dgc", None)
+
+    def train_begin(self, model):
+        exchange = self._exchange(model)
+        if self.claims and exchange is not None:
+            exchange.watch_claimed = True
+
+    def train_end(self, model):
+        exchange = self._exchange(model)
+        if self.claims and exchange is not None:
+            exchange.watch_claimed = False
+
+    def begin(self):
+        self.began = time.perf_counter()
+
+    def end(self, model):
+        exchange = self._exchange(model)
+        watcher = getattr(exchange, "watcher", None)
+        if watcher is None or self.began is None or \
+                (not self.claims and getattr(exchange, "watch_claimed", False)):
+            return
+        seconds, self.began = time.perf_counter() - self.began, None
+        if watcher.observe(seconds, int(exchange.step.numpy())):
+            model.make_train_function(force=True)  # the paths changed: they are in the graph
+
+
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     """Broadcast the model's and optimizer's variables from ``root_rank`` so every rank
     starts from the same weights (random initialisation or a checkpoint on one rank).
@@ -47,7 +87,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     step when the model is built by then, else after the first batch (as Horovod).
     ``local_variables``: variables (tf.Variable or Keras 3 Variable) left as they are
     on every rank, e.g. per-rank state. hvd_dgc's DGC memory is never broadcast: it is
-    each rank's own residual."""
+    each rank's own residual. With hvd_dgc's optimizer and the link measured, it also
+    times the train steps for the link watch, where no ``DGCCallback`` does (a script
+    switched by one line passes this callback and no other of hvd_dgc's)."""
 
     def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
@@ -67,6 +109,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
                              f"objects themselves, e.g. layer.kernel.")
         self.local_variables = local_variables
         self.done = False
+        self._timer = _StepTimer(claims=False)
 
     def _broadcast(self):
         local = set().union(*(_identities(v) for v in self.local_variables))
@@ -95,9 +138,13 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         if self.model.built and not self.done:
             self._broadcast()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._timer.begin()
+
     def on_train_batch_end(self, batch, logs=None):
         if not self.done:
             self._broadcast()
+        self._timer.end(self.model)
 
 
 class MetricAverageCallback(tf.keras.callbacks.Callback):
@@ -346,24 +393,22 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self.verbose = verbose
         self.history = []
         self._offset = 0  # epochs done before this fit (elastic: hvd_dgc/tensorflow/elastic.py)
-        self._began = None  # perf_counter at this train step's start (the link watch)
+        self._timer = _StepTimer(claims=True)  # the link watch's step times
+
+    def on_train_begin(self, logs=None):
+        self._timer.train_begin(self.model)
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._began = time.perf_counter()
+        self._timer.begin()
 
     def on_train_batch_end(self, batch, logs=None):
-        watcher = getattr(self.model.optimizer._hvd_dgc, "watcher", None)
-        if watcher is None or self._began is None:
-            return
-        seconds, self._began = time.perf_counter() - self._began, None
-        step = int(self.model.optimizer._hvd_dgc.step.numpy())
-        if watcher.observe(seconds, step):  # the paths changed: they are in the graph
-            self.model.make_train_function(force=True)
+        self._timer.end(self.model)
 
     def on_test_begin(self, logs=None):
         self.model.optimizer.flush()
 
     def on_train_end(self, logs=None):
+        self._timer.train_end(self.model)
         self.model.optimizer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
