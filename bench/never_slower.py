@@ -105,13 +105,22 @@ def parse(out):
     tried = re.search(r"both were tried at density [^:]+: ([\d.]+) ms a step on the "
                       r"timeline's paths .*?, ([\d.]+) ms on the sums': (the \w+) kept: "
                       r"(\d+ of \d+)", out)
+    dense_tried = re.search(r"the cost model's plan \((\d+ of \d+) large tensors sparse at "
+                            r"density [^)]+\) took ([\d.]+) ms a step and every tensor dense "
+                            r"([\d.]+) ms: (dense|the cost model's plan) kept", out)
+    if dense_tried:  # Keras' trial (hvd_dgc/tensorflow/plan_trial.py)
+        tried_words = (f"{'all dense' if dense_tried.group(4) == 'dense' else 'sums'} kept "
+                       f"({dense_tried.group(1)} sparse on the sums' plan): sums "
+                       f"{dense_tried.group(2)} ms a step, all dense {dense_tried.group(3)}")
+    else:
+        tried_words = ""
     return {"img_s": float(rate.group(1)) if rate else None,
             "link_measured": measured.group(1) if measured else "",
             "dense_by_cost": dense.group(1) if dense else "",
             "compression": f"{sent.group(1)}x" if sent else "",
             "overlap": (f"{tried.group(3)} kept ({tried.group(4)} sparse): timeline "
                         f"{tried.group(1)} ms a step, sums {tried.group(2)}")
-            if tried else ""}
+            if tried else tried_words}
 
 
 def link_name(link):
@@ -209,8 +218,11 @@ def main():
                 "33.5M parameters; hvd_dgc with its default cost model: the link and DGC's "
                 "own work measured at wrap time).\n\n"
                 "| link | run | img/s (median of runs) | vs stock | sent less | large tensors "
-                "sent dense (cost model) | the step's timeline tried against the sums "
-                "(hvd_dgc/overlap.py) | link measured |\n|---|---|---|---|---|---|---|---|\n")
+                "sent dense (cost model) | "
+                + ("the sums' plan tried against all dense (hvd_dgc/tensorflow/plan_trial.py)"
+                   if args.framework == "keras" else
+                   "the step's timeline tried against the sums (hvd_dgc/overlap.py)")
+                + " | link measured |\n|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             f.write(f"| {r['link']} | {r['config']} | {r['img_s']:.1f} ({r['runs']}) | "
                     f"{r['vs_stock']:.2f}x | "

@@ -94,9 +94,13 @@ class DGCConfig:
             hook timed over steps 2-4 (agreed across ranks), each step laid out on a
             timeline where the part of a transfer the backward pass hides costs nothing,
             and where that plan differs from the cost model's sums' both run 5 steps and
-            the faster is kept, said in rank 0's log (hvd_dgc/overlap.py). None
-            (default): on; False: the sums' plan throughout. TensorFlow keeps the sums'
-            plan (a traced step has no hook per gradient).
+            the faster is kept, said in rank 0's log (hvd_dgc/overlap.py). Keras'
+            ``model.fit`` (with hvd_dgc's ``BroadcastGlobalVariablesCallback`` or
+            ``DGCCallback``; a traced step has no hook per gradient): where the sums'
+            plan sends some tensor sparse at a density, it and every tensor dense both
+            run 5 steps, and sparse is kept only where it made the step 3% faster
+            (hvd_dgc/tensorflow/plan_trial.py). None (default): on; False: the sums'
+            plan throughout. ``DistributedGradientTape`` keeps the sums' plan.
         delay: delayed gradient averaging (DGA): step i applies ``own_i - own_(i-D) +
             avg_(i-D)``, so D steps of compute hide each exchange; 0 is synchronous.
             "auto" chooses D from measured compute and waits, the same on every

@@ -107,6 +107,9 @@ class Planner:
         self.profile = None  # the agreed BackwardProfile (overlap.py), once measured
         self.at_end = frozenset()  # paths this framework launches at synchronize
         self.timeline = False  # paths from the step's timeline rather than the sums
+        self.forced_dense = frozenset()  # densities at which a trial of the step's own
+        #                                  time sends every flat tensor dense (Keras:
+        #                                  hvd_dgc/tensorflow/plan_trial.py)
         self.tensors = list(tensors)
         self.min_compress_size = self.config.min_compress_size
         self.flat = tuple(a for a in resolved.aggregations if a != PathKind.HIERARCHICAL) \
@@ -145,7 +148,26 @@ class Planner:
         kept = self._hierarchical
         self.measured(link)
         self._hierarchical = kept
+        self.forced_dense = frozenset()  # a trial's verdict held on the old link's numbers
         self.generation += 1
+
+    def force_dense(self, density, on):
+        """Every flat tensor dense at ``density`` (a trial's dense plan, or its verdict),
+        or (``on`` False) the sums' plan there again. The buckets follow; the plan's
+        generation moves (the link watch's baseline starts afresh)."""
+        now = self.forced_dense | {density} if on else self.forced_dense - {density}
+        if now != self.forced_dense:
+            self.forced_dense = frozenset(now)
+            self._buckets = {}
+            self.generation += 1
+
+    def sums_send_sparse(self, density):
+        """Does the cost model's sums' plan send some flat tensor sparse at ``density``?
+        (Only then is there a dense plan to try against it; a sparse ``aggregation`` the
+        script forced has none.)"""
+        return self.resolved.sparse and PathKind.DENSE in self.flat and any(
+            self.summed_path(t, density) != PathKind.DENSE for t in self.tensors
+            if self.large(t) and not self.hierarchical(t))
 
     def overlapped(self, profile, at_end=()):
         """The agreed ``BackwardProfile`` (overlap.py) and the paths the framework launches
@@ -300,6 +322,8 @@ class Planner:
             return self.exchange_path(tensor)
         if self.hierarchical(tensor):
             return PathKind.HIERARCHICAL
+        if density in self.forced_dense and PathKind.DENSE in self.flat:
+            return PathKind.DENSE
         if self.timeline:
             return self.overlap_plan(density).paths[tensor.key]
         return self.summed_path(tensor, density)

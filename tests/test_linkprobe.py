@@ -529,6 +529,61 @@ def test_keras_fit_measures_inside_its_first_step_and_trains(loopback):
         outs[0]["line"]
 
 
+DENSITY = 0.001  # tests/workers/keras_plan_trial.py's
+
+
+@pytest.fixture(scope="module")
+def keras_trial():
+    """tests/workers/keras_plan_trial.py's two fits, across the emulated 100 Mbit/s link."""
+    from harness.wan import WanLink, available
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"WAN emulator unavailable here: {why}")
+    if not HAS_TF:
+        pytest.skip("TensorFlow is not installed here")
+    from harness.launch import run_job
+    with WanLink(rate_mbit=100, rtt_ms=0) as link:
+        results = run_job(link, [sys.executable, "-m", "tests.workers.keras_plan_trial"],
+                          env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": "",
+                               "TF_USE_LEGACY_KERAS": "0"}, timeout=300)
+    assert [code for code, _, _ in results] == [0, 0], results
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+
+
+@pytest.mark.parametrize("slow,kept", [("dense", "sums"), ("sparse", "dense")])
+def test_keras_tries_its_sparse_plan_against_all_dense_by_the_steps_own_time(keras_trial,
+                                                                             slow, kept):
+    """A Keras script switched by one line (hvd_dgc's optimizer and
+    BroadcastGlobalVariablesCallback), the link measured, density 0.001: the sums' plan
+    (the kernel sparse) runs 5 steps, every tensor dense 5 more, and the agreed times
+    decide. Only rank 1 is slowed, on one plan: every rank takes the same verdict at
+    the same step, the kept plan runs from then on, and fit traced its step again at
+    each switch (hvd_dgc/tensorflow/plan_trial.py)."""
+    ranks = [out[slow] for out in keras_trial]
+    # at 100 Mbit/s the sums send the 65k-element kernel sparse at 0.1%
+    assert ranks[0]["sums_sparse"], ranks[0]
+    assert ranks[0]["trials"] == ranks[1]["trials"]  # agreed: one verdict everywhere
+    (trial,) = ranks[0]["trials"]
+    assert trial["density"] == DENSITY and trial["kept"] == kept, trial
+    slowed, other = (trial["dense_seconds"], trial["sums_seconds"]) if slow == "dense" \
+        else (trial["sums_seconds"], trial["dense_seconds"])
+    assert slowed >= 0.5 and other < slowed, trial  # rank 1's 0.5 s, through the max
+    # sparse kept only where it made the step 3% faster than dense
+    assert (trial["dense_seconds"] < 1.03 * trial["sums_seconds"]) == (kept == "dense")
+    # batches 1-19 (batch 0 builds): the sums' plan 5 steps, dense 5, then the verdict
+    expected = ["sums"] * 5 + ["dense"] * 5 + [kept] * 9
+    assert ranks[0]["planned"] == ranks[1]["planned"] == expected, ranks[0]["planned"]
+    for r in ranks:
+        assert r["forced"] == ([DENSITY] if kept == "dense" else []), r
+        assert (r["path"] == "dense") == (kept == "dense"), r
+        assert r["train_functions"] == (2 if kept == "dense" else 3), r
+        assert r["identical"], r
+    words = "dense kept" if kept == "dense" else "the cost model's plan kept"
+    assert words in ranks[0]["line"] and "every tensor dense" in ranks[0]["line"], \
+        ranks[0]["line"]
+    assert "hvd_dgc: at step" not in ranks[1]["line"]  # rank 0 speaks
+
+
 def test_under_elastic_both_frameworks_measure_at_the_sync(loopback):
     _needs("elastic")
     for rank, out in enumerate(loopback):

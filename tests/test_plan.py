@@ -41,6 +41,37 @@ def test_each_tensor_takes_the_path_the_cost_model_chooses():
     assert planner.path(TENSORS[2], 1.0) == PathKind.DENSE  # everything selected: dense
 
 
+def test_a_trial_sends_every_flat_tensor_dense_at_its_density_alone():
+    """Keras' trial of the step's own time (hvd_dgc/tensorflow/plan_trial.py): at the
+    density tried, or kept dense, every flat tensor goes dense, the other densities keep
+    the sums' plan, the generation moves (the link watch's baseline starts afresh), a
+    new link clears it (tried again on the new numbers), and a sparse aggregation the
+    script forced is never tried."""
+    planner = _planner(density=0.001, warmup=0)
+    fc, emb = TENSORS[2], TENSORS[4]
+    assert planner.sums_send_sparse(0.001) and not planner.sums_send_sparse(1.0)
+    generation = planner.generation
+    planner.force_dense(0.001, True)
+    assert planner.path(fc, 0.001) == PathKind.DENSE
+    assert planner.path(emb, 0.001) == PathKind.SPARSE_GRAD  # (Horovod's own slices)
+    assert planner.path(fc, 0.0625) == planner.summed_path(fc, 0.0625) != PathKind.DENSE
+    assert planner.sums_send_sparse(0.001)  # (what the sums would do: still sparse)
+    assert planner.generation == generation + 1
+    planner.force_dense(0.001, True)  # no change: the generation stays
+    assert planner.generation == generation + 1
+    planner.force_dense(0.001, False)
+    assert planner.path(fc, 0.001) == PathKind.ALLGATHER and planner.generation == \
+        generation + 2
+    planner.force_dense(0.001, True)
+    planner.relink(planner.link)  # (a probe's numbers; None keeps the model)
+    assert planner.forced_dense == frozenset() and planner.path(fc, 0.001) == \
+        PathKind.ALLGATHER
+    forced = _planner(density=0.001, warmup=0, aggregation="allgather")
+    assert not forced.sums_send_sparse(0.001)
+    forced.force_dense(0.001, True)  # (never asked for; held to the script's choice)
+    assert forced.path(fc, 0.001) == PathKind.ALLGATHER
+
+
 def test_the_plan_follows_the_world():
     """At 25% a large tensor's allgather costs more than its allreduce on many ranks: the
     choice for 2 ranks must not be kept for 32 (an elastic reset re-plans)."""

@@ -61,6 +61,7 @@ from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measur
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
     host_slice
+from hvd_dgc.tensorflow.plan_trial import DenseTrial
 from hvd_dgc.tensorflow.statistics import Statistics
 
 __all__ = ["GradientExchange", "variable_name", "TENSORFLOW", "HOROVOD_OPS"]
@@ -121,6 +122,7 @@ class GradientExchange(tf.Module):
         self.watcher = None  # Keras, the link measured: its watch (keras/callbacks.py
         #                      _StepTimer drives it); claimed by a DGCCallback in its fit:
         self.watch_claimed = False
+        self.trial = None  # Keras, the link measured: the plans tried by the step's time
         self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
 
     # what the options resolved to
@@ -203,6 +205,7 @@ class GradientExchange(tf.Module):
             elif self.planner.measure:  # every rank agreed to probe (the default)
                 self.planner.measured(*self._probe())
                 self.watcher = self._link_watcher()
+                self.trial = self._plan_trial()
             if self.adam is not None:  # later, or never, where all goes dense before
                 self.adam.freeze_at(self.planner.adam_freeze(self.resolved.config.lagging))
             # rank 0's step, when an elastic reset gave it before this build
@@ -378,6 +381,27 @@ class GradientExchange(tf.Module):
                 self.lags or not self.process_set.included():
             return None
         return None if self.is_tape else LinkWatcher(watch, self)
+
+    def _plan_trial(self):
+        """The trial of the sums' plan against all dense by the step's own time
+        (plan_trial.py), where the link watch could act (its conditions) and
+        ``timeline`` is not False."""
+        if self.config.timeline is False or self.planner.link is None or \
+                not self.resolved.sparse or self.lags or not self.process_set.included() \
+                or self.is_tape:
+            return None
+        return DenseTrial(self)
+
+    def force_dense(self, density, on):
+        """A trial's plan: every flat tensor dense at ``density`` (``on``), or the sums'
+        plan there again. Returns whether the paths changed: the step holds them, so
+        ``fit`` must trace it again."""
+        before = ([tuple(s) for s in self.paths.stages], self.paths.buckets)
+        with tf.init_scope():
+            self.planner.force_dense(density, on)
+            self.paths.replan(self.planner)
+            self.statistics.cover(self.paths.kinds())
+        return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
 
     def priced_now(self):
         """``(density, launches)`` of the next step, as the watch prices its exchange
@@ -686,6 +710,8 @@ class GradientExchange(tf.Module):
             out.update(self.dga.stats())
         if self.watcher is not None:  # probes of the link and where the paths followed
             out.update(self.watcher.state.stats())
+        if self.trial is not None:  # the plans tried by the step's own time, and kept
+            out.update(self.trial.stats())
         return out
 
 

@@ -40,11 +40,12 @@ def _identities(var):
 
 class _StepTimer:
     """Times ``fit``'s train steps for the link watch of an hvd_dgc optimizer (hvd_dgc/
-    tensorflow/link.py ``LinkWatcher``), and has ``fit`` trace its step again where the
-    paths followed a changed link. ``DGCCallback`` drives it; so does
-    ``BroadcastGlobalVariablesCallback``, which a Horovod script switched by one line
-    already passes, unless a ``DGCCallback`` runs in the same ``fit`` (it claims the
-    watch at the start of training, so no step is observed twice)."""
+    tensorflow/link.py ``LinkWatcher``) and its trial of the plans (plan_trial.py
+    ``DenseTrial``), and has ``fit`` trace its step again where the paths changed.
+    ``DGCCallback`` drives it; so does ``BroadcastGlobalVariablesCallback``, which a
+    Horovod script switched by one line already passes, unless a ``DGCCallback`` runs in
+    the same ``fit`` (it claims the watch at the start of training, so no step is
+    observed twice)."""
 
     def __init__(self, claims):
         self.claims = claims  # DGCCallback's: the watch is this timer's during its fit
@@ -69,12 +70,15 @@ class _StepTimer:
 
     def end(self, model):
         exchange = self._exchange(model)
-        watcher = getattr(exchange, "watcher", None)
-        if watcher is None or self.began is None or \
+        parts = [p for p in (getattr(exchange, "watcher", None),
+                             getattr(exchange, "trial", None)) if p is not None]
+        if not parts or self.began is None or \
                 (not self.claims and getattr(exchange, "watch_claimed", False)):
             return
         seconds, self.began = time.perf_counter() - self.began, None
-        if watcher.observe(seconds, int(exchange.step.numpy())):
+        step = int(exchange.step.numpy())
+        changed = [part.observe(seconds, step) for part in parts]  # (each its own turn)
+        if any(changed):
             model.make_train_function(force=True)  # the paths changed: they are in the graph
 
 
