@@ -14,8 +14,9 @@ the last so that its transfer takes TRANSFER_OVER_LATENCY times the latency (at 
 larger), until one does, or the largest size that fits the budget (at least twice the
 last) has been timed; the line through the two gives alpha and the bandwidth. A far point
 only twice the latency read the emulated 1 Gbit/s link at 246-696 Mbit/s and 10 Gbit/s at
-560-2351 over six launches each; eight times, at 538-747 and 1342-2502 (stop 65). Each size is timed twice and the faster kept, the two points of the line
-three times more where that fits in half the budget (the first call of a shape
+560-2351 over six launches each; eight times, at 538-747 and 1342-2502 (stop 65). Each
+size is timed twice and the faster kept, the two points of the line three times more
+where that fits in half the budget (the first call of a shape
 negotiates it with Horovod's coordinator; later ones hit its response cache, as a step's
 collectives do). What Horovod adds to a message (its cycle time, the cache's bit
 allreduce) is counted in alpha, as every collective of a step pays it too.

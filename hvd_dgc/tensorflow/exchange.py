@@ -377,31 +377,37 @@ class GradientExchange(tf.Module):
         delay or period), and a step ``fit`` can trace again: a Keras optimizer's (a
         tape's step lives in the script's own ``tf.function``)."""
         watch = as_link_watch(self.config.link_watch)
-        if watch is None or self.planner.link is None or not self.resolved.sparse or \
-                self.lags or not self.process_set.included():
-            return None
-        return None if self.is_tape else LinkWatcher(watch, self)
+        return LinkWatcher(watch, self) if watch is not None and self._paths_can_follow() \
+            else None
 
     def _plan_trial(self):
         """The trial of the sums' plan against all dense by the step's own time
-        (plan_trial.py), where the link watch could act (its conditions) and
-        ``timeline`` is not False."""
-        if self.config.timeline is False or self.planner.link is None or \
-                not self.resolved.sparse or self.lags or not self.process_set.included() \
-                or self.is_tape:
-            return None
-        return DenseTrial(self)
+        (plan_trial.py), where the link watch could act and ``timeline`` is not False."""
+        return DenseTrial(self) if self.config.timeline is not False and \
+            self._paths_can_follow() else None
 
-    def force_dense(self, density, on):
-        """A trial's plan: every flat tensor dense at ``density`` (``on``), or the sums'
-        plan there again. Returns whether the paths changed: the step holds them, so
-        ``fit`` must trace it again."""
+    def _paths_can_follow(self):
+        """Whether the paths may change under a running ``fit``: the link measured, DGC
+        choosing paths, each step waiting for its own averages (no delay or period),
+        and a step ``fit`` can trace again (a Keras optimizer's)."""
+        return self.planner.link is not None and self.resolved.sparse and not self.lags \
+            and self.process_set.included() and not self.is_tape
+
+    def _replanned(self, change):
+        """``change()`` the planner (under init_scope), then each tensor's path and the
+        buckets afresh. Returns whether they changed: the step holds them, so ``fit``
+        must trace it again."""
         before = ([tuple(s) for s in self.paths.stages], self.paths.buckets)
         with tf.init_scope():
-            self.planner.force_dense(density, on)
+            change()
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
         return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
+
+    def force_dense(self, density, on):
+        """A trial's plan: every flat tensor dense at ``density`` (``on``), or the sums'
+        plan there again (Planner.force_dense); whether the paths changed."""
+        return self._replanned(lambda: self.planner.force_dense(density, on))
 
     def priced_now(self):
         """``(density, launches)`` of the next step, as the watch prices its exchange
@@ -415,12 +421,7 @@ class GradientExchange(tf.Module):
         """The link watch measured ``link`` (every rank alike): the planner moves to it,
         each tensor's path and the buckets are chosen afresh (Planner.relink). Returns
         whether they changed: the step holds them, so ``fit`` must trace it again."""
-        before = ([tuple(s) for s in self.paths.stages], self.paths.buckets)
-        with tf.init_scope():
-            self.planner.relink(link)
-            self.paths.replan(self.planner)
-            self.statistics.cover(self.paths.kinds())
-        return ([tuple(s) for s in self.paths.stages], self.paths.buckets) != before
+        return self._replanned(lambda: self.planner.relink(link))
 
     def _probe(self):
         """``(LinkMeasurement, LocalCost or PayloadCost)`` of this world, agreed by every

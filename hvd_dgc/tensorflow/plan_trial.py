@@ -38,13 +38,16 @@ class DenseTrial:
         self.exchange, self.steps, self.margin = exchange, steps, margin
         DenseTrial.made += 1
         self._name = f"hvd_dgc.plantrial.{DenseTrial.made}"
-        # PlanTrial's two slots: the sums' plan, then the alternative, kept where it is
-        # not ``margin`` slower (a negative margin): here the alternative is all dense
-        self.trial = PlanTrial(steps, -margin)
+        self.trial = self._fresh()
         self.decided = {}  # density -> True (all dense kept) or False (the sums' plan)
         self.tried = []    # (density, sums' seconds a step, dense's, "dense" or "sums")
         self.generation = exchange.planner.generation
         self._sums_words = ""  # the sums' plan of the trial running, in words
+
+    def _fresh(self):
+        """PlanTrial's two slots: the sums' plan, then the alternative, kept where it is
+        not ``margin`` slower (a negative margin): here the alternative is all dense."""
+        return PlanTrial(self.steps, -self.margin)
 
     def _force(self, density, on):
         changed = self.exchange.force_dense(density, on)
@@ -55,7 +58,7 @@ class DenseTrial:
         planner = self.exchange.planner
         if planner.generation != self.generation:  # the link watch moved the basis:
             self.decided = {}                       # its forced plans were cleared too
-            self.trial = PlanTrial(self.steps, -self.margin)
+            self.trial = self._fresh()
             self.generation = planner.generation
         density, _ = self.exchange.priced_now()  # the next step's
         trial = self.trial
@@ -72,7 +75,7 @@ class DenseTrial:
                                 name=self._name,
                                 process_set=self.exchange.process_set).numpy().tolist()
         dense = trial.decide(agreed, density)
-        self.trial = PlanTrial(self.steps, -self.margin)
+        self.trial = self._fresh()
         if dense is None:  # the density moved while the times travelled: try it again
             return self._force(trial.density, False)
         self.decided[trial.density] = dense

@@ -55,15 +55,11 @@ class _StepTimer:
     def _exchange(model):
         return getattr(getattr(model, "optimizer", None), "_hvd_dgc", None)
 
-    def train_begin(self, model):
+    def claim(self, model, on):
+        """DGCCallback's, at the start (``on``) and end of its ``fit``."""
         exchange = self._exchange(model)
         if self.claims and exchange is not None:
-            exchange.watch_claimed = True
-
-    def train_end(self, model):
-        exchange = self._exchange(model)
-        if self.claims and exchange is not None:
-            exchange.watch_claimed = False
+            exchange.watch_claimed = on
 
     def begin(self):
         self.began = time.perf_counter()
@@ -400,7 +396,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self._timer = _StepTimer(claims=True)  # the link watch's step times
 
     def on_train_begin(self, logs=None):
-        self._timer.train_begin(self.model)
+        self._timer.claim(self.model, True)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._timer.begin()
@@ -412,7 +408,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self.model.optimizer.flush()
 
     def on_train_end(self, logs=None):
-        self._timer.train_end(self.model)
+        self._timer.claim(self.model, False)
         self.model.optimizer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
