@@ -15,11 +15,12 @@ larger), until one does, or the largest size that fits the budget (at least twic
 last) has been timed; the line through the two gives alpha and the bandwidth. A far point
 only twice the latency read the emulated 1 Gbit/s link at 246-696 Mbit/s and 10 Gbit/s at
 560-2351 over six launches each; eight times, at 538-747 and 1342-2502 (stop 65). Each
-size is timed twice and the faster kept, the two points of the line three times more
-where that fits in half the budget (the first call of a shape
-negotiates it with Horovod's coordinator; later ones hit its response cache, as a step's
-collectives do). What Horovod adds to a message (its cycle time, the cache's bit
-allreduce) is counted in alpha, as every collective of a step pays it too.
+size is timed twice and the faster kept (the first call of a shape negotiates it with
+Horovod's coordinator; later ones hit its response cache, as a step's collectives do),
+the second only where it fits the budget at the first's price; the two points of the line
+three times more where that fits in half the budget. What Horovod adds to a message (its
+cycle time, the cache's bit allreduce) is counted in alpha, as every collective of a step
+pays it too.
 
 Every rank must take the same decisions, or the probe's own collectives would not
 match: each timing is agreed (the largest over the ranks: the slowest link decides) before
@@ -130,14 +131,23 @@ class LinkMeasurement(NamedTuple):
 class _Timer:
     """Agreed timings of one collective, and the agreed seconds they took together."""
 
-    def __init__(self, collective, agree):
-        self.collective, self.agree, self.spent = collective, agree, 0.0
+    def __init__(self, collective, agree, budget):
+        self.collective, self.agree, self.budget = collective, agree, budget
+        self.spent = 0.0
 
     def __call__(self, numel, times):
-        """The faster of ``times`` calls, agreed: the slowest rank's."""
-        local = [self.collective(numel) for _ in range(times)]
-        self.spent += float(self.agree([sum(local)])[0])
-        return float(self.agree([min(local)])[0])
+        """The fastest of up to ``times`` calls, each agreed (the slowest rank's): the
+        first alone, the others only where they fit the budget at its price. Where one
+        call takes a good part of the budget (4 ranks sharing 2 cores took 0.2-1.2 s a
+        call, stop 65's CI), the probe makes the two calls its line needs, not five."""
+        first = float(self.agree([self.collective(numel)])[0])
+        self.spent += first
+        if times < 2 or self.spent + (times - 1) * first > self.budget:
+            return first
+        local = [self.collective(numel) for _ in range(times - 1)]
+        total, fastest = self.agree([sum(local), min(local)])
+        self.spent += float(total)
+        return min(first, float(fastest))
 
 
 def _two_points(timed, budget, largest=LARGEST_NUMEL):
@@ -173,7 +183,7 @@ def measure_host(alltoall, agree, local_size, budget=BUDGET_SECONDS):
     docstring); None where a host has one rank."""
     if local_size < 2:
         return None
-    timed = _Timer(alltoall, agree)
+    timed = _Timer(alltoall, agree, budget)
     small, numel, transfer = _two_points(timed, budget, HOST_LARGEST_NUMEL)
     peers = local_size - 1
     bandwidth = peers * 4 * (numel - 1) / max(transfer, 1e-9)
@@ -188,7 +198,7 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None,
     docstring); None for a single rank (no link)."""
     if world < 2:
         return None
-    timed = _Timer(allreduce, agree)
+    timed = _Timer(allreduce, agree, budget)
     small, numel, transfer = _two_points(timed, budget)
     # the line through the two points: t(n) = latency + dense_bytes(n) / bandwidth
     extra_bytes = dense_bytes(numel, world, 4) - dense_bytes(1, world, 4)

@@ -14,7 +14,7 @@ import pytest
 from harness.hvdrun import REPO, launch, run
 from hvd_dgc.aggregation import dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
-from hvd_dgc.linkprobe import (BUDGET_SECONDS, LARGEST_NUMEL, TRANSFER_OVER_LATENCY,
+from hvd_dgc.linkprobe import (BUDGET_SECONDS, FIRST_NUMEL, LARGEST_NUMEL, TRANSFER_OVER_LATENCY,
                                measure_host, measure_link)
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.overlap import DECIDED_BY_STEP
@@ -111,6 +111,30 @@ def test_a_rank_descheduled_while_timing_does_not_read_as_a_slow_link():
     assert link.alpha == pytest.approx(alpha, rel=1e-6)
     assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
     assert link.seconds < 0.5
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_calls_that_each_take_much_of_the_budget_make_only_the_lines_two(host):
+    """Stop 65's CI: 4 ranks on 2 busy cores took 0.2-1.2 s an in-host alltoall, and the
+    probe's five calls (three small, two at 64 KiB) took 5.9 s for a half-second budget.
+    A call that takes much of the budget is not repeated: one call at each of the line's
+    two points, whose numbers are still the link's."""
+    alpha, bandwidth, world, calls = 0.4, 1.25e8, 4, []
+    timed = _host(alpha, bandwidth, 2) if host else _link(alpha, bandwidth, world)
+
+    def collective(numel):
+        calls.append(numel)
+        return timed(numel)
+    if host:
+        got = measure_host(collective, lambda values: values, 2)
+    else:
+        got = measure_link(collective, lambda values: values, world,
+                           allgather=_gather(alpha, bandwidth, world))
+        assert got.gather_bandwidth is None  # (three more calls would not fit)
+    assert calls == [1, FIRST_NUMEL], calls
+    assert got.alpha == pytest.approx(alpha, rel=1e-6)
+    assert got.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert got.seconds == pytest.approx(timed(1) + timed(FIRST_NUMEL))
 
 
 def _gather(alpha, bandwidth, world):
@@ -402,9 +426,10 @@ def test_two_hosts_of_two_ranks_measure_inside_the_host_too():
         alpha, bandwidth, seconds, largest = outs[0]["host"]
         # loopback inside the "host" (Horovod's negotiation, counted in alpha, too): 4
         # ranks on 2 busy cores read it as slow as 60 ms and 10 Mbit/s, the ranks taking
-        # turns on the cores; its budget holds whatever it reads
-        assert 0 < alpha < 0.5 and bandwidth > 1e5 and largest >= 16384, outs[0]["host"]
-        assert seconds < BUDGET_SECONDS / 2 + 1.0, outs[0]["host"]
+        # turns on the cores, up to 1.2 s a call (stop 65's CI); its budget holds whatever
+        # it reads, and calls that overrun it are not repeated (the two calls of the line)
+        assert 0 < alpha < 1.5 and bandwidth > 1e5 and largest >= FIRST_NUMEL, outs[0]["host"]
+        assert seconds < BUDGET_SECONDS / 2 + 1.0 or largest == FIRST_NUMEL, outs[0]["host"]
         assert f"local_alpha={alpha!r}" in outs[0]["model"], outs[0]["model"]
         assert f"local_bandwidth={bandwidth!r}" in outs[0]["model"], outs[0]["model"]
         assert "inside a host" in outs[0]["line"], outs[0]["line"]
