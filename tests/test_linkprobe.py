@@ -14,8 +14,8 @@ import pytest
 from harness.hvdrun import REPO, launch, run
 from hvd_dgc.aggregation import dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
-from hvd_dgc.linkprobe import (BUDGET_SECONDS, FIRST_NUMEL, LARGEST_NUMEL, TRANSFER_OVER_LATENCY,
-                               measure_host, measure_link)
+from hvd_dgc.linkprobe import (BUDGET_SECONDS, FIRST_NUMEL, LARGEST_NUMEL,
+                               TRANSFER_OVER_LATENCY, measure_host, measure_link)
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.overlap import DECIDED_BY_STEP
 from hvd_dgc.paths import PathKind
