@@ -219,15 +219,20 @@ def _drop_the_link(tmp_path, worker, rate_mbit=4, args=()):
     relinked = last["stats"]["relinked_at"]
     assert [o["after"]["stats"]["relinked_at"] for o in outs] == [relinked, relinked]
     assert last["generation"] == len(relinked)
-    # before the drop the paths held: on a busy machine a probe may re-read the fast
-    # link's latency (the small tensors' exchange is mostly latency) and take its
-    # numbers, but the weight's path stayed what it was every step (bias, weight, ...)
+    # before the drop the paths held, or changed once, where a probe took new numbers:
+    # on a busy machine a window's jitter can call a probe that reads the fast link
+    # slower or faster and is believed (the one large weight: bias, weight, ...)
+    early = [s for s in relinked if s < steps]
     sparse_steps = first["stats"]["paths"].get("sparse", 0)
-    assert sparse_steps in (0, steps), first["stats"]
+    assert len(early) <= 1 and sparse_steps in {0, steps}.union(
+        *({r, steps - r} for r in early)), (relinked, first["stats"])
     # after it: the first window wholly on the slow link is read at most one window
-    # later, and a probe there takes the slow link's numbers
+    # later (two after a probe there that found nothing: the workers' BACKOFF), and a
+    # probe there takes the slow link's numbers. (The workers drop it only where the
+    # watch's baseline is on the fast link: tests/workers/link_seen.py ``ready``.)
     after = [s for s in relinked if s >= steps]
-    assert len(after) == 1 and after[0] <= steps + 3 * window, (relinked, first, last)
+    assert all(r + 2 * window <= steps for r in early), relinked
+    assert len(after) == 1 and after[0] <= steps + 4 * window, (relinked, first, last)
     assert last["bandwidth"] <= min(first["bandwidth"] / 3, 1.2 * rate_mbit * 1e6 / 8), \
         (first, last)
     for seen in (first, last):  # the model's choice on the numbers in force
@@ -265,9 +270,11 @@ def test_keras_fit_follows_a_link_that_drops_and_traces_its_step_again(tmp_path,
     outs, line = _drop_the_link(tmp_path, "tests.workers.keras_link_watch",
                                 args=(callbacks,))
     changed = outs[0]["before"]["path"] != outs[0]["after"]["path"]
-    assert ("the step is traced again" in line) == changed, line
+    drop = outs[0]["after"]["stats"]["relinked_at"][-1]  # (any before: the step's too)
+    said = [s for s in line.splitlines() if f"hvd_dgc: at step {drop} " in s]
+    assert len(said) == 1 and ("the step is traced again" in said[0]) == changed, line
     for out in outs:
-        assert out["train_functions"] == 1 + changed, out
+        assert out["train_functions"] == 1 + line.count("the step is traced again"), out
         assert out["observed_after_the_first"] == out["steps"] - 1, out  # once a step
     np.testing.assert_array_equal(np.load(tmp_path / "weights.0.npy"),
                                   np.load(tmp_path / "weights.1.npy"))

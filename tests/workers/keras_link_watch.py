@@ -6,7 +6,8 @@ optimizer and the default cost model (the link measured). CALLBACKS "horovod": t
 it, drives the link watch between batches; "dgc": with ``DGCCallback`` beside it, which
 drives it instead.
 
-Rank 0 writes DIR/ready after ``BEFORE`` steps and waits for DIR/changed (the test
+Rank 0 writes DIR/ready after ``BEFORE`` steps (a window or more later where a probe
+had just moved the paths: link_seen.ready) and waits for DIR/changed (the test
 changes the link in between; rank 1 waits in the next step's collective); then both
 train ``AFTER`` steps more in the same ``fit``. Prints, last, a JSON line of what each
 phase measured and how often ``fit`` traced its step; writes its weights to
@@ -20,7 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 import hvd_dgc.tensorflow.keras as hvd
-from tests.workers.link_seen import seen, wait_for_the_change
+from tests.workers.link_seen import BACKOFF, FLOOR, POSTPONED, ready, seen, \
+    wait_for_the_change
 
 BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625
 
@@ -36,8 +38,9 @@ def main(directory, callbacks):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.layers.Input((128,)), keras.layers.Dense(128,
                               activation="tanh"), keras.layers.Dense(4)])
+    watch = hvd.LinkWatch(window=WINDOW, floor=FLOOR, backoff=BACKOFF)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                   density=DENSITY, link_watch=hvd.LinkWatch(window=WINDOW),
+                                   density=DENSITY, link_watch=watch,
                                    timeline=False)  # (the watch alone: no plan trial)
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -62,14 +65,18 @@ def main(directory, callbacks):
                     observed[0] += 1
                     given(seconds)
                 state.observe = counted
-            if batch + 1 != BEFORE:
+            done = batch + 1
+            if "before" in out or done < BEFORE or (done - BEFORE) % WINDOW or (
+                    done < BEFORE + POSTPONED * WINDOW and
+                    not ready(opt._hvd_dgc.stats()["relinked_at"], done, WINDOW)):
                 return
             weight = max(opt._hvd_dgc.planner.tensors, key=lambda t: t.numel)
-            out["before"] = _seen(opt, weight)
+            out["before"], out["before_steps"] = _seen(opt, weight), done
             wait_for_the_change(directory, hvd.rank())
 
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
-    model.fit(data, steps_per_epoch=BEFORE + AFTER, epochs=1, verbose=0,
+    steps = BEFORE + POSTPONED * WINDOW + AFTER  # (AFTER or more after the drop)
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)] +
               ([hvd.callbacks.DGCCallback(verbose=0)] if callbacks == "dgc" else []) +
               [Phases()])
@@ -77,8 +84,8 @@ def main(directory, callbacks):
     out["after"] = _seen(opt, weight)
     flat = np.concatenate([w.reshape(-1) for w in model.get_weights()])
     np.save(os.path.join(directory, f"weights.{hvd.rank()}.npy"), flat)
-    out.update(before_steps=BEFORE, window=WINDOW, density=DENSITY,
-               observed_after_the_first=observed[0], steps=BEFORE + AFTER,
+    out.update(window=WINDOW, density=DENSITY,
+               observed_after_the_first=observed[0], steps=steps,
                train_functions=len({id(f) for f in traced}))
     print(json.dumps(out), flush=True)
 

@@ -2,7 +2,8 @@
 rate the test drops half-way (``python -m tests.workers.link_watch DIR``): the PyTorch
 optimizer with the default cost model (the link measured) and its link watch.
 
-Rank 0 writes DIR/ready after ``BEFORE`` steps and waits for DIR/changed (the test
+Rank 0 writes DIR/ready after ``BEFORE`` steps (a window or more later where a probe
+had just moved the paths: link_seen.ready) and waits for DIR/changed (the test
 changes the link in between; rank 1 waits in the next step's collective); then both
 train ``AFTER`` steps more, rank 1 a little later, and end with no collective after the
 last step. Prints, last, a JSON line of what each phase measured; writes its weights to
@@ -16,7 +17,8 @@ import time
 import torch
 
 import hvd_dgc.torch as hvd
-from tests.workers.link_seen import seen, wait_for_the_change
+from tests.workers.link_seen import BACKOFF, FLOOR, POSTPONED, ready, seen, \
+    wait_for_the_change
 
 BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625  # (the job ends at a window's end)
 
@@ -34,7 +36,7 @@ def main(directory):
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(), density=DENSITY,
-        link_watch=hvd.LinkWatch(window=WINDOW),
+        link_watch=hvd.LinkWatch(window=WINDOW, floor=FLOOR, backoff=BACKOFF),
         timeline=False)  # (the watch alone: no trial of the timeline's plan moves the paths)
     weight = max(opt._planner.tensors, key=lambda t: t.numel)
     gen = torch.Generator().manual_seed(1 + hvd.rank())
@@ -48,6 +50,11 @@ def main(directory):
             opt.step()
 
     train(BEFORE)
+    before = BEFORE
+    while before < BEFORE + POSTPONED * WINDOW and \
+            not ready(opt.compression_stats()["relinked_at"], before, WINDOW):
+        train(WINDOW)
+        before += WINDOW
     out["before"] = _seen(opt, weight)
     wait_for_the_change(directory, hvd.rank())
     train(AFTER - 1)
@@ -62,7 +69,7 @@ def main(directory):
     out["after"] = _seen(opt, weight)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(flat, os.path.join(directory, f"weights.{hvd.rank()}"))
-    out.update(before_steps=BEFORE, window=WINDOW, density=DENSITY)
+    out.update(before_steps=before, window=WINDOW, density=DENSITY)
     print(json.dumps(out), flush=True)
 
 
