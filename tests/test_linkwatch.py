@@ -186,7 +186,7 @@ def _expected_path(seen, density, world=2):
     return "dense" if sparse * MEASURED_DENSE_PREFERENCE > dense else "sparse"
 
 
-def _drop_the_link(tmp_path, worker, rate_mbit=4, args=()):
+def _drop_the_link(tmp_path, worker, rate_mbit=1, args=()):
     """``worker`` (a module of tests/workers) on two ranks across the emulated link,
     unlimited until rank 0 says it is ready, then ``rate_mbit``; checks what both
     frameworks' watches must show and returns each rank's JSON line and rank 0's
@@ -247,7 +247,7 @@ def _drop_the_link(tmp_path, worker, rate_mbit=4, args=()):
 
 def test_a_link_that_drops_under_a_running_job_is_measured_again_and_the_paths_follow(
         tmp_path):
-    """Two ranks across the emulated link, unlimited for 24 steps, then 4 Mbit/s: the
+    """Two ranks across the emulated link, unlimited for 24 steps, then 1 Mbit/s: the
     steps' waits show it, every rank probes at the same step, the new numbers replace
     the model, and the paths are the model's choice on them."""
     _drop_the_link(tmp_path, "tests.workers.link_watch")

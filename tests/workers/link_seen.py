@@ -4,7 +4,7 @@ and the optimizer's statistics (no framework imported here), and the watch both 
 
 The watch is the product's but for two settings that keep a busy 2-core machine's jitter
 (two ranks, the link's emulator and the test beside them) from reading as a change before
-the drop: ``floor`` 20 ms, not 2 (the drop to 4 Mbit/s moves a step by over 100 ms), and
+the drop: ``floor`` 20 ms, not 2 (the drop to 1 Mbit/s moves a step by about 500 ms), and
 ``backoff`` 1 (a probe that found nothing there delays the next by one window, not up to
 64: the drop is still read within the job's 6 windows after it)."""
 
