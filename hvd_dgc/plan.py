@@ -25,7 +25,7 @@ from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
-from hvd_dgc.switch import gather_idle_warning, idle_warning, summary
+from hvd_dgc.switch import adam_idle_warning, gather_idle_warning, idle_warning, summary
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -42,6 +42,13 @@ __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCK
 BUCKET_LATENCIES = 4
 #: Horovod's HOROVOD_FUSION_THRESHOLD default
 HOROVOD_FUSION_DEFAULT = 64 * 1024 * 1024
+#: Adam is taken over (its variance frozen: plan.py ``adam_freeze``) only from a density
+#: stage in which the tensors that leave sparse hold at least this share of the
+#: gradient's elements. The frozen variance costs accuracy and buys only bytes: on
+#: Horovod's digits example over loopback only the 1,280-weight classifier (0.8% of the
+#: model) went sparse, and the take-over lost 0.5 points for no byte saved
+#: (bench/results/one_line_accuracy.md). Below it every tensor goes dense, Adam exact.
+ADAM_SPARSE_SHARE = 0.1
 
 
 def fusion_threshold(value):
@@ -101,7 +108,10 @@ class Planner:
         self.link = self.local = None  # LinkMeasurement and LocalCost, once measured
         self.unmeasured = ""  # why the link was not measured where it was to be, in words
         self.adam_frozen_at = None  # Adam's take-over: the step it freezes (adam_freeze)
-        self.adam_declined = False  # Adam left exact: nothing is ever compressed here
+        self.adam_declined = False  # Adam left exact: every tensor dense throughout
+        self.adam_share = 0.0  # the largest share of the gradient a stage sends sparse
+        self.adam_dense = frozenset()  # densities before the take-over's stage: there
+        #                                every tensor goes dense (Adam still exact)
         self.generation = 0  # how many times the paths' basis moved while training (a
         #                      probe's new model, the timeline's plan on or off)
         self.profile = None  # the agreed BackwardProfile (overlap.py), once measured
@@ -320,6 +330,8 @@ class Planner:
             if self.exact_adam(step) or not self.compressor.compressible(tensor.shape, step):
                 return PathKind.DENSE
             return self.exchange_path(tensor)
+        if self.adam_declined or density in self.adam_dense:  # exact Adam: adam_freeze
+            return PathKind.DENSE
         if self.hierarchical(tensor):
             return PathKind.HIERARCHICAL
         if density in self.forced_dense and PathKind.DENSE in self.flat:
@@ -509,16 +521,20 @@ class Planner:
 
     def adam_freeze(self, lagging):
         """The step at which Adam/AdamW's take-over freezes its variance: the schedule's
-        freeze, or later, at the start of the first density stage in which some large
-        tensor leaves other than dense on this link (before it every tensor goes dense,
-        so exact Adam costs no byte more); None where none ever does (exact Adam
-        throughout: ``adam_declined``), also where a compressor of its own collectives
-        would send every large tensor dense (``exchange_dense``). The schedule's freeze
-        as it is with ``delay`` or ``period`` (they need the linear update from it), a
+        freeze, or later, at the start of the first density stage in which the large
+        tensors that leave other than dense on this link hold ``ADAM_SPARSE_SHARE`` of
+        the gradient's elements (before it every tensor goes dense, ``adam_dense``, so
+        Adam is exact and the few bytes a small tensor would have saved are spent);
+        None where no stage does (exact Adam throughout, every tensor dense:
+        ``adam_declined``), also where a compressor of its own collectives would send
+        every large tensor dense (``exchange_dense``). The schedule's freeze as it is
+        with ``delay`` or ``period`` (they need the linear update from it), a
         compressor of its own collectives otherwise (no density stages), a callable
         schedule, or no tensor large enough to compress (``min_compress_size``: the
-        script's choice)."""
+        script's choice). Decided once, at wrap time: a relink (linkwatch.py) keeps
+        it."""
         r = self.resolved
+        self.adam_declined, self.adam_dense = False, frozenset()
         inner = getattr(r.schedule, "inner", None)
         large = [t for t in self.tensors if self.large(t)]
         if r.freeze is not None and not lagging and self.exchange_idle():
@@ -532,12 +548,25 @@ class Planner:
                           tuple(inner.warmup_densities if warm else ()) + (inner.density,)))
         if warm and inner.unit != "step":  # stages in epochs: only the final one judged,
             stages = [(0.0, inner.density)]   # and the freeze stays where it was planned
+        self.adam_share = 0.0  # the most any stage would send sparse (for the words)
         for start, density in stages:
-            if any(self.path(t, density) != PathKind.DENSE for t in large):
+            share = self.sparse_share(density)
+            self.adam_share = max(self.adam_share, share)
+            if share >= ADAM_SPARSE_SHARE:
                 self.adam_frozen_at = r.freeze + int(math.ceil(start))
+                self.adam_dense = frozenset(d for s, d in stages if s < start) - \
+                    {d for s, d in stages if s >= start}
                 return self.adam_frozen_at
         self.adam_declined = True
         return None
+
+    def sparse_share(self, density):
+        """The share of the gradient's elements in large tensors that leave other than
+        dense at ``density`` (0 where there are none)."""
+        total = sum(t.numel for t in self.tensors)
+        sparse = sum(t.numel for t in self.tensors
+                     if self.large(t) and self.path(t, density) != PathKind.DENSE)
+        return sparse / total if total else 0.0
 
     def idle_warning(self, density_now=1.0):
         """Why DGC does nothing with this set-up (said on every rank), or None."""
@@ -546,6 +575,8 @@ class Planner:
         if self.exchange_idle():
             return gather_idle_warning(self.kind_name(), self.world_size,
                                        self.link is not None)
+        if self.adam_declined and self.adam_share:
+            return adam_idle_warning(self.adam_share, ADAM_SPARSE_SHARE, self.link is not None)
         final, _ = self._final(density_now)
         large = any(self.large(t) for t in self.tensors)
         sums = self._sums(final)
@@ -563,8 +594,11 @@ class Planner:
             taken_over = self.resolved.schedule.describe()
         if self.adam_declined:
             warm = ""
-            taken_over = ("Adam not taken over: every tensor goes dense on this link, so "
-                          "exact Adam runs throughout (adam.py)")
+            little = "every tensor goes dense on this link" if not self.adam_share else \
+                f"{self.adam_share:.1%} of the gradient would go sparse on this link (under " \
+                f"{ADAM_SPARSE_SHARE:.0%}: every tensor goes dense)"
+            taken_over = f"Adam not taken over: {little}, so exact Adam runs throughout " \
+                         f"(adam.py)"
         large = [t for t in self.tensors if self.large(t)]
         if self.resolved.sparse:  # those the cost model sends dense even at the final density
             large = [t for t in large if self.path(t, final) != PathKind.DENSE]

@@ -108,6 +108,18 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
     return None
 
 
+def adam_idle_warning(share, threshold, measured=False):
+    """Why an Adam-family optimizer is left exact with every tensor dense: the tensors
+    that would go sparse hold only ``share`` of the gradient, under ``threshold``
+    (plan.py ``ADAM_SPARSE_SHARE``): too little to pay for a frozen variance."""
+    link = "the link measured between the ranks" if measured else "this link"
+    return (f"hvd_dgc: on {link} only {share:.1%} of the gradient would go sparse (under "
+            f"{threshold:.0%}), too little to be worth freezing Adam's variance, so every "
+            f"tensor goes dense and Adam runs exact (as with Horovod); to compress anyway, "
+            f"pass cost_model=hvd_dgc.CostModel(alpha=..., bandwidth=...) for the link you "
+            f"expect, or delay/period (which take Adam over from its freeze).")
+
+
 def gather_idle_warning(kind, world, measured=False):
     """Why a payload compressor (sign, QSGD, bf16) does nothing: its allgather, with its
     encoding and decoding where they were ``measured``, costs more than the dense

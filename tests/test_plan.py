@@ -161,15 +161,18 @@ def test_the_words_and_the_dict_every_rank_compares():
 
 def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
     """plan.py adam_freeze: the default freeze (20) where the first stage goes sparse;
-    later, at the first sparse stage's start, where selecting records costs more than
-    the dense allreduce at the early densities; never (exact Adam) where every stage
-    goes dense; as planned with delay, or with stages in epochs (only the final
-    density judged: sparse keeps 20, dense declines)."""
+    later, at the start of the first stage whose sparse tensors hold a tenth of the
+    gradient (ADAM_SPARSE_SHARE), where selecting records costs more than the dense
+    allreduce at the early densities, and every tensor dense before it; never (exact
+    Adam, every tensor dense) where no stage sends that much sparse; as planned with
+    delay, or with stages in epochs (only the final density judged: sparse keeps 20,
+    dense declines)."""
     from horovod.torch.mpi_ops import Adasum, Average, Sum
+    from hvd_dgc.plan import ADAM_SPARSE_SHARE
     tensors = [TensorInfo(i, f"t{i}", n, (n,))
                for i, n in enumerate((16384, 256, 65536, 256, 2560, 10))]
 
-    def freeze(record_seconds, lagging="", **options):
+    def planned(record_seconds, lagging="", **options):
         resolved = DGCConfig.from_options(
             dict(options, cost_model=CostModel(select_record_seconds=record_seconds)),
             "torch", "DistributedOptimizer").resolve(
@@ -177,13 +180,41 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
                                                      (Average, Sum, Adasum)),
             (False, "AdamW", True))
         planner = Planner(resolved, tensors, 2)
-        return planner.adam_freeze(lagging), planner.adam_declined
+        return planner, planner.adam_freeze(lagging)
 
-    # the default stages from step 20: 0.25 to 180, 0.0625 to 660, 0.0156 to 2520
+    def freeze(record_seconds, lagging="", **options):
+        planner, at = planned(record_seconds, lagging, **options)
+        return at, planner.adam_declined
+
+    # the default stages from step 20: 0.25 to 180, 0.0625 to 660, 0.0156 to 2520,
+    # 0.004 to 10020, then 0.001
+    assert ADAM_SPARSE_SHARE == 0.1
     assert freeze(0.0) == (20, False)
     assert freeze(1e-6) == (660, False)
-    assert freeze(1e-5) == (2520, False)
+    # at 1e-5 a record: from 2520 only the 2,560-element tensor goes sparse (3% of the
+    # gradient), from 10020 the 16,384 and 65,536 ones too (99%): the freeze waits, and
+    # until then the small one goes dense as well (Adam exact)
+    planner, at = planned(1e-5)
+    small, big = tensors[4], tensors[2]
+    assert at == 10020 and not planner.adam_declined
+    fresh = Planner(planner.resolved, tensors, 2)  # (the paths before the decision)
+    assert round(fresh.sparse_share(0.004), 3) == 0.03
+    assert round(fresh.sparse_share(0.001), 3) == 0.994
+    assert planner.adam_dense == {0.25, 0.0625, 0.015625, 0.004}
+    assert planner.path(small, 0.004) == PathKind.DENSE
+    assert planner.path(small, 0.001) == planner.path(big, 0.001) == PathKind.ALLGATHER
     assert freeze(1e-3) == (None, True)
+    # at a final 0.004 (no warm-up) only the small tensor is ever sparse: declined, and
+    # it goes dense at every density; the line says why
+    planner, at = planned(1e-5, density=0.004, warmup=0)
+    assert at is None and planner.adam_declined and planner.adam_share == 2560 / 85002
+    assert {planner.path(t, d) for t in tensors for d in (0.004, 1.0)} == {PathKind.DENSE}
+    line = planner.summary("torch", 0)
+    assert "Adam not taken over: 3.0% of the gradient would go sparse on this link " \
+           "(under 10%: every tensor goes dense), so exact Adam runs throughout" in line, line
+    assert planner.idle_warning(0.004).startswith(
+        "hvd_dgc: on this link only 3.0% of the gradient would go sparse (under 10%), too "
+        "little to be worth freezing Adam's variance, so every tensor goes dense")
     assert freeze(1e-3, lagging="delay=2") == (20, False)
     epochs = dict(density=0.01, warmup=3, warmup_unit="epoch", warmup_densities=(0.5,))
     assert freeze(1e-6, **epochs) == (20, False)

@@ -112,15 +112,25 @@ def test_refreshed_variance_equals_the_reference_synchronous_and_delayed(gloo):
 
 
 def test_adamw_is_left_exact_while_every_tensor_goes_dense(gloo):
-    """A link on which the cost model sends every tensor dense even at the final density:
-    freezing Adam's variance would buy nothing, so AdamW stays exact and equals
-    Horovod's own, bit for bit, past the default freeze; said on rank 0's line. Where
+    """A link on which the cost model sends every tensor dense even at the final density,
+    or only a small one sparse: freezing Adam's variance would buy (next to) nothing, so
+    AdamW stays exact, every tensor dense, and equals Horovod's own, bit for bit, past
+    the default freeze; said on rank 0's line. Where
     only the first stages go dense, the freeze moves to the first sparse one."""
     for rank, out in enumerate(_checked(gloo, "declined_on_a_fast_link")):
         assert out["diff"] == 0.0, out["diff"]
         assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
         assert out["paths"] == {"dense": 6 * 30}
         assert out["slow_phase"] == "exact Adam" and not out["slow_declined"]  # 1 Gbit/s
+        # only the classifier (2,560 of 85,002 weights) would go sparse: under a tenth of
+        # the gradient, so declined too, every tensor dense, Horovod's AdamW bit for bit
+        few = out["few"]
+        assert few["diff"] == 0.0 and few["paths"] == {"dense": 6 * 30}, few
+        assert few["phase"].startswith("exact Adam (not taken over") and \
+            few["share"] == 2560 / 85002, few
+        if rank == 0:
+            assert "Adam not taken over: 3.0% of the gradient would go sparse on this " \
+                   "link (under 10%: every tensor goes dense)" in few["line"], few["line"]
         if rank == 0:
             assert "Adam not taken over: every tensor goes dense on this link" in out["line"]
             assert "second moment frozen" not in out["line"], out["line"]
