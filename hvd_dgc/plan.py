@@ -534,7 +534,7 @@ class Planner:
         script's choice). Decided once, at wrap time: a relink (linkwatch.py) keeps
         it."""
         r = self.resolved
-        self.adam_declined, self.adam_dense = False, frozenset()
+        self.adam_declined, self.adam_dense, self.adam_share = False, frozenset(), 0.0
         inner = getattr(r.schedule, "inner", None)
         large = [t for t in self.tensors if self.large(t)]
         if r.freeze is not None and not lagging and self.exchange_idle():
@@ -548,7 +548,6 @@ class Planner:
                           tuple(inner.warmup_densities if warm else ()) + (inner.density,)))
         if warm and inner.unit != "step":  # stages in epochs: only the final one judged,
             stages = [(0.0, inner.density)]   # and the freeze stays where it was planned
-        self.adam_share = 0.0  # the most any stage would send sparse (for the words)
         for start, density in stages:
             share = self.sparse_share(density)
             self.adam_share = max(self.adam_share, share)
