@@ -28,7 +28,11 @@ from hvd_dgc.schedule import DensitySchedule  # noqa: E402
 #: variant -> hvd_dgc options (None: stock Horovod)
 VARIANTS = {
     "horovod": None,
-    "default": {},  # (exact Adam to step 20, refreshed: "frozen at 20, refreshed")
+    # the one-line switch: 0/1 Adam (adam.py ZERO_ONE_PERIOD), the same run as "sign (1-bit
+    # Adam), period=4"; runs recorded before 2026-12-01 as "default" were synchronous
+    # top-k, exact Adam to step 20, refreshed: renamed "frozen at 20, refreshed"
+    "default": {},
+    "default, period=1": {"period": 1},  # (1-bit Adam: the sign at every step)
     "frozen once at 200 (former default)": {"refresh_variance": False},
     "0.1% after 200 steps": {"density": DensitySchedule(0.001, warmup=200, unit="step")},
     "freeze_variance=50, 0.1% after 200 steps": {

@@ -17,8 +17,8 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional
 
-from hvd_dgc.adam import FrozenAdamSchedule, check_freeze_variance, check_refresh_variance, \
-    freeze_steps, resolve_refresh
+from hvd_dgc.adam import ZERO_ONE_PERIOD, FrozenAdamSchedule, check_freeze_variance, \
+    check_refresh_variance, freeze_steps, resolve_refresh
 from hvd_dgc.autodelay import AutoDelay, as_auto_delay
 from hvd_dgc.costmodel import CostModel, default_cost_model
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch
@@ -114,7 +114,10 @@ class DGCConfig:
             in between each rank steps with its own velocity and the exchange's average
             then replaces those steps (hvd_dgc/lagging.py). Needs SGD or Adam taken
             over, and ``flush()``, as ``delay`` does; no GradScaler; with it
-            hierarchical DGC falls back to flat methods.
+            hierarchical DGC falls back to flat methods. Adam and AdamW with neither
+            ``delay`` nor ``period`` nor an option of DGC's top-k run 0/1 Adam,
+            ``period=4`` (``freeze_variance``); ``period=1`` there exchanges the sign
+            every step (1-bit Adam).
         skip_nonfinite: a NaN/Inf gradient on any rank never enters the memory:
             synchronous steps are skipped on every rank (weights, memory, step count
             unchanged; that rank sends inf, so every rank sees it), delayed ones send
@@ -146,8 +149,15 @@ class DGCConfig:
             DGC takes over its first moment as it does SGD's momentum (momentum
             correction, masking), and ``delay`` and ``period`` (PyTorch and Keras)
             apply from the freeze on; the density schedule starts at the
-            freeze (with no ``density`` or ``warmup``: SGD's default, counted from the
-            freeze; hvd_dgc/adam.py). With a compressor of its own collectives
+            freeze (with ``density`` or ``warmup`` but no default of their own: SGD's
+            default, counted from the freeze; hvd_dgc/adam.py). With ``compression``
+            Horovod's none/fp16 or not given and none of ``density``, ``warmup``,
+            ``warmup_unit``, ``warmup_densities`` and ``aggregation`` (DGC's top-k)
+            given, the scaled sign of the memory after the freeze (1-bit Adam), and with
+            no ``delay`` or ``period`` given an exchange every 4th step (``period=4``),
+            each rank stepping on its own between: 0/1 Adam (Lu et al., ICLR 2023);
+            where the sign would save nothing on the link, exact Adam every step, as
+            Horovod (adam.py ``ZERO_ONE_PERIOD``). With a compressor of its own collectives
             (``Compression.sign``: 1-bit Adam itself; PowerSGD, QSGD, ...) every
             tensor goes dense to the freeze, then through the compressor.
             False: Adam's own update on error feedback (no delay, no period).
@@ -243,10 +253,33 @@ class DGCConfig:
         problem = unsupported_message(config, framework)
         if problem:
             raise ValueError(problem)
+        object.__setattr__(config, "_given", frozenset(options))
         return config
 
     def replace(self, **changes):
-        return replace(self, **changes)
+        out = replace(self, **changes)
+        if hasattr(self, "_given"):  # what the script passed stays what it passed
+            object.__setattr__(out, "_given", self._given)
+        return out
+
+    @property
+    def given(self):
+        """The options the script passed (``from_options``); for a config made directly,
+        those that differ from their defaults."""
+        if hasattr(self, "_given"):
+            return self._given
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != f.default)
+
+    @property
+    def asks_topk(self):
+        """The script passed an option of DGC's top-k (``TOPK_OPTIONS``: a density, its
+        warm-up, how records are summed)."""
+        return bool(self.given & TOPK_OPTIONS)
+
+    @property
+    def asks_lagging(self):
+        """The script passed ``delay`` or ``period`` (even 0 or 1: its own choice)."""
+        return bool(self.given & LAGGING_OPTIONS)
 
     @property
     def fixed_delay(self):
@@ -314,6 +347,19 @@ class DGCConfig:
             raise ValueError(f"{lagging} with grad_scaler is not supported: an overflow seen "
                              f"steps later cannot be undone. Use {undo} with mixed precision.")
         choice = resolve_compression(compression, framework.compression, framework.ours, fw)
+        adam = optimizer is not None and len(optimizer) > 2 and bool(optimizer[2])
+        if adam and choice.horovod_name in ("default", "none", "fp16") and \
+                not self.asks_topk and self.freeze_variance is not False:
+            # Adam/AdamW taken over, no top-k asked for: the sign (1-bit Adam), and with
+            # no delay or period chosen 0/1 Adam's period (adam.py ZERO_ONE_PERIOD),
+            # dropped again where the take-over is declined (plan.py settled)
+            namespace = framework.compression
+            zero_one = not self.asks_lagging and grad_scaler is None
+            config = self.replace(period=ZERO_ONE_PERIOD) if zero_one else self
+            return config.resolve(
+                framework, namespace.sign, horovod, optimizer,
+                dense_compression=namespace.fp16 if choice.fp16 else dense_compression,
+                grad_scaler=grad_scaler)._replace(zero_one=zero_one)
         compressor = choice.compressor
         if choice.fp16:  # Horovod's Compression.fp16: fp16 records (and dense path)
             compressor = compressor(fp16_values=True)
@@ -328,7 +374,6 @@ class DGCConfig:
                                            repr(compressor), framework.sparse_default)
         density, warmup, freeze = self.density, self.warmup, None
         refresh = resolve_refresh(self.freeze_variance, self.refresh_variance)
-        adam = optimizer is not None and len(optimizer) > 2 and bool(optimizer[2])
         if kind == "exchange":
             if density is not None or warmup:
                 raise ValueError(f"density/warmup apply to sparse compressors, but compression="
@@ -451,6 +496,15 @@ class Resolved(NamedTuple):
     taken_over: TakeOver = TakeOver()  # what of the optimizer's update DGC applies, in words
     cost_model: Any = None  # a CostModel, or "measure" (the default: costmodel.py)
     refresh: Any = False   # the frozen variance refreshed: False, "auto" or k (adam.py)
+    zero_one: bool = False  # 0/1 Adam by default (adam.py ZERO_ONE_PERIOD): its period is
+    #                         Adam's default, not the script's, dropped where Adam is not
+    #                         taken over
+
+    @property
+    def chosen_lagging(self):
+        """The delay and period the script chose, in words ("" when none): 0/1 Adam's
+        default period is not among them (plan.py ``adam_freeze`` may decline it)."""
+        return "" if self.zero_one else self.config.lagging
 
     @property
     def sparse(self):
@@ -527,6 +581,14 @@ class CompressorOptions:
 
 #: Options a rank may set alone: they change no collective.
 _PER_RANK = ("log_every",)
+
+#: Options that ask for DGC's top-k. Adam and AdamW taken over, with ``compression``
+#: Horovod's none/fp16 or not given, send the sign (1-bit Adam) where the script passes
+#: none of them, and at 0/1 Adam's period where it passes none of ``LAGGING_OPTIONS``
+#: either (adam.py ``ZERO_ONE_PERIOD``).
+TOPK_OPTIONS = frozenset({"density", "warmup", "warmup_unit", "warmup_densities",
+                          "aggregation"})
+LAGGING_OPTIONS = frozenset({"delay", "period"})
 
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere:
 #: (option, used(config), instead).

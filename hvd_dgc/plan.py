@@ -559,6 +559,17 @@ class Planner:
         self.adam_declined = True
         return None
 
+    def settled(self):
+        """The resolved options to build the step from, once ``adam_freeze`` has decided:
+        0/1 Adam's default period (config.py ``Resolved.zero_one``) runs only where Adam is
+        taken over; where it is declined (the compressor saves nothing on this link) the
+        step is Horovod's, every step."""
+        r = self.resolved
+        if r.zero_one and self.adam_declined and r.config.period > 1:
+            r = r._replace(config=r.config.replace(period=1))
+            self.resolved, self.config = r, r.config
+        return r
+
     def sparse_share(self, density):
         """The share of the gradient's elements in large tensors that leave other than
         dense at ``density`` (0 where there are none)."""
@@ -606,7 +617,7 @@ class Planner:
         return summary(self.kind_name(), final, warm, self.min_compress_size,
                        self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
                        len(self.tensors), framework, sums, period, taken_over,
-                       self.measured_words())
+                       self.measured_words(), self.resolved.zero_one)
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the

@@ -43,6 +43,8 @@ def resolve_compression(compression, namespace, ours, framework):
     ``fp16``, ...); ``ours``: base classes of hvd_dgc's compressors there;
     ``framework``: "torch" or "tensorflow", for the messages."""
     names = sorted(n for n in vars(namespace) if not n.startswith("_"))
+    if compression is None:  # not given: the optimizer's default (config.py resolve)
+        return Choice(namespace.dgc, False, "default")
     if isinstance(compression, str):
         name = compression.strip().lower()
         if name not in names:
@@ -168,13 +170,14 @@ def take_over(optimizer, freeze, framework):
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
             compressed, total, framework, sums=("sparse",), period=1, taken_over="",
-            measured=""):
+            measured="", zero_one=False):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
 
     ``kind``: "dgc", "topk", ... or "dense"; ``density``: the final density; ``warmup``:
     the warm-up in words (DensitySchedule.describe) or ""; ``compressed``/``total``: how
     many trainable tensors are large enough to be sparsified, of how many; ``sums``: the
-    paths for them at the final density (hvd_dgc.paths.PathKind)."""
+    paths for them at the final density (hvd_dgc.paths.PathKind); ``zero_one``: the
+    period is 0/1 Adam's default (adam.py ``ZERO_ONE_PERIOD``), not the script's."""
     values = "fp16" if sparse_fp16 else "fp32"
     dense_values = "fp16" if dense_fp16 else "fp32"
     if kind == "dense":
@@ -195,6 +198,10 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
         what += f"; delayed averaging, delay={delay}"
     if period > 1:
         what += f"; an exchange every {period} steps (period={period})"
+        if zero_one:
+            what += (", each rank stepping on its own between: 0/1 Adam (Lu et al.), Adam's "
+                     "default where no option is given (period=1 exchanges every step, "
+                     "compression='dgc' sends DGC's top-k)")
     if measured:  # cost_model="measure": the link, DGC's own work, what runs dense
         what += f"; {measured}"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."

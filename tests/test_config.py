@@ -236,10 +236,18 @@ def test_compressors_running_their_own_collectives_refuse_what_they_cannot_alike
 def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers_none():
     from hvd_dgc.adam import DEFAULT_FREEZE, FrozenAdamSchedule
     from hvd_dgc.schedule import ADAPTIVE_SENDS, DEFAULT_SENDS
-    # Adam taken over (its variance frozen): exact Adam, then SGD's stages from the freeze
+    # Adam with no option: 0/1 Adam (the sign from the freeze, an exchange every 4th step)
     adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))
+    assert adam._hvd_dgc.resolved.zero_one and adam._hvd_dgc.period == 4
+    assert type(adam._hvd_dgc.compression).__name__ == "SignCompressor"
+    assert adam._hvd_dgc.resolved.freeze == DEFAULT_FREEZE
+    # with DGC's top-k asked for, taken over (its variance frozen): exact Adam, then SGD's
+    # stages from the freeze, every step
+    adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
+                                          compression=TFCompression.dgc)
     assert adam._hvd_dgc.schedule.config() == FrozenAdamSchedule.default(
         DEFAULT_FREEZE, "auto").config()
+    assert not adam._hvd_dgc.resolved.zero_one and adam._hvd_dgc.period == 1
     # not taken over: error feedback on Adam's raw gradient, the longer stages
     adam = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3),
                                           freeze_variance=False)

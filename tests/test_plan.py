@@ -301,3 +301,66 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     # PowerSGD's allreduces do not grow with N: not priced
     assert _planner(world=128, compression=Compression.powersgd(start_iter=0)).path(
         fc, 1.0, step=100) == PathKind.EXCHANGE
+
+
+def test_adam_with_no_option_resolves_to_zero_one_adam_and_keeps_its_period_where_taken():
+    """adam.py ZERO_ONE_PERIOD: Adam/AdamW with Horovod's compression (none, fp16, or not
+    given) resolves to 0/1 Adam (the sign, period 4, exact Adam to step 20, refreshed);
+    its own delay or period keep the sign at that pace (1-bit Adam), its freeze is
+    honoured; an option of DGC's top-k, another compressor, no take-over or SGD keep what
+    they say. The planner keeps the period where the sign
+    is taken over and drops it where it is declined (encoding the sign costs more than
+    the allreduce it spares), so the step is Horovod's every step."""
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    from hvd_dgc.adam import ZERO_ONE_PERIOD
+    from hvd_dgc.torch.quantize import SignCompressor
+    args = HorovodArguments(Average, 1.0, 1, None, (Average, Sum, Adasum))
+    adamw = (False, "AdamW", True)
+
+    def resolved(compression=Compression.none, optimizer=adamw, grad_scaler=None, **options):
+        return DGCConfig.from_options(options, "torch", "DistributedOptimizer").resolve(
+            TORCH, compression, args, optimizer, grad_scaler=grad_scaler)
+
+    assert ZERO_ONE_PERIOD == 4
+    for compression in (Compression.none, None, "none", Compression.fp16):
+        r = resolved(compression)
+        assert r.zero_one and isinstance(r.compressor, SignCompressor), compression
+        assert (r.config.period, r.freeze, r.refresh, r.chosen_lagging) == (4, 20, "auto", "")
+        assert r.dense_fp16 == (compression is Compression.fp16)
+    assert resolved(cost_model=CostModel(), clip_norm=1.0, min_compress_size=10).zero_one
+    r = resolved(freeze_variance=50)
+    assert r.zero_one and (r.freeze, r.refresh, r.config.period) == (50, False, 4)
+    r = resolved(refresh_variance=False)
+    assert r.zero_one and (r.freeze, r.refresh, r.config.period) == (200, False, 4)
+    for options in ({"period": 1}, {"delay": 2}, {"delay": 0}, {"period": 2},
+                    {"grad_scaler": object()}):
+        r = resolved(**options)  # the sign at the script's own pace: 1-bit Adam
+        assert not r.zero_one and isinstance(r.compressor, SignCompressor), options
+        assert (r.config.period, r.config.delay) == (options.get("period", 1),
+                                                     options.get("delay", 0)), options
+        assert r.chosen_lagging == r.config.lagging, options
+    for options in ({"density": 0.01}, {"warmup": 2}, {"warmup_unit": "step"},
+                    {"aggregation": "allgather"}, {"compression": Compression.dgc},
+                    {"freeze_variance": False}, {"optimizer": (True, "SGD")},
+                    {"optimizer": (False, "RMSprop")}):
+        r = resolved(**options)
+        assert not r.zero_one and not isinstance(r.compressor, SignCompressor), options
+        assert r.config.period == 1, options
+    r = resolved(compression="sign")
+    assert not r.zero_one and r.config.period == 1  # (sign asked for: every step)
+    tensors = [TensorInfo(0, "w", 65536, (256, 256)), TensorInfo(1, "b", 256, (256,))]
+    for model, period, declined in ((CostModel(), 4, False),
+                                    (CostModel(encode_element_seconds=1e-6), 1, True)):
+        planner = Planner(resolved(cost_model=model), tensors, 2)
+        at = planner.adam_freeze(planner.resolved.chosen_lagging)
+        settled = planner.settled()
+        assert (at is None, planner.adam_declined) == (declined, declined), model
+        assert settled.config.period == planner.config.period == period, model
+        line = planner.summary("torch", 0, settled.config.period)
+        assert ("0/1 Adam (Lu et al.), Adam's default where no option is given" in line) \
+            == (not declined), line
+    # the script's own period is never dropped (it needs the linear update: taken over)
+    chosen = Planner(resolved(compression="sign", period=4,
+                              cost_model=CostModel(encode_element_seconds=1e-6)), tensors, 2)
+    assert chosen.adam_freeze(chosen.resolved.chosen_lagging) == 20
+    assert chosen.settled().config.period == 4

@@ -8,7 +8,7 @@ from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
              "period_run", "late_tensor", "refresh_reference", "declined_on_a_fast_link",
-             "sign_reference"]
+             "sign_reference", "zero_one_default"]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,15 @@ def test_adamw_is_left_exact_while_every_tensor_goes_dense(gloo):
         assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
         assert out["paths"] == {"dense": 6 * 30}
         assert out["slow_phase"] == "exact Adam" and not out["slow_declined"]  # 1 Gbit/s
+        # with no option AdamW runs 0/1 Adam (the sign, period 4) where it is taken over,
+        # and where it is declined the period goes too: Horovod's step, every step
+        assert (out["slow_compressor"], out["slow_period"]) == ("SignCompressor", 4)
+        assert (out["compressor"], out["period"]) == ("SignCompressor", 1)
+        if rank == 0:
+            assert "an exchange every 4 steps (period=4), each rank stepping on its own " \
+                   "between: 0/1 Adam (Lu et al.), Adam's default" in out["slow_line"], \
+                out["slow_line"]
+            assert "period=" not in out["line"], out["line"]
         # only the classifier (2,560 of 85,002 weights) would go sparse: under a tenth of
         # the gradient, so declined too, every tensor dense, Horovod's AdamW bit for bit
         few = out["few"]
@@ -145,6 +154,33 @@ def test_adamw_is_left_exact_while_every_tensor_goes_dense(gloo):
         if rank == 0:
             assert "exact Adam to step 10 (every tensor dense on this link before it)" in \
                 later["line"], later["line"]
+
+
+def test_adamw_with_no_option_is_zero_one_adam(gloo):
+    """The one-line switch with AdamW (adam.py ZERO_ONE_PERIOD): the run is
+    ``compression=sign, period=4``'s bit for bit; between exchanges after the freeze at 20
+    each rank holds its own weights (steps 20-22 of each 4); the 4th exchanges, and its
+    average replaces the ranks' own steps (at its own step's bias correction, so the
+    ranks stay a few percent of a period's spread apart this early: tests/reference.py
+    ``lagged_update``); equal after flush(); period=1 or density chosen run what they
+    say (period=1: the sign every step, 1-bit Adam)."""
+    for rank, out in enumerate(_checked(gloo, "zero_one_default")):
+        assert out["diffs"] == [0.0] * 30 and out["flushed_diff"] == 0.0, out["diffs"]
+        spread = out["apart"]
+        assert spread[:20] == [0.0] * 20, spread  # exact Adam on dense averages
+        local = [s for s in range(20, 30) if (s + 1) % 4]
+        assert min(spread[s] for s in local) > 1e-4, spread  # (lr 3e-3: local steps)
+        assert spread[23] < 0.05 * spread[22] and spread[27] < 0.05 * spread[26], spread
+        assert out["identical"]
+        assert out["periods"] == [4, 4, 1, 1], out["periods"]
+        assert out["compressors"] == ["SignCompressor"] * 3 + ["DGCCompressor"], \
+            out["compressors"]  # (the 3rd: period=1, the 4th: density=0.01)
+        # 6 tensors for the 20 exact steps; then the 3 weights' signs and the 3 biases
+        # dense at the exchanges of steps 23 and 27 (the flush's of 28-29 is not a step)
+        assert out["paths"] == {"dense": 6 * 20 + 3 * 2, "sign": 3 * 2}, out["paths"]
+        assert out["phase"] == "frozen variance"
+        if rank == 0:
+            assert "compressor sign" in out["line"] and "0/1 Adam" in out["line"], out["line"]
 
 
 def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):

@@ -80,7 +80,7 @@ def variable_name(var, i):
 class GradientExchange(tf.Module):
     """DGC state and the per-step exchange for one set of variables."""
 
-    def __init__(self, compression=Compression.dgc, momentum=0.0, nesterov=False, op=Average,
+    def __init__(self, compression=None, momentum=0.0, nesterov=False, op=Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
                  process_set=global_process_set, name="hvd_dgc", config=None, optimizer=None,
                  backward_passes_per_step=1, groups=None, **options):
@@ -204,10 +204,13 @@ class GradientExchange(tf.Module):
                                                "message) until the elastic state's sync")
             elif self.planner.measure:  # every rank agreed to probe (the default)
                 self.planner.measured(*self._probe())
+            if self.adam is not None:  # later, or never, where all goes dense before
+                self.adam.freeze_at(self.planner.adam_freeze(self.resolved.chosen_lagging))
+            # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
+            self.resolved = self.planner.settled()
+            if self.planner.measure and not self.elastic:  # (after the period settled)
                 self.watcher = self._link_watcher()
                 self.trial = self._plan_trial()
-            if self.adam is not None:  # later, or never, where all goes dense before
-                self.adam.freeze_at(self.planner.adam_freeze(self.resolved.config.lagging))
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")

@@ -98,11 +98,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for p in every}
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every)
         self._takeover = self._take_over(process_set.included())
-        self._lagging = Lagging(self._config, process_set, resolved.freeze or 0,
-                                lambda: self._progress.step)
-        if self._config.lagging:  # a script that ends without flush() leaves its last
-            #                         steps in flight (at_exit.py)
-            settle_at_exit(self, lambda opt: opt._lagging.abandon(opt._engine))
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
         self._grad_scaler = grad_scaler
@@ -118,7 +113,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._planner.replan(process_set.size(), local_size=len(peers))
             if os.environ.get("HOROVOD_ELASTIC") != "1":  # elastic: at each sync instead
                 self._measure(process_set, trainable, peers)
-            self._takeover.freeze_at(self._planner.adam_freeze(self._config.lagging))
+            self._takeover.freeze_at(self._planner.adam_freeze(resolved.chosen_lagging))
+        # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
+        self._resolved = resolved = self._planner.settled()
+        self._config = resolved.config
+        self._lagging = Lagging(self._config, process_set, resolved.freeze or 0,
+                                lambda: self._progress.step)
+        if self._config.lagging:  # a script that ends without flush() leaves its last
+            #                         steps in flight (at_exit.py)
+            settle_at_exit(self, lambda opt: opt._lagging.abandon(opt._engine))
         self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
@@ -611,7 +614,7 @@ def _check_consistent_config(config, process_set):
     consistency.check_same(configs, ranks, "DistributedOptimizer")
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.dgc,
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, dense_compression=None,
@@ -619,10 +622,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
-    ``compression`` defaults to ``Compression.dgc``. Horovod's ``Compression.none`` /
+    ``compression`` not given means DGC. Horovod's ``Compression.none`` /
     ``Compression.fp16``, which Horovod's example scripts pass explicitly, keep their
     meaning of how values travel: DGC with fp32 / fp16 values (hvd_dgc/switch.py); a
-    compressor's name ("dgc", "topk", ...) works too. Dense averaging is asked for
+    compressor's name ("dgc", "topk", ...) works too. With ``torch.optim.Adam`` or
+    ``AdamW`` and no option of DGC's top-k (``config.TOPK_OPTIONS``), those three send
+    the scaled sign after the freeze (1-bit Adam), and with no ``delay`` or ``period``
+    an exchange every 4th step: 0/1 Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``). Dense averaging is asked for
     explicitly with ``density=1.0`` (through the memory, so the maths is unchanged at
     any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
     ``bf16`` run their own collectives (collective.py), with error feedback through the
@@ -649,7 +655,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """
     config = DGCConfig.from_options(options, "torch", "DistributedOptimizer")
     if outer is not None:
-        check_outer(outer, config, compression in (Compression.dgc, Compression.none),
+        check_outer(outer, config, compression in (None, Compression.dgc, Compression.none),
                     op == Average)
         return outer_optimizer(optimizer, named_parameters, outer, config, process_set)
     if num_groups != 0:

@@ -86,7 +86,7 @@ def reference_equivalence():
                 cls(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
                 named_parameters=[(f"{cls.__name__}.{variant}.{n}", p)
                                   for n, p in model.named_parameters()],
-                freeze_variance=freeze, **options)
+                compression=hvd.Compression.dgc, freeze_variance=freeze, **options)
             diffs, scale = [], 0.0
             for step in range(steps):
                 train(model, opt, 1, rank, start=step, features=64, classes=10)
@@ -121,7 +121,8 @@ def lagging_reference():
     opt = hvd.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
         named_parameters=[("lagref." + n, p) for n, p in model.named_parameters()],
-        freeze_variance=freeze, min_compress_size=10 ** 9, delay=delay)
+        compression=hvd.Compression.dgc, freeze_variance=freeze, min_compress_size=10 ** 9,
+        delay=delay)
     diffs, identical, in_flight = [], [], []
     for step in range(steps):
         train(model, opt, 1, rank, start=step, features=64, classes=10)
@@ -210,7 +211,8 @@ def refresh_reference():
         opt = hvd.DistributedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd),
             named_parameters=[(f"refresh{delay}." + n, p) for n, p in model.named_parameters()],
-            freeze_variance=freeze, refresh_variance=2, min_compress_size=10 ** 9, delay=delay)
+            compression=hvd.Compression.dgc, freeze_variance=freeze, refresh_variance=2,
+            min_compress_size=10 ** 9, delay=delay)
         diffs, refreshes, sent = [], [], []
         for step in range(steps):
             before = opt.compression_stats()["bytes_sent"]
@@ -256,7 +258,9 @@ def declined_on_a_fast_link():
     from horovod import torch as stock
     from tests.workers.torch_dgc import step_all
     rank = hvd.rank()
-    fast = hvd.CostModel(bandwidth=1e11, select_element_seconds=1e-7)  # DGC costs more
+    # DGC's selection and the sign's encoding cost more than the dense allreduce
+    fast = hvd.CostModel(bandwidth=1e11, select_element_seconds=1e-7,
+                         encode_element_seconds=1e-7)
     ref, ours = wide_mlp(3), wide_mlp(3)
     opt_ref = stock.DistributedOptimizer(torch.optim.AdamW(ref.parameters(), lr=3e-3),
                                          named_parameters=ref.named_parameters())
@@ -274,12 +278,13 @@ def declined_on_a_fast_link():
         opt_few = hvd.DistributedOptimizer(
             torch.optim.AdamW(few.parameters(), lr=3e-3),
             named_parameters=[("few." + n, p) for n, p in few.named_parameters()],
+            compression=hvd.Compression.dgc,  # (DGC's top-k: the share rule is its own)
             cost_model=hvd.CostModel(bandwidth=1e11, select_element_seconds=1e-8))
     for step in range(30):
         step_all(((ref, opt_ref), (ours, opt), (few, opt_few)), step, rank, features=64,
                  classes=10)
-    other = wide_mlp(3)
-    with contextlib.redirect_stdout(io.StringIO()):
+    other, slow_line = wide_mlp(3), io.StringIO()
+    with contextlib.redirect_stdout(slow_line):
         slow = hvd.DistributedOptimizer(torch.optim.AdamW(other.parameters(), lr=3e-3),
                                         named_parameters=[("slow." + n, p) for n, p in
                                                           other.named_parameters()])
@@ -287,8 +292,11 @@ def declined_on_a_fast_link():
     out = {"phase": stats["adam_phase"], "freeze": stats["adam_freeze"],
            "diff": float((flat_params(ref) - flat_params(ours)).abs().max()),
            "paths": stats["paths"], "line": line.getvalue(),
+           "period": opt._lagging.period, "compressor": type(opt._resolved.compressor).__name__,
            "slow_phase": slow.compression_stats()["adam_phase"],
-           "slow_declined": slow._takeover.declined,
+           "slow_declined": slow._takeover.declined, "slow_period": slow._lagging.period,
+           "slow_compressor": type(slow._resolved.compressor).__name__,
+           "slow_line": slow_line.getvalue(),
            "few": {"diff": float((flat_params(ref) - flat_params(few)).abs().max()),
                    "phase": opt_few.compression_stats()["adam_phase"],
                    "paths": opt_few.compression_stats()["paths"],
@@ -317,6 +325,46 @@ def declined_on_a_fast_link():
                     "paths": opt.compression_stats()["paths"],
                     "identical": ranks_identical(later, "later")}
     return out
+
+
+def zero_one_default():
+    """AdamW with no option (``compression=Compression.none``, as Horovod's examples):
+    0/1 Adam, the same run bit for bit as ``compression=Compression.sign, period=4``
+    (exact Adam to step 20, then the scaled sign every 4th step, local steps between),
+    the ranks apart between exchanges and equal after ``flush()``; ``period=1`` given
+    exchanges every step (1-bit Adam), ``density`` given sends DGC's top-k."""
+    import contextlib
+    import io
+    from tests.workers.torch_dgc import step_all
+    rank = hvd.rank()
+    models = [wide_mlp(6) for _ in range(4)]
+    options = [dict(compression=hvd.Compression.none),
+               dict(compression=hvd.Compression.sign, period=4),
+               dict(compression=hvd.Compression.none, period=1),
+               dict(compression=hvd.Compression.none, density=0.01)]
+    line, opts = io.StringIO(), []
+    for i, (model, opt_options) in enumerate(zip(models, options)):
+        with contextlib.redirect_stdout(line if i == 0 else io.StringIO()):
+            opts.append(hvd.DistributedOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=3e-3),
+                named_parameters=[(f"zo{i}." + n, p) for n, p in model.named_parameters()],
+                **opt_options))
+    diffs, apart = [], []
+    for step in range(30):
+        step_all(list(zip(models, opts)), step, rank, features=64, classes=10)
+        diffs.append(float((flat_params(models[0]) - flat_params(models[1])).abs().max()))
+        everyone = hvd.allgather(flat_params(models[0]).unsqueeze(0), name=f"zo.{step}")
+        apart.append(float((everyone - everyone[0]).abs().max()))  # the ranks' spread
+    opts[0].flush()
+    opts[1].flush()
+    return {"diffs": diffs, "apart": apart, "line": line.getvalue(),
+            "flushed_diff": float((flat_params(models[0]) - flat_params(models[1]))
+                                  .abs().max()),
+            "identical": ranks_identical(models[0], "zo.flushed"),
+            "periods": [o._lagging.period for o in opts],
+            "compressors": [type(o._resolved.compressor).__name__ for o in opts],
+            "paths": opts[0].compression_stats()["paths"],
+            "phase": opts[0].compression_stats()["adam_phase"]}
 
 
 def period_run():

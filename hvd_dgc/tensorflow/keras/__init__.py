@@ -579,7 +579,7 @@ def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
-                         compression=Compression.dgc, sparse_as_dense=False,
+                         compression=None, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True,
@@ -591,7 +591,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ``hvd_dgc.torch.DistributedOptimizer`` (hvd_dgc.config.DGCConfig; ``log_every``
     runs in PyTorch only so far);
     Horovod's ``Compression.none`` / ``fp16`` mean DGC (fp32 values / fp16 values in
-    the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging.
+    the records and on the dense path, as in PyTorch), ``density=1.0`` dense averaging;
+    for Keras' Adam or AdamW with no option of DGC's top-k, the scaled sign after the
+    freeze (1-bit Adam), with no ``delay`` or ``period`` an exchange every 4th step: 0/1
+    Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``).
     Call ``model.compile(..., jit_compile=False)`` under Keras 3: Horovod's
     collectives have no XLA kernels here.
 
@@ -630,7 +633,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     """
     config = DGCConfig.from_options(options, "tensorflow", "DistributedOptimizer")
     if outer is not None:
-        check_outer(outer, config, compression in (Compression.dgc, Compression.none),
+        check_outer(outer, config, compression in (None, Compression.dgc, Compression.none),
                     op == Average)
         return _outer_optimizer(optimizer, name, outer, config, process_set,
                                 backward_passes_per_step)
