@@ -33,34 +33,46 @@ VARIANTS = {
     # top-k, exact Adam to step 20, refreshed: renamed "frozen at 20, refreshed"
     "default": {},
     "default, period=1": {"period": 1},  # (1-bit Adam: the sign at every step)
-    "frozen once at 200 (former default)": {"refresh_variance": False},
+    # DGC's top-k take-over (compression="dgc": what Adam's default was before 2026-12-01;
+    # the labels of runs recorded before keep their meaning)
+    "frozen once at 200 (former default)": {"compression": "dgc", "refresh_variance": False},
     "0.1% after 200 steps": {"density": DensitySchedule(0.001, warmup=200, unit="step")},
     "freeze_variance=50, 0.1% after 200 steps": {
         "freeze_variance": 50, "density": DensitySchedule(0.001, warmup=200, unit="step")},
     "density=0.01": {"density": 0.01, "warmup": 150, "warmup_unit": "step"},
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
+    "density=0.001, period=4": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
+                                "period": 4},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
-    "frozen, dense": {"min_compress_size": 10 ** 9},
-    "frozen at 20, dense": {"freeze_variance": 20, "min_compress_size": 10 ** 9},
-    "frozen at 50, dense": {"freeze_variance": 50, "min_compress_size": 10 ** 9},
-    "frozen at 20, refreshed, dense": {"freeze_variance": 20, "refresh_variance": "auto",
+    "frozen, dense": {"compression": "dgc", "min_compress_size": 10 ** 9},
+    "frozen at 20, dense": {"compression": "dgc", "freeze_variance": 20,
+                            "min_compress_size": 10 ** 9},
+    "frozen at 50, dense": {"compression": "dgc", "freeze_variance": 50,
+                            "min_compress_size": 10 ** 9},
+    "frozen at 20, refreshed, dense": {"compression": "dgc", "freeze_variance": 20,
+                                       "refresh_variance": "auto",
                                        "min_compress_size": 10 ** 9},
     "frozen at 20, refreshed every 100, dense": {
-        "freeze_variance": 20, "refresh_variance": 100, "min_compress_size": 10 ** 9},
-    "frozen at 20, refreshed": {"freeze_variance": 20, "refresh_variance": "auto"},
+        "compression": "dgc", "freeze_variance": 20, "refresh_variance": 100,
+        "min_compress_size": 10 ** 9},
+    "frozen at 20, refreshed": {"compression": "dgc", "freeze_variance": 20,
+                                "refresh_variance": "auto"},
     "refreshed, 0.1% after 200 steps": {
         "freeze_variance": 20, "refresh_variance": "auto",
         "density": DensitySchedule(0.001, warmup=200, unit="step")},
     "refreshed, density=0.01": {"freeze_variance": 20, "refresh_variance": "auto",
                                 "density": 0.01, "warmup": 150, "warmup_unit": "step"},
+    "top-k, delay=4": {"compression": "dgc", "delay": 4},
+    "top-k, period=4": {"compression": "dgc", "period": 4},
+    # what a script's delay=4 or period=4 alone runs now: the sign at that pace
+    "delay=4": {"delay": 4},
+    "period=4": {"period": 4},
     # 1-bit Adam (Tang et al.): the sign of the error-compensated momentum after the freeze
     "sign (1-bit Adam)": {"compression": "sign"},
     # 0/1 Adam (Lu et al.): 1-bit Adam with local steps, an exchange every 4th step
     "sign (1-bit Adam), period=4": {"compression": "sign", "period": 4},
     "sign (1-bit Adam), delay=4": {"compression": "sign", "delay": 4},
     "powersgd r=1": {"compression": ("powersgd", {"rank": 1, "start_iter": 0})},
-    "delay=4": {"delay": 4},
-    "period=4": {"period": 4},
     # the outer loop (DiLoCo): AdamW locally, the weights' change averaged every H steps
     "outer H=8": {"outer": OuterLoop(steps=8)},
     "outer H=32": {"outer": OuterLoop(steps=32)},
