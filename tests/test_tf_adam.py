@@ -151,6 +151,10 @@ def test_keras_adamw_is_left_exact_while_every_tensor_goes_dense(keras3):
         assert out["phase"].startswith("exact Adam (not taken over") and out["freeze"] is None
         assert set(out["paths"]) == {"dense"}, out["paths"]
         assert out["slow_phase"] == "frozen variance", out
+        # no option: 0/1 Adam (the sign, period 4) where taken over (the assumed 1 Gbit/s),
+        # and where declined its period goes too: dense averaging every step
+        assert out["periods"] == {"fast": 1, "slow": 4}, out["periods"]
+        assert out["compressors"] == {"fast": "SignCompressor", "slow": "SignCompressor"}
         # a first stage that goes dense on this link: the freeze moves from step 3 to 7,
         # where the sparse stage starts; dense averaging's weights until then
         later = out["later"]

@@ -136,6 +136,7 @@ def reference_equivalence():
                 clip=options["clip_norm"])
             model = _model(tf.keras, 0)
             opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay),
+                                           compression=hvd.Compression.dgc,
                                            freeze_variance=freeze, **options)
             step, diffs, phases = _train_step(tf, model, opt), [], []
             for s in range(steps):
@@ -179,7 +180,8 @@ def declined_on_a_fast_link(steps=26):
     import hvd_dgc.tensorflow.keras as hvd
     from hvd_dgc import CostModel
     rank = hvd.rank()
-    fast = CostModel(bandwidth=1e11, select_element_seconds=1e-5)  # DGC costs more
+    # DGC's selection and the sign's encoding cost more than the dense allreduce
+    fast = CostModel(bandwidth=1e11, select_element_seconds=1e-5, encode_element_seconds=1e-5)
     runs = {}
     # "later": a first stage (0.5, steps 3 to 6) that goes dense where selecting a record
     # costs 1 us, the final 0.05 sparse: the freeze moves from step 3 to 7
@@ -199,7 +201,7 @@ def declined_on_a_fast_link(steps=26):
             if tag == "later":
                 phases.append(opt.compression_stats()["adam_phase"])
         stats = opt.compression_stats()
-        runs[tag] = (weights, stats)
+        runs[tag] = (weights, stats, opt._hvd_dgc)
 
     def diffs(a, b):
         return [max(float(np.abs(x - y).max()) for x, y in zip(wa, wb))
@@ -207,6 +209,10 @@ def declined_on_a_fast_link(steps=26):
     return {"diff": max(diffs("fast", "dense")),
             "phase": runs["fast"][1]["adam_phase"], "freeze": runs["fast"][1]["adam_freeze"],
             "paths": runs["fast"][1]["paths"], "slow_phase": runs["slow"][1]["adam_phase"],
+            # with no option: 0/1 Adam where taken over, its period dropped where declined
+            "periods": {tag: runs[tag][2].period for tag in ("fast", "slow")},
+            "compressors": {tag: type(runs[tag][2].compression).__name__
+                            for tag in ("fast", "slow")},
             "later": {"diffs": diffs("later", "dense"), "phases": phases,
                       "freeze": runs["later"][1]["adam_freeze"],
                       "paths": runs["later"][1]["paths"]}}
@@ -236,7 +242,7 @@ def refresh_reference():
         model = _model(tf.keras, 0)
         opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay), freeze_variance=freeze,
                                        refresh_variance=2, min_compress_size=10 ** 9,
-                                       delay=delay)
+                                       compression=hvd.Compression.dgc, delay=delay)
         step, diffs, refreshes, sent = _train_step(tf, model, opt), [], [], []
         before = 0  # (no statistics before the first step builds the exchange)
         for s in range(steps):
@@ -335,7 +341,8 @@ def delay_reference():
                                              betas, eps, decay, delay, period=period)
         model = _model(tf.keras, 0)
         opt = hvd.DistributedOptimizer(make(lr, betas, eps, decay), freeze_variance=freeze,
-                                       min_compress_size=10 ** 9, delay=delay, period=period)
+                                       min_compress_size=10 ** 9, delay=delay, period=period,
+                                       compression=hvd.Compression.dgc)
         step, diffs, identical, in_flight = _train_step(tf, model, opt), [], [], []
         for s in range(steps):
             step(*_batch(s, rank))
@@ -362,7 +369,7 @@ def delay_reference():
     model = _model(tf.keras, 0)
     opt = hvd.DistributedOptimizer(make(lr, betas, eps, wd if decoupled else 0.0),
                                    freeze_variance=freeze, min_compress_size=10 ** 9,
-                                   delay=delay)
+                                   compression=hvd.Compression.dgc, delay=delay)
     step = _train_step(tf, model, opt)
     for s in range(steps + 1):
         x, y = _batch(s, rank)
