@@ -8,7 +8,7 @@ from tests.test_torch_optimizer import _checked
 
 SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_reference",
              "period_run", "late_tensor", "refresh_reference", "declined_on_a_fast_link",
-             "sign_reference", "zero_one_default"]
+             "sign_reference", "zero_one_default", "zero_one_checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +181,19 @@ def test_adamw_with_no_option_is_zero_one_adam(gloo):
         assert out["phase"] == "frozen variance"
         if rank == 0:
             assert "compressor sign" in out["line"] and "0/1 Adam" in out["line"], out["line"]
+
+
+def test_the_default_saved_between_exchanges_resumes_bit_for_bit(gloo):
+    """A Horovod script saves without flush(): with 0/1 Adam's period that is between
+    exchanges 3 times in 4. The checkpoint carries this rank's own steps in flight
+    (summed per tensor: one copy of the model, not one a step) and the step whose
+    exchange replaces them; the resumed run ends where the uninterrupted one does, to
+    float32 rounding (the exchange subtracts one sum where it subtracted each step's)."""
+    for out in _checked(gloo, "zero_one_checkpoint"):
+        assert out["period"] == 4 and out["in_flight"] == 2, out
+        assert out["pending"] == ["due", "own"] and out["due"] == 23, out
+        assert out["resumed"] < 1e-7, out
+        assert out["without_pending"] > 1e-4, out  # (what the own steps in flight weigh)
 
 
 def test_period_with_adamw_exchanges_every_third_step_after_the_freeze(gloo):

@@ -451,7 +451,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self):
-        if self._lagging.inflight:
+        pending = self._lagging.pending()  # a period's own steps, between exchanges
+        if pending is None:
             raise RuntimeError(
                 f"hvd_dgc: {len(self._lagging.inflight)} step(s) await an average (delay="
                 f"{self._lagging.delay}, period={self._lagging.period}); their averages "
@@ -461,6 +462,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state[STATE_KEY] = checkpoint(self._progress, self._engine.memory_state(),
                                       self._resolved.compressor, self._guard, self._lagging,
                                       _hvd.rank())
+        if pending[0]:
+            state[STATE_KEY]["pending"] = {"own": {k: t.detach().cpu().clone()
+                                                   for k, t in pending[0].items()},
+                                           "due": pending[1]}
         return state
 
     def load_state_dict(self, state_dict):
@@ -483,6 +488,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         restore(dgc_state, self._progress, self._engine.memory, self._resolved.compressor,
                 self._guard, self._lagging, lambda key: index_to_param[key].device,
                 _hvd.rank())
+        pending = dgc_state.get("pending")  # saved between a period's exchanges
+        if pending:
+            members = {m.key: m for m in self._engine.members.values()}
+            self._lagging.restore_pending(
+                {k: t.to(index_to_param[k].device) for k, t in pending["own"].items()},
+                pending["due"], members)
 
     # -- elastic Horovod (elastic_state.py) ------------------------------------------------
     def shared_state(self):

@@ -367,6 +367,47 @@ def zero_one_default():
             "phase": opts[0].compression_stats()["adam_phase"]}
 
 
+def zero_one_checkpoint():
+    """The default (0/1 Adam) saved between exchanges, without flush(), as a Horovod
+    script saves: steps 20-21 after the freeze are this rank's own, in flight; a fresh
+    model and optimizer loaded from the files take the next 10 steps bit for bit as the
+    uninterrupted run (the exchange at step 23 replaces the restored own steps). Control:
+    the same load without the steps in flight ends elsewhere."""
+    from tests.workers.torch_dgc import step_all
+    rank = hvd.rank()
+
+    def make(tag):
+        model = wide_mlp(11)
+        return model, hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=3e-3),
+            named_parameters=[(f"zock{tag}." + n, p) for n, p in model.named_parameters()])
+
+    model, opt = make("a")
+    for step in range(22):
+        step_all([(model, opt)], step, rank, features=64, classes=10)
+    in_flight = opt.in_flight
+    saved = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    for step in range(22, 32):
+        step_all([(model, opt)], step, rank, features=64, classes=10)
+    ends = {}
+    for tag, state in (("b", saved), ("c", dict(saved, state=saved["state"]))):
+        resumed, opt2 = make(tag)
+        resumed.load_state_dict(weights)
+        if tag == "c":  # the control: the steps in flight left out of the file
+            from hvd_dgc.torch.state import STATE_KEY
+            state = dict(saved)
+            state[STATE_KEY] = {k: v for k, v in saved[STATE_KEY].items() if k != "pending"}
+        opt2.load_state_dict(copy.deepcopy(state))
+        for step in range(22, 32):
+            step_all([(resumed, opt2)], step, rank, features=64, classes=10)
+        ends[tag] = float((flat_params(model) - flat_params(resumed)).abs().max())
+    from hvd_dgc.torch.state import STATE_KEY
+    return {"in_flight": in_flight, "pending": sorted(saved[STATE_KEY].get("pending", {})),
+            "due": saved[STATE_KEY].get("pending", {}).get("due"), "resumed": ends["b"],
+            "without_pending": ends["c"], "period": opt._lagging.period}
+
+
 def period_run():
     """AdamW taken over with period=3 at density 0.01: every step exchanges before the
     freeze, every third after; ranks identical after ``flush()``; the loss falls."""
