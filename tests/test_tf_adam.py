@@ -16,7 +16,8 @@ from tests.test_torch_optimizer import _checked
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
              "tf_adam.refusals"]
 ONE_VERSION = {"keras2": ["tf_adam.refresh_reference", "tf_adam.sign_reference"],
-               "keras3": ["tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link"]}
+               "keras3": ["tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link",
+                          "tf_adam.zero_one_fit"]}
 
 
 def _launch(legacy, ckdir):
@@ -162,6 +163,24 @@ def test_keras_adamw_is_left_exact_while_every_tensor_goes_dense(keras3):
         assert min(later["diffs"][7:]) > 0 and later["paths"].get("sparse", 0) > 0, later
         assert later["phases"][:6] == ["exact Adam"] * 6, later["phases"]
         assert set(later["phases"][6:]) == {"frozen variance"}, later["phases"]
+
+
+def test_keras_adamw_switched_by_one_line_is_zero_one_adam_in_fit(keras3):
+    """AdamW with no option in model.fit, hvd_dgc's BroadcastGlobalVariablesCallback the
+    only one of hvd_dgc's (a Horovod script switched by one line): 0/1 Adam, the sign at
+    every 4th step after the freeze; each epoch ends between exchanges, each rank on its
+    own weights, and the callback flushes: a callback after it sees every rank's weights
+    equal, one before it does not; equal after fit; it learns."""
+    for out in _checked(keras3, "tf_adam.zero_one_fit"):
+        assert out["period"] == 4 and out["phase"] == "frozen variance", out
+        assert out["seen"]["before"] == [False] * 4, out["seen"]
+        assert out["seen"]["after"] == [True] * 4, out["seen"]
+        assert out["identical"] and out["in_flight"] == 0, out
+        # 4 tensors dense for the 20 exact steps; then the 4,096-weight kernel's sign and
+        # the 3 small tensors dense at the 18 exchanges of steps 23, 27, ..., 91
+        assert out["step"] == 4 * 23, out
+        assert out["paths"] == {"dense": 4 * 20 + 3 * 18, "exchange": 18}, out["paths"]
+        assert out["accuracy"] > 0.9, out
 
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):

@@ -424,6 +424,47 @@ def fit_digits(epochs=6):
     return out
 
 
+def zero_one_fit(epochs=4):
+    """A Keras script switched by one line: AdamW with no option (0/1 Adam: the sign
+    from step 20, an exchange every 4th step) in model.fit with hvd_dgc's
+    BroadcastGlobalVariablesCallback only. Each epoch (23 steps) ends between exchanges;
+    the callback flushes there, so a callback after it (a ModelCheckpoint's place) sees
+    the weights every rank agrees on, where one before it sees each rank's own."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    rank, size = hvd.rank(), hvd.size()
+    (x, y), (xt, yt) = _digits(rank, size)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((64,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.003, weight_decay=0.01))
+    model.compile(optimizer=opt, metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  **({} if _legacy() else {"jit_compile": False}))
+    seen = {"before": [], "after": []}
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self, where):
+            super().__init__()
+            self.where = where
+
+        def on_epoch_end(self, epoch, logs=None):
+            seen[self.where].append(_identical(tf, hvd, model.trainable_variables,
+                                               f"adam.zo.{self.where}.{epoch}"))
+
+    model.fit(x, y, batch_size=32, epochs=epochs, verbose=0,
+              callbacks=[Recorder("before"), hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         Recorder("after")])
+    acc = float(np.mean(np.argmax(model.predict(xt, verbose=0), 1) == yt))
+    stats = opt.compression_stats()
+    return {"seen": seen, "accuracy": acc, "paths": stats["paths"], "step": stats["step"],
+            "phase": stats.get("adam_phase"), "period": opt._hvd_dgc.period,
+            "in_flight": opt._hvd_dgc.in_flight,
+            "identical": _identical(tf, hvd, model.trainable_variables, "adam.zo.end")}
+
+
 def checkpoint(ckdir):
     """After the freeze, model, optimizer (its scales) and DGC's memory (the momentum)
     through tf.train.Checkpoint; a fresh model and optimizer restored from it take the

@@ -89,7 +89,11 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     on every rank, e.g. per-rank state. hvd_dgc's DGC memory is never broadcast: it is
     each rank's own residual. With hvd_dgc's optimizer and the link measured, it also
     times the train steps for the link watch, where no ``DGCCallback`` does (a script
-    switched by one line passes this callback and no other of hvd_dgc's)."""
+    switched by one line passes this callback and no other of hvd_dgc's). Where the
+    optimizer lags (``delay``, ``period``; with Adam/AdamW 0/1 Adam's period by default)
+    it flushes before each evaluation, at the end of each epoch (before a
+    ``ModelCheckpoint`` after it in the list saves) and at the end of ``fit``, as
+    ``DGCCallback`` does: every rank evaluates and saves the weights they agree on."""
 
     def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
@@ -145,6 +149,24 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         if not self.done:
             self._broadcast()
         self._timer.end(self.model)
+
+    def _settle(self):
+        """The steps in flight applied (a collective: every rank runs this callback at
+        the same point of ``fit``), where hvd_dgc's optimizer lags."""
+        optimizer = getattr(self.model, "optimizer", None)
+        exchange = getattr(optimizer, "_hvd_dgc", None)
+        if exchange is not None and getattr(exchange, "memory", None) is not None and \
+                exchange.lags:
+            optimizer.flush()
+
+    def on_test_begin(self, logs=None):
+        self._settle()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._settle()
+
+    def on_train_end(self, logs=None):
+        self._settle()
 
 
 class MetricAverageCallback(tf.keras.callbacks.Callback):
