@@ -340,15 +340,19 @@ def plot(runs, order, path, framework, np_):
     except ImportError:
         return
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant in order:
+    colours = plt.get_cmap("tab20").colors  # (tab10's ten repeat past ten variants)
+    for number, variant in enumerate(order):
         curves = [c for c in runs[variant].values()]
         length = min(len(c) for c in curves)
         steps = [curves[0][i][0] for i in range(length)]
         loss = [statistics.mean(c[i][1] for c in curves) for i in range(length)]
         sent = [statistics.mean(c[i][2] for c in curves) / 2 ** 20 for i in range(length)]
         label = f"{variant} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
-        by_step.plot(steps, loss, label=label)
-        by_bytes.plot(sent, loss, label=label)
+        style = dict(label=label, color=colours[(2 * number) % 20 + (2 * number) // 20 % 2],
+                     linewidth=2.2 if variant in ("horovod", "default") else 1.2,
+                     linestyle="--" if variant == "horovod" else "-")
+        by_step.plot(steps, loss, **style)
+        by_bytes.plot(sent, loss, **style)
     by_step.set_xlabel("step")
     by_bytes.set_xlabel("MiB sent by one rank")
     by_bytes.set_xscale("log")
