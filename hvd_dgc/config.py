@@ -149,8 +149,8 @@ class DGCConfig:
             DGC takes over its first moment as it does SGD's momentum (momentum
             correction, masking), and ``delay`` and ``period`` (PyTorch and Keras)
             apply from the freeze on; the density schedule starts at the
-            freeze (with ``density`` or ``warmup`` but no default of their own: SGD's
-            default, counted from the freeze; hvd_dgc/adam.py). With ``compression``
+            freeze (with ``compression=Compression.dgc`` and no ``density`` or
+            ``warmup``: SGD's default stages, counted from the freeze; hvd_dgc/adam.py). With ``compression``
             Horovod's none/fp16 or not given and none of ``density``, ``warmup``,
             ``warmup_unit``, ``warmup_densities`` and ``aggregation`` (DGC's top-k)
             given, the scaled sign of the memory after the freeze (1-bit Adam), and with
