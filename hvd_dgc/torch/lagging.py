@@ -26,14 +26,13 @@ window later.
 """
 
 import time
-from types import SimpleNamespace
 
 import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
-from hvd_dgc.lagging import InFlight, LagQueue
+from hvd_dgc.lagging import LagQueue
 
 __all__ = ["Lagging"]
 
@@ -146,38 +145,10 @@ class Lagging(LagQueue):
         if self.auto is not None:
             self.auto.reset_window()
 
-    # -- checkpoints between exchanges --------------------------------------------------
-    def pending(self):
-        """What a checkpoint keeps of the steps in flight: between a period's exchanges
-        (no collective in flight, only this rank's own steps, which the next exchange's
-        average replaces) their ``own`` summed per memory key, and the step that applies
-        that exchange: ``({key: flat tensor}, due)``; ``({}, None)`` with nothing in
-        flight; None where a collective is in flight (delay > 0: its average cannot be
-        saved)."""
-        if not self.inflight:
-            return {}, None
-        launches = [launch for entry in self.inflight for launch in entry.launches]
-        if not all(launch.local for launch in launches):
-            return None
-        sums = {}
-        for launch in launches:
-            layout = launch.layout
-            for i in layout.dense_grads:
-                o, m = layout.offsets[i], layout.members[i]
-                piece = launch.own[o:o + m.numel]
-                sums[m.key] = piece.clone() if m.key not in sums else sums[m.key].add_(piece)
-        return sums, self.inflight[-1].due
-
-    def restore_pending(self, sums, due, members):
-        """A checkpoint's ``pending`` back in flight (``members``: key -> the engine's
-        Member): one local entry, replaced by the exchange at ``due`` as the steps it
-        sums would have been. The run goes on as the uninterrupted one did."""
-        self.inflight.clear()
-        if sums:
-            self.inflight.append(InFlight(int(due), [
-                SimpleNamespace(local=True, own=own, layout=SimpleNamespace(
-                    dense_grads=(0,), offsets=(0,), members=(members[key],)))
-                for key, own in sums.items()]))
+    def only_own(self):
+        """Whether what is in flight is only this rank's own steps (between a period's
+        exchanges, no collective pending): a checkpoint can take them back alone."""
+        return all(launch.local for entry in self.inflight for launch in entry.launches)
 
     def abandon(self, engine):
         """An elastic restore: Horovod must finish what is in flight; its results are

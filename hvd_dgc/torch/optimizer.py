@@ -381,6 +381,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._lagging.keeps_own:  # a period's exchange, just applied: each rank
                 self._average_parameters()  # replaced its own steps in its own rounding
             return
+        self._apply_in_flight()
+        self._average_parameters()
+
+    def _apply_in_flight(self):
+        """What is in flight applied now, as one step of its corrections: ``avg - own``
+        of each exchange (waited for), ``-own`` of each step since the last one."""
         corrections = self._lagging.gradients(self._engine, [], self._lagging.due(0, True))
         self._lagging.flushed()
         saved = {p: p.grad for p in corrections}
@@ -391,7 +397,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             for p, g in saved.items():
                 p.grad = g
-        self._average_parameters()
 
     def _average_parameters(self):
         """Mathematically equal after a flush, the ranks' weights still differ in float
@@ -451,21 +456,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self):
-        pending = self._lagging.pending()  # a period's own steps, between exchanges
-        if pending is None:
-            raise RuntimeError(
-                f"hvd_dgc: {len(self._lagging.inflight)} step(s) await an average (delay="
-                f"{self._lagging.delay}, period={self._lagging.period}); their averages "
-                f"cannot be saved. Call optimizer.flush() after step() before "
-                f"optimizer.state_dict().")
+        """hvd_dgc's state with the base optimizer's. Between a period's exchanges (0/1
+        Adam, AdamW's default) this rank's own steps since the last exchange are taken
+        back first, in place (``flush()``'s part that needs no other rank: its velocity
+        is still in the memory, which the next exchange sends), so the weights a script
+        saves beside it are the last exchange's, which every rank agrees on, whether
+        every rank saves or rank 0 alone (Horovod's examples); the ranks go on
+        consistently, since the next exchange's average replaces whatever own steps each
+        still holds. With a collective in flight (``delay``) it refuses: call
+        ``flush()`` on every rank first."""
+        if self._lagging.inflight:
+            if not self._lagging.only_own():
+                raise RuntimeError(
+                    f"hvd_dgc: {len(self._lagging.inflight)} step(s) await an average (delay="
+                    f"{self._lagging.delay}, period={self._lagging.period}); their averages "
+                    f"cannot be saved. Call optimizer.flush() after step() before "
+                    f"optimizer.state_dict().")
+            self._apply_in_flight()
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = checkpoint(self._progress, self._engine.memory_state(),
                                       self._resolved.compressor, self._guard, self._lagging,
                                       _hvd.rank())
-        if pending[0]:
-            state[STATE_KEY]["pending"] = {"own": {k: t.detach().cpu().clone()
-                                                   for k, t in pending[0].items()},
-                                           "due": pending[1]}
         return state
 
     def load_state_dict(self, state_dict):
@@ -488,12 +499,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         restore(dgc_state, self._progress, self._engine.memory, self._resolved.compressor,
                 self._guard, self._lagging, lambda key: index_to_param[key].device,
                 _hvd.rank())
-        pending = dgc_state.get("pending")  # saved between a period's exchanges
-        if pending:
-            members = {m.key: m for m in self._engine.members.values()}
-            self._lagging.restore_pending(
-                {k: t.to(index_to_param[k].device) for k, t in pending["own"].items()},
-                pending["due"], members)
 
     # -- elastic Horovod (elastic_state.py) ------------------------------------------------
     def shared_state(self):

@@ -369,10 +369,12 @@ def zero_one_default():
 
 def zero_one_checkpoint():
     """The default (0/1 Adam) saved between exchanges, without flush(), as a Horovod
-    script saves: steps 20-21 after the freeze are this rank's own, in flight; a fresh
-    model and optimizer loaded from the files take the next 10 steps bit for bit as the
-    uninterrupted run (the exchange at step 23 replaces the restored own steps). Control:
-    the same load without the steps in flight ends elsewhere."""
+    script saves: at step 22 this rank's own steps 20-21 since the freeze are in flight;
+    ``state_dict()`` takes them back (the last exchange's weights, which the ranks agree
+    on up to what Adam's bias correction leaves), and a fresh model and optimizer loaded
+    from the files take the next 10 steps bit for bit as the run that saved. Rank 0
+    saving alone (Horovod's examples) leaves the ranks as consistent after the next
+    exchange as a run that never saved."""
     from tests.workers.torch_dgc import step_all
     rank = hvd.rank()
 
@@ -382,30 +384,37 @@ def zero_one_checkpoint():
             torch.optim.AdamW(model.parameters(), lr=3e-3),
             named_parameters=[(f"zock{tag}." + n, p) for n, p in model.named_parameters()])
 
+    def spread(model, name):
+        everyone = hvd.allgather(flat_params(model).unsqueeze(0), name=name)
+        return float((everyone - everyone[0]).abs().max())
+
     model, opt = make("a")
     for step in range(22):
         step_all([(model, opt)], step, rank, features=64, classes=10)
-    in_flight = opt.in_flight
+    before = (opt.in_flight, spread(model, "zock.before"))
     saved = copy.deepcopy(opt.state_dict())
     weights = copy.deepcopy(model.state_dict())
+    after = (opt.in_flight, spread(model, "zock.after"))
     for step in range(22, 32):
         step_all([(model, opt)], step, rank, features=64, classes=10)
-    ends = {}
-    for tag, state in (("b", saved), ("c", dict(saved, state=saved["state"]))):
-        resumed, opt2 = make(tag)
-        resumed.load_state_dict(weights)
-        if tag == "c":  # the control: the steps in flight left out of the file
-            from hvd_dgc.torch.state import STATE_KEY
-            state = dict(saved)
-            state[STATE_KEY] = {k: v for k, v in saved[STATE_KEY].items() if k != "pending"}
-        opt2.load_state_dict(copy.deepcopy(state))
-        for step in range(22, 32):
-            step_all([(resumed, opt2)], step, rank, features=64, classes=10)
-        ends[tag] = float((flat_params(model) - flat_params(resumed)).abs().max())
-    from hvd_dgc.torch.state import STATE_KEY
-    return {"in_flight": in_flight, "pending": sorted(saved[STATE_KEY].get("pending", {})),
-            "due": saved[STATE_KEY].get("pending", {}).get("due"), "resumed": ends["b"],
-            "without_pending": ends["c"], "period": opt._lagging.period}
+    resumed, opt2 = make("b")
+    resumed.load_state_dict(weights)
+    opt2.load_state_dict(copy.deepcopy(saved))
+    for step in range(22, 32):
+        step_all([(resumed, opt2)], step, rank, features=64, classes=10)
+    out = {"before": before, "after": after, "period": opt._lagging.period,
+           "resumed": float((flat_params(model) - flat_params(resumed)).abs().max())}
+    # rank 0 alone saves at step 22; and a run that never saves
+    for tag in ("alone", "never"):
+        model, opt = make(tag)
+        for step in range(24):
+            step_all([(model, opt)], step, rank, features=64, classes=10)
+            if step == 21 and rank == 0 and tag == "alone":
+                opt.state_dict()
+        out[tag] = spread(model, f"zock.{tag}")  # after the exchange of step 23
+        opt.flush()
+        out[tag + "_flushed"] = ranks_identical(model, f"zock.{tag}.flushed")
+    return out
 
 
 def period_run():
