@@ -13,6 +13,11 @@ how values travel, while hvd_dgc's optimizer sparsifies:
     a compressor class where an instance is needed (``DGCCompressor``)
                       -> its default instance
     density=1.0       -> dense averaging, said explicitly (no sparsification)
+    not given         -> DGC, as Compression.none
+
+With Adam or AdamW (taken over: hvd_dgc/adam.py) and no option of DGC's top-k, none,
+fp16 and not given mean 0/1 Adam instead: the scaled sign from the freeze, every 4th
+step (config.py ``DGCConfig.resolve``, adam.py ``ZERO_ONE_PERIOD``).
 
 Anything else is refused with an error that names it and the fix: nothing
 silently trains dense. Shared by the PyTorch and TensorFlow sides; each passes
