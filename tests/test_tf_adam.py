@@ -17,7 +17,7 @@ SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.che
              "tf_adam.refusals"]
 ONE_VERSION = {"keras2": ["tf_adam.refresh_reference", "tf_adam.sign_reference"],
                "keras3": ["tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link",
-                          "tf_adam.zero_one_fit"]}
+                          "tf_adam.zero_one_fit", "tf_adam.zero_one_embedding"]}
 
 
 def _launch(legacy, ckdir):
@@ -181,6 +181,19 @@ def test_keras_adamw_switched_by_one_line_is_zero_one_adam_in_fit(keras3):
         assert out["step"] == 4 * 23, out
         assert out["paths"] == {"dense": 4 * 20 + 3 * 18, "exchange": 18}, out["paths"]
         assert out["accuracy"] > 0.9, out
+
+
+def test_keras_default_with_an_embedding_sends_the_sign_every_step(keras3):
+    """An Embedding's IndexedSlices gradient cannot take 0/1 Adam's local steps back:
+    with no option the sign goes every step (1-bit Adam), said once on every rank,
+    instead of refusing a period the script never asked for; every rank identical at
+    every step."""
+    for out in _checked(keras3, "tf_adam.zero_one_embedding"):
+        assert out["period"] == 1 and out["compressor"] == "SignCompressor", out
+        assert len(out["said"]) == 1 and "period=4" in out["said"][0] and \
+            "sparse_as_dense=True" in out["said"][0], out["said"]
+        assert out["identical"] == [True] * 26, out["identical"]
+        assert out["phase"] == "frozen variance" and out["paths"].get("exchange", 0) > 0, out
 
 
 def test_keras_adamw_in_fit_on_digits_compresses_after_the_freeze(results):

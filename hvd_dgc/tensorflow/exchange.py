@@ -160,6 +160,8 @@ class GradientExchange(tf.Module):
         names = [variable_name(v, i) for i, v in enumerate(variables)]
         grads = list(grads) if grads is not None else [None] * len(variables)
         sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads]
+        if any(sliced) and self.resolved.zero_one and self.lags:
+            self._drop_default_period(names[sliced.index(True)])
         for name, is_sliced in zip(names, sliced):
             if is_sliced:
                 self._check_slices_allowed(name)
@@ -658,6 +660,18 @@ class GradientExchange(tf.Module):
                 f"residual slot. Pass sparse_as_dense=True to hvd_dgc's "
                 f"DistributedGradientTape / DistributedOptimizer.")
         return grad
+
+    def _drop_default_period(self, name):
+        """0/1 Adam's period is Adam's default, not the script's: where a variable has
+        IndexedSlices gradients (an Embedding), which no rank's own step can be taken
+        back from, the sign goes every step instead (1-bit Adam), said on every rank."""
+        r = self.resolved
+        self.resolved = r._replace(config=r.config.replace(period=1))
+        warnings.warn(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
+                      f"embedding lookup?), so Adam's default local steps between exchanges "
+                      f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "
+                      f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
+                      UserWarning)
 
     def _check_slices_allowed(self, name):
         if self.lags:

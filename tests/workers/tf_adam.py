@@ -465,6 +465,45 @@ def zero_one_fit(epochs=4):
             "identical": _identical(tf, hvd, model.trainable_variables, "adam.zo.end")}
 
 
+def zero_one_embedding(steps=26):
+    """AdamW with no option on a model with an Embedding (IndexedSlices gradients): 0/1
+    Adam's local steps cannot take a looked-up row back, so the default sends the sign
+    at every step instead (1-bit Adam), warned on every rank; the ranks stay identical
+    at every step past the freeze, and the table's gradient travels as Horovod's."""
+    import warnings
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    keras = tf.keras
+    rank = hvd.rank()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((6,), dtype="int32"),
+                              keras.layers.Embedding(50, 8), keras.layers.Flatten(),
+                              keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(10)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.003))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+
+    identical = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(steps):
+            rng = np.random.RandomState(100 * s + rank)
+            step(rng.randint(0, 50, (16, 6)).astype(np.int32), rng.randint(0, 10, 16))
+            identical.append(_identical(tf, hvd, model.trainable_variables, f"zo.emb.{s}"))
+    said = [str(w.message) for w in caught if "IndexedSlices" in str(w.message)]
+    stats = opt.compression_stats()
+    return {"period": opt._hvd_dgc.period, "said": said, "identical": identical,
+            "compressor": type(opt._hvd_dgc.compression).__name__, "paths": stats["paths"],
+            "phase": stats.get("adam_phase")}
+
+
 def checkpoint(ckdir):
     """After the freeze, model, optimizer (its scales) and DGC's memory (the momentum)
     through tf.train.Checkpoint; a fresh model and optimizer restored from it take the
