@@ -274,10 +274,14 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
             assert "dense averaging (density=1.0)" in dense["printed"]
         else:
             assert all(out[t]["printed"] == "" for t in ("none", "fp16", "dense"))
-        # AdamW with no option: exact Adam to step 20, then SGD's stages (DEFAULT_SENDS)
-        # from there, the variance refreshed ("auto"); with freeze_variance=False error
+        # AdamW with no option: 0/1 Adam, exact Adam to step 20, then the sign at every
+        # 4th step, the variance refreshed ("auto"); with DGC's top-k asked for, SGD's
+        # stages (DEFAULT_SENDS) from the freeze; with freeze_variance=False error
         # feedback's longer ones (ADAPTIVE_SENDS)
+        assert out["adamw_default"] == ["SignCompressor", 4]
         assert out["adamw_schedule"] == ("FrozenAdamSchedule", 20, (
+            "DensitySchedule", 1.0, 0.0, "epoch", (1.0, 1.0, 1.0, 1.0), ()), "auto")
+        assert out["adamw_topk_schedule"] == ("FrozenAdamSchedule", 20, (
             "DensitySchedule", 0.001, 10000.0, "step", (0.25, 0.0625, 0.015625, 0.004),
             (160.0, 640.0, 2500.0, 10000.0)), "auto")
         assert out["adamw_feedback_boundaries"] == (640, 2560, 10000, 40000)

@@ -294,10 +294,15 @@ def horovod_patterns():
         adamw = hvd.DistributedOptimizer(
             torch.optim.AdamW(m.parameters()),
             named_parameters=[("hpadamw." + n, p) for n, p in m.named_parameters()])
+        topk = hvd.DistributedOptimizer(
+            torch.optim.AdamW(m.parameters()), compression=hvd.Compression.dgc,
+            named_parameters=[("hpadamk." + n, p) for n, p in m.named_parameters()])
         feedback = hvd.DistributedOptimizer(
             torch.optim.AdamW(m.parameters()), freeze_variance=False,
             named_parameters=[("hpadamf." + n, p) for n, p in m.named_parameters()])
     out["adamw_schedule"] = adamw.schedule.config()
+    out["adamw_default"] = [type(adamw._resolved.compressor).__name__, adamw._lagging.period]
+    out["adamw_topk_schedule"] = topk.schedule.config()
     out["adamw_feedback_boundaries"] = feedback.schedule.boundaries
 
     class Custom(Compressor):
