@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import sys
 import threading
 
@@ -406,15 +407,27 @@ def test_a_payload_cost_is_fitted_per_element_and_agreed():
     assert "ns per element to encode" in cost.words()
 
 
+def _gloo_connect_refused(stderr):
+    """Whether a job died in Gloo's connect at start-up (its pairs' TCP connect refused)."""
+    return "gloo::IoException" in stderr and re.search(r"pair\.cc:\d+\] connect \[", stderr) \
+        is not None and "Connection refused" in stderr
+
+
 def test_two_hosts_of_two_ranks_measure_inside_the_host_too():
     """horovodrun -H localhost:2,127.0.0.1:2 (Horovod places 2 ranks on each of 2 hosts):
     both frameworks time hierarchical DGC's in-host alltoall as well, every rank gets the
     same numbers, the cost model prices the in-host round with them, and rank 0 says
     them."""
-    job = launch("tests.workers.link_probe:suite", 4, "gloo",
-                 {"names": FRAMEWORKS}, 300,
-                 env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""},
-                 launcher_args=["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo"])
+    def once():
+        return launch("tests.workers.link_probe:suite", 4, "gloo",
+                      {"names": FRAMEWORKS}, 300,
+                      env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""},
+                      launcher_args=["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo"])
+    job = once()
+    if job.returncode != 0 and not job.results and _gloo_connect_refused(job.stderr):
+        # Gloo's pairs connecting at start-up, before any hvd_dgc code runs, were refused
+        # once in a fresh-clone CI (2026-12-01, the machine otherwise idle): launch again
+        job = once()
     assert job.returncode == 0 and sorted(job.results) == [0, 1, 2, 3], job.output()
     for framework in FRAMEWORKS:
         outs = [job.results[r][framework] for r in range(4)]
