@@ -150,15 +150,15 @@ class DGCConfig:
             correction, masking), and ``delay`` and ``period`` (PyTorch and Keras)
             apply from the freeze on; the density schedule starts at the
             freeze (with ``compression=Compression.dgc`` and no ``density`` or
-            ``warmup``: SGD's default stages, counted from the freeze; hvd_dgc/adam.py). With ``compression``
-            Horovod's none/fp16 or not given and none of ``density``, ``warmup``,
-            ``warmup_unit``, ``warmup_densities`` and ``aggregation`` (DGC's top-k)
-            given, the scaled sign of the memory after the freeze (1-bit Adam), and with
-            no ``delay`` or ``period`` given an exchange every 4th step (``period=4``),
-            each rank stepping on its own between: 0/1 Adam (Lu et al., ICLR 2023);
-            where the sign would save nothing on the link, exact Adam every step, as
-            Horovod (adam.py ``ZERO_ONE_PERIOD``). With a compressor of its own collectives
-            (``Compression.sign``: 1-bit Adam itself; PowerSGD, QSGD, ...) every
+            ``warmup``: SGD's default stages, counted from the freeze; hvd_dgc/adam.py).
+            With ``compression`` Horovod's none/fp16 or not given and none of
+            ``density``, ``warmup``, ``warmup_unit``, ``warmup_densities`` and
+            ``aggregation`` (DGC's top-k) given, the scaled sign of the memory after the
+            freeze (1-bit Adam), and with no ``delay`` or ``period`` given an exchange
+            every 4th step (``period=4``), each rank stepping on its own between: 0/1
+            Adam (Lu et al., ICLR 2023); where the sign would save nothing on the link,
+            exact Adam every step, as Horovod (adam.py ``ZERO_ONE_PERIOD``). With a
+            compressor of its own collectives (``Compression.sign``: 1-bit Adam itself; PowerSGD, QSGD, ...) every
             tensor goes dense to the freeze, then through the compressor.
             False: Adam's own update on error feedback (no delay, no period).
         refresh_variance: with the variance frozen: None (default: "auto" with
@@ -499,6 +499,11 @@ class Resolved(NamedTuple):
     zero_one: bool = False  # 0/1 Adam by default (adam.py ZERO_ONE_PERIOD): its period is
     #                         Adam's default, not the script's, dropped where Adam is not
     #                         taken over
+
+    def every_step(self):
+        """These options with 0/1 Adam's default period dropped: its exchange at every
+        step (plan.py ``settled`` where Adam is declined; TensorFlow's IndexedSlices)."""
+        return self._replace(config=self.config.replace(period=1))
 
     @property
     def chosen_lagging(self):

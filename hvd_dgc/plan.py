@@ -566,7 +566,7 @@ class Planner:
         step is Horovod's, every step."""
         r = self.resolved
         if r.zero_one and self.adam_declined and r.config.period > 1:
-            r = r._replace(config=r.config.replace(period=1))
+            r = r.every_step()
             self.resolved, self.config = r, r.config
         return r
 

@@ -666,7 +666,7 @@ class GradientExchange(tf.Module):
         IndexedSlices gradients (an Embedding), which no rank's own step can be taken
         back from, the sign goes every step instead (1-bit Adam), said on every rank."""
         r = self.resolved
-        self.resolved = r._replace(config=r.config.replace(period=1))
+        self.resolved = r.every_step()
         warnings.warn(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
                       f"embedding lookup?), so Adam's default local steps between exchanges "
                       f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "

@@ -644,9 +644,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     compressor's name ("dgc", "topk", ...) works too. With ``torch.optim.Adam`` or
     ``AdamW`` and no option of DGC's top-k (``config.TOPK_OPTIONS``), those three send
     the scaled sign after the freeze (1-bit Adam), and with no ``delay`` or ``period``
-    an exchange every 4th step: 0/1 Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``). Dense averaging is asked for
-    explicitly with ``density=1.0`` (through the memory, so the maths is unchanged at
-    any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
+    an exchange every 4th step: 0/1 Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``). Dense
+    averaging is asked for explicitly with ``density=1.0`` (through the memory, so the
+    maths is unchanged at any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
     ``bf16`` run their own collectives (collective.py), with error feedback through the
     same memory. Rank 0 prints one line at wrap time saying what runs.
 
