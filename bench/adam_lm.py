@@ -43,6 +43,9 @@ VARIANTS = {
     "density=0.001": {"density": 0.001, "warmup": 300, "warmup_unit": "step"},
     "density=0.001, period=4": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
                                 "period": 4},
+    "density=0.001, period=4, ramp 0.01-0.004": {
+        "density": 0.001, "warmup": 200, "warmup_unit": "step",
+        "warmup_densities": (0.01, 0.004), "period": 4},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
     "frozen, dense": {"compression": "dgc", "min_compress_size": 10 ** 9},
     "frozen at 20, dense": {"compression": "dgc", "freeze_variance": 20,
