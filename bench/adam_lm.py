@@ -46,6 +46,10 @@ VARIANTS = {
     "density=0.001, period=4, ramp 0.01-0.004": {
         "density": 0.001, "warmup": 200, "warmup_unit": "step",
         "warmup_densities": (0.01, 0.004), "period": 4},
+    # 16 bits where it is dense (exact Adam's steps, the refreshes, the small tensors) and
+    # for the records' values: Horovod's Compression.fp16 with a density
+    "density=0.001, fp16": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
+                            "compression": "fp16"},
     "feedback (freeze_variance=False)": {"freeze_variance": False},
     "frozen, dense": {"compression": "dgc", "min_compress_size": 10 ** 9},
     "frozen at 20, dense": {"compression": "dgc", "freeze_variance": 20,
@@ -121,8 +125,11 @@ VARIANTS = {
 
 def _built(options, compressions):
     """A variant's options with ``compression=(name, kwargs)`` made by the framework's
-    ``Compression`` namespace (VARIANTS is shared by both frameworks)."""
+    ``Compression`` namespace, and "none"/"fp16" taken from it (Horovod's own classes;
+    VARIANTS is shared by both frameworks)."""
     spec = options.get("compression")
+    if spec in ("none", "fp16"):  # Horovod's own, as a script passes them
+        return dict(options, compression=getattr(compressions, spec))
     if not isinstance(spec, tuple):
         return options
     return dict(options, compression=getattr(compressions, spec[0])(**spec[1]))
