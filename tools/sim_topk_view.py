@@ -17,7 +17,6 @@ bytes a rank sent (4 a value, 4 an index). bench/results/adam_lm_3000.md has wha
 showed.
 """
 
-import math
 import os
 import sys
 import time
@@ -26,9 +25,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.stdlib_lm import Batches, byte_lm, loss_of  # noqa: E402
+from hvd_dgc.adam import DEFAULT_FREEZE, VARIANCE_FLOOR, refreshes_at  # noqa: E402
+from hvd_dgc.config import DGCConfig  # noqa: E402
+from hvd_dgc.schedule import DensitySchedule, num_selected  # noqa: E402
 
 mode, seed, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-N, lr, wd, b1, b2, eps, T = 2, 2e-3, 0.01, 0.9, 0.999, 1e-8, 20
+N, lr, wd, b1, b2, eps, T = 2, 2e-3, 0.01, 0.9, 0.999, 1e-8, DEFAULT_FREEZE
+SMALL = DGCConfig().min_compress_size  # tensors below it go dense
+density = DensitySchedule(0.001, warmup=300, unit="step")  # bench's density=0.001
 torch.set_num_threads(1)
 datas = [Batches(128, seed, r) for r in range(N)]
 torch.manual_seed(seed)
@@ -39,21 +43,13 @@ m = [torch.zeros_like(p) for p in params]
 v = [torch.zeros_like(p) for p in params]
 vr = [[torch.zeros_like(p) for p in params] for _ in range(N)]
 u = acc = P = None
-stages = [(75, 0.25), (150, 0.0625), (225, 0.015625), (300, 0.004)]
-
-
-def density(t):  # t: steps since the freeze
-    for end, d in stages:
-        if t < end:
-            return d
-    return 0.001
 
 
 def floored_P(vhat):
     out = []
     for x in vhat:
         mean = float(x.mean())
-        out.append(1.0 / (torch.clamp(x, min=0.01 * mean).sqrt() + eps))
+        out.append(1.0 / (torch.clamp(x, min=VARIANCE_FLOOR * mean).sqrt() + eps))
     return out
 
 
@@ -100,7 +96,7 @@ for t in range(1, steps + 1):
             gs = [grads_at([xb - c * a for xb, a in zip(xbar, acc[r])], r) for r in range(N)]
         else:
             gs = [grads_at(xbar, r) for r in range(N)]
-        d = density(t - T - 1)
+        d = density(t - T - 1, 0.0)  # steps since the freeze
         for i in range(len(params)):
             n = params[i].numel()
             total = torch.zeros(n)
@@ -110,12 +106,12 @@ for t in range(1, steps + 1):
                 u[r][i].mul_(b1).add_(P[i] * g, alpha=1 - b1)
                 acc[r][i].add_(u[r][i])
                 a = acc[r][i].view(-1)
-                if n < 1024:
+                if n < SMALL:
                     total += a
                     a.zero_()
                     sent_elems += n
                 else:
-                    k = max(1, int(math.ceil(d * n)))
+                    k = num_selected(n, d)
                     idx = a.abs().topk(k).indices
                     total[idx] += a[idx]
                     a[idx] = 0
@@ -123,8 +119,7 @@ for t in range(1, steps + 1):
                     sent_elems += 2 * k
             xbar[i].mul_(1 - lr * wd)
             xbar[i].add_(total.view_as(xbar[i]), alpha=-c / N)
-        times, rest = divmod(t, T)
-        if rest == 0 and times & (times - 1) == 0:  # refresh at 2T, 4T, ...
+        if refreshes_at(t, T, "auto"):  # 2T, 4T, 8T, ...
             vbar = [sum(vr[r][i] for r in range(N)) / N for i in range(len(params))]
             Pn = floored_P([x / (1 - b2 ** t) for x in vbar])
             for r in range(N):
@@ -136,7 +131,7 @@ for t in range(1, steps + 1):
             P = Pn
             sent_elems += N * sum(p.numel() for p in params)
     if t % 250 == 0 or t == steps:
-        local = validate([xb - (lr / (1 - b1 ** t)) * a for xb, a in zip(xbar, acc[0])]) \
+        local = validate([xb - lr / (1 - b1 ** t) * a for xb, a in zip(xbar, acc[0])]) \
             if acc is not None else float("nan")
         print(mode, seed, t, f"shared {validate(xbar):.4f} rank0-view {local:.4f}",
               f"bytes/rank {4 * sent_elems / N / 1e6:.1f} MB", f"{time.time() - t0:.0f}s",
