@@ -125,11 +125,9 @@ VARIANTS = {
 
 def _built(options, compressions):
     """A variant's options with ``compression=(name, kwargs)`` made by the framework's
-    ``Compression`` namespace, and "none"/"fp16" taken from it (Horovod's own classes;
-    VARIANTS is shared by both frameworks)."""
+    ``Compression`` namespace (VARIANTS is shared by both frameworks; a plain name such as
+    "dgc" or "fp16" is resolved by the wrapper, switch.py ``resolve_compression``)."""
     spec = options.get("compression")
-    if spec in ("none", "fp16"):  # Horovod's own, as a script passes them
-        return dict(options, compression=getattr(compressions, spec))
     if not isinstance(spec, tuple):
         return options
     return dict(options, compression=getattr(compressions, spec[0])(**spec[1]))
