@@ -158,8 +158,9 @@ class DGCConfig:
             every 4th step (``period=4``), each rank stepping on its own between: 0/1
             Adam (Lu et al., ICLR 2023); where the sign would save nothing on the link,
             exact Adam every step, as Horovod (adam.py ``ZERO_ONE_PERIOD``). With a
-            compressor of its own collectives (``Compression.sign``: 1-bit Adam itself; PowerSGD, QSGD, ...) every
-            tensor goes dense to the freeze, then through the compressor.
+            compressor of its own collectives (``Compression.sign``: 1-bit Adam itself;
+            PowerSGD, QSGD, ...) every tensor goes dense to the freeze, then through the
+            compressor.
             False: Adam's own update on error feedback (no delay, no period).
         refresh_variance: with the variance frozen: None (default: "auto" with
             the default freeze, False with a freeze_variance=N the script chose),

@@ -646,9 +646,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     the scaled sign after the freeze (1-bit Adam), and with no ``delay`` or ``period``
     an exchange every 4th step: 0/1 Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``). Dense
     averaging is asked for explicitly with ``density=1.0`` (through the memory, so the
-    maths is unchanged at any world size). ``Compression.powersgd``, ``sign``, ``terngrad``, ``qsgd`` and
-    ``bf16`` run their own collectives (collective.py), with error feedback through the
-    same memory. Rank 0 prints one line at wrap time saying what runs.
+    maths is unchanged at any world size). ``Compression.powersgd``, ``sign``,
+    ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives (collective.py), with
+    error feedback through the same memory. Rank 0 prints one line at wrap time saying what runs.
 
     hvd_dgc's options are keyword only, the same for TensorFlow and Keras (density,
     warmup, momentum_masking, clip_norm, cost_model, aggregation, delay, period,
