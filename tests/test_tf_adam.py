@@ -14,7 +14,7 @@ from tests.test_torch_optimizer import _checked
 # decline), whose Keras-specific part is that take-over, on one version each, which keeps
 # each launch well inside its limit on a slow CI machine
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
-             "tf_adam.refusals"]
+             "tf_adam.checkpoint_between_exchanges", "tf_adam.refusals"]
 ONE_VERSION = {"keras2": ["tf_adam.refresh_reference", "tf_adam.sign_reference"],
                "keras3": ["tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link",
                           "tf_adam.zero_one_fit", "tf_adam.zero_one_embedding"]}
@@ -24,7 +24,8 @@ def _launch(legacy, ckdir):
     return run("tests.workers.tf_dgc:suite", np=2, controller="gloo", timeout=840,
                env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"},
                kwargs={"names": SCENARIOS + ONE_VERSION["keras2" if legacy else "keras3"],
-                       "kwargs": {"tf_adam.checkpoint": {"ckdir": ckdir}}})
+                       "kwargs": {"tf_adam.checkpoint": {"ckdir": ckdir},
+                                  "tf_adam.checkpoint_between_exchanges": {"ckdir": ckdir}}})
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +226,22 @@ def test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum(results)
             assert out["without_memory"]["max_diff"] == 0.0, out
         else:  # the momentum seeded at the freeze is lost with DGC's memory
             assert out["without_memory"]["max_diff"] > 1e-5, out
+
+
+def test_keras_checkpoint_between_exchanges_carries_the_own_steps(results):
+    """0/1 Adam's own steps in flight at a checkpoint (hvd_dgc/tensorflow/delayed.py
+    OwnStepsInCheckpoint): the restored run equals the uninterrupted one bit for bit;
+    without them (what the checkpoint held before) it ends off; writing changes nothing
+    in the run; with delay, a checkpoint over an average in flight is refused."""
+    outs, _ = results
+    for out in _checked(outs, "tf_adam.checkpoint_between_exchanges"):
+        assert out["period"] == 4 and out["in_flight"] == 2, out  # own steps 4 and 5
+        assert out["in_flight_after_writing"] == 2, out
+        assert out["carried"] == {"max_diff": 0.0, "step": 12, "in_flight": 0}, out
+        assert out["left_out"]["max_diff"] > 1e-2, out  # each rank's steps 4, 5 kept
+        assert "await an average (delay=2, period=4)" in out["delay_refused"], out
+        assert "opt.flush()" in out["delay_refused"], out
+        assert out["delay_written_after_flush"] is True, out
 
 
 def test_keras_adam_refusals_name_the_option_and_the_fix(results):

@@ -46,7 +46,7 @@ from hvd_dgc.autodelay import AutoDelayState
 from hvd_dgc.lagging import LagQueue
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
-__all__ = ["DelayedAveraging", "check_inter_op_threads"]
+__all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "check_inter_op_threads"]
 
 
 class DelayedAveraging(LagQueue):
@@ -80,6 +80,7 @@ class DelayedAveraging(LagQueue):
         self._step_ended = None  # delay="auto": when the last step's wait ended
         self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
         self._kept = None        # delay="auto": (its tf.Variable, the D last written)
+        self._owed = None        # own steps a checkpoint carried, due with their exchange
 
     @property
     def delay(self):
@@ -102,8 +103,43 @@ class DelayedAveraging(LagQueue):
 
     @property
     def in_flight(self):
-        """Steps whose averages have not been applied yet."""
-        return len(self.inflight)
+        """Steps whose averages have not been applied yet (own steps a checkpoint carried
+        count as one until the next step takes them in)."""
+        return len(self.inflight) + (self._owed is not None)
+
+    # -- a period's own steps, in a checkpoint (OwnStepsInCheckpoint) ------------------
+    def owed(self):
+        """``-own`` of this rank's steps since the last exchange, summed per tensor (flat
+        float32, in the order the exchange's correction will sum them), or None when
+        nothing is in flight. A collective in flight (``delay``) cannot be saved, as the
+        PyTorch side's ``state_dict()`` refuses it: ``flush()`` first."""
+        if not self.inflight and self._owed is None:
+            return None
+        if not all(isinstance(future, _OwnSteps) for entry in self.inflight
+                   for work in entry.launches for future in work):
+            raise RuntimeError(
+                f"hvd_dgc: {len(self.inflight)} step(s) await an average (delay="
+                f"{self.delay}, period={self.period}); their averages cannot be saved. "
+                f"Call opt.flush() (Keras) or hvd.flush(optimizer) (tape) after the step, "
+                f"before writing the checkpoint.")
+        total = [np.zeros([t.numel], np.float32) for t in self.paths.ctx.tensors]
+        pending = [[self._owed]] if self._owed is not None else []
+        for work in pending + [work for entry in self.inflight for work in entry.launches]:
+            for t, correction in zip(total, self._result(work)):
+                _add_to(t, correction)
+        return total
+
+    def owe(self, owed):
+        """Own steps a restored checkpoint carried (``owed()``'s), taken back with the
+        exchange that ends their period, as if this run had taken them: pushed at the
+        next step, the first after the restore."""
+        self._owed = _OwnSteps({i: Correction(NO_RECORDS, part, NO_RECORDS)
+                                for i, part in enumerate(owed) if part.size})
+
+    def _push_owed(self, step):
+        if self._owed is not None:
+            owed, self._owed = self._owed, None
+            self.push(step, [[owed]])
 
     # -- delay="auto"'s D, in a checkpoint ----------------------------------------------
     def keep_delay_in(self, variable):
@@ -178,6 +214,7 @@ class DelayedAveraging(LagQueue):
         exchanges) keep ``-own`` of each tensor for when the period's average comes."""
         step, stage, count = int(step), int(stage), len(self.paths.ctx.tensors)
         self._adopt_restored()
+        self._push_owed(step)  # (a restored checkpoint's own steps come first)
         arrays = [p.numpy() for p in payloads]
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
@@ -185,10 +222,8 @@ class DelayedAveraging(LagQueue):
             work = [self._pool.submit(self._run, path, name, members, ks, arrays)
                     for path, members, ks in self.paths.groups(stage)]
         else:
-            done = Future()
-            done.set_result({i: Correction(NO_RECORDS, -own, NO_RECORDS)
-                             for i, own in enumerate(arrays[count:]) if own.size})
-            work = [done]
+            work = [_OwnSteps({i: Correction(NO_RECORDS, -own, NO_RECORDS)
+                               for i, own in enumerate(arrays[count:]) if own.size})]
         self.push(step, [work])
         return np.int32(step)
 
@@ -297,6 +332,7 @@ class DelayedAveraging(LagQueue):
         pool of their own, and the collectives' functions (traced for the old world's
         scales) are made again."""
         self.inflight.clear()
+        self._owed = None
         self._agreeing = self._step_ended = None
         if self.auto is not None:
             self.auto.reset_window()
@@ -310,6 +346,7 @@ class DelayedAveraging(LagQueue):
         """Wait for every launch still in flight; the sum of their corrections per
         tensor (flat float32), or None when nothing was in flight."""
         self._step_ended = None  # (delay="auto": a flush's wait is not a step's compute)
+        self._push_owed(0)
         if not self.inflight:
             return None
         ctx = self.paths.ctx
@@ -322,6 +359,45 @@ class DelayedAveraging(LagQueue):
                                   tf.constant(c.returned[:, 1].view(np.float32)))
                     ctx.statistics.add(bytes_sent=c.later_bytes)
         return total
+
+
+class _OwnSteps(Future):
+    """A step between exchanges (``period``): its ``-own`` per tensor, ready at once (no
+    collective), applied with the exchange's average."""
+
+    def __init__(self, corrections):
+        super().__init__()
+        self.set_result(corrections)
+
+
+class OwnStepsInCheckpoint(tf.__internal__.tracking.Trackable):
+    """This rank's own steps since the last exchange (``period`` > 1: 0/1 Adam, AdamW's
+    default), in ``tf.train.Checkpoint`` with the rest of DGC's state: the weights a
+    checkpoint holds include them, and the exchange that ends their period takes them
+    back, so a run restored from it must take them back too (else each rank keeps its
+    own steps for good, and the ranks' weights part). Written when the checkpoint is,
+    read when it is restored (before the first step, as the memory); nothing is held
+    in between. Checkpoints only: not a SavedModel's (GradientExchange leaves it out)."""
+
+    def __init__(self, dga):
+        self._dga = dga
+
+    def _serialize_to_tensors(self):
+        owed = self._dga.owed()
+        return {"values": tf.constant(np.concatenate(owed) if owed else NO_DENSE)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        values = restored_tensors["values"].numpy()
+        if values.size == 0:
+            return None
+        numels = [t.numel for t in self._dga.paths.ctx.tensors]
+        if values.size != sum(numels):
+            raise ValueError(
+                f"hvd_dgc: the checkpoint's own steps hold {values.size} values where this "
+                f"model's exchanged variables have {sum(numels)}: it was written for "
+                f"another model. Restore it into the model it was saved from.")
+        self._dga.owe(np.split(values, np.cumsum(numels)[:-1]))
+        return None
 
 
 def _add_to(total, correction):

@@ -54,7 +54,7 @@ from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
-from hvd_dgc.tensorflow.delayed import DelayedAveraging
+from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
 from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measure_local, \
     measure_payload
@@ -242,6 +242,8 @@ class GradientExchange(tf.Module):
                 config = self.resolved.config
                 self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
                                             self.period, config.auto_delay)
+                # tracked: a checkpoint between exchanges carries this rank's own steps
+                self.own_steps = OwnStepsInCheckpoint(self.dga)
                 if self.dga.auto is not None:
                     # delay="auto"'s D, tracked: a checkpoint goes on from the D it had
                     self.auto_delay = tf.Variable(self.dga.auto.delay, dtype=tf.int64,
@@ -326,6 +328,14 @@ class GradientExchange(tf.Module):
                 warnings.warn(self.resolved.taken_over.lost, UserWarning)
             delay = self.dga.describe_delay() if self.dga is not None else self.delay
             print(self.planner.summary("tensorflow", delay, self.period), flush=True)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """A SavedModel (Keras 2's ``model.save`` in TF's format) leaves the own steps out:
+        their tensors come from Python at the moment a checkpoint is written."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type != "checkpoint":
+            children.pop("own_steps", None)
+        return children
 
     # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
     def elastic_refusal(self):

@@ -547,6 +547,69 @@ def checkpoint(ckdir):
     return out
 
 
+def checkpoint_between_exchanges(ckdir):
+    """0/1 Adam (an exchange every 4th step from the freeze at 3: steps 3, 7, 11) written
+    to a checkpoint after step 5, this rank's own steps 4 and 5 in flight: a fresh model
+    and optimizer restored from it take steps 6-11 bit for bit as the uninterrupted run.
+    Control: the same checkpoint with the own steps left out (what it held before they
+    were carried), whose restored run keeps each rank's own steps for good. With
+    ``delay=2`` a checkpoint written while an average is in flight is refused; after
+    ``flush()`` it is written."""
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    from hvd_dgc.tensorflow import Compression
+    rank = hvd.rank()
+    options = dict(freeze_variance=3, compression=Compression.sign, period=4,
+                   min_compress_size=64)
+
+    def build(seed, **extra):
+        model = _model(tf.keras, seed)
+        opt = hvd.DistributedOptimizer(tf.keras.optimizers.AdamW(0.01, weight_decay=0.02),
+                                       **dict(options, **extra))
+        return model, opt, _train_step(tf, model, opt)
+
+    def parts(model, opt):
+        return dict(model=model, optimizer=opt, dgc=opt.dgc_state)
+
+    model, opt, step = build(0)
+    for s in range(6):
+        step(*_batch(s, rank))
+    paths = {tag: os.path.join(ckdir, f"between_{tag}_rank{rank}") for tag in ("carried",
+                                                                               "left_out")}
+    out = {"in_flight": opt._hvd_dgc.in_flight, "period": opt._hvd_dgc.period}
+    tf.train.Checkpoint(**parts(model, opt)).write(paths["carried"])
+    dga = opt._hvd_dgc.dga
+    dga.owed = lambda: None  # the control: a checkpoint that holds no own steps
+    tf.train.Checkpoint(**parts(model, opt)).write(paths["left_out"])
+    del dga.owed
+    out["in_flight_after_writing"] = opt._hvd_dgc.in_flight
+    for s in range(6, 12):
+        step(*_batch(s, rank))
+    final = np.concatenate(_flat(v.numpy() for v in model.trainable_variables))
+    for tag, path in paths.items():
+        model2, opt2, step2 = build(7)
+        tf.train.Checkpoint(**parts(model2, opt2)).read(path).expect_partial()
+        for s in range(6, 12):
+            step2(*_batch(s, rank))
+        resumed = np.concatenate(_flat(v.numpy() for v in model2.trainable_variables))
+        out[tag] = {"max_diff": float(np.abs(final - resumed).max()),
+                    "step": opt2.compression_stats()["step"],
+                    "in_flight": opt2._hvd_dgc.in_flight}
+    model, opt, step = build(0, delay=2)
+    for s in range(5):  # from the freeze on, steps 3 and 4 await their averages
+        step(*_batch(s, rank))
+    path = os.path.join(ckdir, f"between_delay_rank{rank}")
+    try:
+        tf.train.Checkpoint(**parts(model, opt)).write(path)
+        out["delay_refused"] = "NO EXCEPTION"
+    except RuntimeError as exc:
+        out["delay_refused"] = str(exc)
+    opt.flush()
+    tf.train.Checkpoint(**parts(model, opt)).write(path)
+    out["delay_written_after_flush"] = os.path.exists(path + ".index")
+    return out
+
+
 def refusals():
     """What the take-over cannot honour, refused with the fix; freeze_variance=False
     leaves Adam on error feedback (said), which delay cannot run on."""
