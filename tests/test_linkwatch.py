@@ -269,7 +269,10 @@ def test_keras_fit_follows_a_link_that_drops_and_traces_its_step_again(tmp_path,
     import numpy as np
     outs, line = _drop_the_link(tmp_path, "tests.workers.keras_link_watch",
                                 args=(callbacks,))
-    changed = outs[0]["before"]["path"] != outs[0]["after"]["path"]
+    # the plan, not only the large tensor's path: where the wrap-time probe read a slow
+    # link (a loaded machine) the tensor is sparse before and after, and the drop moves
+    # the buckets, which the step holds as well
+    changed = outs[0]["before"]["plan"] != outs[0]["after"]["plan"]
     drop = outs[0]["after"]["stats"]["relinked_at"][-1]  # (any before: the step's too)
     said = [s for s in line.splitlines() if f"hvd_dgc: at step {drop} " in s]
     assert len(said) == 1 and ("the step is traced again" in said[0]) == changed, line

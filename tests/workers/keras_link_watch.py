@@ -28,7 +28,11 @@ BEFORE, AFTER, WINDOW, DENSITY = 24, 24, 4, 0.0625
 
 
 def _seen(opt, weight):
-    return seen(opt._hvd_dgc.planner, weight, DENSITY, opt._hvd_dgc.stats())
+    """What link_seen records, and the whole plan the step is traced with (each stage's
+    paths and the buckets: what GradientExchange._replanned compares)."""
+    paths = opt._hvd_dgc.paths
+    return dict(seen(opt._hvd_dgc.planner, weight, DENSITY, opt._hvd_dgc.stats()),
+                plan=repr(([tuple(s) for s in paths.stages], paths.buckets)))
 
 
 def main(directory, callbacks):
