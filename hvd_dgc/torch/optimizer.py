@@ -648,7 +648,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     averaging is asked for explicitly with ``density=1.0`` (through the memory, so the
     maths is unchanged at any world size). ``Compression.powersgd``, ``sign``,
     ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives (collective.py), with
-    error feedback through the same memory. Rank 0 prints one line at wrap time saying what runs.
+    error feedback through the same memory. Rank 0 prints one line at wrap time saying
+    what runs.
 
     hvd_dgc's options are keyword only, the same for TensorFlow and Keras (density,
     warmup, momentum_masking, clip_norm, cost_model, aggregation, delay, period,
