@@ -33,7 +33,8 @@ everywhere: a layer used only later) gets the mean ``v`` of the others.
 The first ``freeze`` steps exchange dense gradients (exact Adam: its ``v`` is the one
 every rank computes from the same averages, so ``P`` is the same everywhere); the
 density schedule starts at the freeze, and so do delayed averaging and ``period``
-(linear from there: a correction is ``lr / (1 - beta1^t)`` times ``avg - own``).
+(linear from there: a correction is ``lr / (1 - beta1^t)`` times ``avg - own``, each
+own step's at its own step's ``t``: hvd_dgc/lagging.py ``take_back``).
 
 Refreshed (``refresh_variance``; 0/1 Adam, Lu et al., ICLR 2023, refreshes its frozen
 variance at rare agreed steps): a ``v`` frozen early goes stale (bench/adam_lm.py, 1,500 steps,

@@ -217,35 +217,62 @@ def lag_due(steps, delay, period):
     return due
 
 
-def lagged_update(owns, avgs, i, delay, period):
+def take_back(then, now):
+    """[hvd_dgc/lagging.py] The factor on a due entry's correction: ``then`` and ``now``
+    are (rate, log_decay) of the entry's step and of the step that applies it (the rate
+    the optimizer multiplies its update by; the sum of log(1 - lr wd) of the decoupled
+    decays so far): rate_s / rate_t * prod_{s < j <= t} (1 - lr_j wd), so that an own
+    step applied at its rate, and decayed since, leaves exactly. 1 where unknown, or the
+    rate now is 0."""
+    if then is None or now is None or not now[0]:
+        return 1.0
+    return then[0] / now[0] * math.exp(now[1] - then[1])
+
+
+def _period_correction(owns, avgs, s, period, now, sizes):
+    """What exchange ``s`` adds to the step that applies it (size ``now``): avg_s - own_s
+    and -own_j of its period's earlier steps, each times its ``take_back`` (one sum of
+    the period's own steps where ``sizes`` is None: every step's size the same)."""
+    if sizes is None:
+        took = sum(f32(owns[j]) for j in range(s - period + 1, s + 1))
+        return f32(avgs[s]) - took
+    out = np.zeros_like(f32(owns[s]))
+    for j in range(s - period + 1, s):
+        out = out - F32(take_back(sizes[j], now)) * f32(owns[j])
+    return out + F32(take_back(sizes[s], now)) * (f32(avgs[s]) - f32(owns[s]))
+
+
+def lagged_update(owns, avgs, i, delay, period, sizes=None):
     """What a worker applies at step i with period p and delay D [TSU, DGA]: its own
     contribution now (an exchange's: what it sent; a step between exchanges: what its
     memory took in), and every exchange s applied now (s + D == i) in place of its
     period's own steps:
         update_i = own_i + sum over s (avg_s - sum_{j = s-p+1 .. s} own_j).
     ``owns[j]``: this worker's own at step j; ``avgs[j]``: the average (None between
-    exchanges). At p = 1 this is ``dga_update``."""
+    exchanges). At p = 1 this is ``dga_update``. ``sizes[j]``: (rate, log_decay) of step
+    j, each entry's correction times its ``take_back`` (None: all alike)."""
     update = f32(owns[i]).copy()
     for s, at in lag_due(i + 1, delay, period).items():
         if at == i:
-            took = sum(f32(owns[j]) for j in range(s - period + 1, s + 1))
-            update = update + (f32(avgs[s]) - took)
+            update = update + _period_correction(owns, avgs, s, period,
+                                                 None if sizes is None else sizes[i], sizes)
     return update
 
 
-def lagged_flush(owns, avgs, steps, delay, period):
+def lagged_flush(owns, avgs, steps, delay, period, sizes=None, now=None):
     """What a flush after ``steps`` steps applies: the exchanges not applied yet, and
     ``-own`` of the steps after the last exchange (their velocity is still in the
-    memory, to be sent later)."""
+    memory, to be sent later); with ``sizes``, each times its ``take_back`` against the
+    flush's ``now``."""
     out = np.zeros_like(f32(owns[0]))
     exchanges = lag_due(steps, delay, period)
     for s, at in exchanges.items():
         if at >= steps:
-            took = sum(f32(owns[j]) for j in range(s - period + 1, s + 1))
-            out = out + (f32(avgs[s]) - took)
+            out = out + _period_correction(owns, avgs, s, period, now, sizes)
     last = max(exchanges, default=-1)
     for j in range(last + 1, steps):
-        out = out - f32(owns[j])
+        factor = 1.0 if sizes is None else take_back(sizes[j], now)
+        out = out - F32(factor) * f32(owns[j])
     return out
 
 
@@ -496,7 +523,9 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     its own weights x. ``keras``: Keras' Adam (eps outside the bias correction) and
     decoupled decay before the step; else torch's AdamW. ``period`` [TSU]: after the
     freeze every period-th step exchanges (what the memory holds, all of it) and the
-    steps between apply what the memory took in (``lagged_update``). Returns per rank
+    steps between apply what the memory took in (``lagged_update``), each own step
+    taken back at its step's size (``take_back``: lr / (1 - beta1^t), and AdamW's
+    decay since). Returns per rank
     the weights (per tensor) after each step, and every rank's after the flush: the
     corrections still due (``lagged_flush``), at Adam's count then and without decay,
     then the ranks' average. ``refresh``: Adam's steps t at whose end the variance is
@@ -511,8 +540,12 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     n = len(start)
     m, v = [np.zeros_like(a) for a in x[0]], [np.zeros_like(a) for a in x[0]]
     owns, avgs, out = [[] for _ in range(world)], [], [[] for _ in range(world)]
+    sizes, log_decay = [], 0.0  # (rate, log_decay) of each step (take_back)
     for step in range(steps):
         t = step + 1
+        if step >= freeze and wd:  # the frozen step's AdamW decay (both forms)
+            log_decay += math.log1p(-lr * wd)
+        sizes.append((lr / (1.0 - betas[0] ** t), log_decay))
         grads = [grads_at(x[r], step, r) for r in range(world)]
         if step < freeze:
             avg = [average([g[i] for g in grads]) for i in range(n)]
@@ -547,7 +580,7 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
             if step >= freeze:  # (the warm-up's steps, never delayed, hold zeros)
                 for i in range(n):
                     update = lagged_update([o[i] for o in owns[r]], [a[i] for a in avgs],
-                                           step, delay, period)
+                                           step, delay, period, sizes)
                     if keras and wd:
                         x[r][i] = x[r][i] - x[r][i] * F32(wd) * F32(lr)
                     x[r][i] = frozen_adam_apply(x[r][i], update, t, lr, betas[0],
@@ -564,7 +597,7 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     for r in range(world):
         for i in range(n):
             due = lagged_flush([o[i] for o in owns[r]], [a[i] for a in avgs], steps, delay,
-                               period)
+                               period, sizes, (lr / (1.0 - betas[0] ** steps), log_decay))
             x[r][i] = frozen_adam_apply(x[r][i], due, steps, lr, betas[0])
     flushed = [np.mean([x[r][i] for r in range(world)], axis=0, dtype=F32) for i in range(n)]
     return out, flushed

@@ -9,6 +9,7 @@ by O(1). The reasons a framework is not exact are at ``exact_for``. Hand vectors
 decimals that float32 cannot hold, so they are compared at rtol 1e-6.
 """
 
+import math
 import os
 import pickle
 import subprocess
@@ -186,6 +187,35 @@ def test_vector_temporally_sparse_updates():
     history = [[x] for x in own]
     assert [float(ref.lagged_update(history, dense_avg, i, 2, 1)[0]) for i in range(5)] == \
         [float(ref.dga_update(history, dense_avg, i, 2)[0]) for i in range(5)]
+
+
+def test_vector_own_steps_taken_back_at_their_step_size():
+    # p = 2, D = 0, one rank, own [1, 2, 3, 4], averages 1.5 (step 1) and 2.5 (step 3).
+    # (a) rates [1, 2, 2, 4] (a schedule, or Adam's 1/(1 - beta1^t)), no decay: step 1
+    # takes step 0's own back at 1/2: 2 - 1/2 + (1.5 - 2) = 1.0; step 3: 4 - 3 (2/4) +
+    # (2.5 - 4) = 1.0. Displacements rate * update: 1, 2, 6, 4: after step 1 3 = 2 *
+    # 1.5 and after step 3 13 = 3 + 4 * 2.5, each exchange's average at its own rate
+    # and no own step left; taken back at the exchange's rate (the rule before) they
+    # would leave 1 - 2 = -1 and 6 - 12 = -6 with this rank.
+    own, avg = [[1], [2], [3], [4]], [None, [1.5], None, [2.5]]
+    rates = [(1.0, 0.0), (2.0, 0.0), (2.0, 0.0), (4.0, 0.0)]
+    updates = [float(ref.lagged_update(own, avg, i, 0, 2, rates)[0]) for i in range(4)]
+    assert updates == [1.0, 1.0, 3.0, 1.0]
+    assert [sum(r * u for (r, _), u in zip(rates[:n], updates[:n])) for n in (2, 4)] == \
+        [3.0, 13.0]
+    assert [float(ref.lagged_update(own, avg, i, 0, 2)[0]) for i in range(4)] == \
+        [1.0, 0.5, 3.0, -0.5]  # (displacements 1, 1, 6, -2: 2 and 6 in place of 3, 13)
+    # (b) rate 1 and a decoupled decay halving the weights at every step (log_decay
+    # -ln 2 a step): step 0's own, halved by step 1's decay, is taken back at 1/2:
+    # x = 0.5 * 1 + (2 - 0.5 + (1.5 - 2)) = 1.5 = avg_1, as if the average had been
+    # applied at step 1 in place of both own steps.
+    halving = [(1.0, -j * math.log(2.0)) for j in range(4)]
+    assert ref.take_back(halving[0], halving[1]) == 0.5
+    assert float(ref.lagged_update(own, avg, 1, 0, 2, halving)[0]) == 1.0
+    # the flush after step 2 takes step 2's own back at the flush's size: rate 4 now,
+    # step 2 at 2: -3 * 1/2
+    assert float(ref.lagged_flush(own, avg, 3, 0, 2, rates, (4.0, 0.0))[0]) == -1.5
+    assert ref.take_back((1.0, 0.0), (0.0, 0.0)) == 1.0  # a step of rate 0 moves nothing
 
 
 def test_vector_period_memory():

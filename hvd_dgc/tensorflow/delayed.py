@@ -35,6 +35,7 @@ them synchronously (exchange.py ``_step``) and delays from the freeze on.
 
 import os
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -43,7 +44,7 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
-from hvd_dgc.lagging import LagQueue
+from hvd_dgc.lagging import ZERO_RATE, InFlight, LagQueue, StepSize, take_back
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
 __all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "check_inter_op_threads"]
@@ -81,6 +82,10 @@ class DelayedAveraging(LagQueue):
         self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
         self._kept = None        # delay="auto": (its tf.Variable, the D last written)
         self._owed = None        # own steps a checkpoint carried, due with their exchange
+        #                          (an InFlight's launches and size)
+        # per tensor, the sum of log(1 - lr wd) of the optimizer's decoupled decays
+        self._log_decay = np.zeros(len(paths.ctx.tensors), np.float64)
+        self._said_zero_rate = False
 
     @property
     def delay(self):
@@ -110,7 +115,7 @@ class DelayedAveraging(LagQueue):
     # -- a period's own steps, in a checkpoint (OwnStepsInCheckpoint) ------------------
     def owed(self):
         """``-own`` of this rank's steps since the last exchange, summed per tensor (flat
-        float32, in the order the exchange's correction will sum them), or None when
+        float32) at the step size of the last of them, and that size's rate; None when
         nothing is in flight. A collective in flight (``delay``) cannot be saved, as the
         PyTorch side's ``state_dict()`` refuses it: ``flush()`` first."""
         if not self.inflight and self._owed is None:
@@ -122,24 +127,50 @@ class DelayedAveraging(LagQueue):
                 f"{self.delay}, period={self.period}); their averages cannot be saved. "
                 f"Call opt.flush() (Keras) or hvd.flush(optimizer) (tape) after the step, "
                 f"before writing the checkpoint.")
+        pending = ([] if self._owed is None else [self._owed]) + list(self.inflight)
+        last = pending[-1].size
         total = [np.zeros([t.numel], np.float32) for t in self.paths.ctx.tensors]
-        pending = [[self._owed]] if self._owed is not None else []
-        for work in pending + [work for entry in self.inflight for work in entry.launches]:
-            for t, correction in zip(total, self._result(work)):
-                _add_to(t, correction)
-        return total
+        for entry in pending:
+            for work in entry.launches:
+                for i, (t, c) in enumerate(zip(total, self._result(work))):
+                    _add_to(t, _scaled(c, self._factor(entry.size, last, i)))
+        return total, (-1.0 if last is None else last[0].rate)
 
-    def owe(self, owed):
-        """Own steps a restored checkpoint carried (``owed()``'s), taken back with the
-        exchange that ends their period, as if this run had taken them: pushed at the
-        next step, the first after the restore."""
-        self._owed = _OwnSteps({i: Correction(NO_RECORDS, part, NO_RECORDS)
-                                for i, part in enumerate(owed) if part.size})
+    def owe(self, owed, rate):
+        """Own steps a restored checkpoint carried (``owed()``'s, at ``rate``), taken back
+        with the exchange that ends their period, as if this run had taken them: pushed
+        at the next step, the first after the restore."""
+        work = [_OwnSteps({i: Correction(NO_RECORDS, part, NO_RECORDS)
+                           for i, part in enumerate(owed) if part.size})]
+        self._owed = InFlight(0, [work], self._sizes(rate))
 
     def _push_owed(self, step):
         if self._owed is not None:
             owed, self._owed = self._owed, None
-            self.push(step, [[owed]])
+            self.push(step, owed.launches, owed.size)
+
+    # -- each step's size (hvd_dgc/lagging.py: own steps taken back at theirs) ----------
+    def _sizes(self, rate):
+        """Each tensor's ``StepSize`` now at ``rate`` (None: unknown, below 0: the tape's
+        optimizer is not the exchange's to know)."""
+        rate = float(rate)
+        if rate < 0:
+            return None
+        return tuple(StepSize(rate, float(d)) for d in self._log_decay)
+
+    def _factor(self, then, now, i):
+        if then is None or now is None:
+            return 1.0
+        if not now[i].rate and then[i].rate and not self._said_zero_rate:
+            self._said_zero_rate = True
+            warnings.warn(ZERO_RATE, RuntimeWarning)
+        return take_back(then[i], now[i])
+
+    def _taken_back(self, entries, now):
+        """Each entry's corrections per tensor, times its step's size over ``now``'s."""
+        return [[_scaled(c, self._factor(entry.size, now, i))
+                 for i, c in enumerate(self._result(work))]
+                for entry in entries for work in entry.launches]
 
     # -- delay="auto"'s D, in a checkpoint ----------------------------------------------
     def keep_delay_in(self, variable):
@@ -170,12 +201,14 @@ class DelayedAveraging(LagQueue):
                 self.resume_delay(stored)
 
     # -- the step's graph ------------------------------------------------------------
-    def step(self, grads, at, dropped=None):
+    def step(self, grads, at, dropped=None, size=None):
         """Launch this step's payloads; per tensor, ``own + avg - own`` of every step
         whose average is due now (the step launched ``delay`` steps ago; with
-        ``period``, an exchange's average in place of its period's own steps).
-        ``dropped[i]``: tensor i is not finite on this rank; it sends nothing and its
-        memory does not move."""
+        ``period``, an exchange's average in place of its period's own steps), each
+        times its step's size over this one's. ``dropped[i]``: tensor i is not finite on
+        this rank; it sends nothing and its memory does not move. ``size``: ``(rate,
+        decays)``, what the optimizer multiplies this step's update by and, per tensor,
+        the ``lr wd`` of its decoupled decay before it (None: unknown, as with a tape)."""
         exchanging = None if self.period == 1 else \
             tf.equal((at.step + 1) % self.period, 0)
         sent = [self.paths.take_own(i, grad, at, None if dropped is None else dropped[i],
@@ -185,10 +218,11 @@ class DelayedAveraging(LagQueue):
             owns = [tf.cond(exchanging, lambda: tf.zeros([0]), lambda own=own: own)
                     for _, own in sent]
         flag = tf.constant(True) if exchanging is None else exchanging
-        launched = tf.py_function(self.launch, [at.step, at.stage, flag]
+        rate, decays = (tf.constant(-1.0), tf.zeros([len(grads)])) if size is None else size
+        launched = tf.py_function(self.launch, [at.step, at.stage, flag, rate, decays]
                                   + [w for w, _ in sent] + owns, Tout=tf.int32)
         with tf.control_dependencies([launched]):
-            parts = tf.py_function(self.correction, [at.step],
+            parts = tf.py_function(self.correction, [at.step, rate],
                                    Tout=[tf.int32, tf.float32, tf.int32] * len(grads)
                                    + [tf.int64])
         ctx, out = self.paths.ctx, []
@@ -209,12 +243,14 @@ class DelayedAveraging(LagQueue):
         return out
 
     # -- called from the graph (tf.py_function) ---------------------------------
-    def launch(self, step, stage, exchanging, *payloads):
+    def launch(self, step, stage, exchanging, rate, decays, *payloads):
         """Start an exchange's collectives on the threads, or (a step between
-        exchanges) keep ``-own`` of each tensor for when the period's average comes."""
+        exchanges) keep ``-own`` of each tensor for when the period's average comes;
+        either with this step's size (``rate``, and the ``decays`` before it)."""
         step, stage, count = int(step), int(stage), len(self.paths.ctx.tensors)
         self._adopt_restored()
         self._push_owed(step)  # (a restored checkpoint's own steps come first)
+        self._log_decay += np.log1p(-decays.numpy().astype(np.float64))
         arrays = [p.numpy() for p in payloads]
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
@@ -224,18 +260,19 @@ class DelayedAveraging(LagQueue):
         else:
             work = [_OwnSteps({i: Correction(NO_RECORDS, -own, NO_RECORDS)
                                for i, own in enumerate(arrays[count:]) if own.size})]
-        self.push(step, [work])
+        self.push(step, [work], self._sizes(rate))
         return np.int32(step)
 
-    def correction(self, step):
+    def correction(self, step, rate):
         """``avg - own`` of the launches due at ``step`` (``-own`` of a step between
         exchanges), per tensor as three parts: records to scatter and a dense part (the
         other one empty), and the records it gives back to this rank's residual; all
         empty where nothing is due (before the first, or flushed before a checkpoint
-        this run resumed from). The graph turns them into one tensor. Last: the bytes
-        this rank sent in later rounds."""
+        this run resumed from). Each launch's, times its step's size over ``rate``'s
+        (this step's). The graph turns them into one tensor. Last: the bytes this rank
+        sent in later rounds."""
         started = time.perf_counter()
-        parts = self._sum([self._result(futures) for futures in self.due(int(step))])
+        parts = self._sum(self._taken_back(self.due(int(step)), self._sizes(rate)))
         if self.auto is not None:
             self._tune(int(step), started, time.perf_counter() - started)
         return [x for c in parts for x in c[:3]] + [np.int64(sum(c.later_bytes for c in parts))]
@@ -342,17 +379,19 @@ class DelayedAveraging(LagQueue):
         self._functions = {}
 
     # -- end of training, evaluation, checkpoint ----------------------------------
-    def drain(self):
+    def drain(self, rate=-1.0):
         """Wait for every launch still in flight; the sum of their corrections per
-        tensor (flat float32), or None when nothing was in flight."""
+        tensor (flat float32), each times its step's size over the flush's (``rate``:
+        what the flush multiplies them by; below 0 unknown), or None when nothing was
+        in flight."""
         self._step_ended = None  # (delay="auto": a flush's wait is not a step's compute)
         self._push_owed(0)
         if not self.inflight:
             return None
         ctx = self.paths.ctx
         total = [np.zeros([t.numel], np.float32) for t in ctx.tensors]
-        for futures in self.due(0, flush=True):
-            for i, (t, c) in enumerate(zip(total, self._result(futures))):
+        for launch in self._taken_back(self.due(0, flush=True), self._sizes(rate)):
+            for i, (t, c) in enumerate(zip(total, launch)):
                 _add_to(t, c)
                 if self.gives_back:
                     ctx.give_back(i, c.returned[:, 0],
@@ -384,10 +423,12 @@ class OwnStepsInCheckpoint(tf.__internal__.tracking.Trackable):
 
     def _serialize_to_tensors(self):
         owed = self._dga.owed()
-        return {"values": tf.constant(np.concatenate(owed) if owed else NO_DENSE)}
+        values, rate = (np.concatenate(owed[0]), owed[1]) if owed else (NO_DENSE, -1.0)
+        return {"values": tf.constant(values), "rate": tf.constant(rate, tf.float64)}
 
     def _restore_from_tensors(self, restored_tensors):
         values = restored_tensors["values"].numpy()
+        rate = float(restored_tensors["rate"].numpy())
         if values.size == 0:
             return None
         numels = [t.numel for t in self._dga.paths.ctx.tensors]
@@ -396,8 +437,22 @@ class OwnStepsInCheckpoint(tf.__internal__.tracking.Trackable):
                 f"hvd_dgc: the checkpoint's own steps hold {values.size} values where this "
                 f"model's exchanged variables have {sum(numels)}: it was written for "
                 f"another model. Restore it into the model it was saved from.")
-        self._dga.owe(np.split(values, np.cumsum(numels)[:-1]))
+        self._dga.owe(np.split(values, np.cumsum(numels)[:-1]), rate)
         return None
+
+
+def _scaled(correction, factor):
+    """``correction``'s values times ``factor`` (what it gives back to the residual is
+    not a step: as it is)."""
+    if factor == 1.0:
+        return correction
+    f = np.float32(factor)
+    records = correction.records
+    if records.size:
+        records = records.copy()
+        records[:, 1] = (correction.records[:, 1].view(np.float32) * f).view(np.int32)
+    dense = correction.dense * f if correction.dense.size else correction.dense
+    return correction._replace(records=records, dense=dense)
 
 
 def _add_to(total, correction):

@@ -115,6 +115,10 @@ class GradientExchange(tf.Module):
         # Keras' Adam taken over (keras_adam.KerasAdamTakeOver), set by the Keras
         # optimizer; kept out of tf.Module's tracking (it refers to the optimizer)
         object.__setattr__(self, "adam", None)
+        # the Keras optimizer's step size (delayed.py ``step``'s ``size``): what it
+        # multiplies this step's update by, and the decoupled decays before it; None with
+        # a tape, whose optimizer is the script's (own steps taken back as they come)
+        object.__setattr__(self, "step_size", None)
         self._epoch = 0.0
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self._first_delay = None  # and the D its delay="auto" had reached
@@ -636,18 +640,23 @@ class GradientExchange(tf.Module):
         if not self.lags:
             out = self._synchronous(grads, at)
         elif self.adam is None:
-            out = self.dga.step(grads, at)
+            out = self.dga.step(grads, at, size=self._size())
         else:
-            out = tf.cond(self.adam.frozen(), lambda: self.dga.step(grads, at),
+            out = tf.cond(self.adam.frozen(),
+                          lambda: self.dga.step(grads, at, size=self._size()),
                           lambda: self._synchronous(grads, at))
         self.step.assign_add(1)
         return out
 
     def _delayed(self, grads, at, dropped):
         """A delayed step, this rank's non-finite tensors ``dropped`` (guard.py)."""
-        out = self.dga.step(grads, at, dropped)
+        out = self.dga.step(grads, at, dropped, self._size())
         self.step.assign_add(1)
         return out
+
+    def _size(self):
+        """This step's ``(rate, decays)`` (delayed.py ``step``), or None (a tape)."""
+        return None if self.step_size is None else self.step_size(self.dga.variables)
 
     def _local_grad(self, i, grad):
         """The gradient as it will travel: dense, or IndexedSlices (Horovod's way)."""
@@ -700,17 +709,19 @@ class GradientExchange(tf.Module):
         between exchanges)."""
         return self.dga.in_flight if self.dga is not None else 0
 
-    def flush(self, apply, iterations=None):
+    def flush(self, apply, iterations=None, rate=-1.0):
         """Wait for every step in flight, ``apply(corrections, variables)`` them (one
         optimizer step of ``avg - own``; the optimizer's ``iterations`` variable, if
         given, is left as it was: the flush is not a training step), then average
         the variables across ranks: equal in exact arithmetic after the corrections,
         they differ in rounding. With nothing in flight it only averages them where
         ranks step with their own contributions (``period`` > 1 right after an
-        exchange: each rank replaced its own steps in its own rounding)."""
+        exchange: each rank replaced its own steps in its own rounding). ``rate``: what
+        ``apply`` multiplies the corrections by (each is taken back at its own step's
+        size: hvd_dgc/lagging.py; below 0: unknown)."""
         if self.dga is None:
             return False
-        corrections = self.dga.drain()
+        corrections = self.dga.drain(float(rate))
         variables = self.dga.variables
         if corrections is not None:
             before = int(iterations.numpy()) if iterations is not None else None

@@ -15,7 +15,10 @@ ranks average it; the scale and the memory move to it (``_refresh``).
 
 import torch
 
+import math
+
 from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count, refreshes_at
+from hvd_dgc.lagging import StepSize
 from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
@@ -49,6 +52,7 @@ class AdamTakeOver:
         # ranks' average of a list of tensors, in place (it counts the bytes sent)
         self.refresh, self._rescale, self._average = refresh, rescale, average
         self.declined = False
+        self._log_decay = {}  # id(group): the sum of log(1 - lr wd) of its AdamW decays
 
     def freeze_at(self, step):
         """Freeze at ``step`` (plan.py ``adam_freeze``: later than planned where every
@@ -122,6 +126,25 @@ class AdamTakeOver:
             self._freeze_one(p, seed=False, typical=self._typical())
         return state[SCALE_KEY]
 
+    def step_sizes(self, ahead=True):
+        """``{param: StepSize}``: what the frozen step multiplies ``p.grad`` by, ``lr / (1 -
+        beta1^t)``, and AdamW's decays so far (delayed averaging takes each own step back
+        at the size it was applied with: hvd_dgc/lagging.py); ``ahead``: the coming
+        step's (its count, its decay), else a flush's (the count now, as ``correct``)."""
+        if not self.frozen:
+            return None
+        sizes, state = {}, self.optimizer.state
+        for group in self.optimizer.param_groups:
+            lr, beta1 = float(group["lr"]), float(group["betas"][0])
+            decay = self._log_decay.get(id(group), 0.0)
+            if ahead:
+                decay += _log_decay(group)
+            for p in group["params"]:
+                step = state[p].get("step") if p in state else None
+                t = (0.0 if step is None else float(step)) + (1.0 if ahead else 0.0)
+                sizes[p] = StepSize(lr / (1.0 - beta1 ** max(t, 1.0)), decay)
+        return sizes
+
     def correct(self, base_step):
         """Apply the corrections in ``p.grad`` (a flush, which is not a step): ``lr /
         (1 - beta1^t) * correction`` at Adam's count now, no decay."""
@@ -193,8 +216,10 @@ class AdamTakeOver:
         if not params:
             return {}
         lr, beta1 = float(group["lr"]), float(group["betas"][0])
-        if advance and group.get("decoupled_weight_decay", False) and group["weight_decay"]:
+        if advance and _log_decay(group):
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+            self._log_decay[id(group)] = self._log_decay.get(id(group), 0.0) + \
+                _log_decay(group)
         alphas = {}
         for p in params:
             state = self.optimizer.state[p]
@@ -258,6 +283,14 @@ class AdamTakeOver:
         (hvd_dgc/adam.py)."""
         v = v.clamp(min=_row_major_mean(v) * VARIANCE_FLOOR)
         return (v.sqrt() / correction ** 0.5).add_(eps).reciprocal_()
+
+
+def _log_decay(group):
+    """``log(1 - lr wd)`` of one AdamW step's decoupled decay (0 for Adam's L2 decay,
+    which is in the gradient)."""
+    if not (group.get("decoupled_weight_decay", False) and group["weight_decay"]):
+        return 0.0
+    return math.log1p(-float(group["lr"]) * float(group["weight_decay"]))
 
 
 def _row_major_mean(v):

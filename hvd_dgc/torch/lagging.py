@@ -26,13 +26,14 @@ window later.
 """
 
 import time
+import warnings
 
 import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
-from hvd_dgc.lagging import LagQueue
+from hvd_dgc.lagging import ZERO_RATE, LagQueue, take_back
 
 __all__ = ["Lagging"]
 
@@ -51,6 +52,7 @@ class Lagging(LagQueue):
         self.process_set = process_set
         self._step_ended = None    # delay="auto": when the last step's wait ended
         self._agreeing = None      # delay="auto": a window's sums, being agreed on
+        self._said_zero_lr = False
 
     @property
     def delay(self):
@@ -88,29 +90,51 @@ class Lagging(LagQueue):
         return ".d%d" % (step % slots)
 
     # -- per step ------------------------------------------------------------------------
-    def gradients(self, engine, launches, due):
+    def gradients(self, engine, launches, due, sizes=None):
         """This step's gradients: ``own`` of its launches, plus ``avg - own`` of every
-        launch due (``-own`` for a step between exchanges), one operation per launch.
-        ``{param: flat tensor}``."""
+        entry due (``-own`` for a step between exchanges), one operation per launch, each
+        times its step's size over this one's (``sizes``: ``{param: size}`` now;
+        hvd_dgc/lagging.py ``take_back``). ``{param: flat tensor}``."""
         grads = {}
         for launch in launches:
             result = launch.own.clone()
             for i in launch.layout.dense_grads:
                 o, m = launch.layout.offsets[i], launch.layout.members[i]
                 grads[m.param] = result[o:o + m.numel]
-        for launch in due:
-            correction = engine.corrections(launch)
-            layout = launch.layout
-            targets, sources = [], []
-            for i in layout.dense_grads:
-                o, m = layout.offsets[i], layout.members[i]
-                if m.param not in grads:  # a flush: no launch of this step
-                    grads[m.param] = torch.zeros(m.numel, dtype=correction.dtype,
-                                                 device=correction.device)
-                targets.append(grads[m.param])
-                sources.append(correction[o:o + m.numel])
-            torch._foreach_add_(targets, sources)
+        for entry in due:
+            for launch in entry.launches:
+                self._add_correction(grads, engine.corrections(launch), launch.layout,
+                                     entry.size, sizes)
         return grads
+
+    def _add_correction(self, grads, correction, layout, then, now):
+        targets, sources, factors = [], [], []
+        for i in layout.dense_grads:
+            o, m = layout.offsets[i], layout.members[i]
+            if m.param not in grads:  # a flush: no launch of this step
+                grads[m.param] = torch.zeros(m.numel, dtype=correction.dtype,
+                                             device=correction.device)
+            targets.append(grads[m.param])
+            sources.append(correction[o:o + m.numel])
+            factors.append(self._factor(then, now, m.param))
+        if not targets:
+            return
+        if len(set(factors)) == 1:
+            torch._foreach_add_(targets, sources, alpha=factors[0])
+        else:
+            torch._foreach_mul_(sources, factors)
+            torch._foreach_add_(targets, sources)
+
+    def _factor(self, then, now, param):
+        """``take_back`` of one parameter; a learning rate of 0 now cannot take back a
+        step applied at another (the step moves nothing): said once, left as it is."""
+        if then is None or now is None:
+            return 1.0
+        a, b = then.get(param), now.get(param)
+        if b is not None and not b.rate and a and a.rate and not self._said_zero_lr:
+            self._said_zero_lr = True
+            warnings.warn(ZERO_RATE, RuntimeWarning)
+        return take_back(a, b)
 
     def tune(self, step, started, waited):
         """delay="auto": measure this step, and at the end of a window read the previous

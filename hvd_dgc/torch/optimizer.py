@@ -262,9 +262,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._profiler.end_step(step, self._progress.density())
         else:
             started = time.perf_counter()
-            self._lagging.push(step, launches)
+            sizes = self._takeover.step_sizes()  # (what this step applies its own at)
+            self._lagging.push(step, launches, sizes)
             grads = self._lagging.gradients(self._engine, launches,
-                                            self._lagging.due(step, flush))
+                                            self._lagging.due(step, flush), sizes)
             if not flush:
                 self._lagging.tune(step, started, time.perf_counter() - started)
             params = list(grads)
@@ -387,7 +388,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _apply_in_flight(self):
         """What is in flight applied now, as one step of its corrections: ``avg - own``
         of each exchange (waited for), ``-own`` of each step since the last one."""
-        corrections = self._lagging.gradients(self._engine, [], self._lagging.due(0, True))
+        corrections = self._lagging.gradients(self._engine, [], self._lagging.due(0, True),
+                                              self._takeover.step_sizes(ahead=False))
         self._lagging.flushed()
         saved = {p: p.grad for p in corrections}
         try:

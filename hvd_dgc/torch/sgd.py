@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hvd_dgc.lagging import StepSize
 from hvd_dgc.torch.update import step_at_records
 
 __all__ = ["SGDTakeOver"]
@@ -52,6 +53,15 @@ class SGDTakeOver:
     def scale(p):
         """SGD's gradient enters the memory as it is."""
         return None
+
+    def step_sizes(self, ahead=True):
+        """``{param: StepSize(lr)}``: what the base step multiplies ``p.grad`` by (delayed
+        averaging takes each own step back at the size it was applied with:
+        hvd_dgc/lagging.py; SGD's weight decay is in the gradient); None where nothing
+        is taken over."""
+        if not self.active:
+            return None
+        return {p: StepSize(float(g["lr"])) for p, g in self._group_of.items()}
 
     @staticmethod
     def freeze_at(step):

@@ -547,10 +547,50 @@ def checkpoint(ckdir):
     return out
 
 
+def taken_back_at_their_size():
+    """The ranks' spread after every step where each step's size moves (as the PyTorch
+    side's ``taken_back_at_their_size``): AdamW (the sign, ``period=4``, frozen at step 3,
+    Keras' decoupled decay 0.1), SGD with momentum (dense, ``period=4``) under a schedule
+    that changes the rate every step (tf_keras' ``learning_rate`` is the last step's until
+    it steps: the one the step will use is read), and a schedule with a rate of 0 at the
+    exchange of step 7 (said once)."""
+    import warnings
+    tf = _tf()
+    import hvd_dgc.tensorflow.keras as hvd
+    from hvd_dgc.tensorflow import Compression
+    import horovod.tensorflow as _hvd
+    rank, schedules = hvd.rank(), tf.keras.optimizers.schedules
+    out = {}
+    for name in ("adamw", "sgd_schedule", "zero_rate"):
+        model = _model(tf.keras, 3)
+        if name == "adamw":
+            opt = hvd.DistributedOptimizer(
+                tf.keras.optimizers.AdamW(0.01, weight_decay=0.1),
+                compression=Compression.sign, period=4, freeze_variance=3,
+                min_compress_size=64)
+        else:
+            rate = schedules.InverseTimeDecay(0.1, 1, 1.0) if name == "sgd_schedule" else \
+                schedules.PiecewiseConstantDecay([6, 7], [0.1, 0.0, 0.1])
+            opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(rate, momentum=0.9),
+                                           density=1.0, period=4)
+        step, spread = _train_step(tf, model, opt), []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(16):
+                step(*_batch(s, rank))
+                flat = np.concatenate(_flat(v.numpy() for v in model.trainable_variables))
+                everyone = _hvd.allgather(flat[None], name=f"tb.{name}.{s}").numpy()
+                spread.append(float(np.abs(everyone - everyone[0]).max()))
+        out[name] = {"spread": spread, "said": [str(w.message) for w in caught
+                                                if "learning rate is 0" in str(w.message)]}
+    return out
+
+
 def checkpoint_between_exchanges(ckdir):
     """0/1 Adam (an exchange every 4th step from the freeze at 3: steps 3, 7, 11) written
     to a checkpoint after step 5, this rank's own steps 4 and 5 in flight: a fresh model
-    and optimizer restored from it take steps 6-11 bit for bit as the uninterrupted run.
+    and optimizer restored from it take steps 6-11 as the uninterrupted run (to rounding:
+    the checkpoint holds their sum at the last one's step size).
     Control: the same checkpoint with the own steps left out (what it held before they
     were carried), whose restored run keeps each rank's own steps for good. With
     ``delay=2`` a checkpoint written while an average is in flight is refused; after

@@ -367,11 +367,52 @@ def zero_one_default():
             "phase": opts[0].compression_stats()["adam_phase"]}
 
 
+def taken_back_at_their_size():
+    """The ranks' spread after every step where each step's size moves: AdamW (the sign,
+    ``period=4``, frozen at step 3, where Adam's ``lr / (1 - beta1^t)`` still moves every
+    step, with a decoupled decay of 0.1), and SGD with momentum (dense, ``period=4``)
+    under a LambdaLR that changes the rate every step; and a rate of 0 at an exchange
+    (nothing can be taken back: said once). Own steps are taken back at the size they
+    were applied with (hvd_dgc/lagging.py ``take_back``)."""
+    import warnings
+    rank = hvd.rank()
+    out = {}
+    for name in ("adamw", "sgd_schedule", "zero_rate"):
+        model = wide_mlp(13)
+        named = [(f"tb.{name}." + n, p) for n, p in model.named_parameters()]
+        if name == "adamw":
+            opt = hvd.DistributedOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+                named_parameters=named, compression=hvd.Compression.sign, period=4,
+                freeze_variance=3)
+        else:
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                named_parameters=named, compression=hvd.Compression.dgc, density=1.0,
+                period=4)
+        rule = (lambda s: 1.0 / (1 + s)) if name == "sgd_schedule" else \
+            (lambda s: 0.0 if s == 7 else 1.0)
+        schedule = None if name == "adamw" else torch.optim.lr_scheduler.LambdaLR(opt, rule)
+        spread = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(16):
+                train(model, opt, 1, rank, start=step, features=64, classes=10)
+                if schedule is not None:
+                    schedule.step()
+                everyone = hvd.allgather(flat_params(model).unsqueeze(0),
+                                         name=f"tb.{name}.{step}")
+                spread.append(float((everyone - everyone[0]).abs().max()))
+        out[name] = {"spread": spread, "said": [str(w.message) for w in caught
+                                                if "learning rate is 0" in str(w.message)]}
+    return out
+
+
 def zero_one_checkpoint():
     """The default (0/1 Adam) saved between exchanges, without flush(), as a Horovod
     script saves: at step 22 this rank's own steps 20-21 since the freeze are in flight;
     ``state_dict()`` takes them back (the last exchange's weights, which the ranks agree
-    on up to what Adam's bias correction leaves), and a fresh model and optimizer loaded
+    on to rounding), and a fresh model and optimizer loaded
     from the files take the next 10 steps bit for bit as the run that saved. Rank 0
     saving alone (Horovod's examples) leaves the ranks as consistent after the next
     exchange as a run that never saved."""

@@ -469,7 +469,31 @@ def _flush(self):
             base.apply(corrections, variables)
         else:
             base.apply_gradients(zip(corrections, variables))
-    return self._hvd_dgc.flush(apply, self.iterations)
+    return self._hvd_dgc.flush(apply, self.iterations, float(_rate(self, ahead=False)))
+
+
+def _rate(self, ahead=True):
+    """What this optimizer multiplies an update by: SGD's ``lr`` (its momentum taken
+    over), frozen Adam's ``lr / (1 - beta1^t)`` at the coming step (``ahead``: Keras'
+    ``t = iterations + 1``) or a flush's (``correct``'s count), float32 as they step."""
+    lr = tf.cast(_current_lr(self), tf.float32)
+    adam = self._hvd_dgc_adam
+    if adam is None:
+        return lr
+    t = self.iterations + 1 if ahead else tf.maximum(self.iterations, 1)
+    return lr / (1.0 - tf.pow(tf.constant(adam.beta1, tf.float32), tf.cast(t, tf.float32)))
+
+
+def _step_size(self, variables):
+    """``(rate, decays)`` of the coming step (delayed.py ``step``): the rate, and per
+    exchanged variable the ``lr wd`` of the decoupled decay Keras applies before the
+    update (``weight_decay``, with its exclusions; 0 where none)."""
+    wd = getattr(self, "weight_decay", None)
+    if not wd or is_legacy(self):
+        return _rate(self), tf.zeros([len(variables)])
+    lr = tf.cast(_current_lr(self), tf.float32) * float(wd)
+    return _rate(self), tf.stack([lr if self._use_weight_decay(v) else tf.zeros([])
+                                  for v in variables])
 
 
 def _current_lr(self):
@@ -478,6 +502,9 @@ def _current_lr(self):
         return self._decayed_lr(tf.float32)
     if self._hvd_dgc_keras3:
         return self._get_current_learning_rate()
+    schedule = getattr(self, "_learning_rate", None)  # tf_keras: its learning_rate is
+    if callable(schedule) and not isinstance(schedule, tf.Variable):  # the last step's
+        return schedule(self.iterations)                               # until it steps
     return self.learning_rate
 
 
@@ -686,6 +713,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     if adam is not None:
         adam.optimizer = new
         object.__setattr__(exchange, "adam", adam)
+    object.__setattr__(exchange, "step_size", lambda variables: _step_size(new, variables))
     if is_keras3(optimizer):
         object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
     else:
