@@ -6,14 +6,19 @@ hvd_dgc with the import switched.
     python bench/adam_lm.py --steps 3000 --seeds 0 1 2 --variants horovod default
     python bench/adam_lm.py --framework keras --variants horovod default "delay=4"
     python bench/adam_lm.py --report --steps 3000 --out bench/results/adam_lm_3000.md
+    python bench/adam_lm.py --lr-schedule cosine --seeds 0 1 2 --variants horovod default
 
 Each variant trains the same model from the same seed on the same batches (each rank
 its own shard); validation loss (nats per byte) on held-out files every ``--eval``
 steps, and bytes this rank sent (``compression_stats()``; dense Horovod: 4 bytes per
-element per step). The table is the mean over seeds; read the ratios.
+element per step). The table is the mean over seeds; read the ratios. ``--lr-schedule
+cosine``: the learning rate an LM script would give AdamW (a linear warm-up over the
+first 5% of the steps, then a cosine to 10% of the peak), the same in every variant,
+recorded in a CSV of its own (``RUNS_COSINE``).
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -123,6 +128,16 @@ VARIANTS = {
 }
 
 
+def lr_factor(step, steps):
+    """``--lr-schedule cosine``'s factor on the peak rate at ``step`` (0-based): linear
+    warm-up over ``steps // 20`` steps, then a cosine from 1 to 0.1 at the last step."""
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
+
+
 def _built(options, compressions):
     """A variant's options with ``compression=(name, kwargs)`` made by the framework's
     ``Compression`` namespace (VARIANTS is shared by both frameworks; a plain name such as
@@ -133,7 +148,8 @@ def _built(options, compressions):
     return dict(options, compression=getattr(compressions, spec[0])(**spec[1]))
 
 
-def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
+def worker(variant, options, steps, seed, eval_every, context=128, batch=32,
+           lr_schedule="constant"):
     import torch
     import horovod.torch as stock
 
@@ -155,6 +171,8 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        **_built(options, hvd.Compression))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    schedule = None if lr_schedule == "constant" else \
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
 
     def validation():
         with torch.no_grad():
@@ -166,6 +184,8 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
         opt.zero_grad()
         loss_of(model, x, y).backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if hasattr(opt, "flush") and options and "outer" in options:
                 opt.flush()  # (overlap: the weights every rank agrees on)
@@ -177,7 +197,8 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32):
             "numel": numel}
 
 
-def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=32):
+def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=32,
+                 lr_schedule="constant"):
     """``worker`` in Keras 2 (tf_keras; its launch sets TF_USE_LEGACY_KERAS=1): the same
     model, batches and AdamW in a custom loop. Stock Horovod as its TF2 examples train
     a custom loop, ``hvd.DistributedGradientTape`` (its Keras DistributedOptimizer
@@ -201,7 +222,8 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
     keras.utils.set_random_seed(seed)
     model = keras_byte_lm(keras, context)
     numel = sum(int(tf.size(v)) for v in model.trainable_variables)
-    opt = keras.optimizers.AdamW(2e-3, weight_decay=0.01)
+    rate = 2e-3 if lr_schedule == "constant" else _keras_schedule(keras, steps)
+    opt = keras.optimizers.AdamW(rate, weight_decay=0.01)
     if options is not None:
         from hvd_dgc.tensorflow import Compression
         opt = hvd.DistributedOptimizer(opt, sparse_as_dense=True,
@@ -236,7 +258,25 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
             "numel": numel}
 
 
+def _keras_schedule(keras, steps, peak=2e-3):
+    """``lr_factor`` as a Keras schedule (its step: ``iterations``, 0-based)."""
+    import tensorflow as tf
+
+    class WarmUpCosine(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            step = tf.cast(step, tf.float32)
+            warmup = float(max(1, steps // 20))
+            done = tf.minimum(1.0, (step - warmup) / float(max(1, steps - 1 - warmup)))
+            cosine = 0.1 + 0.45 * (1.0 + tf.cos(math.pi * done))
+            return peak * tf.where(step < warmup, (step + 1.0) / warmup, cosine)
+
+        def get_config(self):
+            return {}
+    return WarmUpCosine()
+
+
 RUNS = os.path.join(HERE, "results", "adam_lm_runs.csv")
+RUNS_COSINE = os.path.join(HERE, "results", "adam_lm_cosine_runs.csv")
 FIELDS = ("framework", "np", "steps", "variant", "seed", "step", "val_loss", "bytes",
           "dense_bytes")
 
@@ -281,7 +321,7 @@ def shown(path):
     return os.path.relpath(path, root) if inside else path
 
 
-def report(path, framework, np_, steps, out=None):
+def report(path, framework, np_, steps, out=None, lr_schedule="constant"):
     """The table (mean and spread over seeds at the last step) and the plot of the runs
     in ``path`` for one framework, world size and length."""
     runs = load(path, framework, np_, steps)
@@ -296,7 +336,10 @@ def report(path, framework, np_, steps, out=None):
              f"`python bench/adam_lm.py --report --framework {framework} --np {np_} --steps "
              f"{steps}` (runs recorded in {shown(path)}): "
              f"{np_} ranks (horovodrun --gloo), batch 32 x 128 bytes per rank, AdamW lr "
-             f"2e-3, wd 0.01; validation loss in nats per byte at step {steps}, mean over the "
+             + ("2e-3" if lr_schedule == "constant" else
+                "2e-3 after a linear warm-up over the first 5% of the steps, then a cosine "
+                "to 2e-4 (--lr-schedule cosine)")
+             + f", wd 0.01; validation loss in nats per byte at step {steps}, mean over the "
              f"seeds run (min-max in brackets), against dense Horovod's mean over the same "
              f"seeds, and the mean of the last three evaluations; bytes this rank sent "
              f"over the whole run.", "",
@@ -385,12 +428,18 @@ def main():
     parser.add_argument("--framework", choices=("torch", "keras"), default="torch",
                         help="keras: the same model in Keras 2 (tf_keras), Horovod's and "
                              "hvd_dgc's Keras DistributedOptimizer")
-    parser.add_argument("--runs", default=RUNS, help="the CSV each run's curve is appended "
-                        "to (default %(default)s)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="cosine: a linear warm-up over 5%% of the steps, then a cosine "
+                             "to 10%% of the peak, in every variant (lr_factor)")
+    parser.add_argument("--runs", help="the CSV each run's curve is appended to (default "
+                        "bench/results/adam_lm_runs.csv; with --lr-schedule cosine "
+                        "adam_lm_cosine_runs.csv)")
     parser.add_argument("--report", action="store_true",
                         help="run nothing: the table and plot of the runs already recorded")
     parser.add_argument("--out", help="where the report goes (markdown; the plot beside it)")
     args = parser.parse_args()
+    if args.runs is None:
+        args.runs = RUNS if args.lr_schedule == "constant" else RUNS_COSINE
     if not args.report:
         from harness.hvdrun import run
         target, env = "bench.adam_lm:worker", {"HVD_DGC_COST_MODEL": "assumed"}
@@ -402,11 +451,12 @@ def main():
                 # send this small model dense, and the point here is accuracy at a compression
                 res = run(target, np=args.np, controller="gloo", env=env, timeout=24 * 3600,
                           kwargs=dict(variant=variant, options=VARIANTS[variant],
-                                      steps=args.steps, seed=seed, eval_every=args.eval))[0]
+                                      steps=args.steps, seed=seed, eval_every=args.eval,
+                                      lr_schedule=args.lr_schedule))[0]
                 record(args.runs, args.framework, args.np, args.steps, res, seed)
                 print(variant, seed, res["curve"][-1],
                       f"{res['dense_bytes'] / res['bytes']:.1f}x", flush=True)
-    print(report(args.runs, args.framework, args.np, args.steps, args.out))
+    print(report(args.runs, args.framework, args.np, args.steps, args.out, args.lr_schedule))
 
 
 if __name__ == "__main__":
