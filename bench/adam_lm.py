@@ -26,7 +26,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from harness.stdlib_lm import Batches, byte_lm, corpus, keras_byte_lm, loss_of  # noqa: E402
+from harness.stdlib_lm import (Batches, byte_lm, corpus, keras_byte_lm,  # noqa: E402
+                               loss_of, lr_factor)
 from hvd_dgc.outer import OuterLoop  # noqa: E402
 from hvd_dgc.schedule import DensitySchedule  # noqa: E402
 
@@ -126,16 +127,6 @@ VARIANTS = {
         "outer": OuterLoop(steps=128, overlap=True, lr=1.0, momentum=0.0, nesterov=False,
                            residual_decay=0.95), "density": 0.03},
 }
-
-
-def lr_factor(step, steps):
-    """``--lr-schedule cosine``'s factor on the peak rate at ``step`` (0-based): linear
-    warm-up over ``steps // 20`` steps, then a cosine from 1 to 0.1 at the last step."""
-    warmup = max(1, steps // 20)
-    if step < warmup:
-        return (step + 1) / warmup
-    done = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
 
 
 def _built(options, compressions):

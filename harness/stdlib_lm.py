@@ -6,6 +6,7 @@ bench/adam_lm.py trains it for thousands of steps; tests/test_adam_lm.py a few h
 """
 
 import glob
+import math
 import os
 import sysconfig
 
@@ -112,6 +113,16 @@ class Batches:
 
     def validation(self):
         return self._take(self.valid, self.valid_starts)
+
+
+def lr_factor(step, steps):
+    """bench/adam_lm.py ``--lr-schedule cosine``'s factor on the peak rate at ``step`` (0-based): linear
+    warm-up over ``steps // 20`` steps, then a cosine from 1 to 0.1 at the last step."""
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
 
 
 def loss_of(model, x, y):

@@ -66,9 +66,9 @@ def test_adamw_on_real_text_stays_close_to_horovod_with_fewer_bytes(lm):
 
 def test_the_benchmarks_cosine_schedule_warms_up_then_ends_at_a_tenth():
     """bench/adam_lm.py ``--lr-schedule cosine`` (its torch LambdaLR and Keras schedule
-    share ``lr_factor``): 1/150 at step 0 of 3,000, the peak at 149-150, half-way down
+    share harness/stdlib_lm.py's ``lr_factor``): 1/150 at step 0 of 3,000, the peak at 149-150, half-way down
     the cosine (0.55) at its middle, 0.1 at the last step."""
-    from bench.adam_lm import lr_factor
+    from harness.stdlib_lm import lr_factor
     assert lr_factor(0, 3000) == 1 / 150 and lr_factor(149, 3000) == 1.0
     assert lr_factor(150, 3000) == 1.0
     assert math.isclose(lr_factor(150 + 2849 // 2, 3000), 0.55, abs_tol=1e-3)
