@@ -290,9 +290,14 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
         assert outs[0][key] == outs[1][key]
     out = outs[0]
     assert 0 < out["alpha"] < 0.05 and out["bandwidth"] > 1e7  # loopback: fast
-    # the records' allgather timed too (loopback's probe is short: it fits the budget)
-    assert out["gather_bandwidth"] is not None and out["gather_bandwidth"] > 1e7, out
-    assert "Mbit/s (allgather " in out["line"]
+    # the records' allgather timed too where three of them fit what is left of the
+    # budget (loopback's probe is short and they mostly do; on a loaded machine the
+    # probe took 0.54 s once and they did not: priced at the allreduce's rate then, as
+    # the unit tests above pin down with modelled collectives)
+    gather = out["gather_bandwidth"]
+    assert gather is None or gather > 1e7, out
+    assert ("Mbit/s (allgather " in out["line"]) == (gather is not None), out["line"]
+    gather = out["bandwidth"] if gather is None else gather
     # loopback: 0.05-0.16 s measured; within its 1 s budget even with the machine busy
     assert out["seconds"] < BUDGET_SECONDS + 0.5, out["seconds"]
     assert "link measured:" in out["line"] and "us per message" in out["line"]
@@ -312,7 +317,7 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
     for density, path in out["paths"].items():
         k = max(1, math.ceil(n * float(density)))
         dense = 2 * out["alpha"] + 4 * n / out["bandwidth"]
-        sparse = out["alpha"] + 8 * k / out["gather_bandwidth"] + sigma * n + \
+        sparse = out["alpha"] + 8 * k / gather + sigma * n + \
             rho_select * k + rho_record * k * world
         expected = "dense" if k >= n or sparse * MEASURED_DENSE_PREFERENCE > dense \
             else "sparse"  # (allgather's name)

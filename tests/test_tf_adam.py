@@ -6,6 +6,7 @@ a checkpoint, and what is refused."""
 import pytest
 
 from harness.hvdrun import run
+from tests.test_torch_adam import assert_taken_back_at_their_size
 from tests.test_torch_optimizer import _checked
 
 # tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name"): the take-over
@@ -260,14 +261,7 @@ def test_keras_own_steps_are_taken_back_at_the_size_they_were_applied_with(resul
     versions; a rate of 0 at an exchange is said once (tests/test_torch_adam.py's twin)."""
     outs, _ = results
     for out in _checked(outs, "tf_adam.taken_back_at_their_size"):
-        adamw, sgd, zero = (out[k]["spread"] for k in ("adamw", "sgd_schedule", "zero_rate"))
-        assert adamw[:3] == [0.0] * 3, adamw  # exact Adam on dense averages
-        for spread, local in ((adamw, range(4, 16)), (sgd, range(16))):
-            exchanges = [s for s in local if (s + 1) % 4 == 0]
-            assert max(spread[s] for s in exchanges) < 1e-6, spread
-            assert min(spread[s] for s in local if s not in exchanges) > 1e-3, spread
-        assert zero[3] < 1e-6 and zero[7] > 1e-3, zero  # lr 0 at the exchange of step 7
-        assert len(out["zero_rate"]["said"]) == 1 and not out["sgd_schedule"]["said"], out
+        assert_taken_back_at_their_size(out)
 
 
 def test_keras_adam_refusals_name_the_option_and_the_fix(results):

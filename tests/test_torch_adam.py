@@ -192,15 +192,22 @@ def test_own_steps_are_taken_back_at_the_size_they_were_applied_with(gloo):
     rate of 0 at an exchange cannot take anything back: said once, and the ranks stay
     apart until a flush."""
     for out in _checked(gloo, "taken_back_at_their_size"):
-        adamw, sgd, zero = out["adamw"]["spread"], out["sgd_schedule"]["spread"], \
-            out["zero_rate"]["spread"]
-        assert adamw[:3] == [0.0] * 3, adamw  # exact Adam on dense averages
-        for spread, local in ((adamw, range(4, 16)), (sgd, range(16))):
-            exchanges = [s for s in local if (s + 1) % 4 == 0]
-            assert max(spread[s] for s in exchanges) < 1e-6, spread
-            assert min(spread[s] for s in local if s not in exchanges) > 1e-3, spread
-        assert zero[3] < 1e-6 and zero[7] > 1e-3, zero  # lr 0 at the exchange of step 7
-        assert len(out["zero_rate"]["said"]) == 1 and not out["sgd_schedule"]["said"], out
+        assert_taken_back_at_their_size(out)
+
+
+def assert_taken_back_at_their_size(out):
+    """Both frameworks' ``taken_back_at_their_size``: exact Adam to the freeze, the ranks
+    apart (> 1e-3) at each local step and equal to rounding (< 1e-6) after each exchange,
+    for AdamW and the SGD schedule; the rate of 0 at step 7's exchange left the ranks
+    apart, said once."""
+    adamw, sgd, zero = (out[k]["spread"] for k in ("adamw", "sgd_schedule", "zero_rate"))
+    assert adamw[:3] == [0.0] * 3, adamw  # exact Adam on dense averages
+    for spread, local in ((adamw, range(4, 16)), (sgd, range(16))):
+        exchanges = [s for s in local if (s + 1) % 4 == 0]
+        assert max(spread[s] for s in exchanges) < 1e-6, spread
+        assert min(spread[s] for s in local if s not in exchanges) > 1e-3, spread
+    assert zero[3] < 1e-6 and zero[7] > 1e-3, zero  # lr 0 at the exchange of step 7
+    assert len(out["zero_rate"]["said"]) == 1 and not out["sgd_schedule"]["said"], out
 
 
 def test_the_default_saved_between_exchanges_resumes_bit_for_bit(gloo):

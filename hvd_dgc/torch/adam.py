@@ -13,9 +13,9 @@ own (``observe``: from the local gradient at each launch), and at a refresh step
 ranks average it; the scale and the memory move to it (``_refresh``).
 """
 
-import torch
-
 import math
+
+import torch
 
 from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count, refreshes_at
 from hvd_dgc.lagging import StepSize
