@@ -325,7 +325,8 @@ def report(path, framework, np_, steps, out=None, lr_schedule="constant"):
     lines = [f"# AdamW, byte-level transformer LM on the standard library ({root})"
              + (", Keras 2" if framework == "keras" else ""), "",
              f"`python bench/adam_lm.py --report --framework {framework} --np {np_} --steps "
-             f"{steps}` (runs recorded in {shown(path)}): "
+             f"{steps}" + ("" if lr_schedule == "constant" else f" --lr-schedule {lr_schedule}")
+             + f"` (runs recorded in {shown(path)}): "
              f"{np_} ranks (horovodrun --gloo), batch 32 x 128 bytes per rank, AdamW lr "
              + ("2e-3" if lr_schedule == "constant" else
                 "2e-3 after a linear warm-up over the first 5% of the steps, then a cosine "
