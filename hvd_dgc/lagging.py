@@ -35,6 +35,7 @@ weights as it would have at its own step, decayed since, as a synchronous run's 
 """
 
 import math
+import warnings
 from collections import deque
 from typing import NamedTuple
 
@@ -83,6 +84,7 @@ class LagQueue:
     subclass's attribute or property: delay="auto" changes it)."""
 
     delay = 0
+    _said_zero_rate = False
 
     def __init__(self, period=1, start=0):
         self.period, self.start = int(period), int(start)
@@ -109,6 +111,15 @@ class LagQueue:
         applies them at."""
         after = self.inflight[-1].due if self.inflight else -1
         self.inflight.append(InFlight(max(self.applied_at(step), after), launches, size))
+
+    def take_back(self, then, now):
+        """``take_back`` of one entry's size against ``now``'s, saying ``ZERO_RATE`` once
+        where a rate of 0 is to take back a step applied at another."""
+        if then is not None and now is not None and not now.rate and then.rate \
+                and not self._said_zero_rate:
+            self._said_zero_rate = True
+            warnings.warn(ZERO_RATE, RuntimeWarning)
+        return take_back(then, now)
 
     def due(self, step, flush=False):
         """The entries whose averages this step applies (``flush``: all of them), oldest

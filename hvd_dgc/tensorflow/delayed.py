@@ -35,7 +35,6 @@ them synchronously (exchange.py ``_step``) and delays from the freeze on.
 
 import os
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -44,7 +43,7 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
-from hvd_dgc.lagging import ZERO_RATE, InFlight, LagQueue, StepSize, take_back
+from hvd_dgc.lagging import InFlight, LagQueue, StepSize
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
 
 __all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "check_inter_op_threads"]
@@ -85,7 +84,6 @@ class DelayedAveraging(LagQueue):
         #                          (an InFlight's launches and size)
         # per tensor, the sum of log(1 - lr wd) of the optimizer's decoupled decays
         self._log_decay = np.zeros(len(paths.ctx.tensors), np.float64)
-        self._said_zero_rate = False
 
     @property
     def delay(self):
@@ -161,10 +159,7 @@ class DelayedAveraging(LagQueue):
     def _factor(self, then, now, i):
         if then is None or now is None:
             return 1.0
-        if not now[i].rate and then[i].rate and not self._said_zero_rate:
-            self._said_zero_rate = True
-            warnings.warn(ZERO_RATE, RuntimeWarning)
-        return take_back(then[i], now[i])
+        return self.take_back(then[i], now[i])
 
     def _taken_back(self, entries, now):
         """Each entry's corrections per tensor, times its step's size over ``now``'s."""

@@ -26,14 +26,13 @@ window later.
 """
 
 import time
-import warnings
 
 import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
-from hvd_dgc.lagging import ZERO_RATE, LagQueue, take_back
+from hvd_dgc.lagging import LagQueue
 
 __all__ = ["Lagging"]
 
@@ -52,7 +51,6 @@ class Lagging(LagQueue):
         self.process_set = process_set
         self._step_ended = None    # delay="auto": when the last step's wait ended
         self._agreeing = None      # delay="auto": a window's sums, being agreed on
-        self._said_zero_lr = False
 
     @property
     def delay(self):
@@ -130,11 +128,7 @@ class Lagging(LagQueue):
         step applied at another (the step moves nothing): said once, left as it is."""
         if then is None or now is None:
             return 1.0
-        a, b = then.get(param), now.get(param)
-        if b is not None and not b.rate and a and a.rate and not self._said_zero_lr:
-            self._said_zero_lr = True
-            warnings.warn(ZERO_RATE, RuntimeWarning)
-        return take_back(a, b)
+        return self.take_back(then.get(param), now.get(param))
 
     def tune(self, step, started, waited):
         """delay="auto": measure this step, and at the end of a window read the previous
