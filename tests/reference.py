@@ -502,12 +502,21 @@ def outer_update(anchor, average, buffer, lr, momentum=0.0, nesterov=False):
     return anchor - F32(lr) * step, buffer
 
 
+def observed_square(g, previous, world):
+    """What a rank's tracked second moment moves towards after the freeze [01A]: its
+    own ``g^2`` reads the average gradient's noise ``world`` times too large, and the
+    noise of two steps is independent, so ``g^2 / world + (1 - 1/world) g g_previous``
+    averaged over the ranks estimates the square of their average gradient."""
+    g, previous = f32(g), f32(previous)
+    return F32(1.0 / world) * g * g + F32(1.0 - 1.0 / world) * g * previous
+
+
 def refreshed_precondition(local_vs, old, t, betas, eps, floor, keras=False):
     """0/1 Adam's refresh [01A] of a precondition ``old`` at the end of Adam's step t:
     the ranks' own second moments averaged (every rank goes on from it), P from it
     (``frozen_precondition``), and the ratio ``(1 - beta1) P / ((1 - beta1) old)`` that
     the memory's momentum and residual are multiplied by. Returns (average, P, ratio)."""
-    average_v = average(local_vs)
+    average_v = np.maximum(average(local_vs), F32(0.0))  # (observed_square can be < 0)
     new = frozen_precondition(average_v, t, betas, eps, floor, keras=keras)
     scale = F32(1.0 - betas[0])
     return average_v, new, (scale * new) / (scale * f32(old))
@@ -529,8 +538,8 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
     the weights (per tensor) after each step, and every rank's after the flush: the
     corrections still due (``lagged_flush``), at Adam's count then and without decay,
     then the ranks' average. ``refresh``: Adam's steps t at whose end the variance is
-    refreshed: from the freeze each rank's own v moves on with its own gradient (in
-    Keras' form ``v + (g^2 - v)(1 - beta2)`` with ``keras``), and
+    refreshed: from the freeze each rank's own v moves on with its own gradients
+    (``observed_square``; in Keras' form ``v + (s - v)(1 - beta2)`` with ``keras``), and
     ``refreshed_precondition`` replaces P and rescales the memory. ``compress``: per
     tensor, what an exchange sends of the memory (``lagged_memory_step``; None: all of
     it), as a compressor of its own collectives does after the freeze (sign: 1-bit Adam
@@ -560,6 +569,7 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
                 u = [[pre[i] * m[i] for i in range(n)] for _ in range(world)]
                 res = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
                 local_v = [[v[i].copy() for i in range(n)] for _ in range(world)]
+                previous = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
             owns_now = [[np.zeros_like(a) for a in x[0]] for _ in range(world)]
         else:
             owns_now = [[None] * n for _ in range(world)]
@@ -567,9 +577,11 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
             for r in range(world):
                 for i in range(n):
                     g = f32(grads[r][i])
-                    local_v[r][i] = local_v[r][i] + (g * g - local_v[r][i]) * \
+                    seen = observed_square(g, previous[r][i], world)
+                    previous[r][i] = g
+                    local_v[r][i] = local_v[r][i] + (seen - local_v[r][i]) * \
                         F32(1.0 - betas[1]) if keras else \
-                        F32(betas[1]) * local_v[r][i] + F32(1.0 - betas[1]) * g * g
+                        F32(betas[1]) * local_v[r][i] + F32(1.0 - betas[1]) * seen
                     g = frozen_adam_gradient(grads[r][i], pre[i], betas[0])
                     u[r][i], res[r][i], owns_now[r][i] = lagged_memory_step(
                         u[r][i], res[r][i], g, exchange, momentum=betas[0],

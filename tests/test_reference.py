@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 import torch
 
-from hvd_dgc.adam import refresh_count, refreshes_at
+from hvd_dgc.adam import observed_weights, refresh_count, refreshes_at
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.tensorflow.compression import Compression as TFCompression
 from hvd_dgc.tensorflow.memory import DGCMemory as TFMemory
@@ -291,6 +291,53 @@ def test_vector_refreshed_precondition():
     np.testing.assert_allclose(average_v, [7, 7], rtol=1e-6)
     np.testing.assert_allclose(new, [0.25, 0.25], rtol=1e-6)
     np.testing.assert_allclose(ratio, [0.5, 1.0], rtol=1e-6)
+
+
+def test_vector_observed_square():
+    # 2 ranks: g^2 / 2 + g g_previous / 2; 1 rank: g^2 (Adam's own)
+    #   no previous gradient (zeros): [2, 4] -> [4, 16] / 2 = [2, 8]
+    #   then [2, -4] after [2, 4]: [2, 8] + [4, -16] / 2 = [4, 0]
+    np.testing.assert_allclose(ref.observed_square([2, 4], [0, 0], 2), [2, 8])
+    np.testing.assert_allclose(ref.observed_square([2, -4], [2, 4], 2), [4, 0])
+    np.testing.assert_allclose(ref.observed_square([2, -4], [2, 4], 1), [4, 16])
+    # the product's weights are the shared rule both frameworks use
+    assert observed_weights(2) == (0.5, 0.5) and observed_weights(1) == (1.0, 0.0)
+    assert observed_weights(8) == (0.125, 0.875)
+    # a refreshed average below zero is taken as 0 (the floor then applies)
+    average_v, _, _ = ref.refreshed_precondition(
+        [np.float32([-3, 4]), np.float32([1, 4])], [1.0, 1.0], 1, (0.5, 0.5), 0.0, 0.01)
+    np.testing.assert_allclose(average_v, [0, 4])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_observed_square_averages_to_the_average_gradients_second_moment(world):
+    """Gradients g = mu + sigma z, each rank its own noise at every step (the weights held
+    still): the ranks' average of the tracked v (``observed_square``, beta2 0.999 over
+    6,000 steps) estimates the moving average of the average gradient's square, mu^2 +
+    sigma^2 / N, where each rank's own g^2 reads mu^2 + sigma^2."""
+    rng = np.random.default_rng(3)
+    mu = np.float32([0.0, 0.1, 0.3, 1.0, -0.5, 0.02])
+    sigma, beta2, steps = F32(0.5), 0.999, 6000
+    tracked = [np.zeros(6, np.float32) for _ in range(world)]
+    own = [np.zeros(6, np.float32) for _ in range(world)]
+    previous = [np.zeros(6, np.float32) for _ in range(world)]
+    exact = np.zeros(6, np.float32)
+    for _ in range(steps):
+        grads = [mu + sigma * rng.standard_normal(6).astype(np.float32) for _ in range(world)]
+        mean = ref.average(grads)
+        exact = F32(beta2) * exact + F32(1 - beta2) * mean * mean
+        for r, g in enumerate(grads):
+            tracked[r] = F32(beta2) * tracked[r] + \
+                F32(1 - beta2) * ref.observed_square(g, previous[r], world)
+            own[r] = F32(beta2) * own[r] + F32(1 - beta2) * g * g
+            previous[r] = g
+    target = (mu * mu + sigma * sigma / world) * F32(1 - beta2 ** steps)
+    estimate, owns = ref.average(tracked), ref.average(own)
+    np.testing.assert_allclose(exact, target, rtol=0.1, atol=0.01)  # (the sampling noise)
+    np.testing.assert_allclose(estimate, target, rtol=0.1, atol=0.01)
+    # the rank's own square reads the noise N times: 0.25 against 0.25 / N where mu = 0
+    assert float(owns[0]) > 0.9 * float(sigma * sigma) * (1 - beta2 ** steps)
+    assert float(owns[0]) > (world - 0.5) * float(target[0])
 
 
 def test_refreshed_every_step_is_adam_with_its_variance_one_step_late():

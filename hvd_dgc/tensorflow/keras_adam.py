@@ -25,8 +25,9 @@ T, kept (tf_keras' ``adaptive_epsilon=True`` puts eps inside, as torch does).
 Variables with IndexedSlices gradients (an Embedding) travel as Horovod sends them and
 stay on Adam's own update throughout.
 
-With ``refresh_variance``, Adam's ``v`` goes on after the freeze as this rank's own
-(``observe``: the local gradients as the exchange receives them), and at the end of a
+With ``refresh_variance``, Adam's ``v`` goes on after the freeze as this rank's estimate
+of exact Adam's (``observe``: from the local gradients as the exchange receives them and
+the previous ones, one more optimizer variable per model variable), and at the end of a
 refresh step the ranks average it and the scales and the memory move to it
 (``refresh_now``), as on the PyTorch side.
 """
@@ -35,15 +36,20 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count
+from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, observed_weights, refresh_count
 
-__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "SCALE_NAME"]
+__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "PREVIOUS_NAME",
+           "SCALE_NAME"]
 
 #: Keras optimizers taken over, by class name (Keras 3, tf_keras and tf_keras' legacy).
 ADAM_CLASSES = ("Adam", "AdamW")
 
 #: The frozen scale's name among the optimizer's variables (and legacy slots).
 SCALE_NAME = "hvd_dgc_scale"
+
+#: This rank's previous gradient's name among them, made where the variance is
+#: refreshed (``observe``).
+PREVIOUS_NAME = "hvd_dgc_previous_gradient"
 
 #: Keras options that act on what the optimizer receives, with the fix: after the
 #: freeze it receives averaged preconditioned momenta, which they would act on wrongly.
@@ -150,11 +156,12 @@ class KerasAdamTakeOver:
     def _slot(self, var, what):
         opt = self.optimizer
         if self.kind == "legacy":
-            return opt.get_slot(var, {"scale": SCALE_NAME, "m": "m", "v": "v",
-                                      "vhat": "vhat"}[what])
+            return opt.get_slot(var, {"scale": SCALE_NAME, "previous": PREVIOUS_NAME,
+                                      "m": "m", "v": "v", "vhat": "vhat"}[what])
         index = opt._get_variable_index(var) if self.kind == "keras3" else \
             opt._index_dict[opt._var_key(var)]
         lists = {"scale": opt._hvd_dgc_scales, "m": opt._momentums, "v": opt._velocities,
+                 "previous": getattr(opt, "_hvd_dgc_previous", None),
                  "vhat": getattr(opt, "_velocity_hats", None)}
         return lists[what][index]
 
@@ -193,16 +200,21 @@ class KerasAdamTakeOver:
     # -- the refresh (0/1 Adam) ------------------------------------------------------
     def observe(self, grads):
         """Once frozen and refreshing, this rank's ``v`` moves on with its own gradient
-        (``grads``, the exchange's, by index), in Keras' form ``v += (g^2 - v)(1 -
-        beta2)``."""
+        (``grads``, the exchange's, by index) and its previous one, in Keras' form ``v
+        += (s - v)(1 - beta2)``, ``s = g^2 / N + (1 - 1/N) g g_previous``: averaged over
+        the N ranks, an estimate of exact Adam's (hvd_dgc/adam.py ``observed_weights``)."""
         if self.refresh is False:
             return tf.constant(True)
+        square, cross = observed_weights(self.exchange.world_size())
 
         def track():
             for i in (i for i, ok in enumerate(self.taken) if ok):
                 v = self._slot(self.variables[i], "v")
+                previous = self._slot(self.variables[i], "previous")
                 g = tf.reshape(tf.cast(grads[i], v.dtype), v.shape)
-                v.assign_add((g * g - v) * (1.0 - self.beta2))
+                seen = square * g * g + cross * g * tf.cast(previous, v.dtype)
+                v.assign_add((seen - v) * (1.0 - self.beta2))
+                previous.assign(tf.cast(g, previous.dtype))
             return tf.constant(True)
         return tf.cond(self.frozen(), track, lambda: tf.constant(True))
 
@@ -226,7 +238,7 @@ class KerasAdamTakeOver:
             count = tf.reduce_sum(tf.cast(finite, tf.float32))
             mean = tf.where(count > 0, tf.reduce_sum(tf.where(finite, v, 0.0))
                             / tf.maximum(count, 1.0), 1.0)
-            v = tf.where(finite, v, mean)
+            v = tf.maximum(tf.where(finite, v, mean), 0.0)  # (below zero: observe)
             slot.assign(tf.cast(v, slot.dtype))
             if self.amsgrad:
                 hat = self._slot(self.variables[i], "vhat")

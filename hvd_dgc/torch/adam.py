@@ -9,22 +9,26 @@ gradient, and this step applies what arrives: AdamW's decoupled decay, then
 ``x -= lr / (1 - beta1^t) * average``.
 
 With ``refresh_variance``, Adam's ``exp_avg_sq`` goes on after the freeze as this rank's
-own (``observe``: from the local gradient at each launch), and at a refresh step the
-ranks average it; the scale and the memory move to it (``_refresh``).
+estimate of exact Adam's (``observe``: from the local gradient at each launch and the
+one before), and at a refresh step the ranks average it; the scale and the memory move
+to it (``_refresh``).
 """
 
 import math
 
 import torch
 
-from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, refresh_count, refreshes_at
+from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, observed_weights, refresh_count, refreshes_at
 from hvd_dgc.lagging import StepSize
 from hvd_dgc.torch.update import step_at_records
 
-__all__ = ["AdamTakeOver", "SCALE_KEY", "check_adam"]
+__all__ = ["AdamTakeOver", "PREVIOUS_KEY", "SCALE_KEY", "check_adam"]
 
 #: The frozen scale (1 - beta1) / (sqrt(v_T / (1 - beta2^T)) + eps), in state[p].
 SCALE_KEY = "hvd_dgc_frozen_scale"
+
+#: This rank's previous gradient of p, in state[p], once refreshing (``observe``).
+PREVIOUS_KEY = "hvd_dgc_previous_gradient"
 
 
 def check_adam(optimizer):
@@ -82,10 +86,12 @@ class AdamTakeOver:
                        adam_refreshes=refresh_count(self._step(), self.freeze, self.refresh))
         return out
 
-    def observe(self, params, scale=None):
+    def observe(self, params, scale=None, world=1):
         """This rank's ``v`` moves on with the local gradients of ``params`` (dense; in
         the space ``unscale_`` gives: GradScaler's ``scale`` divided out), once frozen
-        and refreshing. Adam's L2 decay counts, as in its own ``v``."""
+        and refreshing: by ``g^2 / world + (1 - 1/world) g g_previous``, whose average
+        over the ``world`` ranks estimates exact Adam's (hvd_dgc/adam.py
+        ``observed_weights``). Adam's L2 decay counts, as in its own ``v``."""
         if self.refresh is False or not self.frozen:
             return
         by_group = {}
@@ -105,8 +111,20 @@ class AdamTakeOver:
                     float(group["weight_decay"])
                 if l2:
                     grads = torch._foreach_add(grads, members, alpha=l2)
+                square, cross = observed_weights(world)
+                previous = [self._previous(p) for p in members]
                 torch._foreach_mul_(sqs, beta2)
-                torch._foreach_addcmul_(sqs, grads, grads, value=1.0 - beta2)
+                torch._foreach_addcmul_(sqs, grads, grads, value=(1.0 - beta2) * square)
+                if cross:
+                    torch._foreach_addcmul_(sqs, grads, previous, value=(1.0 - beta2) * cross)
+                torch._foreach_copy_(previous, grads)
+
+    def _previous(self, p):
+        """This rank's gradient of ``p`` at the last step observed (zeros before)."""
+        state = self.optimizer.state[p]
+        if PREVIOUS_KEY not in state:
+            state[PREVIOUS_KEY] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state[PREVIOUS_KEY]
 
     def hyper(self, p):
         """``(momentum, nesterov, weight_decay)`` the memory applies for ``p``: Adam's
@@ -195,6 +213,7 @@ class AdamTakeOver:
                 if not bool(finite.all()):  # a rank's overflow step: the tensor's mean
                     v.copy_(torch.where(finite, v, v[finite].mean() if bool(finite.any())
                                         else torch.ones((), dtype=v.dtype, device=v.device)))
+                v.clamp_(min=0.0)  # (the estimate below zero: observe)
                 if group.get("amsgrad", False):
                     torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
                 if not bool(v.any()):  # (no gradient since the freeze: kept as it is)

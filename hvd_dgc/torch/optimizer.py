@@ -221,7 +221,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         scale = None
         if self._guard.scaling():
             scale = _loss_scale(self._grad_scaler)
-        self._takeover.observe(params, scale)
+        self._takeover.observe(params, scale, world)
         at = StepPlace(step, self._progress.density(), _hvd.rank(),
                        self._lagging.exchanges_now(step), self._lagging.keeps_own, scale,
                        self._lagging.name_suffix(step))

@@ -68,7 +68,7 @@ class SGDTakeOver:
         """Nothing to freeze (Adam's take-over does: adam.py)."""
 
     @staticmethod
-    def observe(params, scale=None):
+    def observe(params, scale=None, world=1):
         """Nothing to track of the local gradients (Adam's refresh does: adam.py)."""
 
     @contextmanager

@@ -45,8 +45,8 @@ from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
 from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
-from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, SCALE_NAME, KerasAdamTakeOver, \
-    check_keras_adam
+from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
+    KerasAdamTakeOver, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
     is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
@@ -334,6 +334,9 @@ def _build3(self, var_list):  # Keras 3
     if fresh:
         self._hvd_dgc_scales = self.add_optimizer_variables(var_list, SCALE_NAME,
                                                             initializer="ones")
+        if self._hvd_dgc_adam.refresh is not False:
+            self._hvd_dgc_previous = self.add_optimizer_variables(var_list, PREVIOUS_NAME,
+                                                                  initializer="zeros")
 
 
 def _update_step3(self, gradient, variable, learning_rate):  # Keras 3
@@ -348,6 +351,10 @@ def _build2(self, var_list):  # tf_keras
     if fresh:
         self._hvd_dgc_scales = [self.add_variable_from_reference(
             var, SCALE_NAME, initial_value=tf.ones(var.shape, var.dtype)) for var in var_list]
+        if self._hvd_dgc_adam.refresh is not False:
+            self._hvd_dgc_previous = [self.add_variable_from_reference(
+                var, PREVIOUS_NAME, initial_value=tf.zeros(var.shape, var.dtype))
+                for var in var_list]
 
 
 def _update_step2(self, gradient, variable):  # tf_keras
@@ -360,6 +367,8 @@ def _create_slots_legacy(self, var_list):  # tf_keras' legacy (OptimizerV2)
     super(self.__class__, self)._create_slots(var_list)
     for var in var_list:
         self.add_slot(var, SCALE_NAME, initializer="ones")
+        if self._hvd_dgc_adam.refresh is not False:
+            self.add_slot(var, PREVIOUS_NAME, initializer="zeros")
 
 
 def _resource_apply_dense_legacy(self, grad, var, apply_state=None):
