@@ -166,7 +166,9 @@ class DGCConfig:
             the default freeze, False with a freeze_variance=N the script chose),
             False (frozen once), "auto" (refreshed at steps 2T, 4T, 8T, ... of a
             freeze at step T) or k (every k steps after the freeze). Each rank tracks
-            Adam's second moment from its own gradient; at a refresh the ranks
+            an estimate of exact Adam's second moment from its own gradients (its
+            square over the world size plus its product with the previous one, so the
+            batches' noise counts as in the ranks' average); at a refresh the ranks
             average it (one dense exchange, counted in the bytes sent) and the
             preconditioner, and what the memory holds, move to it (0/1 Adam, Lu et
             al., ICLR 2023; hvd_dgc/adam.py).
