@@ -57,14 +57,14 @@ rank's gradient with its previous one estimates ``mu^2`` without it, and
 
 averaged over the ranks estimates exact Adam's (the first step after the freeze has no
 previous gradient: zeros; a refreshed average below zero is taken as 0, the floor
-above then applies). Measured (bench/adam_variance.py: a 2-rank byte LM, dense AdamW, both
-rules beside exact Adam's ``v``, summed over the model): the rank's own square 1.09 times exact Adam's at
-step 300, 1.15 at 600 (and growing); this estimate 0.87 and 0.83: the step a
-gradient makes responds to its noise, so the next gradient leans against it and the
-product reads low by that response (steps up to 1.1 times exact Adam's, median over
-the tensors, where the own square's are 0.92). Neither is exact. One previous gradient
-per parameter is kept for it (in the optimizer's state: checkpoints carry it). A
-non-finite entry of the average (a rank's overflow step) takes the tensor's mean.
+above then applies). Measured (bench/adam_variance.py: a 2-rank byte LM, dense
+AdamW, both rules beside exact Adam's ``v``, summed over the model): the rank's own
+square 1.09 times exact Adam's at step 300, 1.15 at 600 (and growing); this estimate
+0.87 and 0.83: the step a gradient makes responds to its noise, so the next gradient
+leans against it and the product reads low by that response (steps 1.1 times exact
+Adam's, median over the tensors, where the own square's are 0.92). Neither is exact.
+One previous gradient per parameter is kept for it (in the optimizer's state:
+checkpoints carry it). A non-finite entry of the average (a rank's overflow step) takes the tensor's mean.
 
 This module holds what both frameworks share: the options, the phases and the schedule.
 tests/reference.py states the maths in NumPy.
