@@ -64,7 +64,8 @@ square 1.09 times exact Adam's at step 300, 1.15 at 600 (and growing); this esti
 leans against it and the product reads low by that response (steps 1.1 times exact
 Adam's, median over the tensors, where the own square's are 0.92). Neither is exact.
 One previous gradient per parameter is kept for it (in the optimizer's state:
-checkpoints carry it). A non-finite entry of the average (a rank's overflow step) takes the tensor's mean.
+checkpoints carry it). A non-finite entry of the average (a rank's overflow step)
+takes the tensor's mean.
 
 This module holds what both frameworks share: the options, the phases and the schedule.
 tests/reference.py states the maths in NumPy.
