@@ -112,12 +112,12 @@ class AdamTakeOver:
                 if l2:
                     grads = torch._foreach_add(grads, members, alpha=l2)
                 square, cross = observed_weights(world)
-                previous = [self._previous(p) for p in members]
                 torch._foreach_mul_(sqs, beta2)
                 torch._foreach_addcmul_(sqs, grads, grads, value=(1.0 - beta2) * square)
-                if cross:
+                if cross:  # (one rank: its own square is the average's; nothing kept)
+                    previous = [self._previous(p) for p in members]
                     torch._foreach_addcmul_(sqs, grads, previous, value=(1.0 - beta2) * cross)
-                torch._foreach_copy_(previous, grads)
+                    torch._foreach_copy_(previous, grads)
 
     def _previous(self, p):
         """This rank's gradient of ``p`` at the last step observed (zeros before)."""
