@@ -57,6 +57,12 @@ VARIANTS = {
     "density=0.001, period=4, ramp 0.01-0.004": {
         "density": 0.001, "warmup": 200, "warmup_unit": "step",
         "warmup_densities": (0.01, 0.004), "period": 4},
+    # momentum factor masking off (masking.py "auto" masks at densities <= 1.1%): a
+    # coordinate top-k sends often loses ~m/(1-m) steps of its momentum at every send
+    "density=0.001, unmasked": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
+                                "momentum_masking": False},
+    "density=0.01, unmasked": {"density": 0.01, "warmup": 150, "warmup_unit": "step",
+                               "momentum_masking": False},
     # 16 bits where it is dense (exact Adam's steps, the refreshes, the small tensors) and
     # for the records' values: Horovod's Compression.fp16 with a density
     "density=0.001, fp16": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
