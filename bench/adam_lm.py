@@ -44,6 +44,9 @@ VARIANTS = {
     # top-k, exact Adam to step 20, refreshed: renamed "frozen at 20, refreshed"
     "default": {},
     "default, period=1": {"period": 1},  # (1-bit Adam: the sign at every step)
+    # 0/1 Adam at 100x: an exchange every 8th step, and with Horovod's fp16 the dense
+    # steps (exact Adam's, the small tensors) in 16 bits
+    "fp16, period=8": {"compression": "fp16", "period": 8},
     # DGC's top-k take-over (compression="dgc": what Adam's default was before 2026-12-01;
     # the labels of runs recorded before keep their meaning)
     "frozen once at 200 (former default)": {"compression": "dgc", "refresh_variance": False},
