@@ -60,6 +60,11 @@ VARIANTS = {
     "density=0.001, period=4, ramp 0.01-0.004": {
         "density": 0.001, "warmup": 200, "warmup_unit": "step",
         "warmup_densities": (0.01, 0.004), "period": 4},
+    # top-k at 25% from the freeze, no stages: what error feedback costs at a high density
+    # (beside "frozen at 20, refreshed, dense", the same take-over sent dense)
+    "top-k 25% throughout": {"compression": "dgc", "density": 0.25, "warmup": 0},
+    "top-k 25% throughout, masked": {"compression": "dgc", "density": 0.25, "warmup": 0,
+                                     "momentum_masking": True},
     # momentum factor masking off (masking.py "auto" masks at densities <= 1.1%): a
     # coordinate top-k sends often loses ~m/(1-m) steps of its momentum at every send
     "density=0.001, unmasked": {"density": 0.001, "warmup": 300, "warmup_unit": "step",
