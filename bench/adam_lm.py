@@ -31,14 +31,18 @@ from harness.stdlib_lm import (Batches, byte_lm, corpus, keras_byte_lm,  # noqa:
 from hvd_dgc.outer import OuterLoop  # noqa: E402
 from hvd_dgc.schedule import DensitySchedule  # noqa: E402
 
+#: AdamW's learning rate in every variant (with --lr-schedule cosine, its peak)
+BASE_LR = 2e-3
+
+#: stock Horovod at a larger learning rate: variant -> factor on BASE_LR. Is a variant's
+#: margin over Horovod its steps' size? (the refreshed variance's estimate reads ~0.85x
+#: exact Adam's v, so its steps are ~1.1x Adam's: hvd_dgc/adam.py)
+LR_SCALE = {"horovod, lr x1.1": 1.1, "horovod, lr x1.2": 1.2}
+
 #: variant -> hvd_dgc options (None: stock Horovod)
 VARIANTS = {
     "horovod": None,
-    # stock Horovod at a larger learning rate (LR_SCALE): is a variant's margin over Horovod
-    # its steps' size? (the refreshed variance's estimate reads ~0.85x exact Adam's v, so
-    # its steps are ~1.1x Adam's: hvd_dgc/adam.py)
-    "horovod, lr x1.1": None,
-    "horovod, lr x1.2": None,
+    **{name: None for name in LR_SCALE},
     # the one-line switch: 0/1 Adam (adam.py ZERO_ONE_PERIOD), the same run as "sign (1-bit
     # Adam), period=4"; runs recorded before 2026-12-01 as "default" were synchronous
     # top-k, exact Adam to step 20, refreshed: renamed "frozen at 20, refreshed"
@@ -148,8 +152,9 @@ VARIANTS = {
 }
 
 
-#: variant -> factor on the learning rate (2e-3, or the cosine's peak); 1 where absent
-LR_SCALE = {"horovod, lr x1.1": 1.1, "horovod, lr x1.2": 1.2}
+def learning_rate(variant):
+    """AdamW's rate (the cosine's peak) in ``variant``'s run."""
+    return BASE_LR * LR_SCALE.get(variant, 1.0)
 
 
 def _built(options, compressions):
@@ -178,8 +183,7 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32,
     torch.manual_seed(seed)
     model = byte_lm(context)
     numel = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3 * LR_SCALE.get(variant, 1.0),
-                            weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate(variant), weight_decay=0.01)
     if options is None:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:
@@ -237,7 +241,7 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
     keras.utils.set_random_seed(seed)
     model = keras_byte_lm(keras, context)
     numel = sum(int(tf.size(v)) for v in model.trainable_variables)
-    peak = 2e-3 * LR_SCALE.get(variant, 1.0)
+    peak = learning_rate(variant)
     rate = peak if lr_schedule == "constant" else _keras_schedule(keras, steps, peak)
     opt = keras.optimizers.AdamW(rate, weight_decay=0.01)
     if options is not None:
@@ -274,7 +278,7 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
             "numel": numel}
 
 
-def _keras_schedule(keras, steps, peak=2e-3):
+def _keras_schedule(keras, steps, peak=BASE_LR):
     """``lr_factor`` as a Keras schedule (its step: ``iterations``, 0-based)."""
     import tensorflow as tf
 
