@@ -14,7 +14,9 @@ steps, and bytes this rank sent (``compression_stats()``; dense Horovod: 4 bytes
 element per step). The table is the mean over seeds; read the ratios. ``--lr-schedule
 cosine``: the learning rate an LM script would give AdamW (a linear warm-up over the
 first 5% of the steps, then a cosine to 10% of the peak), the same in every variant,
-recorded in a CSV of its own (``RUNS_COSINE``).
+recorded in a CSV of its own (``RUNS_COSINE``). ``--width``: the model's width other than
+128 (64: 140k parameters, 256: 1.7M; 0.1% of each is a different number of coordinates a
+step), its runs in a CSV of their own (``runs_of``).
 """
 
 import argparse
@@ -30,6 +32,9 @@ from harness.stdlib_lm import (Batches, byte_lm, corpus, keras_byte_lm,  # noqa:
                                loss_of, lr_factor)
 from hvd_dgc.outer import OuterLoop  # noqa: E402
 from hvd_dgc.schedule import DensitySchedule  # noqa: E402
+
+#: the model's width (harness/stdlib_lm.py byte_lm: 478,720 parameters at 128)
+WIDTH = 128
 
 #: AdamW's learning rate in every variant (with --lr-schedule cosine, its peak)
 BASE_LR = 2e-3
@@ -168,7 +173,7 @@ def _built(options, compressions):
 
 
 def worker(variant, options, steps, seed, eval_every, context=128, batch=32,
-           lr_schedule="constant"):
+           lr_schedule="constant", width=WIDTH):
     import torch
     import horovod.torch as stock
 
@@ -181,7 +186,7 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32,
     rank = hvd.rank()
     data = Batches(context, seed, rank)
     torch.manual_seed(seed)
-    model = byte_lm(context)
+    model = byte_lm(context, width)
     numel = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=learning_rate(variant), weight_decay=0.01)
     if options is None:
@@ -217,7 +222,7 @@ def worker(variant, options, steps, seed, eval_every, context=128, batch=32,
 
 
 def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=32,
-                 lr_schedule="constant"):
+                 lr_schedule="constant", width=WIDTH):
     """``worker`` in Keras 2 (tf_keras; its launch sets TF_USE_LEGACY_KERAS=1): the same
     model, batches and AdamW in a custom loop. Stock Horovod as its TF2 examples train
     a custom loop, ``hvd.DistributedGradientTape`` (its Keras DistributedOptimizer
@@ -239,7 +244,7 @@ def keras_worker(variant, options, steps, seed, eval_every, context=128, batch=3
     data = Batches(context, seed, hvd.rank(), as_numpy=True)
     keras = tf.keras
     keras.utils.set_random_seed(seed)
-    model = keras_byte_lm(keras, context)
+    model = keras_byte_lm(keras, context, width)
     numel = sum(int(tf.size(v)) for v in model.trainable_variables)
     peak = learning_rate(variant)
     rate = peak if lr_schedule == "constant" else _keras_schedule(keras, steps, peak)
@@ -297,6 +302,16 @@ def _keras_schedule(keras, steps, peak=BASE_LR):
 
 RUNS = os.path.join(HERE, "results", "adam_lm_runs.csv")
 RUNS_COSINE = os.path.join(HERE, "results", "adam_lm_cosine_runs.csv")
+
+
+def runs_of(lr_schedule="constant", width=WIDTH):
+    """The CSV a run is recorded in: one per schedule, and one per width other than 128
+    (a variant's name says its options, not the model)."""
+    if width != WIDTH:
+        return os.path.join(HERE, "results", f"adam_lm_width{width}_runs.csv")
+    return RUNS if lr_schedule == "constant" else RUNS_COSINE
+
+
 FIELDS = ("framework", "np", "steps", "variant", "seed", "step", "val_loss", "bytes",
           "dense_bytes")
 
@@ -341,7 +356,7 @@ def shown(path):
     return os.path.relpath(path, root) if inside else path
 
 
-def report(path, framework, np_, steps, out=None, lr_schedule="constant"):
+def report(path, framework, np_, steps, out=None, lr_schedule="constant", width=WIDTH):
     """The table (mean and spread over seeds at the last step) and the plot of the runs
     in ``path`` for one framework, world size and length."""
     runs = load(path, framework, np_, steps)
@@ -355,8 +370,11 @@ def report(path, framework, np_, steps, out=None, lr_schedule="constant"):
              + (", Keras 2" if framework == "keras" else ""), "",
              f"`python bench/adam_lm.py --report --framework {framework} --np {np_} --steps "
              f"{steps}" + ("" if lr_schedule == "constant" else f" --lr-schedule {lr_schedule}")
+             + ("" if width == WIDTH else f" --width {width}")
              + f"` (runs recorded in {shown(path)}): "
-             f"{np_} ranks (horovodrun --gloo), batch 32 x 128 bytes per rank, AdamW lr "
+             f"{np_} ranks (horovodrun --gloo), "
+             + ("" if width == WIDTH else f"the model {width} wide (not 128), ")
+             + "batch 32 x 128 bytes per rank, AdamW lr "
              + ("2e-3" if lr_schedule == "constant" else
                 "2e-3 after a linear warm-up over the first 5% of the steps, then a cosine "
                 "to 2e-4 (--lr-schedule cosine)")
@@ -452,15 +470,18 @@ def main():
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="cosine: a linear warm-up over 5%% of the steps, then a cosine "
                              "to 10%% of the peak, in every variant (lr_factor)")
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help="the model's width (64: 140k parameters, 256: 1.7M)")
     parser.add_argument("--runs", help="the CSV each run's curve is appended to (default "
                         "bench/results/adam_lm_runs.csv; with --lr-schedule cosine "
-                        "adam_lm_cosine_runs.csv)")
+                        "adam_lm_cosine_runs.csv; with --width W other than 128 "
+                        "adam_lm_widthW_runs.csv)")
     parser.add_argument("--report", action="store_true",
                         help="run nothing: the table and plot of the runs already recorded")
     parser.add_argument("--out", help="where the report goes (markdown; the plot beside it)")
     args = parser.parse_args()
     if args.runs is None:
-        args.runs = RUNS if args.lr_schedule == "constant" else RUNS_COSINE
+        args.runs = runs_of(args.lr_schedule, args.width)
     if not args.report:
         from harness.hvdrun import run
         target, env = "bench.adam_lm:worker", {"HVD_DGC_COST_MODEL": "assumed"}
@@ -473,11 +494,12 @@ def main():
                 res = run(target, np=args.np, controller="gloo", env=env, timeout=24 * 3600,
                           kwargs=dict(variant=variant, options=VARIANTS[variant],
                                       steps=args.steps, seed=seed, eval_every=args.eval,
-                                      lr_schedule=args.lr_schedule))[0]
+                                      lr_schedule=args.lr_schedule, width=args.width))[0]
                 record(args.runs, args.framework, args.np, args.steps, res, seed)
                 print(variant, seed, res["curve"][-1],
                       f"{res['dense_bytes'] / res['bytes']:.1f}x", flush=True)
-    print(report(args.runs, args.framework, args.np, args.steps, args.out, args.lr_schedule))
+    print(report(args.runs, args.framework, args.np, args.steps, args.out, args.lr_schedule,
+                 args.width))
 
 
 if __name__ == "__main__":
