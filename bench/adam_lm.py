@@ -15,7 +15,7 @@ element per step). The table is the mean over seeds; read the ratios. ``--lr-sch
 cosine``: the learning rate an LM script would give AdamW (a linear warm-up over the
 first 5% of the steps, then a cosine to 10% of the peak), the same in every variant,
 recorded in a CSV of its own (``RUNS_COSINE``). ``--width``: the model's width other than
-128 (64: 140k parameters, 256: 1.7M; 0.1% of each is a different number of coordinates a
+128 (64: 141,184 parameters, 256: 1,743,616; 0.1% of each is a different number of coordinates a
 step), its runs in a CSV of their own (``runs_of``).
 """
 
@@ -471,7 +471,7 @@ def main():
                         help="cosine: a linear warm-up over 5%% of the steps, then a cosine "
                              "to 10%% of the peak, in every variant (lr_factor)")
     parser.add_argument("--width", type=int, default=WIDTH,
-                        help="the model's width (64: 140k parameters, 256: 1.7M)")
+                        help="the model's width (64: 141,184 parameters, 256: 1,743,616)")
     parser.add_argument("--runs", help="the CSV each run's curve is appended to (default "
                         "bench/results/adam_lm_runs.csv; with --lr-schedule cosine "
                         "adam_lm_cosine_runs.csv; with --width W other than 128 "
