@@ -14,9 +14,9 @@ steps, and bytes this rank sent (``compression_stats()``; dense Horovod: 4 bytes
 element per step). The table is the mean over seeds; read the ratios. ``--lr-schedule
 cosine``: the learning rate an LM script would give AdamW (a linear warm-up over the
 first 5% of the steps, then a cosine to 10% of the peak), the same in every variant,
-recorded in a CSV of its own (``RUNS_COSINE``). ``--width``: the model's width other than
-128 (64: 141,184 parameters, 256: 1,743,616; 0.1% of each is a different number of coordinates a
-step), its runs in a CSV of their own (``runs_of``).
+recorded in a CSV of its own (``RUNS_COSINE``). ``--width``: the model's width other
+than 128 (64: 141,184 parameters, 256: 1,743,616; 0.1% of each is a different number of
+coordinates a step), its runs in a CSV of their own (``runs_of``).
 """
 
 import argparse
