@@ -116,7 +116,12 @@ def elastic_launch(target, tmp_path, np, slots_before, slots_after, max_np=2, en
     discovery script offering the hosts ``slots_before`` (``"localhost:2"``, or several
     host lines) until the worker writes the file it gets as ``flag``, then
     ``slots_after``. ``--network-interface lo``: with one machine Horovod cannot probe
-    interfaces between hosts and would wait (its own message)."""
+    interfaces between hosts and would wait (its own message). Gloo's rendezvous waits
+    120 s, not Horovod's 30, unless ``env`` says: a joining worker that imports
+    TensorFlow on a loaded 2-core machine took longer, and the world it joins aborted
+    ("Wait timeout after 30 seconds for key(s)"); a crash still fails a collective at
+    once (its peer's socket closes)."""
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120", **(env or {})}
     flag = tmp_path / "flag"
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then printf '{slots_after}\\n'; "
