@@ -305,11 +305,12 @@ RUNS_COSINE = os.path.join(HERE, "results", "adam_lm_cosine_runs.csv")
 
 
 def runs_of(lr_schedule="constant", width=WIDTH):
-    """The CSV a run is recorded in: one per schedule, and one per width other than 128
-    (a variant's name says its options, not the model)."""
-    if width != WIDTH:
-        return os.path.join(HERE, "results", f"adam_lm_width{width}_runs.csv")
-    return RUNS if lr_schedule == "constant" else RUNS_COSINE
+    """The CSV a run is recorded in: one per schedule and width (a variant's name says its
+    options, not the model or the schedule, and ``load`` reads every row of a file)."""
+    if width == WIDTH:
+        return RUNS if lr_schedule == "constant" else RUNS_COSINE
+    schedule = "" if lr_schedule == "constant" else f"_{lr_schedule}"
+    return os.path.join(HERE, "results", f"adam_lm_width{width}{schedule}_runs.csv")
 
 
 FIELDS = ("framework", "np", "steps", "variant", "seed", "step", "val_loss", "bytes",
@@ -373,7 +374,7 @@ def report(path, framework, np_, steps, out=None, lr_schedule="constant", width=
              + ("" if width == WIDTH else f" --width {width}")
              + f"` (runs recorded in {shown(path)}): "
              f"{np_} ranks (horovodrun --gloo), "
-             + ("" if width == WIDTH else f"the model {width} wide (not 128), ")
+             + ("" if width == WIDTH else f"the model {width} wide (not {WIDTH}), ")
              + "batch 32 x 128 bytes per rank, AdamW lr "
              + ("2e-3" if lr_schedule == "constant" else
                 "2e-3 after a linear warm-up over the first 5% of the steps, then a cosine "
@@ -475,7 +476,7 @@ def main():
     parser.add_argument("--runs", help="the CSV each run's curve is appended to (default "
                         "bench/results/adam_lm_runs.csv; with --lr-schedule cosine "
                         "adam_lm_cosine_runs.csv; with --width W other than 128 "
-                        "adam_lm_widthW_runs.csv)")
+                        "adam_lm_widthW_runs.csv, adam_lm_widthW_cosine_runs.csv)")
     parser.add_argument("--report", action="store_true",
                         help="run nothing: the table and plot of the runs already recorded")
     parser.add_argument("--out", help="where the report goes (markdown; the plot beside it)")
