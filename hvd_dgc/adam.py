@@ -100,7 +100,7 @@ FROZEN_ONCE_FREEZE = 200
 #: fewer bytes (-1.55% with the refresh's estimate of 2026-12-02), where synchronous
 #: top-k with the coverage stages made +2.81% at 12.0x, 1-bit Adam exchanging every step
 #: +1.68% at 21.2x (at most 32x: one bit an element a step), forced 0.1% +6.36% at 28.3x;
-#: at 4 ranks -0.84% at 54.5x. A top-k coordinate
+#: at 4 ranks -2.17% at 54.5x (-0.84% with the former refresh). A top-k coordinate
 #: travels once in ~1/density steps and moves in bursts, where Adam's normalised steps
 #: are large; the sign moves every coordinate every exchange, and the local steps move
 #: it every step. Dropped where the take-over is declined (a link where the sign saves
