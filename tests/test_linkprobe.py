@@ -243,6 +243,8 @@ def _has_tf():
 #: cases; the TensorFlow ones say why they do not run. CI installs both.
 HAS_TF = _has_tf()
 LOOPBACK = list(TORCH_CASES + (TF_CASES if HAS_TF else ()))
+#: The link-probe jobs' environment: Keras 3, and the default cost model (measure)
+MEASURE_ENV = {"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""}
 
 
 def _needs(name):
@@ -254,9 +256,8 @@ def _needs(name):
 def loopback():
     """Each rank's results by case name: one job a framework (tests/workers/link_probe.py
     says why), with the default cost model."""
-    env = {"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""}  # the default: measure
     jobs = [run("tests.workers.link_probe:suite", np=2, controller="gloo", timeout=300,
-                kwargs={"names": list(cases)}, env=env)
+                kwargs={"names": list(cases)}, env=MEASURE_ENV)
             for cases in ((TORCH_CASES, TF_CASES) if HAS_TF else (TORCH_CASES,))]
     return [dict(kv for job in ranks for kv in job.items()) for ranks in zip(*jobs)]
 
@@ -423,7 +424,7 @@ def test_two_hosts_of_two_ranks_measure_inside_the_host_too(framework):
     other's rendezvous addresses (tests/workers/link_probe.py's suite says how)."""
     _needs(framework)
     job = launch("tests.workers.link_probe:suite", 4, "gloo", {"names": [framework]}, 300,
-                 env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""},
+                 env=MEASURE_ENV,
                  launcher_args=["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo"])
     assert job.returncode == 0 and sorted(job.results) == [0, 1, 2, 3], job.output()
     outs = [job.results[r][framework] for r in range(4)]

@@ -7,7 +7,9 @@ tests.workers.link_probe``)."""
 import contextlib
 import io
 import json
+import os
 import traceback
+from unittest import mock
 
 
 def _measured(planner, line):
@@ -110,16 +112,18 @@ def _keras_fit():
             "identical": _identical(tf, hvd, model.trainable_variables, "probe.fit")}
 
 
+#: What horovodrun --min-np sets: a worker that joins wraps or builds alone.
+AS_ELASTIC = {"HOROVOD_ELASTIC": "1"}
+
+
 def _elastic_torch():
     """Under elastic Horovod a worker that joins wraps alone, so nothing is measured at
     wrap time: PyTorch measures at each sync of ``hvd.elastic.TorchState`` (called here
     as the state calls it)."""
-    import os
     import torch
     import hvd_dgc.torch as hvd
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
-    os.environ["HOROVOD_ELASTIC"] = "1"
-    try:
+    with mock.patch.dict(os.environ, AS_ELASTIC):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
         out = {"wrapped": repr(opt._planner.link)}
@@ -127,20 +131,16 @@ def _elastic_torch():
         with contextlib.redirect_stdout(line):
             opt.load_shared_state(opt.shared_state())  # as the sync after a reset
         out["synced"] = _measured(opt._planner, line)
-    finally:
-        del os.environ["HOROVOD_ELASTIC"]
     return out
 
 
 def _elastic_tf():
     """TensorFlow's half: it measures at each sync of its ``KerasState`` (every rank is
     in it; called here as the state calls it)."""
-    import os
     import tensorflow as tf
     from hvd_dgc.tensorflow.exchange import GradientExchange
-    os.environ["HOROVOD_ELASTIC"] = "1"
     out = {}
-    try:
+    with mock.patch.dict(os.environ, AS_ELASTIC):
         variables = [tf.Variable(tf.zeros([1024, 1024])), tf.Variable(tf.zeros([1024]))]
         keras_sgd = (True, "SGD", False)  # a Keras optimizer's exchange (its step is traced
         exchange = GradientExchange(optimizer=keras_sgd)  # again; a tape's is not: paths kept)
@@ -159,8 +159,6 @@ def _elastic_tf():
         early.build([tf.Variable(tf.zeros([1024, 1024]))])
         out["tf_early"] = {"link": repr(early.planner.link), "model":
                            repr(early.planner.cost_model)}
-    finally:
-        del os.environ["HOROVOD_ELASTIC"]
     return out
 
 
