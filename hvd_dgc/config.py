@@ -140,6 +140,12 @@ class DGCConfig:
             (from its own hook in PyTorch).
         log_every: print compression statistics on rank 0 every N steps; 0:
             never.
+        verbose: False (default): rank 0 says in one short line what runs now and what
+            comes later, and in one short line when the plan changes while training;
+            True: the full plan (the link measured, each density stage's paths, why a
+            tensor goes dense) and each change's full reasons. The environment
+            variable ``HVD_DGC_VERBOSE=1`` does the same for every optimizer of the
+            job. Like ``log_every``, a rank may set it alone (rank 0 prints).
         freeze_variance: with ``torch.optim.Adam`` or ``AdamW``, Keras' ``Adam`` or
             ``AdamW`` (Keras 3, tf_keras and its legacy Adam): "auto"
             (default: 20 steps, then refreshed; 200 with ``refresh_variance=False``),
@@ -190,6 +196,7 @@ class DGCConfig:
     aggregation: str = "auto"
     fusion_threshold: Optional[int] = None
     log_every: int = 0
+    verbose: bool = False
     freeze_variance: Any = "auto"
     refresh_variance: Any = None
 
@@ -231,6 +238,9 @@ class DGCConfig:
             _check_int("fusion_threshold", self.fusion_threshold, 0,
                        "bytes; 0: each tensor leaves from its own hook")
         _check_int("log_every", self.log_every, 0, "steps between statistics; 0: never")
+        if not isinstance(self.verbose, bool):
+            raise ValueError(f"verbose must be True (the full plan on rank 0) or False (one "
+                             f"short line), got {self.verbose!r}")
         check_freeze_variance(self.freeze_variance)
         check_refresh_variance(self.refresh_variance)
 
@@ -310,7 +320,8 @@ class DGCConfig:
     def to_dict(self, shared=False):
         """JSON-able and equal on every rank that passed the same options (a callable's
         name, not its address; a schedule or cost model by its settings). ``shared``:
-        only what must agree across ranks (``log_every`` may differ: rank 0 prints)."""
+        only what must agree across ranks (``log_every`` and ``verbose`` may differ:
+        rank 0 prints)."""
         out = {}
         for f in fields(self):
             if shared and f.name in _PER_RANK:
@@ -362,7 +373,7 @@ class DGCConfig:
             return config.resolve(
                 framework, namespace.sign, horovod, optimizer,
                 dense_compression=namespace.fp16 if choice.fp16 else dense_compression,
-                grad_scaler=grad_scaler)._replace(zero_one=zero_one)
+                grad_scaler=grad_scaler)._replace(zero_one=zero_one, chosen=False)
         compressor = choice.compressor
         if choice.fp16:  # Horovod's Compression.fp16: fp16 records (and dense path)
             compressor = compressor(fp16_values=True)
@@ -502,6 +513,8 @@ class Resolved(NamedTuple):
     zero_one: bool = False  # 0/1 Adam by default (adam.py ZERO_ONE_PERIOD): its period is
     #                         Adam's default, not the script's, dropped where Adam is not
     #                         taken over
+    chosen: bool = True  # the compressor is the script's (False: Adam's default sign, which
+    #                      the messages leave unnamed where it changes nothing)
 
     def every_step(self):
         """These options with 0/1 Adam's default period dropped: its exchange at every
@@ -588,7 +601,7 @@ class CompressorOptions:
 
 
 #: Options a rank may set alone: they change no collective.
-_PER_RANK = ("log_every",)
+_PER_RANK = ("log_every", "verbose")
 
 #: Options that ask for DGC's top-k. Adam and AdamW taken over, with ``compression``
 #: Horovod's none/fp16 or not given, send the sign (1-bit Adam) where the script passes

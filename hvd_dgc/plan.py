@@ -11,7 +11,8 @@ TensorFlow exchange asks per density stage when it builds its graph.
     planner.path(tensor, density, step)     PathKind: cost model, hierarchical, exchange
     planner.stage_paths(tensor)             TensorFlow: a PathKind per density stage
     planner.buckets(density, order)         PyTorch: which tensors leave together
-    planner.summary(...), planner.idle_warning(...)   the rank-0 line, the warning
+    planner.announce(...)                  wrap time, rank 0: the line, the warnings
+    planner.brief(...), planner.summary(...)  the line by default, the full plan
     planner.consistency(**extra)            what every rank compares at wrap time
 """
 
@@ -25,7 +26,8 @@ from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
-from hvd_dgc.switch import adam_idle_warning, gather_idle_warning, idle_warning, summary
+from hvd_dgc.say import rank0_once, say, verbose
+from hvd_dgc.switch import adam_idle_warning, brief, gather_idle_warning, idle_warning, summary
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -579,8 +581,12 @@ class Planner:
         return sparse / total if total else 0.0
 
     def idle_warning(self, density_now=1.0):
-        """Why DGC does nothing with this set-up (said on every rank), or None."""
+        """Why DGC does nothing with this set-up, or None. Nothing where the compressor
+        is Adam's default sign and Adam is left exact: the script chose no compressor,
+        and its training is Horovod's (``brief`` says so)."""
         if self.resolved.kind == "dense":
+            return None
+        if self.exchange_idle() and not self.resolved.chosen:
             return None
         if self.exchange_idle():
             return gather_idle_warning(self.kind_name(), self.world_size,
@@ -594,8 +600,58 @@ class Planner:
         return idle_warning(self.kind_name(), self.min_compress_size, large, sparse_at_final,
                             final, self.world_size, self.link is not None)
 
+    def verbose(self):
+        """The full texts wanted: the ``verbose`` option or ``HVD_DGC_VERBOSE=1``."""
+        return verbose(getattr(self.config, "verbose", False))
+
+    def announce(self, framework, delay, period=1, density_now=1.0):
+        """Wrap time, both frameworks, rank 0 only: the warnings (each once), then one
+        line: ``brief`` by default, ``summary`` (the full plan) with ``verbose``."""
+        message = self.idle_warning(density_now)
+        if message:
+            rank0_once(message, UserWarning, stacklevel=3)
+        if self.resolved.taken_over.lost:
+            rank0_once(self.resolved.taken_over.lost, UserWarning, stacklevel=3)
+        line = self.summary(framework, delay, period, density_now) if self.verbose() else \
+            self.brief(framework, delay, period, density_now)
+        say(line, once=False)
+
+    def brief(self, framework, delay, period=1, density_now=1.0):
+        """The wrap-time line by default (switch.brief, at most 200 characters): what
+        runs now, what comes later, how to see the full plan."""
+        r = self.resolved
+        final, _ = self._final(density_now)
+        inner = getattr(r.schedule, "inner", r.schedule)  # (FrozenAdamSchedule's)
+        freeze = None
+        if r.freeze is not None and not self.adam_declined:
+            freeze = self.adam_frozen_at if self.adam_frozen_at is not None else r.freeze
+        start, until, unit = final, None, "step"
+        if r.sparse and isinstance(inner, DensitySchedule) and inner.warmup > 0:
+            stages = [d for d in inner.warmup_densities if d not in self.adam_dense]
+            start, until, unit = (stages or [final])[0], inner.warmup, inner.unit
+            if r.freeze is not None and unit == "step":  # counted from the freeze
+                until += r.freeze
+        callable_schedule = r.sparse and r.final_density() is None
+        if callable_schedule:
+            start = final = density_now
+        never = 2 ** 62  # a step past every start (PowerSGD's start_iter, Adam's freeze)
+        large = [t for t in self.tensors if self.large(t)]
+
+        def compressed(density):
+            return sum(self.path(t, density, never) not in (PathKind.DENSE,
+                                                            PathKind.SPARSE_GRAD)
+                       for t in large)
+        return brief(framework, self.kind_name(), final, start=start, until=until, unit=unit,
+                     sparse=compressed(final), sparse_start=compressed(start),
+                     total=len(self.tensors), name=r.taken_over.name, freeze=freeze,
+                     declined=self.adam_declined, zero_one=r.zero_one and period > 1,
+                     chosen=r.chosen, delay=delay, period=period,
+                     schedule_callable=callable_schedule, large=len(large),
+                     min_compress_size=self.min_compress_size)
+
     def summary(self, framework, delay, period=1, density_now=1.0):
-        """The line rank 0 prints at wrap time: what runs and how to turn it off."""
+        """The full plan (``verbose=True``) rank 0 prints at wrap time: what runs and how
+        to turn it off."""
         final, warm = self._final(density_now)
         taken_over = self.resolved.taken_over.said
         if self.adam_frozen_at not in (None, self.resolved.freeze):

@@ -96,11 +96,20 @@ class CompressionStats:
         out["last_step"]["launches"] = self.last_launches
         return out
 
-    def format(self):
+    def format(self, density=None):
+        """The statistics in one line, each figure labelled per step or cumulative:
+        ``density``: the density in effect this step (the schedule's; omitted if None),
+        the bytes of the last step (where it is kept), and the totals since the start."""
         s = self.summary()
-        return ("steps=%d sent=%.3f MB dense=%.3f MB ratio=%.1fx density=%.4g paths=%s" % (
-            s["steps"], s["bytes_sent"] / 1e6, s["dense_fp32_bytes"] / 1e6,
-            s["compression_ratio"], s["density"], s["paths"]))
+        words = [] if density is None else [f"density {density:.4g} now"]
+        sent = [f"{s['bytes_sent'] / 1e6:.3f} MB in {s['steps']} steps"]
+        if self.last:
+            sent.insert(0, f"{s['last_step']['bytes_sent'] / 1e6:.3f} MB this step")
+        ratio = s["compression_ratio"]
+        less = f"{ratio:.1f}x less than dense fp32" if ratio != float("inf") else "nothing sent"
+        words.append("sent " + ", ".join(sent) + f" ({less})")
+        words.append(f"paths in {s['steps']} steps {s['paths']}")
+        return "; ".join(words)
 
     def state_dict(self):
         return {"steps": self.steps, "bytes_sent": self.bytes_sent,

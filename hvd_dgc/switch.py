@@ -29,7 +29,16 @@ from typing import NamedTuple
 from hvd_dgc.paths import SUMS
 
 __all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning",
-           "gather_idle_warning", "summary"]
+           "gather_idle_warning", "summary", "brief", "change_line", "percent",
+           "LINE_LIMIT", "CHANGE_LIMIT", "HINT"]
+
+#: The most characters of the wrap-time line rank 0 prints by default (``brief``), and of
+#: the line it prints when the plan changes while training (``change_line``).
+LINE_LIMIT = 200
+CHANGE_LIMIT = 120
+#: How to see the full plan, as the default line ends.
+HINT = "verbose=True for the plan"
+_LABELS = {"dgc": "DGC", "topk": "top-k", "randomk": "random-k"}
 
 class Choice(NamedTuple):
     """A resolved ``compression=``: the compressor, whether values travel as fp16
@@ -149,6 +158,7 @@ class TakeOver(NamedTuple):
 
     said: str = ""
     lost: object = None
+    name: str = ""  # the wrapped optimizer's class name ("" for a tape)
 
 
 def take_over(optimizer, freeze, framework):
@@ -159,9 +169,9 @@ def take_over(optimizer, freeze, framework):
         return TakeOver()
     is_sgd, name = optimizer[0], optimizer[1]
     if is_sgd:
-        return TakeOver("SGD's momentum in DGC's memory (momentum correction)")
+        return TakeOver("SGD's momentum in DGC's memory (momentum correction)", name=name)
     if freeze is not None:  # (the density schedule's words say it: FrozenAdamSchedule)
-        return TakeOver()
+        return TakeOver(name=name)
     taken = ("torch.optim.SGD, Adam and AdamW (Adam's with freeze_variance='auto', the "
              "default)" if framework == "torch" else "Keras' SGD, Adam and AdamW (Adam's "
              "with freeze_variance='auto', the default)")
@@ -170,7 +180,7 @@ def take_over(optimizer, freeze, framework):
                     f"error feedback, so there is no momentum correction, its adaptive step "
                     f"sees each coordinate in bursts (the warm-up is longer for it), and "
                     f"delay and period are refused. hvd_dgc takes over {taken}; to average "
-                    f"densely instead, pass density=1.0.")
+                    f"densely instead, pass density=1.0.", name)
 
 
 def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
@@ -210,3 +220,97 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     if measured:  # cost_model="measure": the link, DGC's own work, what runs dense
         what += f"; {measured}"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."
+
+
+def percent(density):
+    """A density as a user reads it: 0.25 -> "25%", 0.001 -> "0.1%", 0.015625 ->
+    "1.56%"."""
+    return f"{density * 100:.3g}%"
+
+
+def _ordinal(n):
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def brief(framework, kind, final=1.0, *, start=None, until=None, unit="step", sparse=0,
+          sparse_start=None, total=0, name="", freeze=None, declined=False, zero_one=False,
+          chosen=True, delay=0, period=1, schedule_callable=False, large=None,
+          min_compress_size=0):
+    """The one line rank 0 prints at wrap time by default (at most ``LINE_LIMIT``
+    characters, for both frameworks): what runs now, what comes later, and how to see the
+    full plan (``summary``, with ``verbose=True``).
+
+    ``kind``: "dense", "dgc", "topk", "randomk" (sparse) or a compressor of its own
+    collectives ("sign", "qsgd", "powersgd", ...); ``final``: the density after the
+    warm-up; ``start``: the compressor's first density (the warm-up's first stage, or
+    ``final``) and ``until`` where the final one begins, in ``unit``s (None: no
+    warm-up); ``sparse`` / ``sparse_start``: how many of the ``total`` tensors leave
+    compressed at ``final`` / ``start``; ``name``: the wrapped optimizer's class;
+    ``freeze``: Adam taken over, exact to this step; ``declined``: Adam left exact
+    (compressing would not pay on this link); ``zero_one``: 0/1 Adam's default period;
+    ``chosen``: the compressor is the script's (False: Adam's default sign, named as
+    0/1 Adam or 1-bit Adam); ``delay``, ``period``: the script's delayed averaging;
+    ``large``: how many tensors have ``min_compress_size`` elements or more."""
+    head = f"[hvd_dgc] {framework}: "
+    if kind == "dense":
+        return head + "dense averaging (density=1.0), as Horovod's."
+    if declined:
+        who = name or "Adam"
+        return (head + f"{who} runs exact, every tensor dense as with Horovod: compressing "
+                f"would not pay on this link. {HINT}.")
+    adam = f"{name}: " if name and freeze is not None else ""
+    exact = f"exact Adam to step {freeze}, then " if freeze is not None else ""
+    count = f"{sparse} of {total} tensors compressed, the rest dense"
+    if kind in _LABELS:
+        label = _LABELS[kind]
+        start = final if start is None else start
+        if large == 0:
+            what = (f"{label}: no tensor has min_compress_size={min_compress_size} elements "
+                    f"or more: every tensor dense")
+            count = ""
+        elif schedule_callable:
+            what = f"{label} at {percent(start)} now, as your density schedule says"
+        elif sparse == 0:
+            what = f"{label}: every tensor dense on this link (sparse would cost more)"
+            count = ""
+        elif until is not None and start > final:
+            now = " now" if freeze is None else ""
+            at = f": {percent(start)} of each large tensor{now}" if sparse_start != 0 else \
+                f" at {percent(start)}: every tensor dense{now} (cheaper on this link)"
+            what = f"{label} warm-up{at}, falling to {percent(final)} by {unit} {until:g}"
+            count = f"{sparse} of {total} tensors compressed at {percent(final)}, the rest dense"
+        else:
+            what = f"{label} at {percent(final)} of each large tensor"
+        what = exact + what
+    elif not chosen:  # Adam's default: the sign after the freeze (adam.py)
+        every = f" every {_ordinal(period)} step, local steps between" if zero_one and \
+            period > 1 else ""
+        what = (f"{'0/1' if zero_one else '1-bit'} Adam (exact Adam to step {freeze}, then "
+                f"1-bit signs{every})")
+        if sparse == 0:
+            count = ""
+    else:
+        what = exact + (f"{kind} on {sparse} of {total} tensors, the rest dense" if sparse
+                        else f"{kind}: every tensor dense on this link (its collectives "
+                             f"would cost more)")
+        count = ""
+    extra = []
+    if delay:
+        delay = "'auto'" if str(delay).startswith("auto") else delay
+        extra.append(f"delayed averaging (delay={delay})")
+    if period > 1 and not zero_one:
+        extra.append(f"an exchange every {period} steps (period={period})")
+    parts = [adam + what] + [count] * bool(count) + extra
+    line = head + "; ".join(parts) + f". {HINT}."
+    if len(line) > LINE_LIMIT and count:  # the count is the first to go
+        line = head + "; ".join([adam + what] + extra) + f". {HINT}."
+    if len(line) > LINE_LIMIT:
+        line = line[:LINE_LIMIT - len(HINT) - 6].rstrip(" ,;") + f"... {HINT}."
+    return line
+
+
+def change_line(step, what, limit=CHANGE_LIMIT):
+    """Rank 0's line where the plan changes while training (a re-measured link, a trial
+    of the step's own time, a warm-up stage), at most ``limit`` characters."""
+    line = f"[hvd_dgc] step {step}: {what}"
+    return line if len(line) <= limit else line[:limit - 3].rstrip(" ,;:") + "..."

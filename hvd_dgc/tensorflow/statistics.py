@@ -145,6 +145,7 @@ class Statistics:
                    fp16_clipped=int(self.fp16_clipped.numpy()))
         return out
 
-    def format(self, steps):
-        """One line, as PyTorch's ``log_every`` prints it (``CompressionStats.format``)."""
-        return self._loaded(steps).format()
+    def format(self, steps, density=None):
+        """One line, as PyTorch's ``log_every`` prints it (``CompressionStats.format``:
+        ``density`` the one in effect now; the bytes since the start, labelled so)."""
+        return self._loaded(steps).format(density)

@@ -34,8 +34,8 @@ class Progress:
 
     def maybe_log(self, rank):
         if self.log_every and self.step % self.log_every == 0 and rank == 0:
-            print(f"[hvd_dgc] step {self.step} density={self.density():.4g} "
-                  f"{self.stats.format()}", flush=True)
+            print(f"[hvd_dgc] step {self.step}: {self.stats.format(self.density())}",
+                  flush=True)
 
 
 def checkpoint(progress, memory_state, compressor, guard, lagging, rank):

@@ -1,0 +1,192 @@
+"""What hvd_dgc says while a job runs: one short line on rank 0 at wrap time (the full plan
+with ``verbose=True`` or ``HVD_DGC_VERBOSE=1``), warnings on rank 0 once, short lines
+when the plan changes, labelled statistics. The wording is framework-free
+(hvd_dgc/switch.py ``brief``, hvd_dgc/plan.py ``Planner.brief``), checked here for every
+kind of run; then a real 2-rank job of a small script switched by one line."""
+
+import warnings
+
+import pytest
+
+from hvd_dgc import CostModel, DensitySchedule, say
+from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.plan import Planner, TensorInfo
+from hvd_dgc.stats import CompressionStats
+from hvd_dgc.switch import CHANGE_LIMIT, HINT, LINE_LIMIT, change_line, percent
+
+ARGS = HorovodArguments("average", 1.0, 1, None, ("average", "sum", "adasum"))
+TENSORS = [TensorInfo(0, "conv.weight", 64 * 64 * 9, (64, 64, 3, 3)),
+           TensorInfo(1, "conv.bias", 64, (64,)),
+           TensorInfo(2, "fc.weight", 1000 * 512, (1000, 512)),
+           TensorInfo(3, "fc.bias", 1000, (1000,))]
+SGD, ADAMW = (True, "SGD"), (False, "AdamW", True)
+SLOW = CostModel(alpha=1e-3, bandwidth=1e7)  # 80 Mbit/s: compression pays
+
+
+def _line(compression=None, optimizer=SGD, world=2, **options):
+    from hvd_dgc.torch.compression import Compression
+    from hvd_dgc.torch.optimizer import TORCH
+    options.setdefault("cost_model", SLOW)
+    if isinstance(compression, str):
+        compression = getattr(Compression, compression)
+    config = DGCConfig.from_options(options, "torch", "DistributedOptimizer")
+    resolved = config.resolve(TORCH, compression, ARGS, optimizer)
+    planner = Planner(resolved, TENSORS, world)
+    planner.adam_freeze(resolved.chosen_lagging)
+    settled = planner.settled()
+    delay = settled.config.delay
+    density = settled.schedule(0, 0.0) if settled.sparse else 1.0
+    return planner, planner.brief("torch", delay, settled.config.period, density)
+
+
+#: every kind of run: options -> what the line must say
+KINDS = {
+    "dgc default": ({}, "DGC warm-up: 25% of each large tensor now, falling to 0.1% by step "
+                        "10000; 2 of 4 tensors compressed at 0.1%, the rest dense"),
+    "dgc no warm-up": ({"density": 0.01}, "DGC at 1% of each large tensor; 2 of 4 tensors"),
+    "dgc epochs": ({"density": 0.001, "warmup": 4},
+                   "DGC warm-up: 25% of each large tensor now, falling to 0.1% by epoch 4"),
+    "dense": ({"density": 1.0}, "dense averaging (density=1.0), as Horovod's."),
+    "topk": ({"compression": "topk", "density": 0.01}, "top-k at 1% of each large tensor"),
+    "sign": ({"compression": "sign"}, "sign on 2 of 4 tensors, the rest dense"),
+    "powersgd": ({"compression": "powersgd"}, "powersgd on "),
+    "0/1 Adam": ({"optimizer": ADAMW}, "AdamW: 0/1 Adam (exact Adam to step 20, then 1-bit "
+                                       "signs every 4th step, local steps between)"),
+    "1-bit Adam": ({"optimizer": ADAMW, "delay": 2},
+                   "AdamW: 1-bit Adam (exact Adam to step 20, then 1-bit signs); 2 of 4"),
+    "Adam, DGC": ({"optimizer": ADAMW, "density": 0.01},
+                  "AdamW: exact Adam to step 20, then DGC at 1% of each large tensor"),
+    "Adam exact": ({"optimizer": ADAMW, "cost_model": CostModel(encode_element_seconds=1e-6)},
+                   "AdamW runs exact, every tensor dense as with Horovod: compressing would "
+                   "not pay on this link."),
+    "delay": ({"delay": 4}, "; delayed averaging (delay=4)."),
+    "delay auto": ({"delay": "auto"}, "; delayed averaging (delay='auto')."),
+    "period": ({"period": 4}, "; an exchange every 4 steps (period=4)."),
+    "schedule": ({"density": DensitySchedule(0.001, warmup=300, unit="step")},
+                 "DGC warm-up: 25% of each large tensor now, falling to 0.1% by step 300"),
+    "dense link": ({"cost_model": CostModel(select_element_seconds=1e-6)},
+                   "DGC: every tensor dense on this link (sparse would cost more)"),
+    "too small": ({"min_compress_size": 10 ** 7},
+                  "DGC: no tensor has min_compress_size=10000000 elements or more: every "
+                  "tensor dense"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_wrap_line_says_what_runs_in_at_most_200_characters(kind):
+    options, says = KINDS[kind]
+    planner, line = _line(**dict(options))
+    assert len(line) <= LINE_LIMIT, (len(line), line)
+    assert line.startswith("[hvd_dgc] torch: ") and "\n" not in line, line
+    assert says in line, line
+    if kind != "dense":
+        assert line.endswith(f"{HINT}."), line
+    # the full plan, as before, with verbose: longer, the link's and each tensor's story
+    full = planner.summary("torch", 0)
+    assert full.startswith("[hvd_dgc] torch: ") and full != line
+
+
+def test_a_plain_adamw_user_hears_nothing_of_a_compressor_they_did_not_choose():
+    """0/1 Adam's sign is Adam's default: where it would save nothing on the link, Adam
+    runs exact (as Horovod) and the line says that, with no warning about "sign"; a
+    script that asked for the sign is told."""
+    cost = CostModel(encode_element_seconds=1e-6)
+    planner, line = _line(optimizer=ADAMW, cost_model=cost)
+    assert planner.adam_declined and planner.idle_warning() is None
+    assert "sign" not in line and "exact" in line, line
+    chosen, _ = _line(compression="sign", cost_model=cost)
+    assert "sign does nothing" in chosen.idle_warning()
+
+
+def test_wording_helpers():
+    assert [percent(d) for d in (0.25, 0.0625, 0.015625, 0.004, 0.001, 1.0)] == \
+        ["25%", "6.25%", "1.56%", "0.4%", "0.1%", "100%"]
+    line = change_line(1234, "the link changed " + "x" * 200)
+    assert len(line) == CHANGE_LIMIT and line.startswith("[hvd_dgc] step 1234: the link")
+
+
+def test_statistics_say_per_step_and_cumulative():
+    stats = CompressionStats()
+    for _ in range(3):
+        stats.record("w", "sparse", 10 ** 6, 10 ** 4, 80000, 0.01)
+        stats.end_step()
+    line = stats.format(0.01)
+    assert line.startswith("density 0.01 now; sent 0.080 MB this step, 0.240 MB in 3 steps "
+                           "(50.0x less than dense fp32); paths in 3 steps {'sparse': 3}"), line
+
+
+def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):
+    say.reset()
+    monkeypatch.setenv("HOROVOD_RANK", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not say.rank0_once("hvd_dgc: x") and not say.say("line")
+    assert not caught and capsys.readouterr().out == ""
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert say.rank0_once("hvd_dgc: x") and not say.rank0_once("hvd_dgc: x")
+        assert say.say("line") and not say.say("line") and say.say("line", once=False)
+    assert [str(w.message) for w in caught] == ["hvd_dgc: x"]
+    assert capsys.readouterr().out == "line\nline\n"
+    monkeypatch.setenv("HVD_DGC_VERBOSE", "1")
+    assert say.verbose() and say.verbose(True)
+    monkeypatch.setenv("HVD_DGC_VERBOSE", "0")
+    assert not say.verbose() and say.verbose(True)
+    say.reset()
+
+
+def test_verbose_is_an_option_a_rank_may_set_alone():
+    assert DGCConfig(verbose=True).verbose
+    assert "verbose" not in DGCConfig(verbose=True).to_dict(shared=True)
+    with pytest.raises(ValueError, match="verbose must be True"):
+        DGCConfig(verbose="yes")
+
+
+# -- a real 2-rank job ------------------------------------------------------------------
+def _by_rank(job, stream):
+    """horovodrun's gloo output, by rank: ``[0]<stdout>:line``."""
+    out = {0: [], 1: []}
+    for line in getattr(job, stream).splitlines():
+        for rank in out:
+            prefix = f"[{rank}]<{stream}>:"
+            if line.startswith(prefix):
+                out[rank].append(line[len(prefix):])
+    return out
+
+
+def _ours(lines):
+    return [line for line in lines if "hvd_dgc" in line]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_two_rank_pytorch_run_says_one_short_line_on_rank_0(verbose):
+    from harness.hvdrun import launch
+    env = {"HVD_DGC_VERBOSE": "1"} if verbose else {"HVD_DGC_VERBOSE": ""}
+    job = launch("tests.workers.messages:torch_default", np=2, controller="gloo",
+                 kwargs={"optimizer": "sgd", "steps": 3}, env=env, timeout=240)
+    assert job.returncode == 0 and sorted(job.results) == [0, 1], job.output()
+    out, err = _by_rank(job, "stdout"), _by_rank(job, "stderr")
+    line, = _ours(out[0])  # exactly one line of ours on rank 0
+    assert line.startswith("[hvd_dgc] torch: ")
+    if verbose:  # the full plan: each stage, each tensor's path
+        assert "warm-up 0.25 to step 160, 0.0625 to step 640" in line and \
+            "For dense averaging: density=1.0." in line, line
+    else:
+        assert len(line) <= LINE_LIMIT and "DGC warm-up" in line and HINT in line, line
+    assert _ours(out[1]) == [] and _ours(err[1]) == [], (out[1], err[1])
+    assert not [w for w in err[1] if "Warning" in w], err[1]  # rank 1: no warnings at all
+    assert not [w for w in err[0] if "Warning" in w], err[0]
+
+
+def test_a_plain_adamw_run_is_told_what_runs_and_nothing_of_sign():
+    from harness.hvdrun import launch
+    job = launch("tests.workers.messages:torch_default", np=2, controller="gloo",
+                 kwargs={"optimizer": "adamw", "steps": 3}, env={"HVD_DGC_VERBOSE": ""},
+                 timeout=240)
+    assert job.returncode == 0, job.output()
+    out, err = _by_rank(job, "stdout"), _by_rank(job, "stderr")
+    line, = _ours(out[0])
+    assert line.startswith("[hvd_dgc] torch: AdamW") and len(line) <= LINE_LIMIT, line
+    assert "sign" not in " ".join(_ours(err[0] + err[1])), err
+    assert _ours(out[1]) == [] and _ours(err[1]) == []
