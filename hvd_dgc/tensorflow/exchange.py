@@ -324,14 +324,9 @@ class GradientExchange(tf.Module):
         the traced step is made for, and the words at wrap time."""
         self.statistics.cover(self.paths.kinds())
         self.built_world = self.world_size()
-        message = self.planner.idle_warning()  # every rank: DGC has nothing to do
-        if message:
-            warnings.warn(message, UserWarning)
-        if _hvd.rank() == 0:  # once: what runs and how to turn it off
-            if self.resolved.taken_over.lost:
-                warnings.warn(self.resolved.taken_over.lost, UserWarning)
-            delay = self.dga.describe_delay() if self.dga is not None else self.delay
-            print(self.planner.summary("tensorflow", delay, self.period), flush=True)
+        # rank 0 only: one line (the full plan with verbose), each warning once
+        delay = self.dga.describe_delay() if self.dga is not None else self.delay
+        self.planner.announce("tensorflow", delay, self.period)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """A SavedModel (Keras 2's ``model.save`` in TF's format) leaves the own steps out:
@@ -550,8 +545,8 @@ class GradientExchange(tf.Module):
         optimizer does (hvd_dgc/torch/state.py ``Progress.maybe_log``)."""
         step = int(step)
         if step and step % self.config.log_every == 0:
-            print(f"[hvd_dgc] step {step} density={float(self.density().numpy()):.4g} "
-                  f"{self.statistics.format(step)}", flush=True)
+            print(f"[hvd_dgc] step {step}: "
+                  f"{self.statistics.format(step, float(self.density().numpy()))}", flush=True)
 
     def _check_world(self):
         """Stop, before any collective, a step running in another world than the plan

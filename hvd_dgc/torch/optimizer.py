@@ -198,17 +198,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "fusion_threshold": fusion_threshold(self._config.fusion_threshold)}
 
     def _announce(self):
-        """Rank 0, once: what hvd_dgc does here and how to turn it off; every rank: a
-        warning where a setting leaves DGC nothing to do."""
-        density = self._progress.density()
-        message = self._planner.idle_warning(density)
-        if message:
-            warnings.warn(message, UserWarning)
-        if _hvd.rank() == 0:
-            if self._resolved.taken_over.lost:
-                warnings.warn(self._resolved.taken_over.lost, UserWarning)
-            print(self._planner.summary("torch", self._lagging.describe_delay(),
-                                        self._lagging.period, density), flush=True)
+        """Rank 0 only: what hvd_dgc does here in one line (the full plan with
+        ``verbose``), and each warning once (hvd_dgc/plan.py ``Planner.announce``)."""
+        self._planner.announce("torch", self._lagging.describe_delay(),
+                               self._lagging.period, self._progress.density())
 
     # -- one launch at this step's place -------------------------------------------------
     def _launch(self, params):

@@ -443,10 +443,12 @@ class DGCCallback(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         stats = self.model.optimizer.compression_stats()
         self.history.append(stats)
-        if logs is not None:
-            logs["dgc_density"] = stats["density"]
+        if logs is not None:  # the density in effect now, as the line below says it
+            logs["dgc_density"] = stats["current_density"]
         if self.verbose and _hvd.rank() == 0:
-            print(f"[hvd_dgc] epoch {epoch}: density {stats['current_density']:.4g}, "
-                  f"sent {stats['bytes_sent'] / 1e6:.3f} MB vs dense "
-                  f"{stats['dense_fp32_bytes'] / 1e6:.3f} MB "
-                  f"({stats['compression_ratio']:.1f}x), paths {stats['paths']}", flush=True)
+            ratio = stats["compression_ratio"]
+            less = f"{ratio:.1f}x less than dense fp32" if ratio != float("inf") else \
+                "nothing sent"
+            print(f"[hvd_dgc] epoch {epoch}: density {stats['current_density']:.4g} now; "
+                  f"sent {stats['bytes_sent'] / 1e6:.3f} MB so far ({less}); paths so far "
+                  f"{stats['paths']}", flush=True)
