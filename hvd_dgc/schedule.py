@@ -11,10 +11,12 @@ depends only on counters every rank shares.
 """
 
 import math
+import os
 from typing import Callable, Optional, Sequence, Union
 
 __all__ = ["DensitySchedule", "PAPER_WARMUP_DENSITIES", "DEFAULT_SENDS", "ADAPTIVE_SENDS",
-           "as_schedule", "check_density", "num_selected"]
+           "EPOCH_CHECK_STEPS", "as_schedule", "check_density", "num_selected",
+           "counts_epochs", "epoch_check_steps", "stuck_epoch_message"]
 
 #: The paper's warm-up stages; the final density (0.1%) follows them.
 PAPER_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
@@ -40,6 +42,55 @@ DEFAULT_SENDS = 10
 #: CNN, AdamW, 220 steps, 5 seeds: 25% throughout 0.45 points below dense Horovod, the SGD
 #: stages (6.25% from step 160) 1.17 below.
 ADAPTIVE_SENDS = 40
+
+#: An epoch-counted warm-up (``warmup_unit="epoch"``) moves only when the script says
+#: where it is: ``optimizer.set_epoch(e)`` (PyTorch, TensorFlow's tape) or one of
+#: hvd_dgc's Keras callbacks in ``model.fit``. A script that never does so stays in the
+#: first stage for good. After this many optimizer steps with the epoch never set, rank 0
+#: says so once (``HVD_DGC_EPOCH_CHECK_STEPS`` in the environment: another count; 0:
+#: never). A script that follows the convention of ``DistributedSampler.set_epoch``
+#: (called at the start of every epoch, 0 first) sets it before its first step, so it is
+#: never told; the count only delays the word for one that never calls it. A stuck
+#: warm-up costs bytes, not accuracy (the first stage sends more than planned, never
+#: less), so nothing is lost by waiting 200 steps, about the length of the default
+#: step-counted warm-up's first stage (160 steps, ``DEFAULT_SENDS / 0.0625``) and a few
+#: seconds to minutes of most runs, while a script calling ``set_epoch`` only at the end
+#: of a first epoch shorter than that is not told wrongly.
+EPOCH_CHECK_STEPS = 200
+
+
+def counts_epochs(schedule):
+    """Whether ``schedule`` has a warm-up counted in epochs (looking inside Adam's
+    take-over, ``FrozenAdamSchedule.inner``); a callable's own rule is not judged."""
+    while hasattr(schedule, "inner"):
+        schedule = schedule.inner
+    return isinstance(schedule, DensitySchedule) and schedule.unit == "epoch" and \
+        schedule.warmup > 0
+
+
+def epoch_check_steps(schedule):
+    """After how many steps a never-set epoch is reported for ``schedule``: 0 where its
+    warm-up does not count epochs or the check is off (``EPOCH_CHECK_STEPS``)."""
+    if not counts_epochs(schedule):
+        return 0
+    value = os.environ.get("HVD_DGC_EPOCH_CHECK_STEPS", "").strip()
+    if not value:
+        return EPOCH_CHECK_STEPS
+    if not value.isdigit():
+        raise ValueError(f"HVD_DGC_EPOCH_CHECK_STEPS={value!r}: give a whole number of "
+                         f"steps (0: no check), or unset it (default {EPOCH_CHECK_STEPS}).")
+    return int(value)
+
+
+def stuck_epoch_message(schedule, steps, epoch, fix):
+    """The warning for an epoch-counted warm-up whose epoch was never set by step
+    ``steps``; ``fix``: how this framework's script sets it."""
+    while hasattr(schedule, "inner"):
+        schedule = schedule.inner
+    return (f"hvd_dgc: the warm-up counts epochs (warmup={schedule.warmup:g}, "
+            f"warmup_unit='epoch') but nothing has set the epoch by step {steps}: it is "
+            f"still at epoch {epoch:g}, density {schedule(0, epoch):.4g}. {fix}, or "
+            f"pass warmup_unit='step' to count the warm-up in steps.")
 
 
 def check_density(density, name="density"):

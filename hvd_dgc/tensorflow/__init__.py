@@ -41,6 +41,7 @@ from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchang
 elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")
 
 _EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
+_EPOCH = [None]  # what hvd.set_epoch set last (None: never called)
 
 
 class TapeExchanges(tf.Module):
@@ -117,6 +118,8 @@ def _exchange_for(sources, options):
     exchange = _EXCHANGES.get(key)
     if exchange is None:
         exchange = GradientExchange(**options)
+        if _EPOCH[0] is not None:  # hvd.set_epoch before this exchange's first step
+            exchange.set_epoch(_EPOCH[0])
         _EXCHANGES[key] = exchange
         name = dgc_state._attach(exchange, sources)
         if name in _PENDING_SHARED:
@@ -125,7 +128,10 @@ def _exchange_for(sources, options):
 
 
 def set_epoch(epoch):
-    """Epoch-based warm-up: call at the start of each epoch on every rank."""
+    """Epoch-based warm-up: call at the start of each epoch on every rank (0 first, as
+    ``DistributedSampler.set_epoch``; before the first step too: a tape's exchange made
+    later starts at the epoch set last)."""
+    _EPOCH[0] = epoch
     for exchange in _EXCHANGES.values():
         exchange.set_epoch(epoch)
 

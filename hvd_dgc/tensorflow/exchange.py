@@ -52,6 +52,8 @@ from hvd_dgc.linkwatch import LinkWatch, as_link_watch
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
+from hvd_dgc.say import rank0_once
+from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
@@ -110,6 +112,8 @@ class GradientExchange(tf.Module):
                 f"hvd.callbacks.DGCCallback() for a watched link, or drop link_watch.")
         self.traced_once = False  # (build: a tape under elastic Horovod)
         self.densities = stage_densities(self.resolved.schedule)
+        # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
+        self.epoch_check, self.epoch_set = epoch_check_steps(self.resolved.schedule), False
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
         # Keras' Adam taken over (keras_adam.KerasAdamTakeOver), set by the Keras
@@ -151,6 +155,7 @@ class GradientExchange(tf.Module):
     def set_epoch(self, epoch):
         """Epoch-based warm-up: call at the start of each epoch on every rank."""
         self._epoch = float(epoch)
+        self.epoch_set = True
         if self.memory is not None:
             self.epoch.assign(self._epoch)
 
@@ -538,7 +543,29 @@ class GradientExchange(tf.Module):
         if self.config.log_every and _hvd.rank() == 0:  # (no collective: rank 0's alone)
             with tf.control_dependencies([values(a) for a in out]):
                 tf.py_function(self._log, [self.step.read_value()], [])
+        if self.epoch_check and _hvd.rank() == 0:  # (rank 0's graph alone: it says it)
+            with tf.control_dependencies([values(a) for a in out]):
+                self._trace_epoch_check()
         return out, bad
+
+    def _trace_epoch_check(self):
+        """At step ``epoch_check`` (one comparison a step), rank 0 says once that an
+        epoch-counted warm-up never moved: nothing called ``set_epoch``."""
+        def check():
+            tf.py_function(self._epoch_unset, [self.step.read_value(),
+                                               self.epoch.read_value()], [])
+            return tf.constant(True)
+        tf.cond(tf.equal(self.step, self.epoch_check), check, lambda: tf.constant(False))
+
+    def _epoch_unset(self, step, epoch):
+        if self.epoch_set:
+            return
+        fix = ("Call hvd.set_epoch(epoch) at the start of each epoch" if self.is_tape else
+               "Pass hvd.callbacks.DGCCallback() to model.fit (or any of hvd_dgc's Keras "
+               "callbacks: its BroadcastGlobalVariablesCallback advances the epoch too), or "
+               "call optimizer.set_epoch(epoch) at each epoch of your own loop")
+        rank0_once(stuck_epoch_message(self.resolved.schedule, int(step), float(epoch), fix),
+                   UserWarning, key="hvd_dgc.epoch_never_set")
 
     def _log(self, step):
         """``log_every``: rank 0 prints the statistics after every N-th step, as PyTorch's

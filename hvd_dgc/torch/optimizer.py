@@ -42,6 +42,8 @@ from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
+from hvd_dgc.say import rank0_once
+from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
@@ -97,6 +99,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))
                  for p in every}
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every)
+        # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
+        self._epoch_check, self._epoch_set = epoch_check_steps(resolved.schedule), False
         self._takeover = self._take_over(process_set.included())
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
@@ -342,6 +346,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._average_after_step:
             self._average_parameters()
         self._progress.step += 1
+        if self._epoch_check and self._progress.step >= self._epoch_check:
+            self._check_epoch_set()
         self._progress.maybe_log(_hvd.rank())
         return loss
 
@@ -358,8 +364,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- hvd_dgc's additions ---------------------------------------------------------------
     def set_epoch(self, epoch):
-        """Drive an epoch-based warm-up (call at the start of each epoch, on every rank)."""
+        """Drive an epoch-based warm-up (call at the start of each epoch, on every rank,
+        as ``DistributedSampler.set_epoch``: 0 first)."""
         self._progress.epoch = float(epoch)
+        self._epoch_set = True
+
+    def _check_epoch_set(self):
+        """Once: rank 0 says that an epoch-counted warm-up never moved (set_epoch never
+        called; hvd_dgc/schedule.py ``EPOCH_CHECK_STEPS``)."""
+        self._epoch_check = 0
+        if not self._epoch_set:
+            rank0_once(stuck_epoch_message(
+                self._resolved.schedule, self._progress.step, self._progress.epoch,
+                "Call optimizer.set_epoch(epoch) at the start of each epoch (as "
+                "DistributedSampler.set_epoch)"), UserWarning, key="hvd_dgc.epoch_never_set")
 
     def flush(self):
         """Drain delayed averaging: wait for every step still in flight, apply its

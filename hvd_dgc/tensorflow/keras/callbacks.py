@@ -78,6 +78,35 @@ class _StepTimer:
             model.make_train_function(force=True)  # the paths changed: they are in the graph
 
 
+def _dgc_optimizer(model):
+    """The model's hvd_dgc optimizer (inside a LossScaleOptimizer too), or None."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None:
+        if getattr(optimizer, "_hvd_dgc", None) is not None and hasattr(optimizer, "set_epoch"):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def follow_epoch(model, epoch):
+    """``fit``'s epoch, at its start, to the hvd_dgc optimizer's warm-up: every one of
+    hvd_dgc's callbacks calls it in ``on_epoch_begin``, so a Horovod script switched by
+    one line (BroadcastGlobalVariablesCallback, MetricAverageCallback, the learning-rate
+    callbacks) advances an epoch-counted warm-up without a ``DGCCallback``. Several in
+    one ``fit`` set the same epoch: after an elastic reset (``fit`` counts from 0 again)
+    the first to run takes the offset to the epoch the warm-up had reached and clears
+    ``resuming``; the offset lives on the optimizer's exchange, so the others, and later
+    epochs, add the same one."""
+    optimizer = _dgc_optimizer(model)
+    if optimizer is None:
+        return
+    exchange = optimizer._hvd_dgc
+    if getattr(exchange, "resuming", False):  # fit again after an elastic reset
+        exchange.epoch_offset = max(0, int(exchange.current_epoch()) - epoch)
+        exchange.resuming = False
+    optimizer.set_epoch(epoch + getattr(exchange, "epoch_offset", 0))
+
+
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     """Broadcast the model's and optimizer's variables from ``root_rank`` so every rank
     starts from the same weights (random initialisation or a checkpoint on one rank).
@@ -142,6 +171,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         if self.model.built and not self.done:
             self._broadcast()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        follow_epoch(self.model, epoch)
+
     def on_train_batch_begin(self, batch, logs=None):
         self._timer.begin()
 
@@ -177,6 +209,9 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
     def __init__(self, device=""):
         super().__init__()
         self.device = device
+
+    def on_epoch_begin(self, epoch, logs=None):
+        follow_epoch(self.model, epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
@@ -308,6 +343,7 @@ class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
+        follow_epoch(self.model, epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         epoch = self.current_epoch
@@ -387,6 +423,10 @@ class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
                              "set its .filepath before fit (rank 0 writes there).")
         super().on_train_begin(logs)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        follow_epoch(self.model, epoch)
+
     def on_train_batch_end(self, batch, logs=None):
         if self._writes():
             super().on_train_batch_end(batch, logs)
@@ -414,7 +454,6 @@ class DGCCallback(tf.keras.callbacks.Callback):
         super().__init__()
         self.verbose = verbose
         self.history = []
-        self._offset = 0  # epochs done before this fit (elastic: hvd_dgc/tensorflow/elastic.py)
         self._timer = _StepTimer(claims=True)  # the link watch's step times
 
     def on_train_begin(self, logs=None):
@@ -434,11 +473,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self.model.optimizer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
-        exchange = self.model.optimizer._hvd_dgc
-        if exchange.resuming:  # fit again after an elastic reset: Keras counts from 0
-            self._offset = max(0, int(exchange.current_epoch()) - epoch)
-            exchange.resuming = False
-        self.model.optimizer.set_epoch(epoch + self._offset)
+        follow_epoch(self.model, epoch)  # (after an elastic reset: from the epoch reached)
 
     def on_epoch_end(self, epoch, logs=None):
         stats = self.model.optimizer.compression_stats()
