@@ -35,9 +35,10 @@ numbers. Framework-free: the optimizer holds a ``LinkWatchState`` and calls
 from typing import NamedTuple
 
 from hvd_dgc.autodelay import check_counts
+from hvd_dgc.switch import change_line
 
 __all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan", "judge_probe",
-           "relinked_words"]
+           "link_watch_idle", "relinked_words"]
 
 
 class LinkWatch(NamedTuple):
@@ -114,12 +115,22 @@ def judge_probe(planner, link, density, launches, change, moved):
     return changes_plan(before, after, change, moved), before, after
 
 
-def relinked_words(step, link, was, before, after, planner, density):
-    """Rank 0's line where a probe moved the paths to a new link (both frameworks)."""
+def relinked_words(step, link, was, before, after, planner, density, traced=False):
+    """Rank 0's line where a probe moved the paths to a new link (both frameworks): a
+    short one (switch.change_line), the full story with ``verbose``; ``traced``: the
+    step is traced again (Keras)."""
+    again = "; the step is traced again" if traced else ""
+    if not planner.verbose():
+        rate = f"{link.bandwidth * 8 / 1e6:.0f} Mbit/s"
+        if was is not None:
+            rate += f" (was {was.bandwidth * 8 / 1e6:.0f})"
+        return change_line(step, f"link now {rate}: {planner.compressed_words(density)}"
+                                 f"{'; step traced again' if traced else ''}")
     return (f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
-            f"{was.numbers()}; a {link.seconds:.2f} s probe): the step's exchange on its "
-            f"paths priced {after * 1e3:.1f} ms, not {before * 1e3:.1f} ms, so each "
-            f"tensor's path was chosen afresh: {planner.sparse_words(density)}")
+            f"{was.numbers() if was is not None else 'not measured'}; a {link.seconds:.2f} s "
+            f"probe): the step's exchange on its paths priced {after * 1e3:.1f} ms, not "
+            f"{before * 1e3:.1f} ms, so each tensor's path was chosen afresh: "
+            f"{planner.sparse_words(density)}{again}")
 
 
 class LinkWatchState:
@@ -187,3 +198,20 @@ class LinkWatchState:
     def stats(self):
         return {"link_probes": self.probes, "relinked_at": list(self.relinked)}
 
+
+def link_watch_idle(config, measured, sparse, elastic=False, tape=False):
+    """Why ``link_watch`` cannot act in this set-up (a sentence naming the fix), or "":
+    the PyTorch optimizer and TensorFlow's exchange say it on rank 0 where the script
+    passed ``link_watch`` itself (the default, None, stays quiet)."""
+    why = ("under elastic Horovod the link is measured again at each sync of the state "
+           "instead" if elastic else
+           "the link is not measured (cost_model is set, or HVD_DGC_COST_MODEL=assumed): "
+           "drop cost_model to have it measured" if not measured else
+           "nothing is compressed (every tensor dense): there are no paths to choose" if
+           not sparse else
+           f"with {config.lagging} a step does not wait for its own averages, so its waits "
+           f"do not tell the link's speed" if config.lagging else
+           "DistributedGradientTape's step is traced into your tf.function; use Keras' "
+           "model.fit for a watched link" if tape else "")
+    return f"hvd_dgc: link_watch={config.link_watch!r} does nothing here: {why}." if why \
+        else ""

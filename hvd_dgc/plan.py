@@ -27,7 +27,8 @@ from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.say import rank0_once, say, verbose
-from hvd_dgc.switch import adam_idle_warning, brief, gather_idle_warning, idle_warning, summary
+from hvd_dgc.switch import (adam_idle_warning, brief, change_line, gather_idle_warning,
+                            idle_warning, percent, summary)
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -259,6 +260,25 @@ class Planner:
         large = [t for t in self.tensors if self.large(t)]
         sparse = sum(self.path(t, density) != PathKind.DENSE for t in large)
         return f"{sparse} of {len(large)} large tensors sparse at density {density:g}"
+
+    def compressed_words(self, density, at=True):
+        """``sparse_words`` for the short lines: "2 of 4 large tensors sparse at 1%"."""
+        large = [t for t in self.tensors if self.large(t)]
+        sparse = sum(self.path(t, density) not in (PathKind.DENSE, PathKind.SPARSE_GRAD)
+                     for t in large)
+        return f"{sparse} of {len(large)} large tensors sparse" + \
+            (f" at {percent(density)}" if at else "")
+
+    def stage_line(self, step, before, after):
+        """Rank 0's short line where a new density stage changes the tensors' paths
+        (None where the paths stay as they were): the density now and what it sends."""
+        if before == after or not self.resolved.sparse:
+            return None
+        if [self.path(t, before) for t in self.tensors] == \
+                [self.path(t, after) for t in self.tensors]:
+            return None
+        return change_line(step, f"density {percent(after)} now: "
+                                 f"{self.compressed_words(after, at=False)}")
 
     def measured_words(self):
         """What was measured, for the rank-0 line ("" if nothing)."""

@@ -45,6 +45,7 @@ BAD = {  # option -> (value, what the message must say)
     "aggregation": ("ring", "aggregation must be one of"),
     "fusion_threshold": (-5, "fusion_threshold must be an int >= 0"),
     "log_every": (-1, "log_every must be an int >= 0"),
+    "verbose": ("yes", "verbose must be True"),
     "freeze_variance": (0, "freeze_variance must be 'auto', a number of steps >= 1"),
     "refresh_variance": (True, "refresh_variance must be False (the variance frozen once)"),
     "density": (1.5, "density must be in (0, 1]"),
@@ -268,10 +269,14 @@ def test_keras_adaptive_optimizers_get_the_longer_default_warm_up_and_quantisers
     assert raw._hvd_dgc.resolved.freeze is None and raw._hvd_dgc.resolved.taken_over.lost
 
 
-def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys):
+def test_an_optimizer_not_taken_over_is_said_on_the_line_and_warned(capsys, monkeypatch):
     """NAdam (torch), RMSprop (Keras): error feedback on the raw gradient, said in the
-    rank-0 line and warned with what is lost and what is taken over; SGD and Adam not."""
+    rank-0 line (the full plan: verbose) and warned with what is lost and what is taken
+    over; SGD and Adam not."""
     import warnings
+    from hvd_dgc import say
+    monkeypatch.setenv("HVD_DGC_VERBOSE", "1")
+    say.reset()  # (each warning is said once a process: hvd_dgc/say.py)
     hvd_torch.init()
     hvd_tf.init()
     model = torch.nn.Linear(64, 32)

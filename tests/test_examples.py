@@ -61,7 +61,7 @@ def test_quick_demo_shows_dense_and_the_one_line_switch_side_by_side():
                           timeout=600, cwd=REPO)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    assert "[hvd_dgc] torch: DGC at density 0.001, warm-up 0.25 to step 160" in out
+    assert "[hvd_dgc] torch: DGC warm-up" in out and "by step 10000" in out  # the line
     dense_acc = number(r"Horovod, dense allreduce +test accuracy ([\d.]+)", out)
     dgc_acc = number(r"hvd_dgc, one-line switch +test accuracy ([\d.]+)", out)
     runs = re.findall(r"epoch +4 .*test accuracy ([\d.]+)", out)

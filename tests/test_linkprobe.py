@@ -243,8 +243,11 @@ def _has_tf():
 #: cases; the TensorFlow ones say why they do not run. CI installs both.
 HAS_TF = _has_tf()
 LOOPBACK = list(TORCH_CASES + (TF_CASES if HAS_TF else ()))
-#: The link-probe jobs' environment: Keras 3, and the default cost model (measure)
-MEASURE_ENV = {"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": ""}
+#: The link-probe jobs' environment: Keras 3, the default cost model (measure), and the
+#: full texts (verbose), whose numbers these tests read (the short default lines:
+#: tests/test_messages.py)
+MEASURE_ENV = {"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_COST_MODEL": "",
+               "HVD_DGC_VERBOSE": "1"}
 
 
 def _needs(name):
@@ -455,7 +458,8 @@ def test_probe_across_the_emulated_link_measures_its_rate_and_round_trip():
     rate_mbit, rtt = 100, 0.020
     with WanLink(rate_mbit=rate_mbit, rtt_ms=rtt * 1e3) as link:
         results = run_job(link, [sys.executable, "-m", "tests.workers.link_probe"],
-                          env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": ""}, timeout=300)
+                          env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": "",
+                               "HVD_DGC_VERBOSE": "1"}, timeout=300)
     assert [code for code, _, _ in results] == [0, 0], results
     outs = [json.loads(out.strip().splitlines()[-1])["torch"] for _, out, _ in results]
     assert "error" not in outs[0], outs[0].get("error")
@@ -580,6 +584,7 @@ def keras_trial():
     with WanLink(rate_mbit=100, rtt_ms=0) as link:
         results = run_job(link, [sys.executable, "-m", "tests.workers.keras_plan_trial"],
                           env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": "",
+                               "HVD_DGC_VERBOSE": "1",
                                "TF_USE_LEGACY_KERAS": "0"}, timeout=300)
     assert [code for code, _, _ in results] == [0, 0], results
     return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]

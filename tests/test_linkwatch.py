@@ -200,7 +200,8 @@ def _drop_the_link(tmp_path, worker, rate_mbit=1, args=()):
     with WanLink() as link:
         job = threading.Thread(target=lambda: results.extend(run_job(
             link, [sys.executable, "-m", worker, str(tmp_path), *args],
-            env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": ""}, timeout=300)))
+            env={"PYTHONPATH": REPO, "HVD_DGC_COST_MODEL": "", "HVD_DGC_VERBOSE": "1"},
+            timeout=300)))  # (verbose: the full line, whose numbers are read below)
         job.start()
         deadline = time.time() + 240
         while not (tmp_path / "ready").exists() and job.is_alive() and \

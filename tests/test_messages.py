@@ -105,6 +105,29 @@ def test_wording_helpers():
     assert len(line) == CHANGE_LIMIT and line.startswith("[hvd_dgc] step 1234: the link")
 
 
+def test_a_change_of_plan_is_one_short_line_and_the_full_story_with_verbose(monkeypatch):
+    """A re-measured link (linkwatch.relinked_words, both frameworks) and a new density
+    stage whose paths differ (Planner.stage_line, PyTorch)."""
+    from hvd_dgc.linkprobe import LinkMeasurement
+    from hvd_dgc.linkwatch import relinked_words
+    monkeypatch.setenv("HVD_DGC_VERBOSE", "")
+    planner, _ = _line(density=DensitySchedule(0.001, warmup=300, unit="step",
+                                               warmup_densities=(1.0,)))
+    fast = LinkMeasurement(50e-6, 1.25e9, 0.1, 1 << 20)
+    slow = LinkMeasurement(1e-3, 1.25e6, 0.4, 1 << 16)
+    line = relinked_words(1234, slow, fast, 0.01, 0.5, planner, 0.001, traced=True)
+    assert line == ("[hvd_dgc] step 1234: link now 10 Mbit/s (was 10000): 2 of 2 large "
+                    "tensors sparse at 0.1%; step traced again"), line
+    assert len(line) <= CHANGE_LIMIT
+    assert planner.stage_line(300, 1.0, 0.001) == \
+        "[hvd_dgc] step 300: density 0.1% now: 2 of 2 large tensors sparse"
+    assert planner.stage_line(300, 0.001, 0.001) is None  # no new stage
+    monkeypatch.setenv("HVD_DGC_VERBOSE", "1")
+    line = relinked_words(1234, slow, fast, 0.01, 0.5, planner, 0.001)
+    assert line.startswith("hvd_dgc: at step 1234 the link measured 1000 us per message, "
+                           "10 Mbit/s (was 50 us per message, 10000 Mbit/s; a 0.40 s probe)")
+
+
 def test_statistics_say_per_step_and_cumulative():
     stats = CompressionStats()
     for _ in range(3):

@@ -14,8 +14,10 @@ SCENARIOS = ["reference_equivalence", "sparse_run", "checkpoint", "lagging_refer
 
 @pytest.fixture(scope="module")
 def gloo():
+    # verbose: the full plan at wrap time, whose words the tests read (the default short
+    # line: tests/test_messages.py)
     return run("tests.workers.torch_adam:suite", np=2, controller="gloo",
-               kwargs={"names": SCENARIOS})
+               kwargs={"names": SCENARIOS}, env={"HVD_DGC_VERBOSE": "1"})
 
 
 def test_frozen_adam_equals_the_reference_at_density_one(gloo):

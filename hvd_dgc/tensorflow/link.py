@@ -164,7 +164,7 @@ class LinkWatcher:
             was = planner.link
             changed = exchange.relink(link)
             if _hvd.rank() == 0:
-                print(relinked_words(step, link, was, before, after, planner, density)
-                      + ("; the step is traced again" if changed else ""), flush=True)
+                print(relinked_words(step, link, was, before, after, planner, density,
+                                     changed), flush=True)  # (short unless verbose)
         state.probed(relinked, step)
         return changed

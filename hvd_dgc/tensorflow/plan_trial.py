@@ -24,6 +24,7 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max
 
 from hvd_dgc.overlap import TRIAL_MARGIN, TRIAL_STEPS, PlanTrial
+from hvd_dgc.switch import change_line, percent
 
 __all__ = ["DenseTrial"]
 
@@ -82,7 +83,12 @@ class DenseTrial:
         sums, alone = trial.means
         self.tried.append((trial.density, sums, alone, "dense" if dense else "sums"))
         changed = False if dense else self._force(trial.density, False)
-        if _hvd.rank() == 0:
+        if _hvd.rank() == 0 and not planner.verbose():  # short; a change of plan only
+            if dense:
+                print(change_line(step, f"every tensor dense at {percent(trial.density)} "
+                                        f"({alone * 1e3:.1f} ms a step, sparse "
+                                        f"{sums * 1e3:.1f})"), flush=True)
+        elif _hvd.rank() == 0:
             print(f"hvd_dgc: at step {step} the cost model's plan ({self._sums_words}) "
                   f"took {sums * 1e3:.1f} ms a step and every tensor dense "
                   f"{alone * 1e3:.1f} ms: "

@@ -9,6 +9,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
 from hvd_dgc.overlap import PlanTrial, ProfileRecorder, profile_from
+from hvd_dgc.switch import change_line
 from hvd_dgc.torch.at_exit import settle_at_exit
 
 __all__ = ["BackwardProfiler"]
@@ -92,7 +93,14 @@ class BackwardProfiler:
         if kept is None:
             return
         self.decided_at = step + 1
-        if _hvd.rank() == 0:
+        if _hvd.rank() == 0 and not planner.verbose():  # short; a change of plan only
+            sums, timeline = trial.means
+            if kept:
+                print(change_line(step + 1, f"timeline plan kept ({timeline * 1e3:.1f} ms a "
+                                            f"step, sums' {sums * 1e3:.1f}): "
+                                            f"{planner.compressed_words(trial.density)}"),
+                      flush=True)
+        elif _hvd.rank() == 0:
             sums, timeline = trial.means
             plan = planner.overlap_plan(trial.density)
             print(f"hvd_dgc: from step {step + 1}, {planner.profile.words()}; where the "

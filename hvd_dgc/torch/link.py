@@ -165,7 +165,7 @@ class LinkWatcher:
             planner.relink(link)
             if _hvd.rank() == 0:
                 print(relinked_words(step, link, was, before, after, planner, density),
-                      flush=True)
+                      flush=True)  # (short by default; the full story with verbose)
         self.state.probed(relinked, step)
 
 

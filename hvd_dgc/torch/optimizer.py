@@ -52,7 +52,7 @@ from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelera
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
-from hvd_dgc.linkwatch import as_link_watch
+from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
 from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local, \
     measure_payload
 from hvd_dgc.torch.outer import outer_optimizer
@@ -106,6 +106,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      resolved.compressor, _hvd.rank())
         self._grad_scaler = grad_scaler
         self._planner = Planner(resolved, [infos[p] for p in trainable], process_set.size())
+        self._progress.stage_line = self._planner.stage_line  # a new stage's paths, said
         peers = ()
         if process_set.included():
             # Elastic: a worker added later wraps its optimizer alone, while the others
@@ -582,8 +583,13 @@ def _link_watcher(config, resolved, planner, process_set):
     and each step waits for its own averages (delay and period change what a wait means;
     ``delay="auto"`` answers a slower link with a longer delay instead)."""
     watch = as_link_watch(config.link_watch)
-    if watch is None or planner.link is None or not resolved.sparse or config.lagging or \
-            not process_set.included() or os.environ.get("HOROVOD_ELASTIC") == "1":
+    if watch is None or not process_set.included():
+        return None
+    idle = link_watch_idle(config, planner.link is not None, resolved.sparse,
+                           os.environ.get("HOROVOD_ELASTIC") == "1")
+    if idle:
+        if config.link_watch is not None:  # the script asked for it: say why not (rank 0)
+            rank0_once(idle, UserWarning, key="hvd_dgc.link_watch_idle")
         return None
     return LinkWatcher(watch, planner, process_set)
 

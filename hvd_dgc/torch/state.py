@@ -27,12 +27,26 @@ class Progress:
         self.step = 0
         self.epoch = 0.0
         self.stats = CompressionStats()
+        # (step, density before, density now) -> rank 0's line where a new density stage
+        # changes the tensors' paths, or None (Planner.stage_line)
+        self.stage_line = None
+        self._stage = None  # the density the last step ran at
 
     def density(self):
         """The density of the step about to run (1.0 without a sparse compressor)."""
         return self.schedule(self.step, self.epoch) if self.sparse else 1.0
 
     def maybe_log(self, rank):
+        """After a step: rank 0's statistics every ``log_every`` steps, and a short line
+        where the next step's density stage sends the tensors another way."""
+        if self.stage_line is not None and self.sparse and rank == 0:
+            now, before = self.density(), self._stage
+            if before is None:
+                before = self.schedule(max(self.step - 1, 0), self.epoch)
+            self._stage = now
+            line = self.stage_line(self.step, before, now) if now != before else None
+            if line:
+                print(line, flush=True)
         if self.log_every and self.step % self.log_every == 0 and rank == 0:
             print(f"[hvd_dgc] step {self.step}: {self.stats.format(self.density())}",
                   flush=True)
