@@ -38,9 +38,11 @@ Written once here (configuration and the update's arithmetic on anything that ha
 is tests/reference.py ``outer_round``.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 from hvd_dgc.packing import plane_bytes
+from hvd_dgc.say import rank0_once
 from hvd_dgc.schedule import num_selected
 
 __all__ = ["OuterLoop", "outer_step", "check_outer", "round_ks", "round_bytes",
@@ -230,4 +232,17 @@ def check_outer(outer, config, compression_is_default, op_is_average):
     if not op_is_average:
         raise ValueError("outer=OuterLoop(...) averages the weights' change: op must be "
                          "Average.")
+    unused = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+              if f.name not in _OUTER_READS and getattr(config, f.name) != f.default]
+    if unused:  # DGC's per-step options: the outer loop has no per-step exchange
+        rank0_once(f"hvd_dgc: outer=OuterLoop(...) uses density and min_compress_size "
+                   f"only; {', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing "
+                   f"here: drop "
+                   f"{'it' if len(unused) == 1 else 'them'}.", UserWarning,
+                   key="hvd_dgc.outer_unused")
     return outer
+
+
+#: The options the outer loop reads (or refuses above); the others are DGC's per step.
+_OUTER_READS = frozenset({"density", "min_compress_size", "warmup", "delay", "period",
+                          "verbose"})

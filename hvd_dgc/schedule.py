@@ -14,9 +14,11 @@ import math
 import os
 from typing import Callable, Optional, Sequence, Union
 
+from hvd_dgc.say import rank0_once
+
 __all__ = ["DensitySchedule", "PAPER_WARMUP_DENSITIES", "DEFAULT_SENDS", "ADAPTIVE_SENDS",
-           "EPOCH_CHECK_STEPS", "as_schedule", "check_density", "num_selected",
-           "counts_epochs", "epoch_check_steps", "stuck_epoch_message"]
+           "CHECK_STEPS", "as_schedule", "check_density", "num_selected",
+           "check_steps", "counts_epochs", "epoch_check_steps", "stuck_epoch_message"]
 
 #: The paper's warm-up stages; the final density (0.1%) follows them.
 PAPER_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
@@ -47,7 +49,7 @@ ADAPTIVE_SENDS = 40
 #: where it is: ``optimizer.set_epoch(e)`` (PyTorch, TensorFlow's tape) or one of
 #: hvd_dgc's Keras callbacks in ``model.fit``. A script that never does so stays in the
 #: first stage for good. After this many optimizer steps with the epoch never set, rank 0
-#: says so once (``HVD_DGC_EPOCH_CHECK_STEPS`` in the environment: another count; 0:
+#: says so once (``HVD_DGC_CHECK_STEPS`` in the environment: another count; 0:
 #: never). A script that follows the convention of ``DistributedSampler.set_epoch``
 #: (called at the start of every epoch, 0 first) sets it before its first step, so it is
 #: never told; the count only delays the word for one that never calls it. A stuck
@@ -56,7 +58,7 @@ ADAPTIVE_SENDS = 40
 #: step-counted warm-up's first stage (160 steps, ``DEFAULT_SENDS / 0.0625``) and a few
 #: seconds to minutes of most runs, while a script calling ``set_epoch`` only at the end
 #: of a first epoch shorter than that is not told wrongly.
-EPOCH_CHECK_STEPS = 200
+CHECK_STEPS = 200
 
 
 def counts_epochs(schedule):
@@ -70,15 +72,20 @@ def counts_epochs(schedule):
 
 def epoch_check_steps(schedule):
     """After how many steps a never-set epoch is reported for ``schedule``: 0 where its
-    warm-up does not count epochs or the check is off (``EPOCH_CHECK_STEPS``)."""
-    if not counts_epochs(schedule):
-        return 0
-    value = os.environ.get("HVD_DGC_EPOCH_CHECK_STEPS", "").strip()
+    warm-up does not count epochs or the check is off (``CHECK_STEPS``)."""
+    return check_steps() if counts_epochs(schedule) else 0
+
+
+def check_steps():
+    """The step at which a set-up that needs a call the script has not made by then is
+    said (the epoch above; in Keras, a lagging optimizer never flushed or a link watch
+    never timed): ``HVD_DGC_CHECK_STEPS``, else ``CHECK_STEPS``; 0: never."""
+    value = os.environ.get("HVD_DGC_CHECK_STEPS", "").strip()
     if not value:
-        return EPOCH_CHECK_STEPS
+        return CHECK_STEPS
     if not value.isdigit():
-        raise ValueError(f"HVD_DGC_EPOCH_CHECK_STEPS={value!r}: give a whole number of "
-                         f"steps (0: no check), or unset it (default {EPOCH_CHECK_STEPS}).")
+        raise ValueError(f"HVD_DGC_CHECK_STEPS={value!r}: give a whole number of "
+                         f"steps (0: no check), or unset it (default {CHECK_STEPS}).")
     return int(value)
 
 
@@ -212,6 +219,11 @@ def as_schedule(density: Optional[ScheduleLike] = None, warmup: Optional[float] 
     if density is None and warmup is None:
         return DensitySchedule.coverage(0.001, ADAPTIVE_SENDS if adaptive else DEFAULT_SENDS,
                                         warmup_densities)
+    if warmup_densities is not None and not warmup:  # (no warm-up to hold them)
+        rank0_once(f"hvd_dgc: warmup_densities={tuple(warmup_densities)!r} has no effect "
+                   f"without a warm-up (density={density!r}, warmup={warmup!r}): pass "
+                   f"warmup=N ({warmup_unit}s) to go through them, or drop "
+                   f"warmup_densities.", UserWarning, key="hvd_dgc.warmup_densities_unused")
     density = 0.001 if density is None else density
     warmup = 0 if warmup is None else warmup
     if isinstance(density, DensitySchedule) or (callable(density) and hasattr(density, "config")):

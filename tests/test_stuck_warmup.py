@@ -3,15 +3,15 @@
 warns once, naming the fix, rank 1 says nothing; a script that sets the epoch is not
 told; Horovod's callbacks as hvd_dgc re-exports them (no ``DGCCallback``) carry the
 Keras warm-up through its stages epoch by epoch. The ranks check after 10 steps
-(``HVD_DGC_EPOCH_CHECK_STEPS``), not the default 200, so each run takes seconds."""
+(``HVD_DGC_CHECK_STEPS``), not the default 200, so each run takes seconds."""
 
 import pytest
 
 from harness.hvdrun import run
-from hvd_dgc.schedule import EPOCH_CHECK_STEPS, DensitySchedule, as_schedule, \
+from hvd_dgc.schedule import CHECK_STEPS, DensitySchedule, as_schedule, \
     counts_epochs, epoch_check_steps, stuck_epoch_message
 
-CHECK = {"HVD_DGC_EPOCH_CHECK_STEPS": "10"}
+CHECK = {"HVD_DGC_CHECK_STEPS": "10"}
 STAGES = [0.25, 0.0625, 0.015625, 0.004, 0.001, 0.001]  # warmup=4 epochs, then 0.001
 STUCK = [0.25] * 6
 
@@ -20,17 +20,17 @@ def test_which_schedules_are_checked(monkeypatch):
     """Only a warm-up counted in epochs: not steps, not none, not the default (steps),
     and Adam's take-over is looked inside; the count comes from the environment."""
     from hvd_dgc.adam import FrozenAdamSchedule
-    monkeypatch.delenv("HVD_DGC_EPOCH_CHECK_STEPS", raising=False)
+    monkeypatch.delenv("HVD_DGC_CHECK_STEPS", raising=False)
     epochs = as_schedule(0.001, 4, "epoch")
-    assert counts_epochs(epochs) and epoch_check_steps(epochs) == EPOCH_CHECK_STEPS == 200
+    assert counts_epochs(epochs) and epoch_check_steps(epochs) == CHECK_STEPS == 200
     assert counts_epochs(FrozenAdamSchedule(20, epochs))
     for other in (as_schedule(0.001, 4, "step"), as_schedule(0.001, 0), as_schedule(),
                   as_schedule(lambda step, epoch: 0.01)):
         assert not counts_epochs(other) and epoch_check_steps(other) == 0
-    monkeypatch.setenv("HVD_DGC_EPOCH_CHECK_STEPS", "0")
+    monkeypatch.setenv("HVD_DGC_CHECK_STEPS", "0")
     assert epoch_check_steps(epochs) == 0
-    monkeypatch.setenv("HVD_DGC_EPOCH_CHECK_STEPS", "ten")
-    with pytest.raises(ValueError, match="HVD_DGC_EPOCH_CHECK_STEPS='ten'.*whole number"):
+    monkeypatch.setenv("HVD_DGC_CHECK_STEPS", "ten")
+    with pytest.raises(ValueError, match="HVD_DGC_CHECK_STEPS='ten'.*whole number"):
         epoch_check_steps(epochs)
 
 
@@ -41,12 +41,22 @@ def test_message_names_the_state_and_the_fixes():
     assert "set_epoch(epoch)" in text and "warmup_unit='step'" in text
 
 
-def _said_once_on_rank0(results, name, fix):
-    rank0, rank1 = results[0][name]["said"], results[1][name]["said"]
-    assert len(rank0) == 1, rank0
-    assert fix in rank0[0] and "warmup_unit='step'" in rank0[0], rank0[0]
-    assert "by step 10: it is still at epoch 0, density 0.25" in rank0[0], rank0[0]
-    assert rank1 == []
+NEVER_SET = "nothing has set the epoch"
+
+
+def _about(said, phrase):
+    return [text for text in said if phrase in text]
+
+
+def _said_once_on_rank0(results, name, fix, phrase=NEVER_SET):
+    """Rank 0 said ``phrase`` once, naming ``fix``; rank 1 said nothing at all."""
+    rank0 = _about(results[0][name]["said"], phrase)
+    assert len(rank0) == 1, results[0][name]["said"]
+    assert fix in rank0[0], rank0[0]
+    if phrase == NEVER_SET:
+        assert "warmup_unit='step'" in rank0[0], rank0[0]
+        assert "by step 10: it is still at epoch 0, density 0.25" in rank0[0], rank0[0]
+    assert results[1][name]["said"] == []
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +78,7 @@ def test_torch_never_set_epoch_warns_once_on_rank0(torch_runs):
 
 def test_torch_set_epoch_is_not_told_and_falls_through_the_stages(torch_runs):
     for out in torch_runs:
-        assert out["set_epoch"]["said"] == []
+        assert _about(out["set_epoch"]["said"], NEVER_SET) == []
         assert out["set_epoch"]["densities"] == STAGES and out["set_epoch"]["epoch"] == 5.0
 
 
@@ -88,6 +98,27 @@ def test_keras_horovods_callbacks_advance_the_warmup(tf_runs, name):
         assert out[name]["densities"] == [(d, float(e)) for e, d in enumerate(STAGES)]
 
 
+def test_torch_link_watch_asked_for_where_it_cannot_act_is_said(torch_runs):
+    """``link_watch=LinkWatch(...)`` with the link not measured (the suite's assumed
+    cost model): rank 0 says why it does nothing and how to change that."""
+    _said_once_on_rank0(torch_runs, "never", "drop cost_model",
+                        phrase="link_watch=LinkWatch(window=20")
+    assert "does nothing here: the link is not measured" in \
+        _about(torch_runs[0]["never"]["said"], "link_watch=")[0]
+
+
+def test_keras_lagging_never_flushed_is_said_and_broadcast_callback_silences_it(tf_runs):
+    """delay=2 in a fit with no hvd_dgc callback: nothing flushes before evaluation or at
+    the end; rank 0 says so once, naming the callbacks and flush(). With hvd_dgc's
+    BroadcastGlobalVariablesCallback (which flushes) nothing is said."""
+    _said_once_on_rank0(tf_runs, "keras_delay_none",
+                        "hvd.callbacks.BroadcastGlobalVariablesCallback(0)",
+                        phrase="nothing has flushed by step 10")
+    assert "optimizer.flush()" in tf_runs[0]["keras_delay_none"]["said"][0]
+    for out in tf_runs:
+        assert out["keras_delay_broadcast"]["said"] == []
+
+
 def test_tape_never_set_epoch_warns_once_on_rank0(tf_runs):
     _said_once_on_rank0(tf_runs, "tape_never", "hvd.set_epoch(epoch)")
     for out in tf_runs:
@@ -100,3 +131,49 @@ def test_tape_set_epoch_is_not_told(tf_runs):
     for out in tf_runs:
         assert out["tape_set_epoch"]["said"] == []
         assert out["tape_set_epoch"]["densities"] == STAGES
+
+
+def _warned(body):
+    """hvd_dgc's warnings while ``body()`` runs (as rank 0: no launcher here)."""
+    import warnings
+    from hvd_dgc import say
+    say.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        body()
+    return [str(w.message) for w in caught if str(w.message).startswith("hvd_dgc:")]
+
+
+def test_warmup_densities_without_a_warmup_is_said_once():
+    said = _warned(lambda: [as_schedule(0.001, None, "epoch", (0.5, 0.1)) for _ in range(3)])
+    assert said == ["hvd_dgc: warmup_densities=(0.5, 0.1) has no effect without a warm-up "
+                    "(density=0.001, warmup=None): pass warmup=N (epochs) to go through "
+                    "them, or drop warmup_densities."]
+    # used: by a warm-up, or by the default (step-counted) one
+    assert _warned(lambda: (as_schedule(0.001, 4, "epoch", (0.5, 0.1)),
+                            as_schedule(None, None, "epoch", (0.5, 0.1)))) == []
+
+
+def test_outer_loop_names_the_options_it_ignores():
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.outer import OuterLoop, check_outer
+    said = _warned(lambda: check_outer(OuterLoop(), DGCConfig(density=0.1, log_every=5,
+                                                                clip_norm=1.0), True, True))
+    assert said == ["hvd_dgc: outer=OuterLoop(...) uses density and min_compress_size only; "
+                    "clip_norm=1.0, log_every=5 do nothing here: drop them."]
+    assert _warned(lambda: check_outer(OuterLoop(), DGCConfig(density=0.1,
+                                                              min_compress_size=64),
+                                       True, True)) == []
+
+
+def test_link_watch_idle_reasons():
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.linkwatch import LinkWatch, link_watch_idle
+    asked = DGCConfig(link_watch=LinkWatch())
+    assert link_watch_idle(asked, True, True) == ""
+    assert "the link is not measured" in link_watch_idle(asked, False, True)
+    assert "nothing is compressed" in link_watch_idle(asked, True, False)
+    assert "with delay=2 a step does not wait" in link_watch_idle(
+        DGCConfig(link_watch=LinkWatch(), delay=2), True, True)
+    assert "elastic" in link_watch_idle(asked, True, True, elastic=True)
+    assert "model.fit" in link_watch_idle(asked, True, True, tape=True)

@@ -48,12 +48,12 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process
 from hvd_dgc import consistency
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
-from hvd_dgc.linkwatch import LinkWatch, as_link_watch
+from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
 from hvd_dgc.say import rank0_once
-from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
+from hvd_dgc.schedule import check_steps, epoch_check_steps, stuck_epoch_message
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
@@ -114,6 +114,9 @@ class GradientExchange(tf.Module):
         self.densities = stage_densities(self.resolved.schedule)
         # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
         self.epoch_check, self.epoch_set = epoch_check_steps(self.resolved.schedule), False
+        # what the script did by that step: flushed (flush), or passed one of hvd_dgc's
+        # Keras callbacks that flush and time the steps (keras/callbacks.py)
+        self.flushed, self.fit_callback = False, False
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
         # Keras' Adam taken over (keras_adam.KerasAdamTakeOver), set by the Keras
@@ -222,6 +225,11 @@ class GradientExchange(tf.Module):
             if self.planner.measure and not self.elastic:  # (after the period settled)
                 self.watcher = self._link_watcher()
                 self.trial = self._plan_trial()
+            elif self.config.link_watch not in (None, False):  # asked for: say why not
+                rank0_once(link_watch_idle(self.config, self.planner.measure,
+                                           self.resolved.sparse, elastic=self.elastic,
+                                           tape=self.is_tape),
+                           UserWarning, key="hvd_dgc.link_watch_idle")
             # rank 0's step, when an elastic reset gave it before this build
             self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
                                     name="step")
@@ -396,8 +404,15 @@ class GradientExchange(tf.Module):
         delay or period), and a step ``fit`` can trace again: a Keras optimizer's (a
         tape's step lives in the script's own ``tf.function``)."""
         watch = as_link_watch(self.config.link_watch)
-        return LinkWatcher(watch, self) if watch is not None and self._paths_can_follow() \
-            else None
+        if watch is None or not self.process_set.included():
+            return None
+        if self._paths_can_follow():
+            return LinkWatcher(watch, self)
+        if self.config.link_watch is not None:  # the script asked for it: say why not
+            rank0_once(link_watch_idle(self.config, self.planner.link is not None,
+                                       self.resolved.sparse, tape=self.is_tape),
+                       UserWarning, key="hvd_dgc.link_watch_idle")
+        return None
 
     def _plan_trial(self):
         """The trial of the sums' plan against all dense by the step's own time
@@ -543,28 +558,53 @@ class GradientExchange(tf.Module):
         if self.config.log_every and _hvd.rank() == 0:  # (no collective: rank 0's alone)
             with tf.control_dependencies([values(a) for a in out]):
                 tf.py_function(self._log, [self.step.read_value()], [])
-        if self.epoch_check and _hvd.rank() == 0:  # (rank 0's graph alone: it says it)
+        at_step = check_steps() if self._needs_a_call() and _hvd.rank() == 0 else 0
+        if at_step:  # (rank 0's graph alone: it says it)
             with tf.control_dependencies([values(a) for a in out]):
-                self._trace_epoch_check()
+                self._trace_check(at_step)
         return out, bad
 
-    def _trace_epoch_check(self):
-        """At step ``epoch_check`` (one comparison a step), rank 0 says once that an
-        epoch-counted warm-up never moved: nothing called ``set_epoch``."""
-        def check():
-            tf.py_function(self._epoch_unset, [self.step.read_value(),
-                                               self.epoch.read_value()], [])
-            return tf.constant(True)
-        tf.cond(tf.equal(self.step, self.epoch_check), check, lambda: tf.constant(False))
+    def _needs_a_call(self):
+        """Whether this set-up works only if the script makes a call it may never make:
+        ``set_epoch`` for an epoch-counted warm-up; in Keras, ``flush`` for a lagging
+        optimizer, and a callback timing ``fit``'s steps for a link watch it asked for
+        (``set_epoch`` and ``flush`` set the flags, and keras/callbacks.py's
+        ``follow_epoch`` and ``_in_fit``)."""
+        return bool(self.epoch_check) or (not self.is_tape and (
+            self.lags or (self.watcher is not None and self.config.link_watch is not None)))
 
-    def _epoch_unset(self, step, epoch):
-        if self.epoch_set:
+    def _trace_check(self, at_step):
+        """At step ``at_step`` (one comparison a step), rank 0 says once what the script
+        has not done by then (``_said_at``)."""
+        def check():
+            tf.py_function(self._said_at, [self.step.read_value(),
+                                           self.epoch.read_value()], [])
+            return tf.constant(True)
+        tf.cond(tf.equal(self.step, at_step), check, lambda: tf.constant(False))
+
+    def _said_at(self, step, epoch):
+        step = int(step)
+        if self.lags and not self.is_tape and not self.flushed and not self.fit_callback:
+            rank0_once(f"hvd_dgc: with {self.config.lagging} each rank's weights differ "
+                       f"from the others' until optimizer.flush(), and nothing has flushed "
+                       f"by step {step}. In model.fit pass "
+                       f"hvd.callbacks.BroadcastGlobalVariablesCallback(0) or DGCCallback() "
+                       f"(they flush before each evaluation, at each epoch's end and at the "
+                       f"end); in your own loop call optimizer.flush() before evaluating or "
+                       f"saving.", UserWarning, key="hvd_dgc.never_flushed")
+        if self.watcher is not None and self.config.link_watch is not None and \
+                not self.is_tape and not self.fit_callback:
+            rank0_once(f"hvd_dgc: link_watch={self.config.link_watch!r} has timed no step by "
+                       f"step {step}: it needs model.fit with "
+                       f"hvd.callbacks.BroadcastGlobalVariablesCallback(0) or DGCCallback(), "
+                       f"which time the steps.", UserWarning, key="hvd_dgc.link_watch_idle")
+        if not self.epoch_check or self.epoch_set:
             return
         fix = ("Call hvd.set_epoch(epoch) at the start of each epoch" if self.is_tape else
                "Pass hvd.callbacks.DGCCallback() to model.fit (or any of hvd_dgc's Keras "
                "callbacks: its BroadcastGlobalVariablesCallback advances the epoch too), or "
                "call optimizer.set_epoch(epoch) at each epoch of your own loop")
-        rank0_once(stuck_epoch_message(self.resolved.schedule, int(step), float(epoch), fix),
+        rank0_once(stuck_epoch_message(self.resolved.schedule, step, float(epoch), fix),
                    UserWarning, key="hvd_dgc.epoch_never_set")
 
     def _log(self, step):
@@ -741,6 +781,7 @@ class GradientExchange(tf.Module):
         exchange: each rank replaced its own steps in its own rounding). ``rate``: what
         ``apply`` multiplies the corrections by (each is taken back at its own step's
         size: hvd_dgc/lagging.py; below 0: unknown)."""
+        self.flushed = True
         if self.dga is None:
             return False
         corrections = self.dga.drain(float(rate))

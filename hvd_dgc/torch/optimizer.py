@@ -372,7 +372,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_epoch_set(self):
         """Once: rank 0 says that an epoch-counted warm-up never moved (set_epoch never
-        called; hvd_dgc/schedule.py ``EPOCH_CHECK_STEPS``)."""
+        called; hvd_dgc/schedule.py ``CHECK_STEPS``)."""
         self._epoch_check = 0
         if not self._epoch_set:
             rank0_once(stuck_epoch_message(

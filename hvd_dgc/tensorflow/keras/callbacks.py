@@ -107,6 +107,15 @@ def follow_epoch(model, epoch):
     optimizer.set_epoch(epoch + getattr(exchange, "epoch_offset", 0))
 
 
+def _in_fit(model):
+    """Tell the hvd_dgc optimizer that a callback which flushes it and times its steps
+    is in this ``fit`` (BroadcastGlobalVariablesCallback, DGCCallback): it then does not
+    warn that nothing flushes or times them (exchange.py ``_said_at``)."""
+    optimizer = _dgc_optimizer(model)
+    if optimizer is not None:
+        optimizer._hvd_dgc.fit_callback = True
+
+
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     """Broadcast the model's and optimizer's variables from ``root_rank`` so every rank
     starts from the same weights (random initialisation or a checkpoint on one rank).
@@ -168,6 +177,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self.done = True
 
     def on_train_begin(self, logs=None):
+        _in_fit(self.model)
         if self.model.built and not self.done:
             self._broadcast()
 
@@ -457,6 +467,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
         self._timer = _StepTimer(claims=True)  # the link watch's step times
 
     def on_train_begin(self, logs=None):
+        _in_fit(self.model)
         self._timer.claim(self.model, True)
 
     def on_train_batch_begin(self, batch, logs=None):
