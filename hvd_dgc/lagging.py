@@ -35,9 +35,10 @@ weights as it would have at its own step, decayed since, as a synchronous run's 
 """
 
 import math
-import warnings
 from collections import deque
 from typing import NamedTuple
+
+from hvd_dgc.say import rank0_warn
 
 __all__ = ["InFlight", "LagQueue", "StepSize", "ZERO_RATE", "take_back"]
 
@@ -118,7 +119,7 @@ class LagQueue:
         if then is not None and now is not None and not now.rate and then.rate \
                 and not self._said_zero_rate:
             self._said_zero_rate = True
-            warnings.warn(ZERO_RATE, RuntimeWarning)
+            rank0_warn(ZERO_RATE, RuntimeWarning)  # (the same schedule on every rank)
         return take_back(then, now)
 
     def due(self, step, flush=False):

@@ -4,6 +4,7 @@ What hvd_dgc says while a job runs goes through here, from the PyTorch and the
 TensorFlow/Keras side alike:
 
     rank0_once(message, category=UserWarning)   a warning, rank 0, once per key
+    rank0_warn(message, category=UserWarning)   a warning, rank 0 (said once by the caller)
     say(line)                                    a printed line, rank 0, once per key
     is_rank0()                                   whether this process is rank 0
 
@@ -23,7 +24,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["rank0_once", "say", "is_rank0", "rank", "verbose", "reset"]
+__all__ = ["rank0_once", "rank0_warn", "say", "is_rank0", "rank", "verbose", "reset"]
 
 _said = set()
 _lock = threading.Lock()
@@ -64,6 +65,15 @@ def rank0_once(message, category=UserWarning, key=None, stacklevel=2):
     """``warnings.warn(message, category)`` on rank 0, the first time only; returns
     whether it was issued."""
     if not is_rank0() or not _first(("warn", key if key is not None else message)):
+        return False
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True
+
+
+def rank0_warn(message, category=UserWarning, stacklevel=2):
+    """``warnings.warn(message, category)`` on rank 0 (each call: for a warning the
+    caller already says once, per optimizer or per event); returns whether issued."""
+    if not is_rank0():
         return False
     warnings.warn(message, category, stacklevel=stacklevel + 1)
     return True

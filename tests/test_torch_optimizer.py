@@ -128,7 +128,7 @@ def test_backward_passes_per_step(gloo):
 
 
 def test_sparse_embeddings_as_horovod(gloo):
-    for out in _checked(gloo, "sparse_embeddings"):
+    for rank, out in enumerate(_checked(gloo, "sparse_embeddings")):
         # rows allgathered and averaged, the base SGD's momentum: Horovod's weights
         assert out["max_diff"] < 1e-5
         assert out["max_diff_sparse_as_dense"] < 1e-6
@@ -153,8 +153,9 @@ def test_sparse_embeddings_as_horovod(gloo):
         assert out["dgc_moved_from_dense"] > 1e-3  # the head really was compressed
         assert "delay=2" in out["delay"] and "sparse_as_dense=True" in out["delay"]
         # NaN in rank 1's sparse gradient: skipped on every rank, named in the warning
+        # (rank 0's: every rank sees it)
         assert out["nan_step_changed"] == 0.0 and out["nan_steps"] == 1
-        assert out["nan_warned"] and out["nan_identical"]
+        assert out["nan_warned"] == (rank == 0) and out["nan_identical"]
 
 
 def test_groups(gloo):

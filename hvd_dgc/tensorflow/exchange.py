@@ -745,14 +745,14 @@ class GradientExchange(tf.Module):
     def _drop_default_period(self, name):
         """0/1 Adam's period is Adam's default, not the script's: where a variable has
         IndexedSlices gradients (an Embedding), which no rank's own step can be taken
-        back from, the sign goes every step instead (1-bit Adam), said on every rank."""
+        back from, the sign goes every step instead (1-bit Adam), said once, on rank 0."""
         r = self.resolved
         self.resolved = r.every_step()
-        warnings.warn(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
-                      f"embedding lookup?), so Adam's default local steps between exchanges "
-                      f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "
-                      f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
-                      UserWarning)
+        rank0_once(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
+                   f"embedding lookup?), so Adam's default local steps between exchanges "
+                   f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "
+                   f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
+                   UserWarning)
 
     def _check_slices_allowed(self, name):
         if self.lags:

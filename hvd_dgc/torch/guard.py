@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from hvd_dgc.say import rank0_warn
 from hvd_dgc.torch.gpu_select import on_device
 
 __all__ = ["NonFiniteGuard"]
@@ -38,6 +39,7 @@ class NonFiniteGuard:
         self.dropped = []          # names this rank sent as zeros this step ("drop")
         self.overflow_steps = 0    # GradScaler overflows (steps skipped by the scaler)
         self.nonfinite_steps = 0   # skip_nonfinite: steps skipped (delay > 0: dropped here)
+        self._said_nonfinite = False  # the first skipped step is said (rank 0), the rest counted
 
     def scaling(self):
         return self.grad_scaler is not None and self.grad_scaler.is_enabled()
@@ -148,12 +150,18 @@ class NonFiniteGuard:
             self.overflow_steps += 1  # p.grad holds inf: GradScaler.step skips step()
             return False
         self.nonfinite_steps += 1
-        warnings.warn(
+        # every rank sees it (the rank sends inf): said by rank 0, the first time; the
+        # later ones are counted in compression_stats()["nonfinite_steps"]
+        if self._said_nonfinite:
+            return True
+        self._said_nonfinite = True
+        rank0_warn(
             f"hvd_dgc: step {step}: non-finite gradient (NaN/Inf) on at least one rank in "
             f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; this step is "
-            f"skipped on every rank (weights, DGC memory and step count unchanged; "
-            f"{self.nonfinite_steps} skipped so far). Look at the learning rate, the loss or "
-            f"the data; skip_nonfinite=False lets such gradients through.", RuntimeWarning)
+            f"skipped on every rank (weights, DGC memory and step count unchanged; later "
+            f"ones are counted in compression_stats()['nonfinite_steps']). Look at the "
+            f"learning rate, the loss or the data; skip_nonfinite=False lets such gradients "
+            f"through.", RuntimeWarning)
         return True
 
     def report_dropped(self, step, delay, period):

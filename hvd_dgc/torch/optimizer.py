@@ -42,7 +42,7 @@ from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
-from hvd_dgc.say import rank0_once
+from hvd_dgc.say import rank0_once, rank0_warn
 from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
@@ -505,8 +505,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         super(self.__class__, self).load_state_dict(state_dict)
         if dgc_state is None:
-            warnings.warn("hvd_dgc: the loaded optimizer state has no hvd_dgc entry (a plain "
-                          "Horovod/torch checkpoint?); residuals and velocities start at zero.")
+            rank0_warn("hvd_dgc: the loaded optimizer state has no hvd_dgc entry (a plain "
+                       "Horovod/torch checkpoint?); residuals and velocities start at zero.")
             return
         index_to_param = {i: p for p, i in self._param_index.items()}
         dgc_state = dict(dgc_state, memory=self._engine.load_memory_state(dgc_state["memory"]))

@@ -28,6 +28,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
+from hvd_dgc.say import rank0_warn
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.quantize import pack_planes, unpack_planes
 
@@ -224,8 +225,8 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         self._inflight = None  # (an elastic restore: what was in flight is gone)
         if outer is None:
-            warnings.warn("hvd_dgc: the loaded optimizer state has no outer-loop entry; the "
-                          "round starts afresh from the current weights", UserWarning)
+            rank0_warn("hvd_dgc: the loaded optimizer state has no outer-loop entry; the "
+                       "round starts afresh from the current weights", UserWarning)
             self._anchor = self._start = self._buffer = self._residual = None
             self._round_began = self._inner
             return
