@@ -24,6 +24,7 @@ from hvd_dgc.costmodel import CostModel, default_cost_model
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch
 from hvd_dgc.masking import check_masking
 from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
+from hvd_dgc.say import rank0_once
 from hvd_dgc.schedule import DensitySchedule, as_schedule
 from hvd_dgc.switch import TakeOver, dense_requested, resolve_compression, take_over
 
@@ -429,6 +430,10 @@ class DGCConfig:
                              f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
                              f"DistributedGradientTape does not know the optimizer (an Adam "
                              f"after it runs on error feedback). Pass no freeze_variance.")
+        if optimizer is not None and not adam and self.freeze_variance != "auto":
+            rank0_once(f"hvd_dgc: freeze_variance={self.freeze_variance!r} applies to Adam "
+                       f"and AdamW; {optimizer[1]} has no variance to freeze, so it does "
+                       f"nothing here: drop it.", UserWarning, key="hvd_dgc.freeze_unused")
         if self.refresh_variance not in (None, False) and freeze is None:
             raise ValueError(f"refresh_variance={self.refresh_variance!r} refreshes Adam's "
                              f"frozen variance: it needs torch.optim.Adam or AdamW (Keras' "

@@ -220,10 +220,13 @@ def as_schedule(density: Optional[ScheduleLike] = None, warmup: Optional[float] 
         return DensitySchedule.coverage(0.001, ADAPTIVE_SENDS if adaptive else DEFAULT_SENDS,
                                         warmup_densities)
     if warmup_densities is not None and not warmup:  # (no warm-up to hold them)
-        rank0_once(f"hvd_dgc: warmup_densities={tuple(warmup_densities)!r} has no effect "
-                   f"without a warm-up (density={density!r}, warmup={warmup!r}): pass "
-                   f"warmup=N ({warmup_unit}s) to go through them, or drop "
-                   f"warmup_densities.", UserWarning, key="hvd_dgc.warmup_densities_unused")
+        unused = f"hvd_dgc: warmup_densities={tuple(warmup_densities)!r} has no effect"
+        rank0_once(f"{unused} without a warm-up (density={density!r}, warmup={warmup!r}): "
+                   f"pass warmup=N ({warmup_unit}s) to go through them, or drop "
+                   f"warmup_densities." if isinstance(density, (int, float)) else
+                   f"{unused} next to a density schedule of your own: put the stages in "
+                   f"it, or drop warmup_densities.", UserWarning,
+                   key="hvd_dgc.warmup_densities_unused")
     density = 0.001 if density is None else density
     warmup = 0 if warmup is None else warmup
     if isinstance(density, DensitySchedule) or (callable(density) and hasattr(density, "config")):

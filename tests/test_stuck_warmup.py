@@ -177,3 +177,29 @@ def test_link_watch_idle_reasons():
         DGCConfig(link_watch=LinkWatch(), delay=2), True, True)
     assert "elastic" in link_watch_idle(asked, True, True, elastic=True)
     assert "model.fit" in link_watch_idle(asked, True, True, tape=True)
+
+
+def test_freeze_variance_with_an_optimizer_that_has_no_variance_is_said():
+    """freeze_variance applies to Adam and AdamW only: with SGD it is said, once; with
+    AdamW it is used and nothing is said."""
+    pytest.importorskip("torch")
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.torch.compression import Compression
+    from hvd_dgc.torch.optimizer import TORCH
+
+    def resolve(optimizer):
+        return DGCConfig(freeze_variance=50).resolve(
+            TORCH, Compression.dgc, HorovodArguments(Average, 1.0, 1, None,
+                                                     (Average, Sum, Adasum)), optimizer)
+    assert _warned(lambda: resolve((True, "SGD", False))) == [
+        "hvd_dgc: freeze_variance=50 applies to Adam and AdamW; SGD has no variance to "
+        "freeze, so it does nothing here: drop it."]
+    assert _warned(lambda: resolve((False, "AdamW", True))) == []
+
+
+def test_warmup_densities_beside_a_schedule_of_ones_own_is_said():
+    assert _warned(lambda: as_schedule(DensitySchedule(0.01, 2, "step"), None, "epoch",
+                                       (0.5,))) == [
+        "hvd_dgc: warmup_densities=(0.5,) has no effect next to a density schedule of your "
+        "own: put the stages in it, or drop warmup_densities."]
