@@ -20,6 +20,8 @@ taken over at 0.1% (bench/adam_lm.py, byte LM, 2 ranks, 3,000 steps) 1.3283 mask
 
 import math
 
+from hvd_dgc.say import rank0_once
+
 __all__ = ["TAIL_LIMIT", "check_masking", "masking_density_limit"]
 
 TAIL_LIMIT = 0.1
@@ -36,6 +38,10 @@ def masking_density_limit(setting, momentum):
     """Sent coordinates lose their momentum at densities ``<=`` this (``inf``: always,
     ``-1``: never)."""
     if not momentum or setting is False:
+        if setting is True:  # asked for, with no momentum to mask
+            rank0_once("hvd_dgc: momentum_masking=True does nothing here: the optimizer has "
+                       "no momentum (momentum=0), so nothing stale is left to mask; drop it.",
+                       UserWarning, key="hvd_dgc.masking_unused")
         return -1.0
     if setting is True or momentum >= 1.0:
         return math.inf

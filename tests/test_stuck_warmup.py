@@ -203,3 +203,12 @@ def test_warmup_densities_beside_a_schedule_of_ones_own_is_said():
                                        (0.5,))) == [
         "hvd_dgc: warmup_densities=(0.5,) has no effect next to a density schedule of your "
         "own: put the stages in it, or drop warmup_densities."]
+
+
+def test_momentum_masking_asked_for_without_momentum_is_said():
+    from hvd_dgc.masking import masking_density_limit
+    assert _warned(lambda: [masking_density_limit(True, 0.0) for _ in range(3)]) == [
+        "hvd_dgc: momentum_masking=True does nothing here: the optimizer has no momentum "
+        "(momentum=0), so nothing stale is left to mask; drop it."]
+    assert _warned(lambda: (masking_density_limit(True, 0.9),
+                            masking_density_limit("auto", 0.0))) == []
