@@ -248,6 +248,9 @@ class Planner:
                 wire = region_bytes(k, world, self.record_bytes)
             elif path == PathKind.HIERARCHICAL:
                 wire = hierarchical_bytes(k, world, self.local_size, self.record_bytes)
+            elif path == PathKind.EXCHANGE and hasattr(self.compressor, "payload_bytes"):
+                # a payload compressor's allgather (costmodel.gather_seconds' transfer)
+                wire = (world - 1) * self.compressor.payload_bytes(tensor.numel)
             else:
                 seconds += dense_bytes(tensor.numel, world, self.dense_value_bytes) / \
                     model.bandwidth

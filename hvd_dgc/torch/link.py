@@ -55,10 +55,13 @@ def measure(process_set, peers=()):
                         local_size=len(peers))
 
 
-def measure_local(compressor, process_set, density, device):
+def measure_local(compressor, process_set, density, device, agree=None):
     """The agreed ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, ``pack``,
     ``records_at``) on ``device``: a launch's selection over a synthetic memory, and its
-    records taken out of the memory, packed, unpacked and added, as the engine does."""
+    records taken out of the memory, packed, unpacked and added, as the engine does.
+    ``agree``: how the ranks agree on the timings (default: the slowest of
+    ``process_set``'s; ``python -m hvd_dgc.predict``, with no Horovod job, passes its
+    own)."""
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(CALIBRATION_NUMEL, generator=gen).to(device)
     block_max = v.view(-1, BLOCK).abs().amax(1)  # (the memory's update makes these)
@@ -79,8 +82,8 @@ def measure_local(compressor, process_set, density, device):
             at, got = compressor.records_at(wire, (0,), (k,))
             out.index_add_(0, at, got)
         return _fastest(once, v.device)
-    return calibrate(select, records, _agree(process_set, "hvd_dgc.calibrate.agree"),
-                     density)
+    return calibrate(select, records,
+                     agree or _agree(process_set, "hvd_dgc.calibrate.agree"), density)
 
 
 def _fastest(fn, device, times=3):
