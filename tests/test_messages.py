@@ -213,3 +213,28 @@ def test_a_plain_adamw_run_is_told_what_runs_and_nothing_of_sign():
     assert line.startswith("[hvd_dgc] torch: AdamW") and len(line) <= LINE_LIMIT, line
     assert "sign" not in " ".join(_ours(err[0] + err[1])), err
     assert _ours(out[1]) == [] and _ours(err[1]) == []
+
+
+def test_a_two_rank_keras_fit_says_one_short_line_and_one_density():
+    """model.fit switched by one line (hvd_dgc's optimizer and callbacks, defaults): rank
+    0 says one wrap-time line of at most 200 characters and, per epoch, DGCCallback's
+    line, whose density is the one fit logs (dgc_density: the density in effect, not an
+    average over the elements sent); rank 1 says nothing."""
+    from harness.hvdrun import launch
+    job = launch("tests.workers.messages:keras_default", np=2, controller="gloo",
+                 kwargs={"epochs": 2}, env={"TF_USE_LEGACY_KERAS": "0", "HVD_DGC_VERBOSE": ""},
+                 timeout=300)
+    assert job.returncode == 0 and sorted(job.results) == [0, 1], job.output()
+    out, err = _by_rank(job, "stdout"), _by_rank(job, "stderr")
+    wrap = [line for line in _ours(out[0]) if line.startswith("[hvd_dgc] tensorflow: ")]
+    assert len(wrap) == 1 and len(wrap[0]) <= LINE_LIMIT and HINT in wrap[0], wrap
+    assert "DGC warm-up" in wrap[0], wrap
+    epochs = [line for line in _ours(out[0]) if line.startswith("[hvd_dgc] epoch ")]
+    assert len(epochs) == 2 and len(_ours(out[0])) == 3, _ours(out[0])
+    for rank in (0, 1):
+        result = job.results[rank]
+        assert result["logged"] == result["current"] == [0.25, 0.25], result
+    for line in epochs:
+        assert "density 0.25 now; sent " in line and " MB so far (" in line, line
+    assert _ours(out[1]) == [] and _ours(err[1]) == [], (out[1], err[1])
+    assert not [w for w in err[0] + err[1] if "Warning" in w], err

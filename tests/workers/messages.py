@@ -22,3 +22,29 @@ def torch_default(optimizer="sgd", steps=3, options=None):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     return {"rank": hvd.rank(), "density": opt.compression_stats()["current_density"]}
+
+
+def keras_default(epochs=2):
+    """A Keras script switched by one line: hvd_dgc's optimizer and callbacks, defaults,
+    model.fit with a progress bar (verbose=2) on rank 0; returns the epochs' logged
+    dgc_density and the statistics' density in effect."""
+    import numpy as np
+    import tensorflow as tf
+    import hvd_dgc.tensorflow.keras as hvd
+    hvd.init()
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.random.set_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(128, "relu"),
+                                 tf.keras.layers.Dense(10)])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))
+    model.compile(optimizer=opt, jit_compile=False, loss=tf.keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(hvd.rank())
+    x, y = rng.randn(64, 64).astype("float32"), rng.randint(0, 10, 64)
+    dgc = hvd.callbacks.DGCCallback()
+    history = model.fit(x, y, batch_size=16, epochs=epochs, verbose=2 if hvd.rank() == 0
+                        else 0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                           dgc])
+    return {"logged": [float(d) for d in history.history["dgc_density"]],
+            "current": [s["current_density"] for s in dgc.history]}
