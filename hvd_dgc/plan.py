@@ -27,8 +27,8 @@ from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.say import rank0_once, say, verbose
-from hvd_dgc.switch import (adam_idle_warning, brief, change_line, gather_idle_warning,
-                            idle_warning, percent, summary)
+from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
+                            gather_idle_warning, idle_warning, percent, summary)
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -271,6 +271,21 @@ class Planner:
                      for t in large)
         return f"{sparse} of {len(large)} large tensors sparse" + \
             (f" at {percent(density)}" if at else "")
+
+    def sync_line(self, world):
+        """Rank 0's line where an elastic sync measured the link of a new world of
+        ``world`` ranks (None where nothing was measured): short, the full story with
+        ``verbose``."""
+        words = self.measured_words()
+        if not words:
+            return None
+        if self.verbose():
+            return f"hvd_dgc: elastic sync at {world} ranks: {words}"
+        link = "" if self.link is None else \
+            f"link {self.link.bandwidth * 8 / 1e6:.0f} Mbit/s, "
+        final = self.resolved.final_density() or 1.0
+        line = f"[hvd_dgc] elastic sync at {world} ranks: {link}{self.compressed_words(final)}"
+        return line if len(line) <= CHANGE_LIMIT else line[:CHANGE_LIMIT - 3] + "..."
 
     def stage_line(self, step, before, after):
         """Rank 0's short line where a new density stage changes the tensors' paths

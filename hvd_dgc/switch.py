@@ -314,3 +314,21 @@ def change_line(step, what, limit=CHANGE_LIMIT):
     of the step's own time, a warm-up stage), at most ``limit`` characters."""
     line = f"[hvd_dgc] step {step}: {what}"
     return line if len(line) <= limit else line[:limit - 3].rstrip(" ,;:") + "..."
+
+
+def outer_line(framework, outer, density, name, full=False):
+    """Rank 0's wrap-time line for ``outer=OuterLoop(...)`` (both frameworks): short by
+    default (at most ``LINE_LIMIT`` characters), the whole story with ``full``
+    (verbose). ``outer``: its ``OuterLoop``; ``density``: of the change each round
+    sends; ``name``: the inner optimizer's class."""
+    if full:
+        values = "whole (allreduce)" if density >= 1 else (
+            f"as error-feedback records at density {density:g} of each tensor")
+        return (f"[hvd_dgc] {framework}: {outer.words()}; the change sent {values}; "
+                f"{name} steps locally between rounds.")
+    kind = "Nesterov" if outer.nesterov else ("momentum" if outer.momentum else "SGD")
+    sent = "averaged" if density >= 1 else f"averaged as {percent(density)} records"
+    line = (f"[hvd_dgc] {framework}: outer loop (DiLoCo): {name} steps alone; every "
+            f"{outer.steps} steps the weights' change is {sent}, applied by outer {kind} "
+            f"(lr {outer.lr:g}). {HINT}.")
+    return line if len(line) <= LINE_LIMIT else line[:LINE_LIMIT - 3] + "..."

@@ -86,6 +86,21 @@ def test_the_wrap_line_says_what_runs_in_at_most_200_characters(kind):
     assert full.startswith("[hvd_dgc] torch: ") and full != line
 
 
+def test_the_outer_loop_says_one_short_line():
+    from hvd_dgc import OuterLoop
+    from hvd_dgc.switch import outer_line
+    for outer, density in ((OuterLoop(steps=500, lr=0.7, residual_decay=0.9, value_bits=8,
+                                      overlap=True), 0.001), (OuterLoop(), 1.0)):
+        line = outer_line("torch", outer, density, "AdamW")
+        assert len(line) <= LINE_LIMIT and line.endswith(f"{HINT}."), line
+        assert line.startswith("[hvd_dgc] torch: outer loop (DiLoCo): AdamW steps alone; "
+                               f"every {outer.steps} steps the weights' change is averaged")
+        full = outer_line("torch", outer, density, "AdamW", full=True)
+        assert outer.words() in full and "AdamW steps locally between rounds" in full
+    assert "averaged as 0.1% records, applied by outer Nesterov (lr 0.7)" in \
+        outer_line("torch", OuterLoop(steps=500), 0.001, "AdamW")
+
+
 def test_a_plain_adamw_user_hears_nothing_of_a_compressor_they_did_not_choose():
     """0/1 Adam's sign is Adam's default: where it would save nothing on the link, Adam
     runs exact (as Horovod) and the line says that, with no warning about "sign"; a
@@ -122,7 +137,12 @@ def test_a_change_of_plan_is_one_short_line_and_the_full_story_with_verbose(monk
     assert planner.stage_line(300, 1.0, 0.001) == \
         "[hvd_dgc] step 300: density 0.1% now: 2 of 2 large tensors sparse"
     assert planner.stage_line(300, 0.001, 0.001) is None  # no new stage
+    assert planner.sync_line(2) is None  # nothing measured: nothing to say
+    planner.measured(slow)
+    assert planner.sync_line(2) == ("[hvd_dgc] elastic sync at 2 ranks: link 10 Mbit/s, 2 of "
+                                    "2 large tensors sparse at 0.1%")
     monkeypatch.setenv("HVD_DGC_VERBOSE", "1")
+    assert planner.sync_line(2).startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")
     line = relinked_words(1234, slow, fast, 0.01, 0.5, planner, 0.001)
     assert line.startswith("hvd_dgc: at step 1234 the link measured 1000 us per message, "
                            "10 Mbit/s (was 50 us per message, 10000 Mbit/s; a 0.40 s probe)")

@@ -290,7 +290,8 @@ def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     assert all(e["link"] is None for e in first if e["step"] < joined)
     links = {tuple(e["link"]) for e in first + newcomer if e["step"] >= joined}
     assert len(links) == 1 and list(links)[0][1] > 1e7, links
-    assert "hvd_dgc: elastic sync at 2 ranks: link measured:" in job.stdout
+    # (rank 0's short line; the full story with verbose: tests/test_linkprobe.py)
+    assert "[hvd_dgc] elastic sync at 2 ranks: link " in job.stdout
 
 
 def _contiguous(log):

@@ -393,9 +393,9 @@ class GradientExchange(tf.Module):
             self.planner.measured(link, local)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
-        if _hvd.rank() == 0 and self.planner.measured_words():
-            print(f"hvd_dgc: elastic sync at {self.world_size()} ranks: "
-                  f"{self.planner.measured_words()}", flush=True)
+        line = self.planner.sync_line(self.world_size())
+        if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
+            print(line, flush=True)
         return [tuple(stages) for stages in self.paths.stages] != before
 
     def _link_watcher(self):

@@ -528,9 +528,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # every rank is in this sync: the link of this world measured afresh
             self._planner.replan(self.process_set.size())
             self._measure(self.process_set, [p for p in self._param_index if p.requires_grad])
-            if _hvd.rank() == 0 and self._planner.measured_words():
-                print(f"hvd_dgc: elastic sync at {self.process_set.size()} ranks: "
-                      f"{self._planner.measured_words()}", flush=True)
+            line = self._planner.sync_line(self.process_set.size())
+            if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
+                print(line, flush=True)
 
 
 # -- wrap time -----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
-from hvd_dgc.say import rank0_warn
+from hvd_dgc.say import rank0_warn, verbose
+from hvd_dgc.switch import outer_line
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.quantize import pack_planes, unpack_planes
 
@@ -320,11 +321,9 @@ def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
     if process_set.included():
         if os.environ.get("HOROVOD_ELASTIC") != "1":
             _check_same(wrapped, outer, density, config, process_set)
-        if _hvd.rank() == 0:
-            values = "whole (allreduce)" if density >= 1 else (
-                f"as error-feedback records at density {density:g} of each tensor")
-            print(f"[hvd_dgc] torch: {outer.words()}; the change sent {values}; "
-                  f"{type(optimizer).__name__} steps locally between rounds.", flush=True)
+        if _hvd.rank() == 0:  # short; the whole story with verbose
+            print(outer_line("torch", outer, density, type(optimizer).__name__,
+                             verbose(config.verbose)), flush=True)
     return wrapped
 
 

@@ -606,11 +606,11 @@ def _outer_optimizer(optimizer, name, outer, config, process_set, passes):
         object.__setattr__(new, "_hvd_dgc", rounds)  # keep it out of Keras 3's tracker
     else:
         new._hvd_dgc = rounds  # tracked: tf.train.Checkpoint saves the outer state
-    if process_set.included() and _hvd.rank() == 0:
-        values = "whole (allreduce)" if density >= 1 else (
-            f"as error-feedback records at density {density:g} of each variable")
-        print(f"[hvd_dgc] tensorflow: {outer.words()}; the change sent {values}; "
-              f"{type(optimizer).__name__} steps locally between rounds.", flush=True)
+    if process_set.included() and _hvd.rank() == 0:  # short; the whole story with verbose
+        from hvd_dgc.say import verbose
+        from hvd_dgc.switch import outer_line
+        print(outer_line("tensorflow", outer, density, type(optimizer).__name__,
+                         verbose(config.verbose)), flush=True)
     return new
 
 
