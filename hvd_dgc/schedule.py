@@ -227,6 +227,11 @@ def as_schedule(density: Optional[ScheduleLike] = None, warmup: Optional[float] 
                    f"{unused} next to a density schedule of your own: put the stages in "
                    f"it, or drop warmup_densities.", UserWarning,
                    key="hvd_dgc.warmup_densities_unused")
+    if warmup_unit == "step" and warmup is None and isinstance(density, (int, float)):
+        rank0_once(f"hvd_dgc: warmup_unit='step' has no effect without warmup: "
+                   f"density={density!r} runs from the first step (the default warm-up "
+                   f"is dropped once density is given). Pass warmup=N (steps) for one.",
+                   UserWarning, key="hvd_dgc.warmup_unit_unused")
     density = 0.001 if density is None else density
     warmup = 0 if warmup is None else warmup
     if isinstance(density, DensitySchedule) or (callable(density) and hasattr(density, "config")):

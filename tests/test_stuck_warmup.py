@@ -212,3 +212,14 @@ def test_momentum_masking_asked_for_without_momentum_is_said():
         "(momentum=0), so nothing stale is left to mask; drop it."]
     assert _warned(lambda: (masking_density_limit(True, 0.9),
                             masking_density_limit("auto", 0.0))) == []
+
+
+def test_warmup_unit_step_without_warmup_is_said():
+    """``density=0.01, warmup_unit="step"`` reads like "the default warm-up by steps, to
+    1%", but a given density drops the default warm-up: said once."""
+    assert _warned(lambda: as_schedule(0.01, None, "step")) == [
+        "hvd_dgc: warmup_unit='step' has no effect without warmup: density=0.01 runs from "
+        "the first step (the default warm-up is dropped once density is given). Pass "
+        "warmup=N (steps) for one."]
+    assert _warned(lambda: (as_schedule(0.01, 300, "step"), as_schedule(0.01, 0, "step"),
+                            as_schedule(None, None, "step"))) == []
