@@ -25,7 +25,7 @@ from hvd_dgc.linkwatch import LinkWatch, as_link_watch
 from hvd_dgc.masking import check_masking
 from hvd_dgc.paths import AGGREGATION_OPTIONS, compressor_kind
 from hvd_dgc.say import rank0_once
-from hvd_dgc.schedule import DensitySchedule, as_schedule
+from hvd_dgc.schedule import DEFAULT_SENDS, DensitySchedule, as_schedule
 from hvd_dgc.switch import TakeOver, dense_requested, resolve_compression, take_over
 
 __all__ = ["DGCConfig", "CompressorOptions", "Framework", "HorovodArguments", "Resolved",
@@ -414,7 +414,10 @@ class DGCConfig:
             adaptive = optimizer is not None and not optimizer[0]
             freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
             if freeze is not None and density is None and warmup is None:
-                schedule = FrozenAdamSchedule.default(freeze, refresh)
+                schedule = FrozenAdamSchedule.default(freeze, refresh) \
+                    if self.warmup_densities is None else FrozenAdamSchedule(
+                        freeze, DensitySchedule.coverage(0.001, DEFAULT_SENDS,
+                                                         self.warmup_densities), refresh)
             else:
                 schedule = as_schedule(density, warmup, self.warmup_unit,
                                        self.warmup_densities, adaptive=adaptive)

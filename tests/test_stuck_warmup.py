@@ -223,3 +223,19 @@ def test_warmup_unit_step_without_warmup_is_said():
         "warmup=N (steps) for one."]
     assert _warned(lambda: (as_schedule(0.01, 300, "step"), as_schedule(0.01, 0, "step"),
                             as_schedule(None, None, "step"))) == []
+
+
+def test_adam_takes_the_warmup_densities_it_is_given():
+    """AdamW with only ``warmup_densities`` (DGC's top-k asked for): its stages after the
+    freeze are those, by steps, not the default ones."""
+    pytest.importorskip("torch")
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.torch.compression import Compression
+    from hvd_dgc.torch.optimizer import TORCH
+    resolved = DGCConfig(warmup_densities=(0.5, 0.05)).resolve(
+        TORCH, Compression.dgc, HorovodArguments(Average, 1.0, 1, None, (Average, Sum, Adasum)),
+        (False, "AdamW", True))
+    inner = resolved.schedule.inner
+    assert inner.unit == "step" and inner.warmup_densities == (0.5, 0.05)
+    assert inner.boundaries == (200.0, 10000.0)  # 10 sends at 5%, then at 0.1%

@@ -524,7 +524,8 @@ def _in_flight(self):
 
 
 def _set_epoch(self, epoch):
-    """Epoch-based warm-up (``callbacks.DGCCallback`` calls it for ``model.fit``)."""
+    """Epoch-based warm-up (in ``model.fit`` every one of hvd_dgc's callbacks calls it at
+    the start of each epoch: callbacks.py ``follow_epoch``)."""
     self._hvd_dgc.set_epoch(epoch)
 
 
