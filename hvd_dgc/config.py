@@ -49,9 +49,9 @@ class DGCConfig:
             averaging, said explicitly.
         warmup: warm-up length in ``warmup_unit``s; the densities fall through
             ``warmup_densities``, one equal stage each, then ``density``. 0: none.
-        warmup_unit: "epoch" (driven by ``set_epoch(e)``, or Keras'
-            ``callbacks.DGCCallback``; the paper's choice) or "step" (the optimizer's
-            step count).
+        warmup_unit: "epoch" (driven by ``set_epoch(e)``, or in Keras' ``model.fit`` by
+            any of hvd_dgc's callbacks; the paper's choice; never set by step 200, rank 0
+            says so) or "step" (the optimizer's step count).
         warmup_densities: the warm-up stages' densities (default the paper's 0.25,
             0.0625, 0.015625, 0.004); values below ``density`` are raised to it.
         min_compress_size: tensors with fewer elements always go dense (biases, norm
