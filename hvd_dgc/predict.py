@@ -30,7 +30,9 @@ runs in bench/results.
 """
 
 import argparse
+import contextlib
 import importlib
+import re
 import importlib.util
 import json
 import math
@@ -245,6 +247,36 @@ def _installed(name):
         return False
 
 
+#: TensorFlow's start-up lines (absl's, oneDNN's, CUDA's): held back from stderr.
+TF_NOISE = re.compile(r"^(WARNING: All log messages before absl|[IWE]\d{4} )")
+
+
+@contextlib.contextmanager
+def _tf_quiet():
+    """Import and build TensorFlow with its start-up lines kept off stderr (every other
+    line passes; ``TF_CPP_MIN_LOG_LEVEL=0`` shows them all)."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip() == "0":
+        yield
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tempfile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines()
+                    if not TF_NOISE.match(line)]
+            if kept:
+                print("\n".join(kept), file=sys.stderr)
+
+
 def _keras_applications():
     import keras
     return {n: getattr(keras.applications, n) for n in dir(keras.applications)
@@ -282,7 +314,6 @@ def _load_model(spec, p):
         from torchvision import models
         available += models.list_models(module=models)
     if _installed("keras") or _installed("tensorflow"):
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         apps = _keras_applications()
         match = {n.lower(): n for n in apps}.get(spec.lower())
         if match:
@@ -634,9 +665,12 @@ def _recommend(out, host_text):
                 not (out["optimizer"] != "sgd" and out["resolved"]["adam_declined"]):
             delay = min(8, max(1, math.ceil(wait / busy)))
             options["delay"] = delay
+            step = busy + max(0.0, wait - delay * busy)
             words.append(f"the exchange ({wait * 1e3:,.0f} ms) outlasts half a step's "
                          f"compute ({busy * 1e3:,.0f} ms): delay={delay} hides it behind "
-                         f"{delay} step(s) of compute (flush() before evaluating)")
+                         f"{delay} step(s) of compute, a step of {step * 1e3:,.0f} ms, "
+                         f"{out['horovod']['step_seconds'] / step:.2f}x Horovod's "
+                         f"(flush() before evaluating)")
         words.append(f"predicted {final['speedup']:.2f}x Horovod's step once the warm-up "
                      f"ends")
     command = (f"horovodrun -np {out['np']} -H {host_text} --config-file {config} "
@@ -706,7 +740,8 @@ def _opts(options):
 def main(argv=None):
     p = _parser()
     args = p.parse_args(argv)
-    out = predict(args, p)
+    with _tf_quiet():  # (a Keras model's TensorFlow)
+        out = predict(args, p)
     print(json.dumps(out, indent=1) if args.json else report(out, args.per_tensor))
     return 0
 

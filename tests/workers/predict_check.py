@@ -47,3 +47,11 @@ def chosen(cases, cost_model, steps):
         out[name] = {"model": repr(opt._planner.cost_model), "steps": seen,
                      "compressor": opt._planner.kind_name()}
     return out
+
+
+def wide_mlp():
+    """examples/pytorch_synthetic_benchmark.py's ``--model wide_mlp`` (33.5M parameters),
+    the model of bench/results/never_slower.md, for bench/results/predict.md."""
+    import torch.nn as nn
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4096), nn.ReLU(),
+                         nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1000))
