@@ -637,7 +637,31 @@ def predict(args, p):
         "stages": stages,
     }
     out["recommend"] = _recommend(out, host_text)
+    slow = [s for s in stages if s["speedup"] < 0.95]
+    if slow and out["hierarchical"] and args.aggregation is None:
+        _flat_instead(out, slow, predict(argparse.Namespace(
+            **dict(vars(args), aggregation="flat", step_ms=compute * 1000)), p))
     return out
+
+
+def _flat_instead(out, slow, flat):
+    """Hierarchical DGC is chosen per tensor for the final density and kept through the
+    warm-up (plan.py ``hierarchical``): where that makes warm-up stages slower than
+    Horovod, ``aggregation="flat"``'s prediction beside it, recommended where it is
+    faster there and about as fast after."""
+    worst = min(s["speedup"] for s in slow)
+    names = {s["stage"] for s in slow}
+    flat_slow = [s["speedup"] for s in flat["stages"] if s["stage"] in names]
+    flat_final = flat["stages"][-1]["speedup"]
+    if min(flat_slow) <= worst or flat_final < 0.9 * out["stages"][-1]["speedup"]:
+        return
+    rec = out["recommend"]
+    rec["options"]["aggregation"] = "flat"
+    rec["why"].insert(0, f"{len(slow)} warm-up stage(s) predicted slower than Horovod "
+                         f"({worst:.2f}x at worst): hierarchical DGC is chosen for the "
+                         f"final density and kept through the warm-up; aggregation='flat' "
+                         f"is predicted {min(flat_slow):.2f}x at worst there and "
+                         f"{flat_final:.2f}x after the warm-up")
 
 
 def _recommend(out, host_text):
