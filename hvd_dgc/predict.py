@@ -500,7 +500,7 @@ def _label(start, end, unit, note):
     return f"{span} ({note})" if note else span
 
 
-def _why(planner, tensor, path, density, step):
+def _why(planner, tensor, path, density, step, note=""):
     from hvd_dgc.paths import PathKind
     if path != PathKind.DENSE:
         return {PathKind.ALLGATHER: "sparse via allgather",
@@ -512,7 +512,8 @@ def _why(planner, tensor, path, density, step):
         return f"dense (< {planner.min_compress_size} elements)"
     if planner.resolved.kind == "dense":
         return "dense (density 1: dense averaging)"
-    if planner.exact_adam(step) or planner.adam_declined or density in planner.adam_dense:
+    if note == "exact Adam" or planner.exact_adam(step) or planner.adam_declined or \
+            density in planner.adam_dense:
         return "dense (exact Adam)"
     if density >= 1:
         return "dense (everything selected)"
@@ -597,7 +598,7 @@ def predict(args, p):
         paths = {t.name: planner.path(t, density, step) for t in tensors}
         groups = {}
         for t in tensors:
-            why = _why(planner, t, paths[t.name], density, step)
+            why = _why(planner, t, paths[t.name], density, step, note)
             groups[why] = groups.get(why, 0) + 1
         sent = sum(_wire_bytes(planner, t, paths[t.name], density) for t in tensors) \
             if world > 1 else 0.0
@@ -689,12 +690,19 @@ def _recommend(out, host_text):
                 not (out["optimizer"] != "sgd" and out["resolved"]["adam_declined"]):
             delay = min(8, max(1, math.ceil(wait / busy)))
             options["delay"] = delay
-            step = busy + max(0.0, wait - delay * busy)
+            left = max(0.0, wait - delay * busy)
+            period = 1
+            if left > 0.5 * busy and out["resolved"]["period"] == 1:
+                period = min(8, math.ceil(left / (0.5 * busy)))  # (1.5 compute at most)
+                options["period"] = period
+            step = busy + left / period
+            also = f" and period={period} (an exchange every {period} steps: see " \
+                f"docs/slow-networks.md for its accuracy)" if period > 1 else ""
             words.append(f"the exchange ({wait * 1e3:,.0f} ms) outlasts half a step's "
-                         f"compute ({busy * 1e3:,.0f} ms): delay={delay} hides it behind "
-                         f"{delay} step(s) of compute, a step of {step * 1e3:,.0f} ms, "
-                         f"{out['horovod']['step_seconds'] / step:.2f}x Horovod's "
-                         f"(flush() before evaluating)")
+                         f"compute ({busy * 1e3:,.0f} ms): delay={delay}{also} hide it "
+                         f"behind {delay} step(s) of compute, a step of "
+                         f"{step * 1e3:,.0f} ms, {out['horovod']['step_seconds'] / step:.2f}x "
+                         f"Horovod's (flush() before evaluating)")
         words.append(f"predicted {final['speedup']:.2f}x Horovod's step once the warm-up "
                      f"ends")
     command = (f"horovodrun -np {out['np']} -H {host_text} --config-file {config} "

@@ -2,6 +2,7 @@
 the same model and link (a real 2-rank job), and bad input is named with its fix."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -142,3 +143,30 @@ def test_an_unknown_model_name_lists_those_available():
         proc.stderr and "module:function" in proc.stderr
     assert "ResNet50" in proc.stderr or "resnet50" in proc.stderr or \
         "neither torchvision nor Keras" in proc.stderr
+
+
+def test_a_torch_model_never_imports_tensorflow():
+    code = ("import sys, contextlib, io; from hvd_dgc.predict import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['--model', '{MODEL}', '--np', '2', '--link', '1gbit', "
+            "'--step-ms', '5', '--local-cost', 'none'])\n"
+            "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="TensorFlow is not installed here")
+def test_a_keras_model_takes_the_paths_the_same_tensors_take_in_torch():
+    """The planner is the frameworks' one: a Keras model of the same sizes gets the same
+    paths per stage, and TensorFlow's start-up lines stay off stderr."""
+    flags = ["--np", "4", "--link", "100mbit", "--step-ms", "10", "--local-cost", "none",
+             "--json"]
+    keras = cli("--model", "tests.workers.predict_check:small_keras", *flags)
+    torch = json.loads(cli("--model", MODEL, *flags).stdout)
+    out = json.loads(keras.stdout)
+    assert out["framework"] == "keras" and out["parameters"] == torch["parameters"]
+    assert [s["groups"] for s in out["stages"]] == [s["groups"] for s in torch["stages"]]
+    assert "absl" not in keras.stderr and "oneDNN" not in keras.stderr, keras.stderr

@@ -55,3 +55,10 @@ def wide_mlp():
     import torch.nn as nn
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4096), nn.ReLU(),
                          nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1000))
+
+
+def small_keras():
+    """``small`` as a Keras model (the same tensors' sizes)."""
+    import keras
+    return keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(1024),
+                             keras.layers.Dense(256), keras.layers.Dense(10)])
