@@ -88,6 +88,10 @@ def test_each_stage_predicts_the_paths_the_optimizer_took(job, case):
         assert last["groups"] == {"sparse via allgather": 4, "dense (< 1024 elements)": 2}
         assert last["bytes_per_step"] < first["bytes_per_step"] / 100
         assert last["speedup"] > 1 > first["speedup"] * 0.99
+    if case == "adamw, defaults (0/1 Adam)":  # the sign's payload, priced as it is sent
+        last = want["stages"][-1]
+        assert last["bytes_per_exchange"] < want["horovod"]["bytes_per_step"] / 20
+        assert last["exchange_seconds"] < want["horovod"]["exchange_seconds"]
 
 
 def test_the_report_in_words():
