@@ -32,11 +32,11 @@ runs in bench/results.
 import argparse
 import contextlib
 import importlib
-import re
 import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -432,8 +432,11 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     except (TypeError, ValueError) as e:
         p.error(f"hvd_dgc's options with --optimizer {optimizer}: {e}")
     planner = Planner(resolved, tensors, world)
+    unsupported = None  # (as hvd_dgc/tensorflow/exchange.py's _host_peers says it)
+    if kind == "keras" and resolved.freeze is not None:
+        unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
     try:
-        several = planner.hierarchical_hosts(slots, hosts, True, False)
+        several = planner.hierarchical_hosts(slots, hosts, True, False, unsupported)
     except ValueError as e:
         p.error(f"argument --aggregation: {e}")
     planner.replan(world, local_size=slots if several else 0)
