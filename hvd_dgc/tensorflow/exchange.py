@@ -574,16 +574,17 @@ class GradientExchange(tf.Module):
             self.lags or (self.watcher is not None and self.config.link_watch is not None)))
 
     def _trace_check(self, at_step):
-        """At step ``at_step`` (one comparison a step), rank 0 says once what the script
-        has not done by then (``_said_at``)."""
-        def check():
-            tf.py_function(self._said_at, [self.step.read_value(),
-                                           self.epoch.read_value()], [])
-            return tf.constant(True)
-        tf.cond(tf.equal(self.step, at_step), check, lambda: tf.constant(False))
+        """At step ``at_step``, rank 0 says once what the script has not done by then
+        (``_said_at``): a Python call each step that compares two numbers until then.
+        (Not a ``tf.cond``: a functional If beside the step's collectives left a
+        2-rank run with 2 inter-op threads waiting for good.)"""
+        tf.py_function(lambda step, epoch: self._said_at(step, epoch, at_step),
+                       [self.step.read_value(), self.epoch.read_value()], [])
 
-    def _said_at(self, step, epoch):
+    def _said_at(self, step, epoch, at_step):
         step = int(step)
+        if step != at_step:
+            return
         if self.lags and not self.is_tape and not self.flushed and not self.fit_callback:
             rank0_once(f"hvd_dgc: with {self.config.lagging} each rank's weights differ "
                        f"from the others' until optimizer.flush(), and nothing has flushed "
