@@ -555,11 +555,14 @@ class GradientExchange(tf.Module):
                 self._warn_fp16(clipped_before)
         else:
             out, bad = self._guarded(grads, at)
-        if self.config.log_every and _hvd.rank() == 0:  # (no collective: rank 0's alone)
+        # Python calls in the step are traced on every rank alike, and rank 0 alone speaks:
+        # a call in rank 0's graph only left a 2-rank Keras fit with a lagging Adam
+        # take-over waiting for good (tests/workers/tf_adam.py fit_digits).
+        if self.config.log_every:
             with tf.control_dependencies([values(a) for a in out]):
                 tf.py_function(self._log, [self.step.read_value()], [])
         at_step = check_steps() if self._needs_a_call() else 0
-        if at_step:  # (rank 0's graph alone: it says it)
+        if at_step:
             with tf.control_dependencies([values(a) for a in out]):
                 self._trace_check(at_step)
         return out, bad
@@ -570,16 +573,12 @@ class GradientExchange(tf.Module):
         optimizer, and a callback timing ``fit``'s steps for a link watch it asked for
         (``set_epoch`` and ``flush`` set the flags, and keras/callbacks.py's
         ``follow_epoch`` and ``_in_fit``)."""
-        if self.adam is not None and self.lags:
-            # (not checked: a Python call in a Keras Adam take-over's delayed step left a
-            # 2-rank fit waiting for good, tests/workers/tf_adam.py fit_digits)
-            return False
         return bool(self.epoch_check) or (not self.is_tape and (
             self.lags or (self.watcher is not None and self.config.link_watch is not None)))
 
     def _trace_check(self, at_step):
         """At step ``at_step``, rank 0 says once what the script has not done by then
-        (``_said_at``): a Python call each step that compares two numbers until then.
+        (``_said_at``): a Python call each step, on every rank, that compares two numbers.
         (Not a ``tf.cond``: a functional If beside the step's collectives left a
         2-rank run with 2 inter-op threads waiting for good.)"""
         tf.py_function(lambda step, epoch: self._said_at(step, epoch, at_step),
@@ -616,7 +615,7 @@ class GradientExchange(tf.Module):
         """``log_every``: rank 0 prints the statistics after every N-th step, as PyTorch's
         optimizer does (hvd_dgc/torch/state.py ``Progress.maybe_log``)."""
         step = int(step)
-        if step and step % self.config.log_every == 0:
+        if step and step % self.config.log_every == 0 and _hvd.rank() == 0:
             print(f"[hvd_dgc] step {step}: "
                   f"{self.statistics.format(step, float(self.density().numpy()))}", flush=True)
 
