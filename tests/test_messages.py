@@ -4,6 +4,7 @@ when the plan changes, labelled statistics. The wording is framework-free
 (hvd_dgc/switch.py ``brief``, hvd_dgc/plan.py ``Planner.brief``), checked here for every
 kind of run; then a real 2-rank job of a small script switched by one line."""
 
+import sys
 import warnings
 
 import pytest
@@ -160,6 +161,10 @@ def test_statistics_say_per_step_and_cumulative():
 
 def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):
     say.reset()
+    # The rank from the launcher's environment: a Horovod initialised by an earlier test
+    # in this process would answer 0 whatever HOROVOD_RANK says.
+    for module in ("horovod.torch", "horovod.tensorflow"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setenv("HOROVOD_RANK", "1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
