@@ -273,6 +273,9 @@ def test_keras_adam_refusals_name_the_option_and_the_fix(results):
         assert "Adam(clipnorm=1.0) cannot be taken over" in out["clipnorm"]
         assert "clip_norm=" in out["clipnorm"] and "freeze_variance=False" in out["clipnorm"]
         assert "AdamW(use_ema=True) cannot be taken over" in out["ema"]
+        # Keras clips in apply_gradients, each rank by its own norm: delay would drift
+        assert out["sgd_clip_delay"].startswith("hvd_dgc: SGD(clipnorm=1.0) with delay=2:")
+        assert "clip_norm=" in out["sgd_clip_delay"] and "delay=0" in out["sgd_clip_delay"]
         assert "needs a Keras SGD optimizer" in out["delay_unfrozen"]
         assert not out["error_feedback_taken"]
         assert out["error_feedback_said"] == "Adam not taken over: error feedback on its " \

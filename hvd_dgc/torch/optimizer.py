@@ -329,6 +329,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if not self._should_synchronize and self._lagging.keeps_own:
+            self._warn_changed_gradients()
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -351,6 +353,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._check_epoch_set()
         self._progress.maybe_log(_hvd.rank())
         return loss
+
+    def _warn_changed_gradients(self):
+        """Once: ``synchronize(); clip; skip_synchronize(): step()`` under delay or period.
+        The step applies ``own_i - own_(i-D) + avg_(i-D)`` on the promise that the own
+        steps taken back later are the ones applied; a gradient scaled in between (a
+        clip) breaks it and each rank drifts from the others by what the scaling kept."""
+        rank0_once(
+            f"hvd_dgc: {self._config.lagging} with synchronize()/skip_synchronize(): "
+            f"gradients changed in between (e.g. clip_grad_norm_) break the delayed "
+            f"correction and the ranks drift apart. Clip with clip_norm= instead, or use "
+            f"{self._config.undo_lagging}.",
+            UserWarning, key="hvd_dgc.lagging_changed_gradients")
 
     def zero_grad(self, set_to_none=True):
         if self._scheduler.pending:

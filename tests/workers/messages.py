@@ -48,3 +48,30 @@ def keras_default(epochs=2):
                                            dgc])
     return {"logged": [float(d) for d in history.history["dgc_density"]],
             "current": [s["current_density"] for s in dgc.history]}
+
+
+def torch_clip_under_delay(steps=4, options=None):
+    """Horovod's clipping recipe (``synchronize()``, clip, ``skip_synchronize()``) in a
+    script switched by one line; returns this rank's hvd_dgc warnings."""
+    import warnings
+    import torch
+    import hvd_dgc.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), **options)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+    return {"rank": hvd.rank(),
+            "warnings": [str(w.message) for w in caught if "hvd_dgc" in str(w.message)]}

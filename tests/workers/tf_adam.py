@@ -660,6 +660,8 @@ def refusals():
     for label, fn in (
             ("clipnorm", lambda: hvd.DistributedOptimizer(opts.Adam(0.01, clipnorm=1.0))),
             ("ema", lambda: hvd.DistributedOptimizer(opts.AdamW(0.01, use_ema=True))),
+            ("sgd_clip_delay", lambda: hvd.DistributedOptimizer(
+                opts.SGD(0.1, momentum=0.9, clipnorm=1.0), delay=2)),
             ("delay_unfrozen", lambda: hvd.DistributedOptimizer(
                 opts.Adam(0.01), delay=2, freeze_variance=False))):
         try:

@@ -46,7 +46,7 @@ from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
-    KerasAdamTakeOver, check_keras_adam
+    KerasAdamTakeOver, check_clipping_under_lagging, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
     is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
@@ -677,6 +677,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     is_sgd = type(optimizer).__name__ == "SGD"
     is_adam = type(optimizer).__name__ in ADAM_CLASSES
     keras_config = optimizer.get_config()
+    check_clipping_under_lagging(type(optimizer).__name__, keras_config, config)
     momentum, nesterov = 0.0, False
     if is_sgd and keras_config.get("momentum"):
         momentum = float(keras_config["momentum"])
