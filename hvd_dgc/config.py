@@ -445,6 +445,7 @@ class DGCConfig:
         if optimizer is not None:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
                                 adam=adam)
+            warn_known_losses(self, optimizer[1], freeze is not None)
         if kind != "dense":
             # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
             # optimizer's checkpoint, not to the shared Compression.dgc default.
@@ -652,6 +653,24 @@ def check_linear_update(config, linear, optimizer_name, framework, adam=False):
                          f"avg_(i-D) (own steps replaced by the average) is exact only for "
                          f"an update linear in the gradient, and {optimizer_name} is not. "
                          f"{fix}.")
+
+
+#: steps an average may lag (delay, or AutoDelay's max_delay, plus period) from which an
+#: Adam/AdamW taken over diverged (bench/results/zoo.md: a GPT-style LM, AdamW with betas
+#: (0.9, 0.95), at period=8, delay=8 in every seed; period=4, delay=4 held)
+ADAM_LAG_LIMIT = 16
+
+
+def warn_known_losses(config, optimizer_name, adam_taken_over):
+    """Once, on rank 0: a setting the model zoo (bench/zoo.py) saw lose on a recipe of
+    the kind wrapped, with what held instead."""
+    delay = config.auto_delay.max_delay if config.auto_delay is not None else config.delay
+    if adam_taken_over and delay + config.period >= ADAM_LAG_LIMIT:
+        rank0_once(f"hvd_dgc: {optimizer_name} with {config.lagging}: averages up to "
+                   f"{delay + config.period} steps late diverged on a GPT-style AdamW "
+                   f"(bench/results/zoo.md). Keep delay + period under {ADAM_LAG_LIMIT} "
+                   f"(period=4, delay=4 held) or use outer=hvd.OuterLoop(...).",
+                   UserWarning, key="hvd_dgc.adam_lag")
 
 
 def check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step, groups,

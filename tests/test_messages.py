@@ -184,6 +184,36 @@ def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):
     say.reset()
 
 
+def test_adam_with_averages_sixteen_steps_late_is_warned_once(monkeypatch):
+    """The model zoo saw Adam/AdamW taken over diverge at period=8, delay=8 (a GPT-style
+    LM, every seed) where period=4, delay=4 held: rank 0 says so once, at wrap time."""
+    from hvd_dgc.config import ADAM_LAG_LIMIT, warn_known_losses
+    say.reset()
+    for module in ("horovod.torch", "horovod.tensorflow"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+
+    def said(options, adam=True):
+        config = DGCConfig.from_options(options, "torch", "DistributedOptimizer")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_known_losses(config, "AdamW", adam)
+        return [str(w.message) for w in caught]
+
+    assert ADAM_LAG_LIMIT == 16
+    assert said({"period": 4, "delay": 4}) == [] and said({"delay": 8}) == []
+    assert said({"period": 8, "delay": 8}, adam=False) == []  # SGD held there
+    line, = said({"period": 8, "delay": 8})
+    assert line.startswith("hvd_dgc: AdamW with delay=8 and period=8: averages up to 16 "
+                           "steps late diverged") and "OuterLoop" in line, line
+    assert len(line) <= 250
+    assert said({"period": 8, "delay": 8}) == []  # once
+    say.reset()
+    line, = said({"period": 8, "delay": "auto"})  # AutoDelay's max_delay, 8
+    assert "delay=auto and period=8: averages up to 16 steps late" in line
+    say.reset()
+
+
 def test_verbose_is_an_option_a_rank_may_set_alone():
     assert DGCConfig(verbose=True).verbose
     assert "verbose" not in DGCConfig(verbose=True).to_dict(shared=True)
