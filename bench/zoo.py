@@ -21,6 +21,7 @@ scikit-learn's digits, and for the recommender labelled synthetic clicks.
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import sys
@@ -53,10 +54,18 @@ SETTINGS = {
     "outer H=32, Nesterov (OuterLoop())": {"outer": OuterLoop()},
 }
 
-#: what the docs say instead where a recommended setting fails a recipe: the script's
-#: own clipping moved into hvd_dgc's ``clip_norm=`` under delay (the script no longer
-#: clips; run with --settings)
+#: what the docs may say instead where a recommended setting fails a recipe (run with
+#: --settings): DiLoCo's outer step with its exchange hidden behind the next round; the
+#: script's own clipping moved into hvd_dgc's ``clip_norm=`` under delay (the script
+#: then no longer clips)
 ALTERNATIVES = {
+    "outer H=32, Nesterov, overlap": {"outer": OuterLoop(overlap=True)},
+    "outer H=32, averaged": {
+        "outer": OuterLoop(steps=32, lr=1.0, momentum=0.0, nesterov=False)},
+    "outer H=32, averaged, overlap": {
+        "outer": OuterLoop(steps=32, overlap=True, lr=1.0, momentum=0.0, nesterov=False)},
+    "wan: period=4, delay=4, clip_norm=1": {"density": 0.001, "warmup": 4, "period": 4,
+                                            "delay": 4, "clip_norm": 1.0},
     "wan: delay=auto, clip_norm=1": {"density": 0.001, "warmup": 4, "delay": "auto",
                                      "clip_norm": 1.0},
 }
@@ -445,10 +454,17 @@ def gaps(runs):
             gap, unit = 100 * (float(ref["accuracy"]) - float(row["accuracy"])), "points"
         else:
             gap, unit = 100 * (float(row["loss"]) / float(ref["loss"]) - 1), "%"
+        if not math.isfinite(float(row["loss"])):
+            gap = math.inf  # diverged: the weights went non-finite
         cell = table.setdefault((pair, setting), {"gap": [], "ratio": [], "unit": unit})
         cell["gap"].append(gap)
         cell["ratio"].append(float(row["dense_bytes"]) / float(row["bytes"]))
     return table
+
+
+def shown(gap):
+    """A gap as the page prints it (+ = worse); a run that diverged says so."""
+    return "diverged" if gap == math.inf else f"{gap:+.2f}"
 
 
 def summary(table, settings):
@@ -502,16 +518,20 @@ def report(path, out=None, link_runs=None):
             if "refused" in c:
                 cells.append("refused")
                 continue
+            ratio = f"({statistics.mean(c['ratio']):.0f}x)"
+            diverged = sum(g == math.inf for g in c["gap"])
+            if diverged:
+                cells.append(f"diverged in {diverged} of {len(c['gap'])} seeds {ratio}")
+                continue
             g = statistics.mean(c["gap"])
             spread = f" ±{statistics.pstdev(c['gap']):.1f}" if len(c["gap"]) > 1 else ""
-            cells.append(f"{g:+.2f}{spread} {'pt' if c['unit'] == 'points' else '%'} "
-                         f"({statistics.mean(c['ratio']):.0f}x)")
+            cells.append(f"{g:+.2f}{spread} {'pt' if c['unit'] == 'points' else '%'} {ratio}")
         if setting not in stats:
             lines.append(f"| {setting} | " + " | ".join(cells) + " | | | |")
             continue
         median, worst, worst_gap, held, n, ratio_median, ratio_least = stats[setting]
         lines.append(f"| {setting} | " + " | ".join(cells) +
-                     f" | {median:+.2f} ({ratio_median:.0f}x) | {worst_gap:+.2f} {worst} | "
+                     f" | {shown(median)} ({ratio_median:.0f}x) | {shown(worst_gap)} {worst} | "
                      f"{held} of {n} |")
     lines += ["", "Horovod's own result, mean over seeds:", "",
               "| pair | steps | metric | Horovod | parameters |", "|---|---|---|---|---|"]
@@ -531,6 +551,10 @@ def report(path, out=None, link_runs=None):
     return text
 
 
+#: the plot's right edge, gap units: larger gaps (and divergence) are drawn there as crosses
+PLOT_LIMIT = 12.0
+
+
 def plot(table, pairs, settings, path):
     """Each setting's gap on every pair (a dot a pair), the targets as lines."""
     import matplotlib
@@ -542,14 +566,17 @@ def plot(table, pairs, settings, path):
         for j, pair in enumerate(pairs):
             c = table.get((pair, setting))
             if c is not None and "refused" not in c:
-                ax.scatter(statistics.mean(c["gap"]), i, s=30, color=f"C{j}",
+                gap = statistics.mean(c["gap"])  # beyond the axis (or diverged): a cross
+                ax.scatter(min(gap, PLOT_LIMIT), i, s=30, color=f"C{j}",
+                           marker="o" if gap <= PLOT_LIMIT else "x",
                            label=pair if i == 0 else None)
     ax.axvline(0, color="black", lw=0.8)
     ax.axvline(1, color="grey", ls="--", lw=0.8)
     ax.axvline(3, color="grey", ls=":", lw=0.8)
     ax.set_yticks(range(len(shown)), shown)
     ax.invert_yaxis()
-    ax.set_xlabel("gap against Horovod at equal steps (loss %, accuracy points; + = worse)")
+    ax.set_xlabel(f"gap against Horovod at equal steps (loss %, accuracy points; + = worse; "
+                  f"x: beyond {PLOT_LIMIT:g} or diverged)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
