@@ -1,4 +1,4 @@
-"""The model zoo's smoke test (bench/zoo.py): one pair's script runs under Horovod and
+"""The model zoo's smoke test (bench/zoo.py, harness/zoo.py): one pair's script runs under Horovod and
 switched by one line, a setting the recipe cannot take is refused and recorded as such,
 and the page's arithmetic (gap paired by seed, + = worse, worst case per setting) is
 right on runs written by hand. The zoo's own runs are a benchmark, not part of the suite."""
@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from bench import zoo
+from harness import zoo
 from harness.hvdrun import run
 
 STEPS = 80
@@ -15,7 +15,7 @@ STEPS = 80
 
 @pytest.fixture(scope="module")
 def mlp():
-    return {setting: run("bench.zoo:worker", np=2, controller="gloo",
+    return {setting: run("harness.zoo:worker", np=2, controller="gloo",
                          kwargs=dict(pair="mlp_adam", setting=setting, seed=0, steps=STEPS))
             for setting in ("horovod", "default")}
 
@@ -32,7 +32,7 @@ def test_a_pair_trains_under_horovod_and_switched_with_fewer_bytes(mlp):
 
 
 def test_a_setting_the_recipe_cannot_take_is_recorded_as_refused():
-    out = run("bench.zoo:worker", np=2, controller="gloo",
+    out = run("harness.zoo:worker", np=2, controller="gloo",
               kwargs=dict(pair="recommender", setting="wan: delay=auto", seed=0, steps=5))
     for rank in out:  # Adagrad's update is not linear in the gradient: delay is refused
         assert rank["refused"].startswith("delay=auto needs torch.optim.SGD")
