@@ -29,7 +29,8 @@ from hvd_dgc.schedule import DEFAULT_SENDS, DensitySchedule, as_schedule
 from hvd_dgc.switch import TakeOver, dense_requested, resolve_compression, take_over
 
 __all__ = ["DGCConfig", "CompressorOptions", "Framework", "HorovodArguments", "Resolved",
-           "check_horovod_arguments", "check_linear_update", "unsupported_message",
+           "check_clipping_under_lagging", "check_horovod_arguments", "check_linear_update",
+           "unsupported_message",
            "aggregation_choices", "describe"]
 
 
@@ -653,6 +654,21 @@ def check_linear_update(config, linear, optimizer_name, framework, adam=False):
                          f"avg_(i-D) (own steps replaced by the average) is exact only for "
                          f"an update linear in the gradient, and {optimizer_name} is not. "
                          f"{fix}.")
+
+
+def check_clipping_under_lagging(config, optimizer_name, clipping):
+    """An optimizer that clips what it is given (Keras' ``clipnorm``, ``clipvalue``,
+    ``global_clipnorm``: ``clipping`` maps each one set to its value) clips, under delay
+    or period, ``own_i - own_(i-D) + avg_(i-D)`` by each rank's own norm: the correction
+    no longer cancels and the ranks drift apart. Refused with the fix. (PyTorch, where the
+    script clips between ``synchronize()`` and ``step()``, warns: torch/optimizer.py.)"""
+    if clipping and config.lagging:
+        option, value = next(iter(clipping.items()))
+        raise ValueError(
+            f"hvd_dgc: {optimizer_name}({option}={value!r}) with {config.lagging}: each "
+            f"rank would clip its delayed correction by its own norm and the ranks would "
+            f"drift apart. Use hvd_dgc's clip_norm= (before the memory) instead, or "
+            f"{config.undo_lagging}.")
 
 
 #: steps an average may lag (delay, or AutoDelay's max_delay, plus period) from which an

@@ -38,8 +38,8 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, observed_weights, refresh_count
 
-__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_clipping_under_lagging",
-           "check_keras_adam", "PREVIOUS_NAME", "SCALE_NAME"]
+__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "PREVIOUS_NAME",
+           "SCALE_NAME"]
 
 #: Keras optimizers taken over, by class name (Keras 3, tf_keras and tf_keras' legacy).
 ADAM_CLASSES = ("Adam", "AdamW")
@@ -72,20 +72,6 @@ def check_keras_adam(name, config):
                 f"the freeze the optimizer receives averaged preconditioned momenta, which "
                 f"{option} would act on. Use {instead}, or pass freeze_variance=False "
                 f"(Adam's own update on error feedback).")
-
-
-def check_clipping_under_lagging(name, config, options):
-    """Keras clips in ``apply_gradients``, each rank by its own norm: under delay or
-    period what it clips is ``own_i - own_(i-D) + avg_(i-D)``, scaled differently on each
-    rank, so the correction no longer cancels and the ranks drift apart. Refused at wrap
-    time with the fix (PyTorch, where the script clips, warns: torch/optimizer.py)."""
-    clipping = [o for o in ("clipnorm", "clipvalue", "global_clipnorm") if config.get(o)]
-    if clipping and options.lagging:
-        raise ValueError(
-            f"hvd_dgc: {name}({clipping[0]}={config[clipping[0]]!r}) with "
-            f"{options.lagging}: each rank would clip its delayed correction by its own "
-            f"norm and the ranks would drift apart. Use hvd_dgc's clip_norm= (before the "
-            f"memory) instead, or {options.undo_lagging}.")
 
 
 class KerasAdamTakeOver:

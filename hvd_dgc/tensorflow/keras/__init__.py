@@ -36,7 +36,7 @@ from horovod.tensorflow.keras import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
 import horovod.tensorflow as _hvd
 
-from hvd_dgc.config import DGCConfig
+from hvd_dgc.config import DGCConfig, check_clipping_under_lagging
 from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401 (cost_model=hvd.CostModel(...))
 from hvd_dgc.linkwatch import LinkWatch  # noqa: F401 (link_watch=hvd.LinkWatch(...))
@@ -46,7 +46,7 @@ from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
-    KerasAdamTakeOver, check_clipping_under_lagging, check_keras_adam
+    KerasAdamTakeOver, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
     is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
@@ -677,7 +677,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     is_sgd = type(optimizer).__name__ == "SGD"
     is_adam = type(optimizer).__name__ in ADAM_CLASSES
     keras_config = optimizer.get_config()
-    check_clipping_under_lagging(type(optimizer).__name__, keras_config, config)
+    check_clipping_under_lagging(config, type(optimizer).__name__, {
+        option: keras_config[option] for option in ("clipnorm", "clipvalue", "global_clipnorm")
+        if keras_config.get(option)})
     momentum, nesterov = 0.0, False
     if is_sgd and keras_config.get("momentum"):
         momentum = float(keras_config["momentum"])
