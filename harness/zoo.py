@@ -421,13 +421,14 @@ FIELDS = ["pair", "setting", "seed", "steps", "metric", "loss", "accuracy", "byt
           "dense_bytes", "numel", "seconds", "refused"]
 
 
-def record(path, result):
+def record(path, result, fields=FIELDS):
+    """Append ``result``'s ``fields`` to the CSV at ``path`` (its header first)."""
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
-        out = csv.DictWriter(f, FIELDS)
+        out = csv.DictWriter(f, fields)
         if new:
             out.writeheader()
-        out.writerow({k: result.get(k, "") for k in FIELDS})
+        out.writerow({k: result.get(k, "") for k in fields})
 
 
 def load(path):
@@ -629,13 +630,8 @@ def over_link(pairs, settings, rate_mbit, rtt_ms, steps, timed_from, path):
                 if res.get("refused"):
                     print(f"{pair:13s} {setting:36s} refused", flush=True)
                     continue
-                row = dict(res, rate_mbit=rate_mbit, rtt_ms=rtt_ms, timed_from=timed_from)
-                new = not os.path.exists(path)
-                with open(path, "a", newline="") as f:
-                    writer = csv.DictWriter(f, LINK_FIELDS, extrasaction="ignore")
-                    if new:
-                        writer.writeheader()
-                    writer.writerow(row)
+                record(path, dict(res, rate_mbit=rate_mbit, rtt_ms=rtt_ms,
+                                  timed_from=timed_from), LINK_FIELDS)
                 print(f"{pair:13s} {setting:36s} {res['samples_per_s']:.0f} samples/s "
                       f"over {rate_mbit} Mbit/s, RTT {rtt_ms} ms", flush=True)
 
