@@ -1,23 +1,29 @@
 """Every rank must wrap with the same settings and tensors, or Horovod's collectives
-would hang waiting for a rank that never joins. Each framework allgathers the
-encoded config once at wrap time; the comparison and the message live here."""
+would hang waiting for a rank that never joins. At wrap time every rank allgathers its
+encoded config once (``check_consistent``, on the framework's seam: hvd_dgc/seam.py);
+the comparison and the message live here."""
 
 import json
 
-__all__ = ["encode", "decode_all", "check_same"]
+__all__ = ["check_consistent", "check_same", "outer_consistency"]
 
 
-def encode(config):
-    return json.dumps(config, sort_keys=True, default=repr).encode()
+def check_consistent(collectives, config, what):
+    """``config`` (a dict of JSON values) allgathered over ``collectives`` (one
+    collective, every rank at the same point) and compared: ValueError naming each
+    setting that differs, and where."""
+    blob = json.dumps(config, sort_keys=True, default=repr).encode()
+    configs = [json.loads(b.decode()) for b in
+               collectives.allgather_bytes(blob, "hvd_dgc.config")]
+    check_same(configs, collectives.ranks, what)
 
 
-def decode_all(sizes, everything):
-    """Split the allgathered bytes (``everything``) by the allgathered ``sizes``."""
-    configs, offset = [], 0
-    for size in sizes:
-        configs.append(json.loads(bytes(everything[offset:offset + size]).decode()))
-        offset += size
-    return configs
+def outer_consistency(outer, density, min_compress_size, names, shapes):
+    """What every rank's outer loop must agree on (``check_consistent``'s ``config``):
+    its settings and the tensors it averages, by name and shape."""
+    return {"outer": list(outer), "density": density,
+            "min_compress_size": min_compress_size,
+            "tensors": [[n, list(s)] for n, s in zip(names, shapes)]}
 
 
 def check_same(configs, ranks, what):

@@ -61,7 +61,7 @@ from typing import NamedTuple, Optional
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes
 from hvd_dgc.costmodel import MEASURED_DENSE_PREFERENCE, CostModel
 
-__all__ = ["HostMeasurement", "LinkMeasurement", "measure_link", "BUDGET_SECONDS"]
+__all__ = ["HostMeasurement", "LinkMeasurement", "probe_link", "measure_link", "BUDGET_SECONDS"]
 
 #: The probe tries no larger message that would take it past this (agreed time).
 BUDGET_SECONDS = 1.0
@@ -218,3 +218,26 @@ def measure_link(allreduce, agree, world, budget=BUDGET_SECONDS, allgather=None,
     host = None if alltoall is None else measure_host(alltoall, agree, local_size,
                                                       budget / 2)
     return LinkMeasurement(alpha, bandwidth, timed.spent, numel, gather, host)
+
+
+def probe_link(collectives, peers=()):
+    """The agreed ``LinkMeasurement`` of a process set's ranks over its seam
+    (hvd_dgc/seam.py ``Collectives``; None for one rank), and inside this rank's host
+    where ``peers`` (its global ranks, hierarchical DGC's) are several. Every rank of the
+    set calls it at the same point (the wrapper, or the build, after the config check)."""
+    def allreduce(numel):
+        return collectives.timed_allreduce(numel, f"hvd_dgc.probe.{numel}")
+
+    def allgather(numel):
+        return collectives.timed_allgather(numel, f"hvd_dgc.probe.gather.{numel}")
+
+    def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
+        splits = [numel if r in peers and r != collectives.rank else 0
+                  for r in collectives.ranks]
+        return collectives.timed_alltoall(splits, f"hvd_dgc.probe.host.{numel}")
+
+    def agree(values):
+        return collectives.max(values, "hvd_dgc.probe.agree")
+    return measure_link(allreduce, agree, collectives.size, allgather=allgather,
+                        alltoall=alltoall if len(peers) > 1 else None,
+                        local_size=len(peers))

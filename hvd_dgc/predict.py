@@ -443,10 +443,10 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     local, why = None, ""
     if world > 1 and planner.measure:
         if local_cost == "measure" and resolved.sparse and kind == "torch":
+            from hvd_dgc.seam import Alone
             from hvd_dgc.torch.link import measure_local
-            local = measure_local(resolved.compressor, None,
-                                  resolved.final_density() or 0.001, "cpu",
-                                  agree=lambda values: list(values))
+            local = measure_local(resolved.compressor, Alone(),
+                                  resolved.final_density() or 0.001, "cpu")
         elif local_cost == "measure" and resolved.sparse:
             why = "DGC's local work not measured for Keras here (--local-cost none)"
         elif local_cost == "measure" and resolved.exchange:

@@ -34,8 +34,8 @@ from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
-from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchange, \
-    variable_name
+from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchange
+from hvd_dgc.tensorflow.names import variable_name
 
 # Horovod's star import bound `elastic` to its own module; ours commits hvd_dgc's state.
 elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")

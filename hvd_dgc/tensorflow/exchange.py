@@ -38,14 +38,13 @@ checkpoints have always had: hvd_dgc/tensorflow/statistics.py.
 
 import os
 import sys
-import warnings
 
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
-from hvd_dgc import consistency
+from hvd_dgc.consistency import check_consistent
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
@@ -58,25 +57,24 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.tensorflow.link import LinkWatcher, measure as measure_link, measure_local, \
+from hvd_dgc.linkprobe import probe_link
+from hvd_dgc.seam import host_peers
+from hvd_dgc.tensorflow.link import LinkWatcher, measure_local, \
     measure_payload
 from hvd_dgc.tensorflow.memory import DGCMemory
+from hvd_dgc.tensorflow.names import tensor_names
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
     host_slice
 from hvd_dgc.tensorflow.plan_trial import DenseTrial
+from hvd_dgc.tensorflow.seam import HorovodCollectives
 from hvd_dgc.tensorflow.statistics import Statistics
 
-__all__ = ["GradientExchange", "variable_name", "TENSORFLOW", "HOROVOD_OPS"]
+__all__ = ["GradientExchange", "TENSORFLOW", "HOROVOD_OPS"]
 
 #: What ``DGCConfig.resolve`` knows of TensorFlow.
 TENSORFLOW = Framework("tensorflow", Compression, (SparseCompressor, ExchangeCompressor))
 #: Horovod's (Average, Sum, Adasum) for TensorFlow.
 HOROVOD_OPS = (Average, Sum, Adasum)
-
-
-def variable_name(var, i):
-    """What error messages and the config check call a variable (Keras 3: its path)."""
-    return getattr(var, "path", None) or getattr(var, "name", None) or f"var{i}"
 
 
 class GradientExchange(tf.Module):
@@ -169,7 +167,7 @@ class GradientExchange(tf.Module):
         gradients: those get no residual slot (an embedding table can be large)."""
         if self.memory is not None:
             return
-        names = [variable_name(v, i) for i, v in enumerate(variables)]
+        names = tensor_names(variables)
         grads = list(grads) if grads is not None else [None] * len(variables)
         sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads]
         if any(sliced) and self.resolved.zero_one and self.lags:
@@ -201,9 +199,11 @@ class GradientExchange(tf.Module):
             if self.traced_once:
                 self.planner.exclude(PathKind.REGION)
             if not self.elastic:
-                _check_consistent_config(self.planner.consistency(
-                    momentum=self.momentum, nesterov=self.nesterov, op=repr(self.op)),
-                    self.process_set)
+                check_consistent(HorovodCollectives(self.process_set),
+                                 self.planner.consistency(momentum=self.momentum,
+                                                          nesterov=self.nesterov,
+                                                          op=repr(self.op)),
+                                 "hvd_dgc.tensorflow")
             peers = self._host_peers()
             if peers:  # several hosts of several ranks: hierarchical DGC may run
                 self.wire = self.wire._replace(peers=peers)
@@ -284,9 +284,7 @@ class GradientExchange(tf.Module):
                 self.process_set.process_set_id == global_process_set.process_set_id,
                 self.elastic, unsupported):
             return ()
-        hosts = _hvd.allgather(tf.constant([_hvd.cross_rank()], tf.int64),
-                               name="hvd_dgc.hosts", process_set=self.process_set).numpy()
-        return tuple(r for r, h in enumerate(hosts.tolist()) if h == _hvd.cross_rank())
+        return host_peers(HorovodCollectives(self.process_set), _hvd.cross_rank())
 
     def _held(self):
         """Elements of each tensor this rank's memory holds: all of it, or on
@@ -462,13 +460,14 @@ class GradientExchange(tf.Module):
         rank of the process set (each calls it at the same point): the link, and the
         compressor's own work on this device, DGC's selection where it is sparse, the
         encoding and decoding where it allgathers payloads (linkprobe.py, localcost.py)."""
-        link = measure_link(self.process_set, self.wire.peers)
+        collectives = HorovodCollectives(self.process_set)
+        link = probe_link(collectives, self.wire.peers)
         local = None
         if link is not None and self.resolved.sparse:
-            local = measure_local(self.compression, self.process_set,
+            local = measure_local(self.compression, collectives,
                                   self.resolved.final_density() or 0.001)
         elif link is not None and hasattr(self.compression, "payload_bytes"):
-            local = measure_payload(self.compression, self.process_set)
+            local = measure_payload(self.compression, collectives)
         return link, local
 
     def abandon(self):
@@ -841,13 +840,3 @@ def _after_check(grad):
     return tf.identity(grad)
 
 
-def _check_consistent_config(config, process_set):
-    """One allgather before the first step (see hvd_dgc/consistency.py)."""
-    blob = np.frombuffer(consistency.encode(config), np.uint8)
-    sizes = _hvd.allgather(tf.constant([blob.size], tf.int64), name="hvd_dgc.config.size",
-                           process_set=process_set).numpy()
-    everything = _hvd.allgather(tf.constant(blob), name="hvd_dgc.config",
-                                process_set=process_set).numpy()
-    configs = consistency.decode_all(sizes.tolist(), everything.tobytes())
-    ranks = process_set.ranks if process_set.ranks else list(range(len(configs)))
-    consistency.check_same(configs, ranks, "hvd_dgc.tensorflow")

@@ -1,67 +1,28 @@
-"""The link probe (hvd_dgc/linkprobe.py) with Horovod's TensorFlow allreduce (eager), and
-DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own selection
-and records, or a payload compressor's encoding and decoding, in a ``tf.function`` as a
-step runs them: ``cost_model="measure"``. And the link watched while Keras' ``fit``
-trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
+"""DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own
+selection and records, or a payload compressor's encoding and decoding, in a
+``tf.function`` as a step runs them: ``cost_model="measure"`` (the link itself is timed
+by hvd_dgc/linkprobe.py on the seam, hvd_dgc/seam.py). And the link watched while
+Keras' ``fit`` trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
 
 import time
 
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import Max, Sum
 
-from hvd_dgc.linkprobe import measure_link
+from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.tensorflow.memory import write_at
+from hvd_dgc.tensorflow.seam import HorovodCollectives
 
-__all__ = ["measure", "measure_local", "measure_payload", "LinkWatcher"]
-
-
-def _agree(process_set, name):
-    def agree(values):
-        return _hvd.allreduce(tf.constant(values, tf.float64), op=Max, name=name,
-                              process_set=process_set).numpy().tolist()
-    return agree
+__all__ = ["measure_local", "measure_payload", "LinkWatcher"]
 
 
-def measure(process_set, peers=()):
-    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank), and
-    inside this rank's host where ``peers`` (its global ranks, hierarchical DGC's) are
-    several; eager, outside any trace, every rank at the same point (the exchange's
-    build)."""
-    def allreduce(numel):
-        tensor = tf.zeros([numel])
-        start = time.perf_counter()
-        _hvd.allreduce(tensor, op=Sum, name=f"hvd_dgc.probe.{numel}",
-                       process_set=process_set).numpy()
-        return time.perf_counter() - start
-
-    def allgather(numel):
-        tensor = tf.zeros([numel])
-        start = time.perf_counter()
-        _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}",
-                       process_set=process_set).numpy()
-        return time.perf_counter() - start
-
-    def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
-        splits = [numel if r in peers and r != _hvd.rank() else 0
-                  for r in range(process_set.size())]
-        tensor = tf.zeros([sum(splits)])
-        start = time.perf_counter()
-        _hvd.alltoall(tensor, splits=tf.constant(splits, tf.int32),
-                      name=f"hvd_dgc.probe.host.{numel}", process_set=process_set)[0].numpy()
-        return time.perf_counter() - start
-    return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
-                        process_set.size(), allgather=allgather,
-                        alltoall=alltoall if len(peers) > 1 else None,
-                        local_size=len(peers))
-
-
-def measure_local(compressor, process_set, density):
-    """The agreed ``LocalCost`` of a sparse ``compressor`` (``select``, ``pack``,
-    ``scatter_sum``): its selection over a synthetic memory, and the records taken out
-    of the memory, packed and summed, each in a ``tf.function`` (traced first)."""
+def measure_local(compressor, collectives, density):
+    """The ``LocalCost`` of a sparse ``compressor`` (``select``, ``pack``,
+    ``scatter_sum``), agreed over ``collectives`` (hvd_dgc/seam.py: the slowest rank's):
+    its selection over a synthetic memory, and the records taken out of the memory,
+    packed and summed, each in a ``tf.function`` (traced first)."""
     v = tf.Variable(tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0]),
                     trainable=False)
     # what the step's memory becomes once cleared where selected (write_at: a write of
@@ -88,8 +49,7 @@ def measure_local(compressor, process_set, density):
         indices = tf.random.stateless_uniform([k], seed=[1, 0], maxval=CALIBRATION_NUMEL,
                                               dtype=tf.int32)
         return _fastest(records, indices)
-    return calibrate(timed_select, timed_records,
-                     _agree(process_set, "hvd_dgc.calibrate.agree"), density)
+    return calibrate(timed_select, timed_records, _agree(collectives), density)
 
 
 def _fastest(fn, *args, times=3):
@@ -105,7 +65,13 @@ def _fastest(fn, *args, times=3):
     return best
 
 
-def measure_payload(compressor, process_set):
+def _agree(collectives):
+    def agree(values):
+        return collectives.max(values, "hvd_dgc.calibrate.agree")
+    return agree
+
+
+def measure_payload(compressor, collectives):
     """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
     ``encode``, ``decode``): one payload of a synthetic memory encoded, and decoded, in a
     ``tf.function`` as a step runs them."""
@@ -118,7 +84,7 @@ def measure_payload(compressor, process_set):
 
     def decode(numel):
         return _fastest(tf.function(lambda: compressor.decode(payload, numel), autograph=False))
-    return calibrate_payload(encode, decode, _agree(process_set, "hvd_dgc.calibrate.agree"))
+    return calibrate_payload(encode, decode, _agree(collectives))
 
 
 class LinkWatcher:
@@ -150,13 +116,12 @@ class LinkWatcher:
         exchange, planner = self.exchange, self.exchange.planner
         density, launches = exchange.priced_now()
         now = (density, planner.generation)
-        agreed = tuple(_hvd.allreduce(tf.constant(state.take_window(), tf.float64), op=Max,
-                                      name=self._name,
-                                      process_set=exchange.process_set).numpy().tolist())
+        collectives = HorovodCollectives(exchange.process_set)
+        agreed = tuple(collectives.max(state.take_window(), self._name))
         moved = state.decide(agreed, now, now)
         if not moved:
             return False
-        link = measure(exchange.process_set)
+        link = probe_link(collectives)
         relinked, before, after = judge_probe(planner, link, density, launches,
                                               state.watch.change, moved)
         changed = False

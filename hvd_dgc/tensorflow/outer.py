@@ -40,11 +40,13 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
+from hvd_dgc.consistency import check_consistent, outer_consistency
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.tensorflow.delayed import check_inter_op_threads
-from hvd_dgc.tensorflow.exchange import _check_consistent_config, variable_name
+from hvd_dgc.tensorflow.names import tensor_names
 from hvd_dgc.tensorflow.memory import write_at
 from hvd_dgc.tensorflow.quantize import pack_planes, unpack_planes
+from hvd_dgc.tensorflow.seam import HorovodCollectives
 
 __all__ = ["OuterRounds"]
 
@@ -79,15 +81,13 @@ class OuterRounds(tf.Module):
                                  f"one DistributedOptimizer per set of variables.")
             return
         numels = [int(tf.TensorShape(v.shape).num_elements()) for v in variables]
-        names = [variable_name(v, i) for i, v in enumerate(variables)]
+        names = tensor_names(variables)
         with tf.init_scope():
             # every rank wrapped alike (elastic: a worker that joins builds alone)
             if os.environ.get("HOROVOD_ELASTIC") != "1":
-                _check_consistent_config({
-                    "outer": list(self.outer), "density": self.density,
-                    "min_compress_size": self.min_compress_size,
-                    "tensors": [[n, list(v.shape)] for n, v in zip(names, variables)]},
-                    self.process_set)
+                check_consistent(HorovodCollectives(self.process_set), outer_consistency(
+                    self.outer, self.density, self.min_compress_size, names,
+                    [v.shape for v in variables]), "hvd_dgc.tensorflow")
         object.__setattr__(self, "_watched", tuple(variables))
         if self.outer.overlap:
             check_inter_op_threads("OuterLoop(overlap=True)", "overlap=False")

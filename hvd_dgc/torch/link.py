@@ -1,67 +1,29 @@
-"""The link probe (hvd_dgc/linkprobe.py) with Horovod's PyTorch allreduce, and DGC's own
-work on this device (hvd_dgc/localcost.py) with the compressor's own selection and
-record handling: ``cost_model="measure"``."""
+"""DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own
+selection and record handling, or a payload compressor's encoding and decoding:
+``cost_model="measure"`` (the link itself is timed by hvd_dgc/linkprobe.py on the seam,
+hvd_dgc/seam.py). And the link watched while training (hvd_dgc/linkwatch.py,
+``LinkWatcher``)."""
 
 import time
 
 import torch
 import horovod.torch as _hvd
-from horovod.torch.mpi_ops import Max, Sum
 
-from hvd_dgc.linkprobe import measure_link
+from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.memory import BLOCK
 
-__all__ = ["measure", "measure_local", "measure_payload", "LinkWatcher"]
+__all__ = ["measure_local", "measure_payload", "LinkWatcher"]
 
 
-def _agree(process_set, name):
-    def agree(values):
-        return _hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=Max,
-                              name=name, process_set=process_set).tolist()
-    return agree
-
-
-def measure(process_set, peers=()):
-    """The agreed ``LinkMeasurement`` of ``process_set``'s ranks (None for one rank), and
-    inside this rank's host where ``peers`` (its global ranks, hierarchical DGC's) are
-    several. Every rank of the set calls it at the same point (the wrapper, after the
-    config check)."""
-    def allreduce(numel):
-        tensor = torch.zeros(numel)
-        start = time.perf_counter()
-        _hvd.allreduce(tensor, op=Sum, name=f"hvd_dgc.probe.{numel}", process_set=process_set)
-        return time.perf_counter() - start
-
-    def allgather(numel):
-        tensor = torch.zeros(numel)
-        start = time.perf_counter()
-        _hvd.allgather(tensor, name=f"hvd_dgc.probe.gather.{numel}", process_set=process_set)
-        return time.perf_counter() - start
-
-    def alltoall(numel):  # (hierarchical DGC's first round: nothing across hosts)
-        splits = torch.zeros(process_set.size(), dtype=torch.int32)
-        splits[[r for r in peers if r != _hvd.rank()]] = numel
-        tensor = torch.zeros(int(splits.sum()))
-        start = time.perf_counter()
-        _hvd.alltoall(tensor, splits=splits, name=f"hvd_dgc.probe.host.{numel}",
-                      process_set=process_set)
-        return time.perf_counter() - start
-    return measure_link(allreduce, _agree(process_set, "hvd_dgc.probe.agree"),
-                        process_set.size(), allgather=allgather,
-                        alltoall=alltoall if len(peers) > 1 else None,
-                        local_size=len(peers))
-
-
-def measure_local(compressor, process_set, density, device, agree=None):
-    """The agreed ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, ``pack``,
-    ``records_at``) on ``device``: a launch's selection over a synthetic memory, and its
-    records taken out of the memory, packed, unpacked and added, as the engine does.
-    ``agree``: how the ranks agree on the timings (default: the slowest of
-    ``process_set``'s; ``python -m hvd_dgc.predict``, with no Horovod job, passes its
-    own)."""
+def measure_local(compressor, collectives, density, device):
+    """The ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, ``pack``,
+    ``records_at``) on ``device``, agreed over ``collectives`` (hvd_dgc/seam.py: the
+    slowest rank's; ``python -m hvd_dgc.predict`` passes ``Alone()``): a launch's
+    selection over a synthetic memory, and its records taken out of the memory, packed,
+    unpacked and added, as the engine does."""
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(CALIBRATION_NUMEL, generator=gen).to(device)
     block_max = v.view(-1, BLOCK).abs().amax(1)  # (the memory's update makes these)
@@ -82,8 +44,7 @@ def measure_local(compressor, process_set, density, device, agree=None):
             at, got = compressor.records_at(wire, (0,), (k,))
             out.index_add_(0, at, got)
         return _fastest(once, v.device)
-    return calibrate(select, records,
-                     agree or _agree(process_set, "hvd_dgc.calibrate.agree"), density)
+    return calibrate(select, records, _agree(collectives), density)
 
 
 def _fastest(fn, device, times=3):
@@ -101,7 +62,13 @@ def _fastest(fn, device, times=3):
     return best
 
 
-def measure_payload(compressor, process_set, device):
+def _agree(collectives):
+    def agree(values):
+        return collectives.max(values, "hvd_dgc.calibrate.agree")
+    return agree
+
+
+def measure_payload(compressor, collectives, device):
     """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
     ``encode``, ``decode``) on ``device``: one payload of a synthetic memory encoded, and
     decoded, as every rank's is at each exchange."""
@@ -113,7 +80,7 @@ def measure_payload(compressor, process_set, device):
 
     def decode(numel):
         return _fastest(lambda: compressor.decode(payload, numel, torch.float32), device)
-    return calibrate_payload(encode, decode, _agree(process_set, "hvd_dgc.calibrate.agree"))
+    return calibrate_payload(encode, decode, _agree(collectives))
 
 
 class LinkWatcher:
@@ -123,9 +90,9 @@ class LinkWatcher:
 
     made = 0  # watchers made in this process: each names its collectives apart
 
-    def __init__(self, watch, planner, process_set):
+    def __init__(self, watch, planner, collectives):
         self.state = LinkWatchState(watch)
-        self.planner, self.process_set = planner, process_set
+        self.planner, self.collectives = planner, collectives
         self._agreeing = None  # (handle of the last window's sums, what they were on)
         self._windows = 0
         LinkWatcher.made += 1
@@ -139,28 +106,27 @@ class LinkWatcher:
         if not state.window_done():
             return
         now = (density, self.planner.generation)
-        sums = torch.tensor(state.take_window(), dtype=torch.float64)
+        sums = state.take_window()
         moved = 0
         if self._agreeing is not None:
             handle, measured_on = self._agreeing
-            agreed = tuple(_hvd.synchronize(handle).tolist())
+            agreed = tuple(self.collectives.wait(handle))
             moved = state.decide(agreed, measured_on, now)
         if moved:  # (before this window's agreement: nothing of ours in flight)
             self._probe(density, launches, step, moved)
             now = (density, self.planner.generation)
         self._windows += 1
         name = f"{self._name}.{self._windows % 2}"
-        self._agreeing = (_hvd.allreduce_async(sums, op=Max, process_set=self.process_set,
-                                               name=name), now)
+        self._agreeing = (self.collectives.max_async(sums, name), now)
 
     def _settle(self):
         """At exit: the agreement in flight, waited for."""
         if self._agreeing is not None:
-            _hvd.synchronize(self._agreeing[0])
+            self.collectives.wait(self._agreeing[0])
 
     def _probe(self, density, launches, step, moved):
         planner = self.planner
-        link = measure(self.process_set)
+        link = probe_link(self.collectives)
         relinked, before, after = judge_probe(planner, link, density, launches,
                                               self.state.watch.change, moved)
         if relinked:

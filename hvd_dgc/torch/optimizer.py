@@ -37,7 +37,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
-from hvd_dgc import consistency
+from hvd_dgc.consistency import check_consistent
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.outer import check_outer
@@ -53,11 +53,15 @@ from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.lagging import Lagging
 from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
-from hvd_dgc.torch.link import LinkWatcher, measure as measure_link, measure_local, \
+from hvd_dgc.linkprobe import probe_link
+from hvd_dgc.seam import host_peers
+from hvd_dgc.torch.names import check_dtypes, tensor_names
+from hvd_dgc.torch.link import LinkWatcher, measure_local, \
     measure_payload
 from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import CLASSES, Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
+from hvd_dgc.torch.seam import HorovodCollectives
 from hvd_dgc.torch.sgd import SGDTakeOver
 from hvd_dgc.torch.state import STATE_KEY, Progress, checkpoint, restore
 from hvd_dgc.torch.update import ViewUpdate
@@ -93,8 +97,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
-        names = _name_parameters(named_parameters, self.param_groups)
-        _check_dtypes(every, names)
+        names = tensor_names(named_parameters, self.param_groups)
+        check_dtypes(every, names)
         trainable = [p for p in every if p.requires_grad]
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))
                  for p in every}
@@ -109,15 +113,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._progress.stage_line = self._planner.stage_line  # a new stage's paths, said
         peers = ()
         if process_set.included():
+            collectives = HorovodCollectives(process_set)
             # Elastic: a worker added later wraps its optimizer alone, while the others
             # wait in a reset; a collective here would hang it. All run the same script.
             if os.environ.get("HOROVOD_ELASTIC") != "1":
-                _check_consistent_config(self._planner.consistency(**self._horovod_config()),
-                                         process_set)
-            peers = _host_peers(self._planner, process_set)
+                check_consistent(collectives, self._planner.consistency(
+                    **self._horovod_config()), "DistributedOptimizer")
+            peers = _host_peers(self._planner, collectives)
             self._planner.replan(process_set.size(), local_size=len(peers))
             if os.environ.get("HOROVOD_ELASTIC") != "1":  # elastic: at each sync instead
-                self._measure(process_set, trainable, peers)
+                self._measure(collectives, trainable, peers)
             self._takeover.freeze_at(self._planner.adam_freeze(resolved.chosen_lagging))
         # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
         self._resolved = resolved = self._planner.settled()
@@ -156,23 +161,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._profiler.hook(self._param_index[p], self._scheduler.ready, p)
 
-    def _measure(self, process_set, trainable, peers=()):
+    def _measure(self, collectives, trainable, peers=()):
         """The link (inside the host too, where ``peers`` are several) and the
         compressor's own work on this device (DGC's selection, or a payload compressor's
         encoding and decoding), measured (the default cost model: hvd_dgc/linkprobe.py,
-        hvd_dgc/localcost.py): every rank of ``process_set`` calls this at the same point
+        hvd_dgc/localcost.py): every rank of the process set calls this at the same point
         (the wrapper; elastic: each sync)."""
         if not self._planner.measure:
             return
         resolved = self._resolved
-        link = measure_link(process_set, peers)
+        link = probe_link(collectives, peers)
         local = None
         device = trainable[0].device if trainable else "cpu"
         if link is not None and resolved.sparse:  # DGC's own work, this device
-            local = measure_local(resolved.compressor, process_set,
+            local = measure_local(resolved.compressor, collectives,
                                   resolved.final_density() or 0.001, device)
         elif link is not None and hasattr(resolved.compressor, "payload_bytes"):
-            local = measure_payload(resolved.compressor, process_set, device)
+            local = measure_payload(resolved.compressor, collectives, device)
         self._planner.measured(link, local)
 
     def _take_over(self, included):
@@ -541,7 +546,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.process_set.included() and self._planner.measure:
             # every rank is in this sync: the link of this world measured afresh
             self._planner.replan(self.process_set.size())
-            self._measure(self.process_set, [p for p in self._param_index if p.requires_grad])
+            self._measure(HorovodCollectives(self.process_set),
+                          [p for p in self._param_index if p.requires_grad])
             line = self._planner.sync_line(self.process_set.size())
             if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
                 print(line, flush=True)
@@ -554,41 +560,6 @@ def _loss_scale(grad_scaler):
     read = getattr(grad_scaler, "_get_scale_async", None)
     scale = read() if read is not None else None
     return grad_scaler.get_scale() if scale is None else scale.detach().clone()
-
-
-def _name_parameters(named_parameters, param_groups):
-    if named_parameters is not None:
-        named_parameters = list(named_parameters)
-    else:
-        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
-                            for i, group in enumerate(param_groups)
-                            for j, v in enumerate(group["params"])]
-    if any(not isinstance(p, tuple) for p in named_parameters):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         "usually produced by model.named_parameters().")
-    seen, dups = set(), set()
-    for name, _ in named_parameters:
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError("Parameter names in named_parameters must be unique. "
-                         "Found duplicates: %s" % ", ".join(sorted(dups)))
-    named_ids = {id(v) for _, v in named_parameters}
-    unnamed = [p for g in param_groups for p in g["params"] if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError("named_parameters was specified, but one or more model parameters "
-                         "were not named (shapes: %s). Pass model.named_parameters() for the "
-                         "whole model the optimizer holds."
-                         % ", ".join(str(tuple(p.shape)) for p in unnamed))
-    return {v: k for k, v in named_parameters}
-
-
-def _check_dtypes(params, names):
-    for p in params:
-        if p.requires_grad and not (p.is_floating_point() and not p.is_complex()):
-            raise TypeError(f"hvd_dgc: parameter '{names[p]}' has dtype {p.dtype}; DGC "
-                            f"compresses real floating-point gradients only (float16, "
-                            f"bfloat16, float32, float64). Leave it out of the optimizer "
-                            f"or set requires_grad=False.")
 
 
 def _link_watcher(config, resolved, planner, process_set):
@@ -605,7 +576,7 @@ def _link_watcher(config, resolved, planner, process_set):
         if config.link_watch is not None:  # the script asked for it: say why not (rank 0)
             rank0_once(idle, UserWarning, key="hvd_dgc.link_watch_idle")
         return None
-    return LinkWatcher(watch, planner, process_set)
+    return LinkWatcher(watch, planner, HorovodCollectives(process_set))
 
 
 def _backward_profiler(config, resolved, planner, process_set, scheduler, takeover):
@@ -627,18 +598,16 @@ def _backward_profiler(config, resolved, planner, process_set, scheduler, takeov
                             not_before=getattr(takeover, "freeze", 0))
 
 
-def _host_peers(planner, process_set):
+def _host_peers(planner, collectives):
     """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
     (Planner.hierarchical_hosts says where); else (). One allgather at wrap time, after
     the config check (every rank gets here alike)."""
     if not planner.hierarchical_hosts(
             _hvd.local_size(), _hvd.cross_size(),
-            process_set.process_set_id == global_process_set.process_set_id,
+            collectives.process_set.process_set_id == global_process_set.process_set_id,
             os.environ.get("HOROVOD_ELASTIC") == "1"):
         return ()
-    hosts = _hvd.allgather(torch.tensor([_hvd.cross_rank()], dtype=torch.int64),
-                           name="hvd_dgc.hosts", process_set=process_set).tolist()
-    return tuple(r for r, h in enumerate(hosts) if h == _hvd.cross_rank())
+    return host_peers(collectives, _hvd.cross_rank())
 
 
 def _average_in_place(tensors, name, process_set):
@@ -650,17 +619,6 @@ def _average_in_place(tensors, name, process_set):
     for t, s in zip(tensors, sent):
         if s is not t:
             t.copy_(s)
-
-
-def _check_consistent_config(config, process_set):
-    """One allgather at wrap time (see hvd_dgc/consistency.py)."""
-    mine = torch.frombuffer(bytearray(consistency.encode(config)), dtype=torch.uint8)
-    sizes = _hvd.allgather(torch.tensor([mine.numel()], dtype=torch.int64),
-                           name="hvd_dgc.config.size", process_set=process_set)
-    everything = _hvd.allgather(mine, name="hvd_dgc.config", process_set=process_set)
-    configs = consistency.decode_all(sizes.tolist(), everything.numpy().tobytes())
-    ranks = process_set.ranks if process_set.ranks else list(range(len(configs)))
-    consistency.check_same(configs, ranks, "DistributedOptimizer")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,

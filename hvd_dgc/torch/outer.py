@@ -27,11 +27,14 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average
 
+from hvd_dgc.consistency import check_consistent, outer_consistency
 from hvd_dgc.outer import RecordLayout, outer_stats, outer_step, round_bytes, round_ks
 from hvd_dgc.say import rank0_warn, verbose
 from hvd_dgc.switch import outer_line
 from hvd_dgc.torch.at_exit import settle_at_exit
+from hvd_dgc.torch.names import tensor_names
 from hvd_dgc.torch.quantize import pack_planes, unpack_planes
+from hvd_dgc.torch.seam import HorovodCollectives
 
 OUTER_KEY = "hvd_dgc_outer"
 
@@ -311,8 +314,7 @@ def _owners(ks, device):
 def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
     """The outer-loop optimizer for ``DistributedOptimizer(..., outer=...)`` (its options
     checked there)."""
-    from hvd_dgc.torch.optimizer import _name_parameters
-    names = _name_parameters(named_parameters, optimizer.param_groups)
+    names = tensor_names(named_parameters, optimizer.param_groups)
     density = 1.0 if config.density is None else float(config.density)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_OuterLoopOptimizer.__dict__))
@@ -329,8 +331,6 @@ def outer_optimizer(optimizer, named_parameters, outer, config, process_set):
 
 def _check_same(wrapped, outer, density, config, process_set):
     """Every rank wrapped alike (one allgather at wrap time, hvd_dgc/consistency.py)."""
-    from hvd_dgc.torch.optimizer import _check_consistent_config
-    _check_consistent_config({"outer": list(outer), "density": density,
-                              "min_compress_size": config.min_compress_size,
-                              "tensors": [[n, list(p.shape)] for n, p in
-                                          zip(wrapped._names, wrapped._params)]}, process_set)
+    check_consistent(HorovodCollectives(process_set), outer_consistency(
+        outer, density, config.min_compress_size, wrapped._names,
+        [p.shape for p in wrapped._params]), "DistributedOptimizer")

@@ -44,7 +44,8 @@ from hvd_dgc.schedule import DensitySchedule  # noqa: F401 (density=hvd.DensityS
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
 from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
-from hvd_dgc.tensorflow.exchange import GradientExchange, variable_name
+from hvd_dgc.tensorflow.exchange import GradientExchange
+from hvd_dgc.tensorflow.names import tensor_names, variable_name
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
     KerasAdamTakeOver, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
@@ -166,7 +167,7 @@ def _prepare(self, grads, variables):
     self._hvd_dgc.build([variables[i] for i in shared])
     if local:
         _local_velocity(self, [variables[i] for i in local])
-    names = [variable_name(v, i) for i, v in enumerate(variables)]
+    names = tensor_names(variables)
     dgc = self._hvd_dgc  # elastic: every rank's count the largest first
     agreed = [accumulation.agree(dgc.agreeing, dgc.process_set)] if dgc.elastic else []
     with tf.control_dependencies(agreed):
