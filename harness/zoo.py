@@ -577,11 +577,10 @@ def plot(table, pairs, settings, path):
     ax.axvline(3, color="grey", ls=":", lw=0.8)
     ax.set_yticks(range(len(shown)), shown)
     ax.invert_yaxis()
-    ax.set_xlabel(f"gap against Horovod at equal steps (loss %, accuracy points; + = worse; "
+    ax.set_xlabel(f"gap against Horovod at equal steps\n(loss %, accuracy points; + = worse; "
                   f"x: beyond {PLOT_LIMIT:g} or diverged)")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 LINK_FIELDS = ["pair", "setting", "rate_mbit", "rtt_ms", "steps", "timed_from",

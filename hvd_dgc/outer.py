@@ -240,6 +240,12 @@ def check_outer(outer, config, compression_is_default, op_is_average):
                    f"here: drop "
                    f"{'it' if len(unused) == 1 else 'them'}.", UserWarning,
                    key="hvd_dgc.outer_unused")
+    if outer.overlap and outer.momentum > 0:  # (bench/results/zoo.md)
+        rank0_once(f"hvd_dgc: OuterLoop(overlap=True, momentum={outer.momentum}) applies "
+                   f"momentum to averages one round late: it lost 7.3% loss on a GPT-style "
+                   f"LM and 4.4 points on a CNN (bench/results/zoo.md). Use OuterLoop() "
+                   f"(no overlap), or overlap with momentum=0.0, lr=1.0.", UserWarning,
+                   key="hvd_dgc.outer_overlap_momentum")
     return outer
 
 

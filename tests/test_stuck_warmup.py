@@ -166,6 +166,24 @@ def test_outer_loop_names_the_options_it_ignores():
                                        True, True)) == []
 
 
+def test_outer_momentum_overlapped_is_warned_once_as_the_zoo_saw_it_lose():
+    """The model zoo's worst outer setting (bench/results/zoo.md: +7.3% on the GPT-style
+    LM, +4.4 points on the CNN): outer momentum over averages applied a round late."""
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.outer import OuterLoop, check_outer
+    said = _warned(lambda: [check_outer(OuterLoop(overlap=True), DGCConfig(), True, True)
+                            for _ in range(2)])
+    assert said == ["hvd_dgc: OuterLoop(overlap=True, momentum=0.9) applies momentum to "
+                    "averages one round late: it lost 7.3% loss on a GPT-style LM and 4.4 "
+                    "points on a CNN (bench/results/zoo.md). Use OuterLoop() (no overlap), "
+                    "or overlap with momentum=0.0, lr=1.0."]
+    # what held: DiLoCo's defaults, not overlapped; overlapped, averaged
+    assert _warned(lambda: check_outer(OuterLoop(), DGCConfig(), True, True)) == []
+    assert _warned(lambda: check_outer(OuterLoop(steps=128, overlap=True, lr=1.0,
+                                                 momentum=0.0, nesterov=False),
+                                       DGCConfig(), True, True)) == []
+
+
 def test_link_watch_idle_reasons():
     from hvd_dgc.config import DGCConfig
     from hvd_dgc.linkwatch import LinkWatch, link_watch_idle
