@@ -4,7 +4,8 @@
 each gradient through hvd_dgc/tensorflow/exchange.py (DGC by default).
 
 A tape lives one step, but DGC's memory must outlive it: the memory belongs to
-the set of variables differentiated (and the options), kept in a registry here,
+the set of variables differentiated (and the options), kept in a registry
+(tape_exchanges.py),
 so ``hvd.DistributedGradientTape(tape)`` stays a one-line switch inside or
 outside ``tf.function``. ``hvd.set_epoch(e)`` drives epoch-based warm-up and
 ``hvd.compression_stats()`` reports, for every exchange in this process.
@@ -21,7 +22,6 @@ and leaves every rank with the same weights: call it before evaluating or
 checkpointing, and at the end of training.
 """
 
-import hashlib
 import importlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,130 +35,11 @@ from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchange
-from hvd_dgc.tensorflow.names import variable_name
+from hvd_dgc.tensorflow.tape_exchanges import (  # noqa: F401 (hvd.set_epoch, ...)
+    compression_stats, dgc_state, exchange_for, flush, in_flight, set_epoch, variable_ref)
 
 # Horovod's star import bound `elastic` to its own module; ours commits hvd_dgc's state.
 elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")
-
-_EXCHANGES = {}  # (variable refs, options key) -> GradientExchange
-_EPOCH = [None]  # what hvd.set_epoch set last (None: never called)
-
-
-class TapeExchanges(tf.Module):
-    """The tape exchanges of this process (their memories, step, epoch, statistics), as
-    checkpoint children named by their variables' names and shapes, so a new process
-    finds its own again: ``hvd.dgc_state``."""
-
-    def __init__(self):
-        super().__init__(name="hvd_dgc_state")
-
-    def _attach(self, exchange, variables):
-        signature = repr([(variable_name(v, i), tuple(v.shape))
-                          for i, v in enumerate(variables)])
-        base = "exchange_" + hashlib.sha1(signature.encode()).hexdigest()[:12]
-        name, n = base, 1
-        while getattr(self, name, None) is not None:  # same variables, other options
-            n += 1
-            name = f"{base}_{n}"
-        setattr(self, name, exchange)
-        return name
-
-    def by_name(self):
-        """``{name: exchange}``, sorted: the same names on every rank that traced the
-        same step (an elastic sync hands rank 0's step and epoch over by them)."""
-        return {name: value for name, value in sorted(vars(self).items())
-                if isinstance(value, GradientExchange)}
-
-
-#: An elastic sync's shared state (rank 0's step and epoch) for a tape exchange this
-#: rank has not made yet (a worker that joined, before its first tape step), by name.
-_PENDING_SHARED = {}
-
-
-dgc_state = TapeExchanges()
-
-
-def _options_key(options):
-    """Hashable and faithful: compressors, schedules and cost models by their config
-    (two DGC compressors with different options differ), lists as tuples."""
-    def key(value):
-        if isinstance(value, DGCConfig):
-            return value.key()
-        config = getattr(value, "config", None)
-        if callable(config):
-            return config()
-        return tuple(value) if isinstance(value, list) else value
-    return tuple(sorted((name, key(value)) for name, value in options.items()))
-
-
-class _Identity:
-    """A dictionary key for a variable by identity. Keras 3 variables (TF 2.21's default
-    ``tf.keras``) have no ``.ref()``; holding the variable, as a ``Reference`` does, keeps
-    its id from being reused while it is a key."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self):
-        return id(self.obj)
-
-    def __eq__(self, other):
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-
-def _ref(variable):
-    ref = getattr(variable, "ref", None)
-    return ref() if callable(ref) else _Identity(variable)
-
-
-def _exchange_for(sources, options):
-    key = (tuple(_ref(s) for s in sources), _options_key(options))
-    exchange = _EXCHANGES.get(key)
-    if exchange is None:
-        exchange = GradientExchange(**options)
-        if _EPOCH[0] is not None:  # hvd.set_epoch before this exchange's first step
-            exchange.set_epoch(_EPOCH[0])
-        _EXCHANGES[key] = exchange
-        name = dgc_state._attach(exchange, sources)
-        if name in _PENDING_SHARED:
-            exchange.load_shared_state(_PENDING_SHARED.pop(name))
-    return exchange
-
-
-def set_epoch(epoch):
-    """Epoch-based warm-up: call at the start of each epoch on every rank (0 first, as
-    ``DistributedSampler.set_epoch``; before the first step too: a tape's exchange made
-    later starts at the epoch set last)."""
-    _EPOCH[0] = epoch
-    for exchange in _EXCHANGES.values():
-        exchange.set_epoch(epoch)
-
-
-def flush(optimizer):
-    """Delayed averaging (``delay=D``, ``period=p``): wait for the steps still in
-    flight, apply their corrections ``avg - own`` (``-own`` of a period's steps since
-    its last exchange) with ``optimizer`` as one extra step (its ``iterations`` left
-    unchanged), and average the variables across ranks. Call it on every rank.
-    Returns whether anything was in flight."""
-    def apply(corrections, variables):
-        optimizer.apply_gradients(zip(corrections, variables))
-    iterations = getattr(optimizer, "iterations", None)
-    flushed = [e.flush(apply, iterations) for e in _EXCHANGES.values() if e.lags]
-    return any(flushed)
-
-
-def in_flight():
-    """Steps of delayed averaging (or between a period's exchanges) not applied yet,
-    over this process's exchanges."""
-    return max([e.in_flight for e in _EXCHANGES.values()] or [0])
-
-
-def compression_stats():
-    """Statistics of this process's exchange (a list when there are several)."""
-    stats = [e.stats() for e in _EXCHANGES.values() if e.memory is not None]
-    return stats[0] if len(stats) == 1 else stats
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -170,15 +51,15 @@ class _DistributedGradientTape(tf.GradientTape):
 
     def register_local_source(self, source):
         """As in Horovod: this variable's gradient stays local (no exchange)."""
-        self._local_sources.add(_ref(source))
+        self._local_sources.add(variable_ref(source))
 
     @tf.autograph.experimental.do_not_convert  # as the optimizer's (keras/__init__.py)
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         flat = tf.nest.flatten(sources)
         gradients = super(self.__class__, self).gradient(target, flat, output_gradients)
-        shared = [i for i, s in enumerate(flat) if _ref(s) not in self._local_sources]
+        shared = [i for i, s in enumerate(flat) if variable_ref(s) not in self._local_sources]
         variables = [flat[i] for i in shared]
-        exchange = _exchange_for(variables, self._dgc_options)
+        exchange = exchange_for(variables, self._dgc_options)
         _outside_trace(lambda: exchange.build(variables, [gradients[i] for i in shared]))
         averaged = exchange([gradients[i] for i in shared])
         out = list(gradients)

@@ -39,6 +39,7 @@ from horovod.tensorflow.functions import broadcast_object
 
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, \
     optimizer_variables
+from hvd_dgc.tensorflow.tape_exchanges import PENDING_SHARED, dgc_state
 
 __all__ = ["TensorFlowKerasState", "TensorFlowState", "run"]
 
@@ -144,7 +145,6 @@ class _TapeExchanges:
 
     @staticmethod
     def _exchanges():
-        from hvd_dgc.tensorflow import dgc_state
         return dgc_state.by_name()
 
     @property
@@ -174,13 +174,12 @@ class _TapeExchanges:
         return {name: e.shared_state() for name, e in self._exchanges().items()}
 
     def load_shared_state(self, state):
-        from hvd_dgc.tensorflow import _PENDING_SHARED
         mine = self._exchanges()
         for name, shared in (state or {}).items():
             if name in mine:
                 mine[name].load_shared_state(shared)
             elif shared is not None:  # made at this rank's first tape step
-                _PENDING_SHARED[name] = shared
+                PENDING_SHARED[name] = shared
 
 
 #: What the message of a collective that lost a peer holds: Horovod's op names (what

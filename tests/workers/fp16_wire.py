@@ -45,7 +45,7 @@ def tf_outlier():
     """The same steps through hvd_dgc's DistributedGradientTape inside tf.function."""
     import tensorflow as tf
     import hvd_dgc.tensorflow as hvd
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     rank = hvd.rank()
     w = tf.Variable(tf.zeros([4]), name="fw")
     before = set(_EXCHANGES)

@@ -345,7 +345,7 @@ def delayed_nonfinite_is_dropped_on_its_rank(steps=6, delay=2, lr=0.05, kind="ta
     def memory():
         if kind != "tape":
             return opt._hvd_dgc.memory
-        from hvd_dgc.tensorflow import _EXCHANGES
+        from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
         return list(_EXCHANGES.values())[-1].memory  # not the other scenarios' memories
 
     def tensor(i):  # tensor i's memory: v, and u where momentum is taken over

@@ -264,7 +264,7 @@ def tape_quantizers(steps=3, shape=(60, 50)):
     against PyTorch's codecs, which TensorFlow's payloads equal byte for byte."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     rank = hvd.rank()
     numel = int(np.prod(shape))
     out = {}
@@ -303,7 +303,7 @@ def tape_priced_dense(steps=3, shape=(60, 50)):
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc import CostModel
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     rank = hvd.rank()
     runs = {}
     for tag, options in (("dense", {"density": 1.0}),
@@ -336,7 +336,7 @@ def tape_fixed_records(steps=6, shape=(600, 50), density=0.01):
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow import paths as tf_paths
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     from hvd_dgc.tensorflow.compression import DGCCompressor
     # aimed at k rather than 1.3 k: about half the steps choose fewer than k
     comp = DGCCompressor(window=(0.5, 1.0))
@@ -417,7 +417,7 @@ def tape_world_guard():
     eagerly and inside tf.function, on every rank alike."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     w = tf.Variable(tf.ones([3000]), name="guard_w")
     out = {}
     for mode in ("eager", "function"):

@@ -36,7 +36,7 @@ def _everyone_same(tf, hvd, arrays, name):
 
 
 def _newest_exchange():
-    from hvd_dgc.tensorflow import _EXCHANGES
+    from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES as _EXCHANGES
     return list(_EXCHANGES.values())[-1]
 
 

@@ -42,10 +42,10 @@ from hvd_dgc.costmodel import CostModel  # noqa: F401 (cost_model=hvd.CostModel(
 from hvd_dgc.linkwatch import LinkWatch  # noqa: F401 (link_watch=hvd.LinkWatch(...))
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401 (density=hvd.DensitySchedule(...))
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
-from hvd_dgc.tensorflow import _ref
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange
 from hvd_dgc.tensorflow.names import tensor_names, variable_name
+from hvd_dgc.tensorflow.tape_exchanges import variable_ref
 from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
     KerasAdamTakeOver, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
@@ -186,7 +186,7 @@ def _prepare(self, grads, variables):
 def _split(self, variables):
     """Positions of the variables ``register_local_var`` kept on their rank, and of the
     shared ones."""
-    refs = [_ref(v) for v in variables]
+    refs = [variable_ref(v) for v in variables]
     return ([i for i, r in enumerate(refs) if r in self._hvd_dgc_local],
             [i for i, r in enumerate(refs) if r not in self._hvd_dgc_local])
 
@@ -295,7 +295,7 @@ def _register_local_var(self, var):
         raise ValueError(f"hvd_dgc: register_local_var({variable_name(var, 0)!r}) after the "
                          f"first step: the exchange was built for the variables it had "
                          f"then. Register local variables before training.")
-    self._hvd_dgc_local.add(_ref(var))
+    self._hvd_dgc_local.add(variable_ref(var))
 
 
 def _then_freeze(self, apply, adam):
@@ -414,7 +414,7 @@ def _apply_gradients(self, grads_and_vars, *args, **kwargs):  # Keras 2 (tf_kera
     prepared = self.__dict__.pop("_hvd_dgc_prepared", None)
     if prepared is None or prepared.graph is not _graph():
         return _finish(self, _prepare(self, grads, variables), apply)
-    if [_ref(v) for v in prepared.variables] != [_ref(v) for v in variables]:
+    if [variable_ref(v) for v in prepared.variables] != [variable_ref(v) for v in variables]:
         raise ValueError(
             "hvd_dgc: apply_gradients got other variables than _compute_gradients "
             "exchanged the gradients of just before: pass apply_gradients the "
