@@ -1,5 +1,5 @@
 """When each step's average is applied: delayed averaging and temporally sparse updates,
-written once for both frameworks (the collectives stay theirs: hvd_dgc/torch/lagging.py,
+written once for both frameworks (the collectives stay theirs: hvd_dgc/torch/delayed.py,
 hvd_dgc/tensorflow/delayed.py).
 
 Delayed averaging (``delay=D``; Zhu et al., NeurIPS 2021) applies step i's average D

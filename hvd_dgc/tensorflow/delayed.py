@@ -273,7 +273,7 @@ class DelayedAveraging(LagQueue):
         return [x for c in parts for x in c[:3]] + [np.int64(sum(c.later_bytes for c in parts))]
 
     def _tune(self, step, started, waited):
-        """delay="auto", as the PyTorch side (torch/lagging.py ``tune``): this step's
+        """delay="auto", as the PyTorch side (torch/delayed.py ``tune``): this step's
         compute (since the last step's wait ended) and wait; at the end of a window read
         the previous window's agreed sums (long arrived: no wait), decide D from them
         (every rank the same, from this step on), and start agreeing on this window's

@@ -51,7 +51,7 @@ from hvd_dgc.torch.backward import BackwardProfiler
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
-from hvd_dgc.torch.lagging import Lagging
+from hvd_dgc.torch.delayed import DelayedAveraging
 from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.seam import host_peers
@@ -127,11 +127,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
         self._resolved = resolved = self._planner.settled()
         self._config = resolved.config
-        self._lagging = Lagging(self._config, process_set, resolved.freeze or 0,
-                                lambda: self._progress.step)
+        self._delayed = DelayedAveraging(self._config, process_set, resolved.freeze or 0,
+                                         lambda: self._progress.step)
         if self._config.lagging:  # a script that ends without flush() leaves its last
             #                         steps in flight (at_exit.py)
-            settle_at_exit(self, lambda opt: opt._lagging.abandon(opt._engine))
+            settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._engine))
         self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
         self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
@@ -210,14 +210,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _announce(self):
         """Rank 0 only: what hvd_dgc does here in one line (the full plan with
         ``verbose``), and each warning once (hvd_dgc/plan.py ``Planner.announce``)."""
-        self._planner.announce("torch", self._lagging.describe_delay(),
-                               self._lagging.period, self._progress.density())
+        self._planner.announce("torch", self._delayed.describe_delay(),
+                               self._delayed.period, self._progress.density())
 
     # -- one launch at this step's place -------------------------------------------------
     def _launch(self, params):
         """The engine's launch of ``params`` at this step (called by the scheduler)."""
         step = self._progress.step
-        self._guard.begin(self._lagging.keeps_own)
+        self._guard.begin(self._delayed.keeps_own)
         world = self.process_set.size()
         if world != self._planner.world_size:  # an elastic reset: plan for this world
             self._planner.replan(world)
@@ -226,8 +226,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             scale = _loss_scale(self._grad_scaler)
         self._takeover.observe(params, scale, world)
         at = StepPlace(step, self._progress.density(), _hvd.rank(),
-                       self._lagging.exchanges_now(step), self._lagging.keeps_own, scale,
-                       self._lagging.name_suffix(step))
+                       self._delayed.exchanges_now(step), self._delayed.keeps_own, scale,
+                       self._delayed.name_suffix(step))
         return self._engine.launch(params, at, "hvd_dgc." + self._engine.members[params[0]].name)
 
     # -- Horovod's optimizer API ---------------------------------------------------------
@@ -251,11 +251,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        self._guard.begin(self._lagging.keeps_own)
+        self._guard.begin(self._delayed.keeps_own)
         launches = self._scheduler.finish()
         self._engine.advance(launches)
         step = self._progress.step
-        if not self._lagging.keeps_own:
+        if not self._delayed.keeps_own:
             began = time.perf_counter()
             self._collect(launches, views)
             if self._watcher is not None and not flush:  # the link, from this step's wait
@@ -266,17 +266,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             started = time.perf_counter()
             sizes = self._takeover.step_sizes()  # (what this step applies its own at)
-            self._lagging.push(step, launches, sizes)
-            grads = self._lagging.gradients(self._engine, launches,
-                                            self._lagging.due(step, flush), sizes)
+            self._delayed.push(step, launches, sizes)
+            grads = self._delayed.gradients(self._engine, launches,
+                                            self._delayed.due(step, flush), sizes)
             if not flush:
-                self._lagging.tune(step, started, time.perf_counter() - started)
+                self._delayed.tune(step, started, time.perf_counter() - started)
             params = list(grads)
             torch._foreach_copy_([p.grad for p in params],
                                  [self._engine.members[p].shaped(g)
                                   for p, g in zip(params, grads.values())])
             self._average_after_step = flush
-            self._guard.report_dropped(step, self._lagging.delay, self._lagging.period)
+            self._guard.report_dropped(step, self._delayed.delay, self._delayed.period)
         self._report_fp16()
         self._scheduler.restart()
         self._progress.stats.end_step()
@@ -334,7 +334,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if not self._should_synchronize and self._lagging.keeps_own:
+        if not self._should_synchronize and self._delayed.keeps_own:
             self._warn_changed_gradients()
         if self._should_synchronize:
             if self._synchronized:
@@ -409,8 +409,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("hvd_dgc: flush() was called between backward() and step(); "
                                "call it after optimizer.step() (or use "
                                "optimizer.synchronize(flush=True) before step()).")
-        if not self._lagging.inflight:
-            if self._lagging.keeps_own:  # a period's exchange, just applied: each rank
+        if not self._delayed.inflight:
+            if self._delayed.keeps_own:  # a period's exchange, just applied: each rank
                 self._average_parameters()  # replaced its own steps in its own rounding
             return
         self._apply_in_flight()
@@ -419,9 +419,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _apply_in_flight(self):
         """What is in flight applied now, as one step of its corrections: ``avg - own``
         of each exchange (waited for), ``-own`` of each step since the last one."""
-        corrections = self._lagging.gradients(self._engine, [], self._lagging.due(0, True),
+        corrections = self._delayed.gradients(self._engine, [], self._delayed.due(0, True),
                                               self._takeover.step_sizes(ahead=False))
-        self._lagging.flushed()
+        self._delayed.flushed()
         saved = {p: p.grad for p in corrections}
         try:
             for p, c in corrections.items():
@@ -443,7 +443,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def in_flight(self):
         """Number of steps whose averages have not been applied yet (delay > 0, or
         period > 1 between exchanges)."""
-        return len(self._lagging.inflight)
+        return len(self._delayed.inflight)
 
     @property
     def density(self):
@@ -474,7 +474,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def compression_stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         out = self._progress.stats.summary()
-        lagging, guard = self._lagging, self._guard
+        lagging, guard = self._delayed, self._guard
         out.update(step=self._progress.step, epoch=self._progress.epoch,
                    current_density=self.density, world_size=self.process_set.size(),
                    overflow_steps=guard.overflow_steps, nonfinite_steps=guard.nonfinite_steps,
@@ -498,24 +498,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         consistently, since the next exchange's average replaces whatever own steps each
         still holds. With a collective in flight (``delay``) it refuses: call
         ``flush()`` on every rank first."""
-        if self._lagging.inflight:
-            if not self._lagging.only_own():
+        if self._delayed.inflight:
+            if not self._delayed.only_own():
                 raise RuntimeError(
-                    f"hvd_dgc: {len(self._lagging.inflight)} step(s) await an average (delay="
-                    f"{self._lagging.delay}, period={self._lagging.period}); their averages "
+                    f"hvd_dgc: {len(self._delayed.inflight)} step(s) await an average (delay="
+                    f"{self._delayed.delay}, period={self._delayed.period}); their averages "
                     f"cannot be saved. Call optimizer.flush() after step() before "
                     f"optimizer.state_dict().")
             self._apply_in_flight()
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = checkpoint(self._progress, self._engine.memory_state(),
-                                      self._resolved.compressor, self._guard, self._lagging,
+                                      self._resolved.compressor, self._guard, self._delayed,
                                       _hvd.rank())
         return state
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         dgc_state = state_dict.pop(STATE_KEY, None)
-        self._lagging.abandon(self._engine)
+        self._delayed.abandon(self._engine)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
         self._engine.memory.commit()  # a step cut short has nothing to undo
         self._guard.reset()
@@ -530,19 +530,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         index_to_param = {i: p for p, i in self._param_index.items()}
         dgc_state = dict(dgc_state, memory=self._engine.load_memory_state(dgc_state["memory"]))
         restore(dgc_state, self._progress, self._engine.memory, self._resolved.compressor,
-                self._guard, self._lagging, lambda key: index_to_param[key].device,
+                self._guard, self._delayed, lambda key: index_to_param[key].device,
                 _hvd.rank())
 
     # -- elastic Horovod (elastic_state.py) ------------------------------------------------
     def shared_state(self):
         """What decides every rank's density and path: (step, epoch, delay)."""
-        return self._progress.step, self._progress.epoch, self._lagging.delay
+        return self._progress.step, self._progress.epoch, self._delayed.delay
 
     def load_shared_state(self, state):
         """Rank 0's ``shared_state()`` after an elastic sync; delay="auto" from a fresh
         window of measurements."""
         self._progress.step, self._progress.epoch, delay = state
-        self._lagging.resume_delay(delay)
+        self._delayed.resume_delay(delay)
         if self.process_set.included() and self._planner.measure:
             # every rank is in this sync: the link of this world measured afresh
             self._planner.replan(self.process_set.size())

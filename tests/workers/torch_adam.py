@@ -292,9 +292,9 @@ def declined_on_a_fast_link():
     out = {"phase": stats["adam_phase"], "freeze": stats["adam_freeze"],
            "diff": float((flat_params(ref) - flat_params(ours)).abs().max()),
            "paths": stats["paths"], "line": line.getvalue(),
-           "period": opt._lagging.period, "compressor": type(opt._resolved.compressor).__name__,
+           "period": opt._delayed.period, "compressor": type(opt._resolved.compressor).__name__,
            "slow_phase": slow.compression_stats()["adam_phase"],
-           "slow_declined": slow._takeover.declined, "slow_period": slow._lagging.period,
+           "slow_declined": slow._takeover.declined, "slow_period": slow._delayed.period,
            "slow_compressor": type(slow._resolved.compressor).__name__,
            "slow_line": slow_line.getvalue(),
            "few": {"diff": float((flat_params(ref) - flat_params(few)).abs().max()),
@@ -361,7 +361,7 @@ def zero_one_default():
             "flushed_diff": float((flat_params(models[0]) - flat_params(models[1]))
                                   .abs().max()),
             "identical": ranks_identical(models[0], "zo.flushed"),
-            "periods": [o._lagging.period for o in opts],
+            "periods": [o._delayed.period for o in opts],
             "compressors": [type(o._resolved.compressor).__name__ for o in opts],
             "paths": opts[0].compression_stats()["paths"],
             "phase": opts[0].compression_stats()["adam_phase"]}
@@ -443,7 +443,7 @@ def zero_one_checkpoint():
     opt2.load_state_dict(copy.deepcopy(saved))
     for step in range(22, 32):
         step_all([(resumed, opt2)], step, rank, features=64, classes=10)
-    out = {"before": before, "after": after, "period": opt._lagging.period,
+    out = {"before": before, "after": after, "period": opt._delayed.period,
            "resumed": float((flat_params(model) - flat_params(resumed)).abs().max())}
     # rank 0 alone saves at step 22; and a run that never saves
     for tag in ("alone", "never"):

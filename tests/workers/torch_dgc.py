@@ -301,7 +301,7 @@ def horovod_patterns():
             torch.optim.AdamW(m.parameters()), freeze_variance=False,
             named_parameters=[("hpadamf." + n, p) for n, p in m.named_parameters()])
     out["adamw_schedule"] = adamw.schedule.config()
-    out["adamw_default"] = [type(adamw._resolved.compressor).__name__, adamw._lagging.period]
+    out["adamw_default"] = [type(adamw._resolved.compressor).__name__, adamw._delayed.period]
     out["adamw_topk_schedule"] = topk.schedule.config()
     out["adamw_feedback_boundaries"] = feedback.schedule.boundaries
 

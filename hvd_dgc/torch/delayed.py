@@ -34,10 +34,10 @@ from horovod.torch.mpi_ops import Max
 from hvd_dgc.autodelay import AutoDelayState
 from hvd_dgc.lagging import LagQueue
 
-__all__ = ["Lagging"]
+__all__ = ["DelayedAveraging"]
 
 
-class Lagging(LagQueue):
+class DelayedAveraging(LagQueue):
     """The delay in force (fixed, or delay="auto"'s), on the shared queue of steps in
     flight (hvd_dgc/lagging.py)."""
 
