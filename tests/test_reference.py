@@ -379,9 +379,9 @@ def test_refresh_steps_are_agreed_by_rule():
         assert [refresh_count(t, freeze, refresh) for t in range(400)] == \
             [sum(refreshes_at(s, freeze, refresh) for s in range(1, t + 1))
              for t in range(400)], (freeze, refresh)
-        # Keras' graph asks the same rule in TF ops (keras_adam.py ``refreshing``)
-        from hvd_dgc.tensorflow.keras_adam import KerasAdamTakeOver
-        adam = KerasAdamTakeOver({"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}, freeze,
+        # Keras' graph asks the same rule in TF ops (tensorflow/adam.py ``refreshing``)
+        from hvd_dgc.tensorflow.adam import AdamTakeOver
+        adam = AdamTakeOver({"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}, freeze,
                                  "keras3", refresh)
         assert [bool(adam.refreshing(tf.constant(t, tf.int64))) for t in range(400)] == \
             [refreshes_at(t, freeze, refresh) for t in range(400)], (freeze, refresh)

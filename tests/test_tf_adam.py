@@ -1,4 +1,4 @@
-"""Keras' Adam and AdamW taken over (hvd_dgc/tensorflow/keras_adam.py) on 2 real Horovod
+"""Keras' Adam and AdamW taken over (hvd_dgc/tensorflow/adam.py) on 2 real Horovod
 ranks (horovodrun --gloo), Keras 2 (tf_keras, and its legacy Adam) and Keras 3: the
 NumPy reference step by step (the one the PyTorch side is held to), model.fit on digits,
 a checkpoint, and what is refused."""

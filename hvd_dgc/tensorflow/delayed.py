@@ -27,7 +27,7 @@ sums) goes into the memory when the graph takes step i-D's correction (as the Py
 side does when it collects).
 
 The correction is exact for optimizers whose update is linear in the gradient
-(SGD, or Adam with its variance frozen: keras_adam.py); with the Keras optimizer DGC
+(SGD, or Adam with its variance frozen: tensorflow/adam.py); with the Keras optimizer DGC
 takes SGD's momentum (or frozen Adam's first moment) over, as on the PyTorch side.
 Adam's exact warm-up steps before the freeze are not linear, so the exchange runs
 them synchronously (exchange.py ``_step``) and delays from the freeze on.

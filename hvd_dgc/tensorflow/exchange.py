@@ -117,7 +117,7 @@ class GradientExchange(tf.Module):
         self.flushed, self.fit_callback = False, False
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
-        # Keras' Adam taken over (keras_adam.KerasAdamTakeOver), set by the Keras
+        # Keras' Adam taken over (tensorflow/adam.py AdamTakeOver), set by the Keras
         # optimizer; kept out of tf.Module's tracking (it refers to the optimizer)
         object.__setattr__(self, "adam", None)
         # the Keras optimizer's step size (delayed.py ``step``'s ``size``): what it
@@ -544,7 +544,7 @@ class GradientExchange(tf.Module):
         with tf.control_dependencies([checked]):  # eagerly: None, and no-op
             # in a graph, nothing that leads to a collective starts before the check
             grads = [_after_check(self._local_grad(i, g)) for i, g in enumerate(grads)]
-        if self.adam is not None:  # refresh_variance: this rank's v (keras_adam.py)
+        if self.adam is not None:  # refresh_variance: this rank's v (tensorflow/adam.py)
             self.adam.observe(grads)
         if self.dense_fp16:
             clipped_before = self.statistics.fp16_clipped.read_value()

@@ -43,7 +43,7 @@ class DGCMemory(tf.Module):
                  snapshots=False, no_residual=(), preconditioner=None, name="hvd_dgc_memory"):
         """``no_residual[i]``: tensor i bypasses DGC (an IndexedSlices gradient), so its
         ``v`` is empty; its ``u`` stays, for the momentum taken over (``velocity``).
-        ``preconditioner``: Adam taken over (hvd_dgc/tensorflow/keras_adam.py): until
+        ``preconditioner``: Adam taken over (hvd_dgc/tensorflow/adam.py): until
         its ``frozen()`` the momentum is off (exact Adam, dense); from then on the
         gradient entering tensor i is ``scale(i) * g`` and ``momentum`` is beta1."""
         super().__init__(name=name)

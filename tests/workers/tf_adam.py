@@ -1,5 +1,5 @@
 """Bodies of tests/test_tf_adam.py, run on every rank under horovodrun: Keras' Adam and
-AdamW taken over (hvd_dgc/tensorflow/keras_adam.py) against the NumPy reference
+AdamW taken over (hvd_dgc/tensorflow/adam.py) against the NumPy reference
 (tests/reference.py) step by step, in model.fit on digits, through a checkpoint.
 Keras 2 (tf_keras, with its legacy Adam) or Keras 3 by TF_USE_LEGACY_KERAS; run by
 tests/workers/tf_dgc.py's suite ("tf_adam.<name>")."""

@@ -20,7 +20,7 @@ update SGD's own momentum makes of Horovod's averaged slices.
 
 With Adam and AdamW (Keras 3, tf_keras, tf_keras' legacy Adam) exact Adam runs to
 ``freeze_variance`` steps, then its second moment is frozen and DGC takes its first
-moment over (hvd_dgc/adam.py; the Keras side: hvd_dgc/tensorflow/keras_adam.py).
+moment over (hvd_dgc/adam.py; the Keras side: hvd_dgc/tensorflow/adam.py).
 
 ``outer=hvd.OuterLoop(steps=H)`` gives an outer loop instead (DiLoCo, any optimizer):
 the optimizer steps locally and every H-th step ends a round that averages the weights'
@@ -42,12 +42,12 @@ from hvd_dgc.costmodel import CostModel  # noqa: F401 (cost_model=hvd.CostModel(
 from hvd_dgc.linkwatch import LinkWatch  # noqa: F401 (link_watch=hvd.LinkWatch(...))
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401 (density=hvd.DensitySchedule(...))
 from hvd_dgc.outer import OuterLoop, check_outer  # noqa: F401 (hvd.OuterLoop)
+from hvd_dgc.tensorflow.adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
+    AdamTakeOver, check_adam
 from hvd_dgc.tensorflow.compression import Compression
 from hvd_dgc.tensorflow.exchange import GradientExchange
 from hvd_dgc.tensorflow.names import tensor_names, variable_name
 from hvd_dgc.tensorflow.tape_exchanges import variable_ref
-from hvd_dgc.tensorflow.keras_adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
-    KerasAdamTakeOver, check_keras_adam
 from hvd_dgc.tensorflow.keras_optimizers import create_optimizer_variables, is_keras3, \
     is_legacy
 from hvd_dgc.tensorflow.outer import OuterRounds
@@ -313,7 +313,7 @@ def _then_freeze(self, apply, adam):
     return applied
 
 
-# -- Adam and AdamW taken over (keras_adam.py): the frozen scales among the optimizer's
+# -- Adam and AdamW taken over (tensorflow/adam.py): the frozen scales among the optimizer's
 # variables, and each exchanged variable's update Adam's own until the freeze, then
 # x -= lr / (1 - beta1^t) * average
 def _adam_update(self, variable, gradient, lr, adams):
@@ -693,10 +693,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         optimizer=(is_sgd, type(optimizer).__name__, is_adam),
         backward_passes_per_step=backward_passes_per_step, groups=groups)
     adam = None
-    if exchange.resolved.freeze is not None:  # Adam/AdamW taken over (keras_adam.py)
-        check_keras_adam(type(optimizer).__name__, keras_config)
+    if exchange.resolved.freeze is not None:  # Adam/AdamW taken over (tensorflow/adam.py)
+        check_adam(type(optimizer).__name__, keras_config)
         kind, adam_methods = _adam_methods(optimizer)
-        adam = KerasAdamTakeOver(keras_config, exchange.resolved.freeze, kind,
+        adam = AdamTakeOver(keras_config, exchange.resolved.freeze, kind,
                                  exchange.resolved.refresh)
         exchange.momentum = adam.beta1  # the memory's, once frozen
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,

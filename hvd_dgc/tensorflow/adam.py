@@ -38,7 +38,7 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.adam import NEVER, VARIANCE_FLOOR, observed_weights, refresh_count
 
-__all__ = ["ADAM_CLASSES", "KerasAdamTakeOver", "check_keras_adam", "PREVIOUS_NAME",
+__all__ = ["ADAM_CLASSES", "AdamTakeOver", "check_adam", "PREVIOUS_NAME",
            "SCALE_NAME"]
 
 #: Keras optimizers taken over, by class name (Keras 3, tf_keras and tf_keras' legacy).
@@ -63,7 +63,7 @@ _REFUSED = {
 }
 
 
-def check_keras_adam(name, config):
+def check_adam(name, config):
     """What the take-over cannot honour, refused with the fix (at wrap time)."""
     for option, instead in _REFUSED.items():
         if config.get(option):
@@ -74,7 +74,7 @@ def check_keras_adam(name, config):
                 f"(Adam's own update on error feedback).")
 
 
-class KerasAdamTakeOver:
+class AdamTakeOver:
     """One wrapped Keras Adam/AdamW: its hyper-parameters, where its moments and scales
     live (``kind``: "keras3", "keras2" or "legacy"), and the exchange's step that says
     the phase. ``freeze``: the exchange step from which the variance is frozen."""
