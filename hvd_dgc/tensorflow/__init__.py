@@ -5,9 +5,8 @@ each gradient through hvd_dgc/tensorflow/exchange.py (DGC by default).
 
 A tape lives one step, but DGC's memory must outlive it: the memory belongs to
 the set of variables differentiated (and the options), kept in a registry
-(tape_exchanges.py),
-so ``hvd.DistributedGradientTape(tape)`` stays a one-line switch inside or
-outside ``tf.function``. ``hvd.set_epoch(e)`` drives epoch-based warm-up and
+(tape_exchanges.py), so ``hvd.DistributedGradientTape(tape)`` stays a one-line switch
+inside or outside ``tf.function``. ``hvd.set_epoch(e)`` drives epoch-based warm-up and
 ``hvd.compression_stats()`` reports, for every exchange in this process.
 
 ``hvd.dgc_state`` is that registry as a ``tf.Module``: put it in your

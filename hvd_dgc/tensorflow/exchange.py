@@ -47,20 +47,19 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process
 from hvd_dgc.consistency import check_consistent
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.fp16wire import clip_warning
+from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
 from hvd_dgc.say import rank0_once
 from hvd_dgc.schedule import check_steps, epoch_check_steps, stuck_epoch_message
+from hvd_dgc.seam import host_peers
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.seam import host_peers
-from hvd_dgc.tensorflow.link import LinkWatcher, measure_local, \
-    measure_payload
+from hvd_dgc.tensorflow.link import LinkWatcher, measure_local, measure_payload
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.names import tensor_names
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \

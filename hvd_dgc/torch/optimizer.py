@@ -37,27 +37,26 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
-from hvd_dgc.consistency import check_consistent
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
+from hvd_dgc.consistency import check_consistent
 from hvd_dgc.fp16wire import clip_warning
+from hvd_dgc.linkprobe import probe_link
+from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
 from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.say import rank0_once, rank0_warn
 from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
-from hvd_dgc.torch.collective import ExchangeCompressor
+from hvd_dgc.seam import host_peers
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.backward import BackwardProfiler
+from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
+from hvd_dgc.torch.delayed import DelayedAveraging
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
-from hvd_dgc.torch.delayed import DelayedAveraging
-from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
-from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.seam import host_peers
+from hvd_dgc.torch.link import LinkWatcher, measure_local, measure_payload
 from hvd_dgc.torch.names import check_dtypes, tensor_names
-from hvd_dgc.torch.link import LinkWatcher, measure_local, \
-    measure_payload
 from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import CLASSES, Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
