@@ -9,7 +9,8 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 import math
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
-           "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES"]
+           "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
+           "elias_fano_bytes", "index_code", "index_bytes"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -45,3 +46,41 @@ def check_qsgd(levels, bucket_size):
         raise ValueError(f"QSGD levels must be an int in 1..127, got {levels!r}")
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"QSGD bucket_size must be an int >= 1, got {bucket_size!r}")
+
+
+# -- a tensor's selected positions, coded near their information content -----------------
+# k sorted positions among n take about log2(C(n, k)) ~ k (log2(n/k) + 1.44) bits; as
+# int32 they take 32k. Elias-Fano coding (Elias 1974, Fano 1971) keeps each position's
+# low L = floor(log2(n/k)) bits as they are and its high part in unary. One bit stream,
+# least significant bit first: position i's low bits at bits [i L, (i + 1) L), then a bit
+# vector of k + ((n-1) >> L) + 1 bits in which bit (p_i >> L) + i is set. That is at
+# most k (L + 2) + 1 bits, known from (n, k) alone, so every rank's records of a tensor
+# have the same size (an allgather of equal blocks), and coding and decoding are a few
+# vectorised passes (no bit-serial loop). Where k is a large share of n a bitmap of n
+# bits is smaller: the code is whichever is smaller (``index_code``).
+# The NumPy reference both frameworks are held to: tests/reference.py ``encode_positions``.
+
+
+def elias_fano_low_bits(n, k):
+    """L: the low bits of each position kept as they are, floor(log2(n / k)) (0 where
+    k > n / 2)."""
+    if k < 1 or n < 1:
+        raise ValueError(f"positions need n >= 1 and k >= 1, got n={n}, k={k}")
+    return max(0, (n // k).bit_length() - 1)
+
+
+def elias_fano_bytes(n, k):
+    """Bytes of k positions among n, Elias-Fano coded (one bit stream)."""
+    low = elias_fano_low_bits(n, k)
+    return (k * low + k + ((n - 1) >> low) + 1 + 7) // 8
+
+
+def index_code(n, k):
+    """"bitmap" or "elias-fano": the smaller code of k positions among n (the bitmap on
+    a tie)."""
+    return "elias-fano" if elias_fano_bytes(n, k) < (n + 7) // 8 else "bitmap"
+
+
+def index_bytes(n, k):
+    """Bytes of k positions among n in their smaller code."""
+    return min(elias_fano_bytes(n, k), (n + 7) // 8)

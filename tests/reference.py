@@ -613,3 +613,37 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
             x[r][i] = frozen_adam_apply(x[r][i], due, steps, lr, betas[0])
     flushed = [np.mean([x[r][i] for r in range(world)], axis=0, dtype=F32) for i in range(n)]
     return out, flushed
+
+
+# -- positions coded near their information content (hvd_dgc/packing.py) ----------------
+def encode_positions(positions, n, code=None):
+    """``positions`` (sorted, distinct, in 0..n-1) as uint8 bytes in ``code`` ("bitmap"
+    or "elias-fano"; default: the smaller, hvd_dgc/packing.py ``index_code``). Both are
+    one bit stream, least significant bit first."""
+    from hvd_dgc.packing import elias_fano_low_bits, index_code
+    p = np.asarray(positions, np.int64)
+    k = len(p)
+    code = code or index_code(n, k)
+    if code == "bitmap":
+        bits = np.zeros((n + 7) // 8 * 8, np.uint8)
+        bits[p] = 1
+        return np.packbits(bits, bitorder="little")
+    low = elias_fano_low_bits(n, k)
+    lows = ((p[:, None] >> np.arange(low)) & 1).reshape(-1)  # position i's at [i L, ..)
+    high = np.zeros(k + ((n - 1) >> low) + 1, np.uint8)
+    high[(p >> low) + np.arange(k)] = 1
+    bits = np.concatenate([lows.astype(np.uint8), high])
+    return np.packbits(np.pad(bits, (0, -len(bits) % 8)), bitorder="little")
+
+
+def decode_positions(blob, n, k, code=None):
+    """Inverse of ``encode_positions``: the k sorted positions."""
+    from hvd_dgc.packing import elias_fano_low_bits, index_code
+    bits = np.unpackbits(np.asarray(blob, np.uint8), bitorder="little").astype(np.int64)
+    code = code or index_code(n, k)
+    if code == "bitmap":
+        return np.flatnonzero(bits[:n])
+    low = elias_fano_low_bits(n, k)
+    lows = (bits[:k * low].reshape(k, low) << np.arange(low)).sum(1)
+    ones = np.flatnonzero(bits[k * low:])[:k]
+    return ((ones - np.arange(k)) << low) | lows

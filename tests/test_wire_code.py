@@ -1,0 +1,98 @@
+"""Selected positions coded near their information content (hvd_dgc/packing.py): the sizes
+the planner can price, and the NumPy reference both frameworks will be held to
+(tests/reference.py ``encode_positions``), checked on hand-derived vectors."""
+
+import math
+
+import numpy as np
+import pytest
+
+from harness.shapes import numel, resnet50_shapes
+from hvd_dgc.packing import elias_fano_bytes, elias_fano_low_bits, index_bytes, index_code
+from hvd_dgc.schedule import num_selected
+from tests import reference as ref
+
+
+def test_four_positions_among_sixteen_by_hand():
+    """n = 16, positions 1, 4, 5, 12: L = floor(log2(16 / 4)) = 2. Low parts 1, 0, 1, 0
+    in 2-bit fields (1 + (1 << 4) = 17); then high parts 0, 1, 1, 3 plus their index
+    0..3 set bits 0, 2, 3, 6 of an 8-bit vector (1 + 4 + 8 + 64 = 77). Two bytes, as the
+    bitmap (bits 1, 4, 5 | 12): on a tie the bitmap is the code."""
+    positions, n = [1, 4, 5, 12], 16
+    assert elias_fano_low_bits(n, 4) == 2
+    assert ref.encode_positions(positions, n, "elias-fano").tolist() == [17, 77]
+    assert ref.encode_positions(positions, n, "bitmap").tolist() == [2 + 16 + 32, 16]
+    assert (elias_fano_bytes(n, 4), index_bytes(n, 4), index_code(n, 4)) == (2, 2, "bitmap")
+    assert ref.encode_positions(positions, n).tolist() == [50, 16]
+    for code in ("elias-fano", "bitmap", None):
+        assert ref.decode_positions(ref.encode_positions(positions, n, code), n, 4,
+                                    code).tolist() == positions
+
+
+def test_four_positions_among_4096_by_hand():
+    """n = 4096, positions 3, 1000, 1025, 4095: L = 10. Low parts 3, 1000, 1, 1023 in
+    10-bit fields, then high parts 0, 0, 1, 3 plus 0..3 set bits 0, 1, 3, 6 (75) of an
+    8-bit vector: 48 bits, six bytes, where int32 indices take 16 and the bitmap 512."""
+    positions, n = [3, 1000, 1025, 4095], 4096
+    stream = 3 | 1000 << 10 | 1 << 20 | 1023 << 30 | 75 << 40
+    assert bytes(ref.encode_positions(positions, n)) == stream.to_bytes(6, "little")
+    assert (elias_fano_bytes(n, 4), index_code(n, 4)) == (6, "elias-fano")
+    assert ref.decode_positions(list(stream.to_bytes(6, "little")), n, 4).tolist() == \
+        positions
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (7, 7), (9, 3), (1000, 1), (1000, 999),
+                                 (65536, 65), (100003, 100), (25088, 2048)])
+def test_every_code_round_trips_at_the_size_the_planner_prices(n, k):
+    rng = np.random.default_rng(n + k)
+    for draw in range(3):
+        positions = np.sort(rng.choice(n, k, replace=False))
+        if draw == 1:  # the ends of the range
+            positions = np.unique(np.concatenate([[0, n - 1], positions]))[:k]
+            positions = np.sort(positions)
+        for code in ("elias-fano", "bitmap"):
+            blob = ref.encode_positions(positions, n, code)
+            assert len(blob) == (elias_fano_bytes(n, k) if code == "elias-fano"
+                                 else (n + 7) // 8)
+            assert ref.decode_positions(blob, n, k, code).tolist() == positions.tolist()
+        assert len(ref.encode_positions(positions, n)) == index_bytes(n, k)
+
+
+def test_positions_of_resnet50_at_dgc_density_cost_near_their_information():
+    """Each of ResNet-50's tensors of 1,024 elements or more at density 0.001: the code
+    within 10% (plus a byte) of log2(C(n, k)) bits, the fewest any code of k positions
+    among n can average; int32 indices cost 2.8-3.4x that."""
+    worst, int32_over = 0.0, []
+    for _, shape in resnet50_shapes():
+        n = numel(shape)
+        if n < 1024:
+            continue
+        k = num_selected(n, 0.001)
+        bound = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / \
+            math.log(2) / 8
+        worst = max(worst, (index_bytes(n, k) - 1) / bound)
+        int32_over.append(4 * k / bound)
+    assert worst < 1.10, worst
+    assert 2.7 < min(int32_over) and max(int32_over) < 3.5, (min(int32_over),
+                                                             max(int32_over))
+
+
+def test_resnet50s_positions_encode_at_the_size_bench_record_sizes_prices():
+    """bench/record_sizes.py prices from the formulas: every ResNet-50 tensor's positions
+    at densities 0.001 and 0.01, encoded and decoded by the reference, at that size."""
+    rng = np.random.default_rng(0)
+    for density in (0.001, 0.01):
+        for _, shape in resnet50_shapes():
+            n = numel(shape)
+            k = num_selected(n, density)
+            positions = np.sort(rng.choice(n, k, replace=False))
+            blob = ref.encode_positions(positions, n)
+            assert len(blob) == index_bytes(n, k), (shape, density)
+            assert (ref.decode_positions(blob, n, k) == positions).all(), (shape, density)
+
+
+def test_bad_counts_are_refused_with_the_numbers():
+    with pytest.raises(ValueError, match="n=0, k=1"):
+        elias_fano_low_bits(0, 1)
+    with pytest.raises(ValueError, match="n=5, k=0"):
+        elias_fano_bytes(5, 0)
