@@ -96,3 +96,42 @@ def test_bad_counts_are_refused_with_the_numbers():
         elias_fano_low_bits(0, 1)
     with pytest.raises(ValueError, match="n=5, k=0"):
         elias_fano_bytes(5, 0)
+
+
+CASES = [(16, [1, 4, 5, 12]), (4096, [3, 1000, 1025, 4095]), (1, [0]), (9, [0, 8]),
+         (1000, list(range(999)))]
+
+
+def _random_cases():
+    rng = np.random.default_rng(7)
+    for n, k in [(65536, 65), (100003, 100), (25088, 2048), (2359296, 2360), (300, 150)]:
+        yield n, np.sort(rng.choice(n, k, replace=False)).tolist()
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_both_frameworks_code_positions_byte_for_byte_as_the_reference(framework):
+    """PyTorch's and TensorFlow's coding (hvd_dgc/torch/positions.py,
+    hvd_dgc/tensorflow/positions.py, one module name) equal the NumPy reference byte for
+    byte, and decode to the positions."""
+    if framework == "torch":
+        import torch
+        from hvd_dgc.torch.positions import decode_positions, encode_positions
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64)
+    else:
+        import tensorflow as tf
+        from hvd_dgc.tensorflow.positions import decode_positions, encode_positions
+
+        def tensor(values):
+            return tf.constant(values, tf.int64)
+    for n, positions in CASES + list(_random_cases()):
+        k = len(positions)
+        blob = np.asarray(encode_positions(tensor(positions), n))
+        assert blob.dtype == np.uint8 and blob.tolist() == \
+            ref.encode_positions(positions, n).tolist(), (framework, n, k)
+        if framework == "torch":
+            got = decode_positions(torch.from_numpy(blob), n, k).numpy()
+        else:
+            got = decode_positions(tf.constant(blob), n, k).numpy()
+        assert got.tolist() == positions, (framework, n, k)
