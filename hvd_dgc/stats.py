@@ -1,21 +1,49 @@
 """Compression statistics: what was sent, against what dense fp32 would have sent.
 
 Counts only this rank's contribution (the bytes it puts on the wire per
-collective), which is what the paper's compression ratio measures.
+collective), which is what the paper's compression ratio measures; and why each byte
+went (``CAUSES``, ``cause_of``), so a user sees what their ratio is made of.
 """
 
 from collections import Counter
 
-__all__ = ["CompressionStats"]
+__all__ = ["CompressionStats", "CAUSES", "cause_of", "REFRESH"]
+
+#: Why bytes went, in the order the line names them:
+#: records: DGC's selected coordinates (allgather, region reduce, hierarchical);
+#: large tensors dense: a tensor DGC could compress sent whole (a warm-up stage or the
+#: cost model chose dense, or Adam before its freeze);
+#: small tensors dense: under ``min_compress_size``, sent whole every step;
+#: payloads: a compressor's own collectives (PowerSGD, sign, QSGD, ...);
+#: sparse gradients: embedding rows allgathered as Horovod does;
+#: refresh: Adam's second moments averaged (``refresh_variance``).
+CAUSES = ("records", "large tensors dense", "small tensors dense", "payloads",
+          "sparse gradients", "refresh")
+
+#: the name ``add_bytes`` takes for Adam's variance refresh
+REFRESH = "hvd_dgc.adam_refresh"
+
+
+def cause_of(path, numel, min_compress_size):
+    """Why a tensor's bytes on ``path`` (a ``PathKind`` or its value) went."""
+    path = getattr(path, "value", path)
+    if path == "dense":
+        return "small tensors dense" if numel < min_compress_size else "large tensors dense"
+    if path in ("sparse", "region", "hierarchical"):
+        return "records"
+    return "sparse gradients" if path == "sparse_grad" else "payloads"
 
 
 class CompressionStats:
     """Running totals over steps, plus the last step alone.
 
     ``record`` is called once per tensor per step; ``end_step`` closes a step.
+    ``min_compress_size``: the tensors below it are the "small tensors" of
+    ``bytes_by_cause``.
     """
 
-    def __init__(self):
+    def __init__(self, min_compress_size=1024):
+        self.min_compress_size = min_compress_size
         self.reset()
 
     def reset(self):
@@ -25,6 +53,7 @@ class CompressionStats:
         self.elements_sent = 0
         self.elements_total = 0
         self.paths = Counter()
+        self.by_cause = Counter()  # bytes sent, by why (CAUSES)
         self.returned_elements = 0  # region reduce: sums an owner put back into its residual
         self.launches = 0  # Horovod operations started (a grouped one once), first rounds
         self.fp16_clipped = 0  # dense fp16 values sent clipped to fp16wire.fp16_bound
@@ -40,14 +69,19 @@ class CompressionStats:
         self.elements_sent += elements_sent
         self.elements_total += numel
         self.paths[path] += 1
+        cause = cause_of(path, numel, self.min_compress_size)
+        self.by_cause[cause] += bytes_sent
         self._current[name] = {"path": path, "numel": numel, "sent": elements_sent,
-                               "bytes": bytes_sent, "density": density}
+                               "bytes": bytes_sent, "density": density, "cause": cause}
 
     def add_bytes(self, name, bytes_sent):
-        """More bytes this step for ``name``, known only after a later round."""
+        """More bytes this step for ``name`` (a tensor's, known only after a later round;
+        or ``REFRESH``, Adam's variance refresh)."""
         self.bytes_sent += bytes_sent
         if name in self._current:
             self._current[name]["bytes"] += bytes_sent
+        self.by_cause[self._current[name]["cause"] if name in self._current else
+                      "refresh" if name == REFRESH else "payloads"] += bytes_sent
 
     def add_returned(self, elements):
         self.returned_elements += elements
@@ -84,6 +118,7 @@ class CompressionStats:
                             self.elements_total)
         out["steps"] = self.steps
         out["paths"] = dict(self.paths)
+        out["bytes_by_cause"] = self.causes()
         out["returned_elements"] = self.returned_elements
         out["launches"] = self.launches
         out["fp16_clipped"] = self.fp16_clipped
@@ -95,6 +130,11 @@ class CompressionStats:
         out["last_step"]["tensors"] = {k: dict(v) for k, v in self.last.items()}
         out["last_step"]["launches"] = self.last_launches
         return out
+
+    def causes(self):
+        """``{cause: bytes sent}`` since the last reset, in ``CAUSES`` order, those with
+        none left out."""
+        return {c: self.by_cause[c] for c in CAUSES if self.by_cause[c]}
 
     def format(self, density=None):
         """The statistics in one line, each figure labelled per step or cumulative:
@@ -108,6 +148,10 @@ class CompressionStats:
         ratio = s["compression_ratio"]
         less = f"{ratio:.1f}x less than dense fp32" if ratio != float("inf") else "nothing sent"
         words.append("sent " + ", ".join(sent) + f" ({less})")
+        if s["bytes_sent"]:
+            words.append("of which " + ", ".join(
+                f"{cause} {100 * n / s['bytes_sent']:.0f}%"
+                for cause, n in s["bytes_by_cause"].items()))
         words.append(f"paths in {s['steps']} steps {s['paths']}")
         return "; ".join(words)
 
@@ -116,7 +160,7 @@ class CompressionStats:
                 "dense_bytes": self.dense_bytes, "elements_sent": self.elements_sent,
                 "elements_total": self.elements_total, "paths": dict(self.paths),
                 "returned_elements": self.returned_elements, "launches": self.launches,
-                "fp16_clipped": self.fp16_clipped}
+                "fp16_clipped": self.fp16_clipped, "bytes_by_cause": dict(self.by_cause)}
 
     def load_state_dict(self, state):
         self.reset()
@@ -126,3 +170,5 @@ class CompressionStats:
         self.returned_elements = state.get("returned_elements", 0)
         self.launches = state.get("launches", 0)
         self.fp16_clipped = state.get("fp16_clipped", 0)
+        # (a checkpoint from before the causes were counted: none known)
+        self.by_cause = Counter(state.get("bytes_by_cause", {}))

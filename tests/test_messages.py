@@ -156,7 +156,37 @@ def test_statistics_say_per_step_and_cumulative():
         stats.end_step()
     line = stats.format(0.01)
     assert line.startswith("density 0.01 now; sent 0.080 MB this step, 0.240 MB in 3 steps "
-                           "(50.0x less than dense fp32); paths in 3 steps {'sparse': 3}"), line
+                           "(50.0x less than dense fp32); of which records 100%; paths in 3 "
+                           "steps {'sparse': 3}"), line
+
+
+def test_statistics_say_why_the_bytes_went():
+    """Each byte under its cause (hvd_dgc/stats.py ``CAUSES``): records, a large tensor
+    sent dense (a warm-up stage), a small one dense every step, a compressor's payload,
+    embedding rows, Adam's refresh; a later round's bytes under their tensor's cause."""
+    stats = CompressionStats(min_compress_size=100)
+    stats.record("conv", "sparse", 10 ** 6, 10 ** 3, 8000, 0.001)
+    stats.record("fc", "dense", 1000, 1000, 4000, 0.25)
+    stats.record("bias", "dense", 10, 10, 40, 1.0)
+    stats.record("emb", "sparse_grad", 500, 50, 400, 1.0)
+    stats.record("low", "powersgd", 10 ** 4, 10 ** 4, 1200, 1.0)
+    stats.add_bytes("low", 800)
+    stats.add_bytes("hvd_dgc.adam_refresh", 2000)
+    stats.end_step()
+    s = stats.summary()
+    assert s["bytes_by_cause"] == {"records": 8000, "large tensors dense": 4000,
+                                   "small tensors dense": 40, "payloads": 2000,
+                                   "sparse gradients": 400, "refresh": 2000}
+    assert sum(s["bytes_by_cause"].values()) == s["bytes_sent"] == 16440
+    assert "of which records 49%, large tensors dense 24%, small tensors dense 0%, " \
+        "payloads 12%, sparse gradients 2%, refresh 12%;" in stats.format()
+    restored = CompressionStats(100)
+    restored.load_state_dict(stats.state_dict())
+    assert restored.summary()["bytes_by_cause"] == s["bytes_by_cause"]
+    old = stats.state_dict()
+    del old["bytes_by_cause"]  # a checkpoint from before the causes were counted
+    restored.load_state_dict(old)
+    assert restored.summary()["bytes_by_cause"] == {}
 
 
 def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):

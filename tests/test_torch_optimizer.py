@@ -68,6 +68,10 @@ def _assert_sparse_consistency(per_rank):
         for c in dense:
             assert c["numel"] < 1024 and c["sent"] == c["numel"]
         assert out["stats"]["compression_ratio"] > 50
+        # why the bytes went: the weights' records, the biases dense (hvd_dgc/stats.py)
+        assert out["stats"]["bytes_by_cause"] == {
+            "records": sum(c["bytes"] for c in sparse),
+            "small tensors dense": sum(c["bytes"] for c in dense)}
         assert out["own_compressor"]  # RNG state is per optimizer, not per shared default
 
 

@@ -255,7 +255,7 @@ class AdamTakeOver:
                 memory.v[i].assign(memory.v[i] * ratio)
             scale.assign(tf.reshape(tf.cast(new, scale.dtype), scale.shape))
             sent += 4 * int(v.shape[0])
-        self.exchange.statistics.add(bytes_sent=sent)
+        self.exchange.statistics.add(bytes_sent=sent, cause="refresh")
         return tf.constant(True)
 
     # -- the frozen step -------------------------------------------------------------

@@ -234,7 +234,7 @@ class DelayedAveraging(LagQueue):
                 returned.set_shape([None, 2])
                 ctx.give_back(i, returned[:, 0], tf.bitcast(returned[:, 1], tf.float32))
         if self.gives_back:
-            ctx.statistics.add(bytes_sent=parts[-1])
+            ctx.statistics.add(bytes_sent=parts[-1], cause="records")
         return out
 
     # -- called from the graph (tf.py_function) ---------------------------------
@@ -391,7 +391,7 @@ class DelayedAveraging(LagQueue):
                 if self.gives_back:
                     ctx.give_back(i, c.returned[:, 0],
                                   tf.constant(c.returned[:, 1].view(np.float32)))
-                    ctx.statistics.add(bytes_sent=c.later_bytes)
+                    ctx.statistics.add(bytes_sent=c.later_bytes, cause="records")
         return total
 
 

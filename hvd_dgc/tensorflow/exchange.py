@@ -234,7 +234,7 @@ class GradientExchange(tf.Module):
                                     name="step")
             self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
                                      name="epoch")
-            self.statistics = Statistics(self)
+            self.statistics = Statistics(self, min_compress_size=self.config.min_compress_size)
             # elastic: the next step first agrees on step and epoch (scratch, see _agree)
             object.__setattr__(self, "agreeing", tf.Variable(
                 self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))

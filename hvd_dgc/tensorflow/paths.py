@@ -241,7 +241,8 @@ class DensePath(_Path):
         ``[index | value]`` of every index, prescaled as an allgather's."""
         ctx, n = self.ctx, self.ctx.numel(i)
         payload = self.take(i, v, None, at, poison)
-        ctx.statistics.add(bytes_sent=SparseCompressor.INDEX_BYTES * n)  # + the indices
+        ctx.statistics.add(bytes_sent=SparseCompressor.INDEX_BYTES * n,  # + the indices
+                           cause=ctx.statistics.cause_of(self.kind, n))
         return SparseCompressor.pack(payload * ctx.wire.scales()[0],
                                      tf.range(n, dtype=tf.int32))
 
@@ -455,7 +456,8 @@ class RegionPath(AllgatherPath):
     def average(self, part, got):
         for i, res in zip(part.members, got):
             self.ctx.give_back(i, res.returned_indices, res.returned_values)
-            self.ctx.statistics.add(bytes_sent=self.record_bytes() * res.kept)
+            self.ctx.statistics.add(bytes_sent=self.record_bytes() * res.kept,
+                                    cause="records")
         return [res.total * self.ctx.wire.summed() for res in got]
 
     def correction(self, part, got):

@@ -11,17 +11,18 @@ those checkpoints still restore:
     exchanged  steps of a compressor's own collectives           where one runs
     hierarchical  steps on hierarchical DGC                       where it may run
     nonfinite  steps skipped (or dropped) for a NaN/Inf gradient
+    causes     bytes sent by why (hvd_dgc/stats.py ``CAUSES``)
 
 Where each field lives is said once, in ``_WHERE``; everything else counts by name::
 
     statistics.count(PathKind.REGION, numel, sent, 8 * sent)
-    statistics.add(bytes_sent=..., returned_elements=...)
+    statistics.add(bytes_sent=..., cause="records", returned_elements=...)
 """
 
 import tensorflow as tf
 
 from hvd_dgc.paths import PathKind
-from hvd_dgc.stats import CompressionStats
+from hvd_dgc.stats import CAUSES, CompressionStats, cause_of
 
 __all__ = ["Statistics", "FIELDS"]
 
@@ -39,12 +40,13 @@ _WHERE = {
     PathKind.HIERARCHICAL: ("hierarchical", None),
     "nonfinite_steps": ("nonfinite", None),
 }
+_WHERE.update((f"cause:{c}", ("causes", j)) for j, c in enumerate(CAUSES))
 
 #: the owner's attribute -> (the tf.Variable's name, its length; 0: a scalar)
 _STORES = {"counters": ("counters", 6), "regioned": ("region_counters", 2),
            "gathered": ("sparse_grad_steps", 0), "exchanged": ("exchange_steps", 0),
            "hierarchical": ("hierarchical_steps", 0),
-           "nonfinite": ("nonfinite", 0)}
+           "nonfinite": ("nonfinite", 0), "causes": ("bytes_by_cause", len(CAUSES))}
 
 
 class Statistics:
@@ -54,13 +56,13 @@ class Statistics:
     plan uses; a field without one is not counted (a set-up that never runs a path
     keeps the checkpoint layout it always had)."""
 
-    def __init__(self, owner, paths=()):
-        self.owner = owner
+    def __init__(self, owner, paths=(), min_compress_size=1024):
+        self.owner, self.min_compress_size = owner, min_compress_size
         with tf.init_scope():
             # dense fp16 values sent clipped (hvd_dgc/fp16wire.py): scratch, not checkpointed
             self.fp16_clipped = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="fp16_clipped")
-        self.cover(("bytes_sent", "nonfinite_steps") + tuple(paths))
+        self.cover(("bytes_sent", "nonfinite_steps", f"cause:{CAUSES[0]}") + tuple(paths))
 
     def cover(self, fields):
         """Make the variables ``fields`` (names or PathKinds) are kept in, if not yet."""
@@ -80,13 +82,21 @@ class Statistics:
     # -- counting, in a step's graph (or eagerly) -------------------------------------
     def count(self, path, numel, sent, sent_bytes):
         """One tensor's step on ``path``: ``sent`` of its ``numel`` elements left, in
-        ``sent_bytes`` (dense fp32 would have sent ``4 numel``)."""
-        self.add((path,), bytes_sent=sent_bytes, dense_bytes=4 * numel, elements_sent=sent,
+        ``sent_bytes`` (dense fp32 would have sent ``4 numel``; ``numel`` a Python int)."""
+        self.add((path,), cause=cause_of(path, numel, self.min_compress_size),
+                 bytes_sent=sent_bytes, dense_bytes=4 * numel, elements_sent=sent,
                  elements_total=numel)
 
-    def add(self, paths=(), **fields):
-        """Add to fields by name, and one step to each of ``paths``."""
+    def cause_of(self, path, numel):
+        """Why a tensor's bytes on ``path`` went (hvd_dgc/stats.py ``cause_of``)."""
+        return cause_of(path, numel, self.min_compress_size)
+
+    def add(self, paths=(), cause=None, **fields):
+        """Add to fields by name, and one step to each of ``paths``; ``bytes_sent`` also
+        to ``cause`` (one of hvd_dgc/stats.py ``CAUSES``) where given."""
         amounts = dict(fields)
+        if cause is not None and "bytes_sent" in fields:
+            amounts[f"cause:{cause}"] = fields["bytes_sent"]
         amounts.update((path, 1) for path in paths)
         by_store = {}
         for field, amount in amounts.items():
@@ -132,8 +142,10 @@ class Statistics:
         stats = CompressionStats()
         totals = {field: self.value(field) for field in FIELDS}
         paths = {path.value: self.value(path) for path in PathKind if path in _WHERE}
+        causes = {c: self.value(f"cause:{c}") for c in CAUSES}
         stats.load_state_dict(dict(totals, steps=steps, fp16_clipped=int(
-            self.fp16_clipped.numpy()), paths={k: n for k, n in paths.items() if n}))
+            self.fp16_clipped.numpy()), paths={k: n for k, n in paths.items() if n},
+            bytes_by_cause=causes))
         return stats
 
     def summary(self, steps):

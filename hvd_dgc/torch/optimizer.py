@@ -47,6 +47,7 @@ from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.say import rank0_once, rank0_warn
 from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
 from hvd_dgc.seam import host_peers
+from hvd_dgc.stats import REFRESH
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.backward import BackwardProfiler
@@ -101,7 +102,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         trainable = [p for p in every if p.requires_grad]
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))
                  for p in every}
-        self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every)
+        self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every,
+                                  self._config.min_compress_size)
         # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
         self._epoch_check, self._epoch_set = epoch_check_steps(resolved.schedule), False
         self._takeover = self._take_over(process_set.included())
@@ -197,7 +199,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense exchange, counted in the bytes sent."""
         if tensors and self.process_set.size() > 1:
             _average_in_place(tensors, "hvd_dgc.adam_refresh", self.process_set)
-        self._progress.stats.add_bytes("hvd_dgc.adam_refresh",
+        self._progress.stats.add_bytes(REFRESH,
                                        sum(t.numel() * t.element_size() for t in tensors))
 
     def _horovod_config(self):

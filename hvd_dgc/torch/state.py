@@ -22,11 +22,11 @@ STATE_VERSION = 1
 class Progress:
     """The step and epoch every rank shares, and this rank's statistics."""
 
-    def __init__(self, schedule, sparse, log_every=0):
+    def __init__(self, schedule, sparse, log_every=0, min_compress_size=1024):
         self.schedule, self.sparse, self.log_every = schedule, sparse, log_every
         self.step = 0
         self.epoch = 0.0
-        self.stats = CompressionStats()
+        self.stats = CompressionStats(min_compress_size)
         # (step, density before, density now) -> rank 0's line where a new density stage
         # changes the tensors' paths, or None (Planner.stage_line)
         self.stage_line = None
