@@ -26,19 +26,21 @@ so the paths do not flap on noise; and each probe that finds the link as it was 
 the windows before the next may run.
 
 Agreement, as ``delay="auto"`` (autodelay.py): each window's sums travel in one small
-non-blocking allreduce (max over ranks) read a window later, when it has long arrived;
-every rank then takes the same decision at the same step, and the probe agrees its own
-numbers. Framework-free: the optimizer holds a ``LinkWatchState`` and calls
-``observe``/``window_done``/``take_window``/``decide``; the maths is tested alone.
+allreduce (max over ranks); every rank then takes the same decision at the same step,
+and the probe agrees its own numbers. ``LinkWatcher`` does it once for both frameworks
+over their seam (hvd_dgc/seam.py): in PyTorch the agreement travels while training goes
+on and is read a window later, when it has long arrived; TensorFlow's (between ``fit``'s
+batches, eager) is read at once. ``LinkWatchState``'s maths is tested alone.
 """
 
 from typing import NamedTuple
 
 from hvd_dgc.autodelay import check_counts
+from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.switch import change_line
 
-__all__ = ["LinkWatch", "LinkWatchState", "as_link_watch", "changes_plan", "judge_probe",
-           "link_watch_idle", "relinked_words"]
+__all__ = ["LinkWatch", "LinkWatchState", "LinkWatcher", "Relink", "as_link_watch",
+           "changes_plan", "judge_probe", "link_watch_idle", "relinked_words"]
 
 
 class LinkWatch(NamedTuple):
@@ -197,6 +199,70 @@ class LinkWatchState:
 
     def stats(self):
         return {"link_probes": self.probes, "relinked_at": list(self.relinked)}
+
+
+class Relink(NamedTuple):
+    """A probe's verdict that the paths should follow a new ``link``: the step's exchange
+    on its current paths priced ``before`` (the model in use) and ``after`` (the link)."""
+
+    link: object
+    before: float
+    after: float
+
+
+class LinkWatcher:
+    """One optimizer's link watch over its seam (hvd_dgc/seam.py ``Collectives``):
+    ``observe`` each synchronous step's seconds; where that ends a window, ``end_window``:
+    the ranks agree on the window's sums, and where the agreed waits say the link moved,
+    the link is probed and judged (``judge_probe``). ``in_flight``: the agreement travels
+    while training goes on and the last window's decides (PyTorch); else it is read at
+    once (TensorFlow)."""
+
+    made = 0  # watchers made in this process: each names its collectives apart
+
+    def __init__(self, watch, collectives, in_flight):
+        self.state = LinkWatchState(watch)
+        self.collectives, self.in_flight = collectives, in_flight
+        self._agreeing = None  # (handle of the last window's sums, what they were on)
+        self._windows = 0
+        LinkWatcher.made += 1
+        self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
+
+    def observe(self, seconds):
+        """One step's ``seconds`` (waited, or the whole step); True where it ends a
+        window (then call ``end_window``)."""
+        self.state.observe(seconds)
+        return self.state.window_done()
+
+    def end_window(self, planner, density, launches, step):
+        """The window's agreement and verdict (every rank at the same step); ``density``
+        and ``launches`` price the step's exchange. A ``Relink`` where the paths should
+        follow a new link (the caller moves them), else None."""
+        state = self.state
+        now = (density, planner.generation)  # what fixed the paths this window ran on
+        handle = self.collectives.max_async(state.take_window(),
+                                            f"{self._name}.{self._windows % 2}")
+        self._windows += 1
+        agreeing = (handle, now)
+        if self.in_flight:
+            agreeing, self._agreeing = self._agreeing, agreeing
+            if agreeing is None:
+                return None
+        moved = state.decide(tuple(self.collectives.wait(agreeing[0])), agreeing[1], now)
+        if not moved:
+            return None
+        link = probe_link(self.collectives)
+        relinked, before, after = judge_probe(planner, link, density, launches,
+                                              state.watch.change, moved)
+        state.probed(relinked, step)
+        return Relink(link, before, after) if relinked else None
+
+    def settle(self):
+        """At exit: the agreement in flight, waited for (a rank that ends first must not
+        leave the others waiting in it)."""
+        if self._agreeing is not None:
+            self.collectives.wait(self._agreeing[0])
+            self._agreeing = None
 
 
 def link_watch_idle(config, measured, sparse, elastic=False, tape=False):

@@ -59,7 +59,7 @@ from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
 from hvd_dgc.tensorflow.guard import NonFiniteGuard, values
-from hvd_dgc.tensorflow.link import LinkWatcher, measure_local, measure_payload
+from hvd_dgc.tensorflow.link import LinkWatchInFit, measure_local, measure_payload
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.names import tensor_names
 from hvd_dgc.tensorflow.paths import At, ExchangePath, ExchangePaths, PathContext, Wire, \
@@ -404,7 +404,7 @@ class GradientExchange(tf.Module):
         if watch is None or not self.process_set.included():
             return None
         if self._paths_can_follow():
-            return LinkWatcher(watch, self)
+            return LinkWatchInFit(watch, self)
         if self.config.link_watch is not None:  # the script asked for it: say why not
             rank0_once(link_watch_idle(self.config, self.planner.link is not None,
                                        self.resolved.sparse, tape=self.is_tape),

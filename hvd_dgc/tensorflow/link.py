@@ -2,20 +2,19 @@
 selection and records, or a payload compressor's encoding and decoding, in a
 ``tf.function`` as a step runs them: ``cost_model="measure"`` (the link itself is timed
 by hvd_dgc/linkprobe.py on the seam, hvd_dgc/seam.py). And the link watched while
-Keras' ``fit`` trains (hvd_dgc/linkwatch.py, ``LinkWatcher``)."""
+Keras' ``fit`` trains (``LinkWatchInFit``, on hvd_dgc/linkwatch.py ``LinkWatcher``)."""
 
 import time
 
 import tensorflow as tf
 import horovod.tensorflow as _hvd
 
-from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
+from hvd_dgc.linkwatch import LinkWatcher, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.tensorflow.memory import write_at
 from hvd_dgc.tensorflow.seam import HorovodCollectives
 
-__all__ = ["measure_local", "measure_payload", "LinkWatcher"]
+__all__ = ["measure_local", "measure_payload", "LinkWatchInFit"]
 
 
 def measure_local(compressor, collectives, density):
@@ -87,49 +86,34 @@ def measure_payload(compressor, collectives):
     return calibrate_payload(encode, decode, _agree(collectives))
 
 
-class LinkWatcher:
-    """The link watch of one Keras optimizer's exchange, driven between ``fit``'s batches
-    by hvd_dgc's ``BroadcastGlobalVariablesCallback`` or ``DGCCallback`` (keras/callbacks.py
-    ``_StepTimer``; hvd_dgc/linkwatch.py says what and why). A TF step runs its
-    collectives inside its graph, so what is timed is the whole train step (its
-    exchange and its compute): a link that got slower or faster moves it the same way.
-    At a window's end the ranks agree on its sums (max; one small blocking allreduce
-    between batches, every rank at the same batch) and, where they say the link
-    changed, probe it there; where the new numbers move the step's exchange on its
-    paths enough, each tensor's path is chosen afresh and ``observe`` returns True:
-    ``fit`` must trace its step again (the paths are in the graph)."""
-
-    made = 0  # watchers made in this process: each names its collectives apart
+class LinkWatchInFit:
+    """The link watch (hvd_dgc/linkwatch.py ``LinkWatcher``) of one Keras optimizer's
+    exchange, driven between ``fit``'s batches by hvd_dgc's
+    ``BroadcastGlobalVariablesCallback`` or ``DGCCallback`` (keras/callbacks.py
+    ``_StepTimer``). A TF step runs its collectives inside its graph, so what is timed is
+    the whole train step (its exchange and its compute): a link that got slower or faster
+    moves it the same way. A window's agreement is one small blocking allreduce between
+    batches, every rank at the same batch. Where the paths follow a new link, ``observe``
+    returns True: ``fit`` must trace its step again (the paths are in the graph)."""
 
     def __init__(self, watch, exchange):
-        self.state = LinkWatchState(watch)
         self.exchange = exchange
-        LinkWatcher.made += 1
-        self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
+        self.watcher = LinkWatcher(watch, HorovodCollectives(exchange.process_set),
+                                   in_flight=False)
+        self.state = self.watcher.state
 
     def observe(self, seconds, step):
         """One train step's ``seconds``; True where the paths changed."""
-        state = self.state
-        state.observe(seconds)
-        if not state.window_done():
+        if not self.watcher.observe(seconds):
             return False
         exchange, planner = self.exchange, self.exchange.planner
         density, launches = exchange.priced_now()
-        now = (density, planner.generation)
-        collectives = HorovodCollectives(exchange.process_set)
-        agreed = tuple(collectives.max(state.take_window(), self._name))
-        moved = state.decide(agreed, now, now)
-        if not moved:
+        relink = self.watcher.end_window(planner, density, launches, step)
+        if relink is None:
             return False
-        link = probe_link(collectives)
-        relinked, before, after = judge_probe(planner, link, density, launches,
-                                              state.watch.change, moved)
-        changed = False
-        if relinked:
-            was = planner.link
-            changed = exchange.relink(link)
-            if _hvd.rank() == 0:
-                print(relinked_words(step, link, was, before, after, planner, density,
-                                     changed), flush=True)  # (short unless verbose)
-        state.probed(relinked, step)
+        was = planner.link
+        changed = exchange.relink(relink.link)
+        if _hvd.rank() == 0:  # (short unless verbose)
+            print(relinked_words(step, relink.link, was, relink.before, relink.after,
+                                 planner, density, changed), flush=True)
         return changed

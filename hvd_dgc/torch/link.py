@@ -1,21 +1,16 @@
 """DGC's own work on this device (hvd_dgc/localcost.py) with the compressor's own
 selection and record handling, or a payload compressor's encoding and decoding:
 ``cost_model="measure"`` (the link itself is timed by hvd_dgc/linkprobe.py on the seam,
-hvd_dgc/seam.py). And the link watched while training (hvd_dgc/linkwatch.py,
-``LinkWatcher``)."""
+hvd_dgc/seam.py)."""
 
 import time
 
 import torch
-import horovod.torch as _hvd
 
-from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.linkwatch import LinkWatchState, judge_probe, relinked_words
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
-from hvd_dgc.torch.at_exit import settle_at_exit
 from hvd_dgc.torch.memory import BLOCK
 
-__all__ = ["measure_local", "measure_payload", "LinkWatcher"]
+__all__ = ["measure_local", "measure_payload"]
 
 
 def measure_local(compressor, collectives, density, device):
@@ -81,60 +76,3 @@ def measure_payload(compressor, collectives, device):
     def decode(numel):
         return _fastest(lambda: compressor.decode(payload, numel, torch.float32), device)
     return calibrate_payload(encode, decode, _agree(collectives))
-
-
-class LinkWatcher:
-    """The link watch of one optimizer (hvd_dgc/linkwatch.py): ``observe`` after each
-    synchronous step's wait for its averages; at a window's end the last window's agreed
-    waits may call for a probe, after which the paths follow the link where it changed."""
-
-    made = 0  # watchers made in this process: each names its collectives apart
-
-    def __init__(self, watch, planner, collectives):
-        self.state = LinkWatchState(watch)
-        self.planner, self.collectives = planner, collectives
-        self._agreeing = None  # (handle of the last window's sums, what they were on)
-        self._windows = 0
-        LinkWatcher.made += 1
-        self._name = f"hvd_dgc.linkwatch.{LinkWatcher.made}"
-        # a job that ends at a window's end leaves its agreement in flight (at_exit.py)
-        settle_at_exit(self, LinkWatcher._settle)
-
-    def observe(self, waited, launches, density, step):
-        state = self.state
-        state.observe(waited)
-        if not state.window_done():
-            return
-        now = (density, self.planner.generation)
-        sums = state.take_window()
-        moved = 0
-        if self._agreeing is not None:
-            handle, measured_on = self._agreeing
-            agreed = tuple(self.collectives.wait(handle))
-            moved = state.decide(agreed, measured_on, now)
-        if moved:  # (before this window's agreement: nothing of ours in flight)
-            self._probe(density, launches, step, moved)
-            now = (density, self.planner.generation)
-        self._windows += 1
-        name = f"{self._name}.{self._windows % 2}"
-        self._agreeing = (self.collectives.max_async(sums, name), now)
-
-    def _settle(self):
-        """At exit: the agreement in flight, waited for."""
-        if self._agreeing is not None:
-            self.collectives.wait(self._agreeing[0])
-
-    def _probe(self, density, launches, step, moved):
-        planner = self.planner
-        link = probe_link(self.collectives)
-        relinked, before, after = judge_probe(planner, link, density, launches,
-                                              self.state.watch.change, moved)
-        if relinked:
-            was = planner.link
-            planner.relink(link)
-            if _hvd.rank() == 0:
-                print(relinked_words(step, link, was, before, after, planner, density),
-                      flush=True)  # (short by default; the full story with verbose)
-        self.state.probed(relinked, step)
-
-

@@ -41,7 +41,7 @@ from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
 from hvd_dgc.consistency import check_consistent
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.linkwatch import as_link_watch, link_watch_idle
+from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle, relinked_words
 from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
 from hvd_dgc.say import rank0_once, rank0_warn
@@ -56,7 +56,7 @@ from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelera
 from hvd_dgc.torch.delayed import DelayedAveraging
 from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
-from hvd_dgc.torch.link import LinkWatcher, measure_local, measure_payload
+from hvd_dgc.torch.link import measure_local, measure_payload
 from hvd_dgc.torch.names import check_dtypes, tensor_names
 from hvd_dgc.torch.outer import outer_optimizer
 from hvd_dgc.torch.paths import CLASSES, Wire
@@ -194,6 +194,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
                            plain=type(self).__bases__[0].step is torch.optim.SGD.step)
 
+    def _follow_link(self, relink, step):
+        """Where the link watch found a new link (linkwatch.py ``Relink``): every
+        tensor's path chosen afresh for it, and rank 0 says so (short unless verbose)."""
+        if relink is None:
+            return
+        planner = self._planner
+        was = planner.link
+        planner.relink(relink.link)
+        if _hvd.rank() == 0:
+            print(relinked_words(step, relink.link, was, relink.before, relink.after,
+                                 planner, self._progress.density()), flush=True)
+
     def _average_variance(self, tensors):
         """Adam's refresh (adam.py): the ranks' second moments averaged in place, one
         dense exchange, counted in the bytes sent."""
@@ -259,9 +271,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._delayed.keeps_own:
             began = time.perf_counter()
             self._collect(launches, views)
-            if self._watcher is not None and not flush:  # the link, from this step's wait
-                self._watcher.observe(time.perf_counter() - began, len(launches),
-                                      self._progress.density(), step)
+            watcher = self._watcher  # the link, from this step's wait
+            if watcher is not None and not flush and \
+                    watcher.observe(time.perf_counter() - began):
+                self._follow_link(watcher.end_window(self._planner, self._progress.density(),
+                                                     len(launches), step), step)
             if self._profiler is not None and not flush:  # the backward pass's overlap
                 self._profiler.end_step(step, self._progress.density())
         else:
@@ -577,7 +591,10 @@ def _link_watcher(config, resolved, planner, process_set):
         if config.link_watch is not None:  # the script asked for it: say why not (rank 0)
             rank0_once(idle, UserWarning, key="hvd_dgc.link_watch_idle")
         return None
-    return LinkWatcher(watch, planner, HorovodCollectives(process_set))
+    watcher = LinkWatcher(watch, HorovodCollectives(process_set), in_flight=True)
+    # a job that ends at a window's end leaves its agreement in flight (at_exit.py)
+    settle_at_exit(watcher, LinkWatcher.settle)
+    return watcher
 
 
 def _backward_profiler(config, resolved, planner, process_set, scheduler, takeover):

@@ -40,7 +40,7 @@ def _identities(var):
 
 class _StepTimer:
     """Times ``fit``'s train steps for the link watch of an hvd_dgc optimizer (hvd_dgc/
-    tensorflow/link.py ``LinkWatcher``) and its trial of the plans (plan_trial.py
+    tensorflow/link.py ``LinkWatchInFit``) and its trial of the plans (plan_trial.py
     ``DenseTrial``), and has ``fit`` trace its step again where the paths changed.
     ``DGCCallback`` drives it; so does ``BroadcastGlobalVariablesCallback``, which a
     Horovod script switched by one line already passes, unless a ``DGCCallback`` runs in
@@ -453,7 +453,7 @@ class DGCCallback(tf.keras.callbacks.Callback):
     After an elastic reset (``hvd.elastic.KerasState``) ``fit`` counts epochs from 0
     again; the warm-up goes on from the epoch it had reached. Where the link was
     measured at wrap time (the default cost model), it times each train step for the
-    link watch (``link_watch``; hvd_dgc/tensorflow/link.py ``LinkWatcher``) and, where
+    link watch (``link_watch``; hvd_dgc/tensorflow/link.py ``LinkWatchInFit``) and, where
     the link changed enough to change the paths, has ``fit`` trace its step again.
 
     Args:
