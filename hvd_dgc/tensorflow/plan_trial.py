@@ -19,12 +19,11 @@ verdicts, and they are tried again on the new numbers. Every switch changes the 
 step, so ``fit`` traces it again (at most three times a density).
 """
 
-import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import Max
 
 from hvd_dgc.overlap import TRIAL_MARGIN, TRIAL_STEPS, PlanTrial
 from hvd_dgc.switch import change_line, percent
+from hvd_dgc.tensorflow.seam import HorovodCollectives
 
 __all__ = ["DenseTrial"]
 
@@ -72,9 +71,7 @@ class DenseTrial:
             return self._force(trial.density, False)
         if action != "agree":
             return False
-        agreed = _hvd.allreduce(tf.constant(trial.timed, tf.float64), op=Max,
-                                name=self._name,
-                                process_set=self.exchange.process_set).numpy().tolist()
+        agreed = HorovodCollectives(self.exchange.process_set).max(trial.timed, self._name)
         dense = trial.decide(agreed, density)
         self.trial = self._fresh()
         if dense is None:  # the density moved while the times travelled: try it again
