@@ -42,14 +42,19 @@ class LocalCost(NamedTuple):
                 f"per record")
 
 
-def calibrate(select, records, agree, low_density=0.001, numel=CALIBRATION_NUMEL):
-    """``LocalCost`` from the framework's timed ``select(numel, k)`` and ``records(k)``."""
+#: the name of the collective that agrees the timings
+AGREE_NAME = "hvd_dgc.calibrate.agree"
+
+
+def calibrate(select, records, collectives, low_density=0.001, numel=CALIBRATION_NUMEL):
+    """``LocalCost`` from the framework's timed ``select(numel, k)`` and ``records(k)``,
+    agreed over ``collectives`` (hvd_dgc/seam.py): the slowest rank's."""
     # a final density at or past the high point (density=1.0: dense averaging, the
     # warm-up's first stages) is fitted below it: two distinct points, neither past numel
     low = max(1, int(numel * min(low_density, HIGH_DENSITY / 2)))
     high = max(low + 1, int(numel * HIGH_DENSITY))
-    t_low, t_high, t_records = agree([select(numel, low), select(numel, high),
-                                      records(high)])
+    t_low, t_high, t_records = collectives.max(
+        [select(numel, low), select(numel, high), records(high)], AGREE_NAME)
     per_selected = max(t_high - t_low, 0.0) / (high - low)
     per_element = max(t_low - per_selected * low, 0.0) / numel
     return LocalCost(per_element, per_selected, max(t_records, 0.0) / high)
@@ -69,9 +74,9 @@ class PayloadCost(NamedTuple):
                 f"{self.decode_element_seconds * 1e9:.2f} ns to decode each rank's")
 
 
-def calibrate_payload(encode, decode, agree, numel=CALIBRATION_NUMEL):
+def calibrate_payload(encode, decode, collectives, numel=CALIBRATION_NUMEL):
     """``PayloadCost`` from the framework's timed ``encode(numel)`` and ``decode(numel)``
     (seconds this rank took for one payload of ``numel`` elements, the faster of a few
     calls), agreed as ``calibrate``'s are: the slowest rank's."""
-    t_encode, t_decode = agree([encode(numel), decode(numel)])
+    t_encode, t_decode = collectives.max([encode(numel), decode(numel)], AGREE_NAME)
     return PayloadCost(max(t_encode, 0.0) / numel, max(t_decode, 0.0) / numel)

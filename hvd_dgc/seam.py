@@ -17,7 +17,7 @@ same ``name``.
 
 from typing import List, Protocol, Sequence
 
-__all__ = ["Collectives", "Alone", "host_peers"]
+__all__ = ["Collectives", "Alone", "ProcessSet", "host_peers", "split_blobs"]
 
 
 class Collectives(Protocol):
@@ -47,6 +47,27 @@ class Collectives(Protocol):
 
     def timed_alltoall(self, splits: Sequence[int], name: str) -> float:
         """Seconds of one alltoall sending ``splits[r]`` float32 zeros to set rank r."""
+
+
+class ProcessSet:
+    """What both frameworks' ``HorovodCollectives`` know of their Horovod process set:
+    its size, this process's global rank and the set's global ranks."""
+
+    def __init__(self, process_set, rank):
+        self.process_set = process_set
+        self.size = process_set.size()
+        self.rank = rank
+        self.ranks = list(process_set.ranks) if process_set.ranks else list(range(self.size))
+
+
+def split_blobs(sizes, everything):
+    """Every rank's blob from an allgather of their bytes (``everything``) and of their
+    lengths (``sizes``), in set order."""
+    blobs, offset = [], 0
+    for size in sizes:
+        blobs.append(bytes(everything[offset:offset + size]))
+        offset += size
+    return blobs
 
 
 class Alone:

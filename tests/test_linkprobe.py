@@ -19,6 +19,7 @@ from hvd_dgc.linkprobe import (BUDGET_SECONDS, FIRST_NUMEL, LARGEST_NUMEL,
 from hvd_dgc.localcost import CALIBRATION_NUMEL, HIGH_DENSITY, LocalCost, calibrate
 from hvd_dgc.overlap import DECIDED_BY_STEP
 from hvd_dgc.paths import PathKind
+from hvd_dgc.seam import Alone
 from tests.workers.link_probe import TF_CASES, TORCH_CASES
 
 
@@ -409,10 +410,12 @@ def test_a_payload_cost_is_fitted_per_element_and_agreed():
     from hvd_dgc.localcost import PayloadCost, calibrate_payload
     seen = []
 
-    def agree(values):  # the slowest rank's
-        seen.append(values)
-        return [max(v, o) for v, o in zip(values, [3e-3, 1e-3])]
-    cost = calibrate_payload(lambda n: n * 2e-9, lambda n: n * 4e-9, agree, numel=1 << 20)
+    class OtherRankSlower(Alone):  # the slowest rank's: another rank took these
+        def max(self, values, name):
+            seen.append(values)
+            return [max(v, o) for v, o in zip(values, [3e-3, 1e-3])]
+    cost = calibrate_payload(lambda n: n * 2e-9, lambda n: n * 4e-9, OtherRankSlower(),
+                             numel=1 << 20)
     assert seen == [[(1 << 20) * 2e-9, (1 << 20) * 4e-9]]
     assert cost == PayloadCost(3e-3 / (1 << 20), 4e-9)
     assert "ns per element to encode" in cost.words()
@@ -482,7 +485,7 @@ def test_local_cost_fit_recovers_known_costs():
     sigma, rho_select, rho_record = 2e-9, 30e-9, 8e-9
     link = LocalCost(sigma, rho_select, rho_record)
     fit = calibrate(lambda n, k: sigma * n + rho_select * k,
-                    lambda k: rho_record * k, lambda values: values)
+                    lambda k: rho_record * k, Alone())
     assert fit == pytest.approx(link, rel=1e-6)
     assert "ns per element" in fit.words()
     # a final density of 1.0 (dense averaging) or past the high point: the same fit, and
@@ -490,8 +493,7 @@ def test_local_cost_fit_recovers_known_costs():
     for density in (1.0, 0.5, HIGH_DENSITY):
         asked = []
         fit = calibrate(lambda n, k: asked.append(k) or sigma * n + rho_select * k,
-                        lambda k: asked.append(k) or rho_record * k, lambda values: values,
-                        density)
+                        lambda k: asked.append(k) or rho_record * k, Alone(), density)
         assert fit == pytest.approx(link, rel=1e-6), density
         assert len(set(asked)) == 2 and max(asked) <= CALIBRATION_NUMEL * HIGH_DENSITY
 

@@ -48,7 +48,7 @@ def measure_local(compressor, collectives, density):
         indices = tf.random.stateless_uniform([k], seed=[1, 0], maxval=CALIBRATION_NUMEL,
                                               dtype=tf.int32)
         return _fastest(records, indices)
-    return calibrate(timed_select, timed_records, _agree(collectives), density)
+    return calibrate(timed_select, timed_records, collectives, density)
 
 
 def _fastest(fn, *args, times=3):
@@ -64,12 +64,6 @@ def _fastest(fn, *args, times=3):
     return best
 
 
-def _agree(collectives):
-    def agree(values):
-        return collectives.max(values, "hvd_dgc.calibrate.agree")
-    return agree
-
-
 def measure_payload(compressor, collectives):
     """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
     ``encode``, ``decode``): one payload of a synthetic memory encoded, and decoded, in a
@@ -83,7 +77,7 @@ def measure_payload(compressor, collectives):
 
     def decode(numel):
         return _fastest(tf.function(lambda: compressor.decode(payload, numel), autograph=False))
-    return calibrate_payload(encode, decode, _agree(collectives))
+    return calibrate_payload(encode, decode, collectives)
 
 
 class LinkWatchInFit:

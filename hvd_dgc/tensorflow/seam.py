@@ -8,17 +8,16 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max, Sum
 
+from hvd_dgc.seam import ProcessSet, split_blobs
+
 __all__ = ["HorovodCollectives"]
 
 
-class HorovodCollectives:
+class HorovodCollectives(ProcessSet):
     """Horovod's TensorFlow collectives within ``process_set`` (hvd_dgc/seam.py)."""
 
     def __init__(self, process_set):
-        self.process_set = process_set
-        self.size = process_set.size()
-        self.rank = _hvd.rank()
-        self.ranks = list(process_set.ranks) if process_set.ranks else list(range(self.size))
+        super().__init__(process_set, _hvd.rank())
 
     def allgather_bytes(self, blob, name):
         mine = np.frombuffer(bytes(blob), np.uint8)
@@ -26,8 +25,7 @@ class HorovodCollectives:
                                process_set=self.process_set).numpy().tolist()
         everything = _hvd.allgather(tf.constant(mine), name=name,
                                     process_set=self.process_set).numpy().tobytes()
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return [everything[end - size:end] for size, end in zip(sizes, ends)]
+        return split_blobs(sizes, everything)
 
     def max(self, values, name):
         return _hvd.allreduce(tf.constant(values, tf.float64), op=Max, name=name,

@@ -39,7 +39,7 @@ def measure_local(compressor, collectives, density, device):
             at, got = compressor.records_at(wire, (0,), (k,))
             out.index_add_(0, at, got)
         return _fastest(once, v.device)
-    return calibrate(select, records, _agree(collectives), density)
+    return calibrate(select, records, collectives, density)
 
 
 def _fastest(fn, device, times=3):
@@ -57,12 +57,6 @@ def _fastest(fn, device, times=3):
     return best
 
 
-def _agree(collectives):
-    def agree(values):
-        return collectives.max(values, "hvd_dgc.calibrate.agree")
-    return agree
-
-
 def measure_payload(compressor, collectives, device):
     """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
     ``encode``, ``decode``) on ``device``: one payload of a synthetic memory encoded, and
@@ -75,4 +69,4 @@ def measure_payload(compressor, collectives, device):
 
     def decode(numel):
         return _fastest(lambda: compressor.decode(payload, numel, torch.float32), device)
-    return calibrate_payload(encode, decode, _agree(collectives))
+    return calibrate_payload(encode, decode, collectives)

@@ -6,17 +6,16 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
+from hvd_dgc.seam import ProcessSet, split_blobs
+
 __all__ = ["HorovodCollectives"]
 
 
-class HorovodCollectives:
+class HorovodCollectives(ProcessSet):
     """Horovod's PyTorch collectives within ``process_set`` (hvd_dgc/seam.py)."""
 
     def __init__(self, process_set):
-        self.process_set = process_set
-        self.size = process_set.size()
-        self.rank = _hvd.rank()
-        self.ranks = list(process_set.ranks) if process_set.ranks else list(range(self.size))
+        super().__init__(process_set, _hvd.rank())
 
     def allgather_bytes(self, blob, name):
         mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else \
@@ -24,9 +23,7 @@ class HorovodCollectives:
         sizes = _hvd.allgather(torch.tensor([mine.numel()], dtype=torch.int64),
                                name=f"{name}.size", process_set=self.process_set).tolist()
         everything = _hvd.allgather(mine, name=name, process_set=self.process_set)
-        everything = everything.numpy().tobytes()
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return [everything[end - size:end] for size, end in zip(sizes, ends)]
+        return split_blobs(sizes, everything.numpy().tobytes())
 
     def max(self, values, name):
         return _hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=Max, name=name,
