@@ -18,6 +18,7 @@ from horovod.tensorflow.compression import Compressor, FP16Compressor, NoneCompr
 
 from hvd_dgc.config import CompressorOptions
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
+from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.tensorflow.powersgd import PowerSGDCompressor
 from hvd_dgc.tensorflow.quantize import BF16Compressor, QSGDCompressor, SignCompressor
 
@@ -114,7 +115,7 @@ class TopKCompressor(SparseCompressor):
         return tf.math.top_k(tf.abs(flat), k, sorted=False).indices
 
 
-class DGCCompressor(SparseCompressor):
+class DGCCompressor(SparseCompressor, DGCSampling):
     """DGC's sampled threshold (Lin et al., ICLR 2018, Sec. 3.1, as its reference code),
     the rule of PyTorch's CPU form (hvd_dgc/torch/compression.py): estimate the
     magnitude that ``window[1]*k`` entries pass from a random sample; if more than
@@ -127,26 +128,12 @@ class DGCCompressor(SparseCompressor):
 
     def __init__(self, seed=0, sample_ratio=0.01, window=(0.8, 1.3), threshold_decay=0.8,
                  max_adapt_rounds=10, min_sample=2048, fp16_values=False):
-        super().__init__(seed, fp16_values)
-        if not 0.0 < sample_ratio <= 1.0:
-            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio!r}")
-        lo, hi = window
-        if not 0.0 < lo <= 1.0 <= hi:
-            raise ValueError(f"window must be (low, high) with 0 < low <= 1 <= high, got {window!r}")
-        if not 0.0 < threshold_decay < 1.0:
-            raise ValueError(f"threshold_decay must be in (0, 1), got {threshold_decay!r}")
-        self.sample_ratio = float(sample_ratio)
-        self.window = (float(lo), float(hi))
-        self.threshold_decay = float(threshold_decay)
-        self.max_adapt_rounds = int(max_adapt_rounds)
-        self.min_sample = int(min_sample)
+        SparseCompressor.__init__(self, seed, fp16_values)
+        DGCSampling.__init__(self, sample_ratio, window, threshold_decay, max_adapt_rounds,
+                             min_sample)
 
     def _options(self):
-        opts = super()._options()
-        opts.update(sample_ratio=self.sample_ratio, window=self.window,
-                    threshold_decay=self.threshold_decay,
-                    max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
-        return opts
+        return dict(SparseCompressor._options(self), **self.sampling_options())
 
     def select(self, flat, k, seed):
         n = int(flat.shape[0])

@@ -28,6 +28,7 @@ import torch
 from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
+from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.schedule import check_density, num_selected
 from hvd_dgc.torch.cpu_select import Picked, adapt_block, draws, select_block
 from hvd_dgc.torch.gpu_select import Selection, select_span, slot_offsets, slot_starts
@@ -244,7 +245,7 @@ class RandomKCompressor(SparseCompressor):
         return torch.randperm(n, generator=gen, device=flat.device)[:k]
 
 
-class DGCCompressor(SparseCompressor):
+class DGCCompressor(SparseCompressor, DGCSampling):
     """DGC's sampled-threshold top-k (Lin et al., ICLR 2018, Sec. 3.1 and its reference code).
 
     An exact top-k over millions of elements is slow; DGC estimates the k-th
@@ -279,26 +280,12 @@ class DGCCompressor(SparseCompressor):
 
     def __init__(self, density=0.001, fp16_values=False, seed=0, sample_ratio=0.01,
                  window=(0.8, 1.3), threshold_decay=0.8, max_adapt_rounds=10, min_sample=2048):
-        super().__init__(density=density, fp16_values=fp16_values, seed=seed)
-        if not 0.0 < sample_ratio <= 1.0:
-            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio!r}")
-        lo, hi = window
-        if not 0.0 < lo <= 1.0 <= hi:
-            raise ValueError(f"window must be (low, high) with 0 < low <= 1 <= high, got {window!r}")
-        if not 0.0 < threshold_decay < 1.0:
-            raise ValueError(f"threshold_decay must be in (0, 1), got {threshold_decay!r}")
-        self.sample_ratio = float(sample_ratio)
-        self.window = (float(lo), float(hi))
-        self.threshold_decay = float(threshold_decay)
-        self.max_adapt_rounds = int(max_adapt_rounds)
-        self.min_sample = int(min_sample)
+        SparseCompressor.__init__(self, density=density, fp16_values=fp16_values, seed=seed)
+        DGCSampling.__init__(self, sample_ratio, window, threshold_decay, max_adapt_rounds,
+                             min_sample)
 
     def _options(self):
-        opts = super()._options()
-        opts.update(sample_ratio=self.sample_ratio, window=self.window,
-                    threshold_decay=self.threshold_decay,
-                    max_adapt_rounds=self.max_adapt_rounds, min_sample=self.min_sample)
-        return opts
+        return dict(SparseCompressor._options(self), **self.sampling_options())
 
     def pick(self, v, block_max, offsets, numels, ks, keys, rank, step):
         """On a CPU, cpu_select.py: the rule above for every tensor at once over the flat
