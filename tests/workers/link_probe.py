@@ -290,18 +290,18 @@ def priced_as_one_gbit():
     one keeps no link)."""
     import hvd_dgc.torch.optimizer as wrapper
     from hvd_dgc.localcost import LocalCost
-    probe = wrapper.measure_link
+    probe = wrapper.probe_link
 
-    def one_gbit(process_set, peers=()):
-        link = probe(process_set, peers)
+    def one_gbit(collectives, peers=()):
+        link = probe(collectives, peers)
         return link and link._replace(alpha=50e-6, bandwidth=1.25e8, gather_bandwidth=None)
-    saved = wrapper.measure_link, wrapper.measure_local
-    wrapper.measure_link = one_gbit
+    saved = wrapper.probe_link, wrapper.measure_local
+    wrapper.probe_link = one_gbit
     wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
     try:
         yield
     finally:
-        wrapper.measure_link, wrapper.measure_local = saved
+        wrapper.probe_link, wrapper.measure_local = saved
 
 
 def _overlap(kind):
