@@ -148,9 +148,10 @@ class CompressionStats:
         ratio = s["compression_ratio"]
         less = f"{ratio:.1f}x less than dense fp32" if ratio != float("inf") else "nothing sent"
         words.append("sent " + ", ".join(sent) + f" ({less})")
-        if s["bytes_sent"]:
+        known = sum(s["bytes_by_cause"].values())  # (TF: since this process began)
+        if known:
             words.append("of which " + ", ".join(
-                f"{cause} {100 * n / s['bytes_sent']:.0f}%"
+                f"{cause} {100 * n / known:.0f}%"
                 for cause, n in s["bytes_by_cause"].items()))
         words.append(f"paths in {s['steps']} steps {s['paths']}")
         return "; ".join(words)

@@ -11,7 +11,9 @@ those checkpoints still restore:
     exchanged  steps of a compressor's own collectives           where one runs
     hierarchical  steps on hierarchical DGC                       where it may run
     nonfinite  steps skipped (or dropped) for a NaN/Inf gradient
-    causes     bytes sent by why (hvd_dgc/stats.py ``CAUSES``)
+
+and, outside the checkpoint (scratch, as ``fp16_clipped``), the bytes sent by why
+(hvd_dgc/stats.py ``CAUSES``) since this process built the exchange.
 
 Where each field lives is said once, in ``_WHERE``; everything else counts by name::
 
@@ -40,13 +42,13 @@ _WHERE = {
     PathKind.HIERARCHICAL: ("hierarchical", None),
     "nonfinite_steps": ("nonfinite", None),
 }
-_WHERE.update((f"cause:{c}", ("causes", j)) for j, c in enumerate(CAUSES))
+
 
 #: the owner's attribute -> (the tf.Variable's name, its length; 0: a scalar)
 _STORES = {"counters": ("counters", 6), "regioned": ("region_counters", 2),
            "gathered": ("sparse_grad_steps", 0), "exchanged": ("exchange_steps", 0),
            "hierarchical": ("hierarchical_steps", 0),
-           "nonfinite": ("nonfinite", 0), "causes": ("bytes_by_cause", len(CAUSES))}
+           "nonfinite": ("nonfinite", 0)}
 
 
 class Statistics:
@@ -62,7 +64,10 @@ class Statistics:
             # dense fp16 values sent clipped (hvd_dgc/fp16wire.py): scratch, not checkpointed
             self.fp16_clipped = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="fp16_clipped")
-        self.cover(("bytes_sent", "nonfinite_steps", f"cause:{CAUSES[0]}") + tuple(paths))
+            # bytes by cause: scratch too (the checkpoint's layout stays as it was)
+            self.causes = tf.Variable(tf.zeros([len(CAUSES)], tf.int64), trainable=False,
+                                      name="bytes_by_cause")
+        self.cover(("bytes_sent", "nonfinite_steps") + tuple(paths))
 
     def cover(self, fields):
         """Make the variables ``fields`` (names or PathKinds) are kept in, if not yet."""
@@ -96,7 +101,9 @@ class Statistics:
         to ``cause`` (one of hvd_dgc/stats.py ``CAUSES``) where given."""
         amounts = dict(fields)
         if cause is not None and "bytes_sent" in fields:
-            amounts[f"cause:{cause}"] = fields["bytes_sent"]
+            self.causes.assign_add(tf.stack([
+                tf.cast(fields["bytes_sent"], tf.int64) if c == cause
+                else tf.constant(0, tf.int64) for c in CAUSES]))
         amounts.update((path, 1) for path in paths)
         by_store = {}
         for field, amount in amounts.items():
@@ -120,12 +127,13 @@ class Statistics:
         saved = {attr: getattr(self.owner, attr).read_value() for attr in _STORES
                  if attr != "nonfinite" and getattr(self.owner, attr, None) is not None}
         saved["fp16_clipped"] = self.fp16_clipped.read_value()
+        saved["causes"] = self.causes.read_value()
         return saved
 
     def restore(self, saved):
+        scratch = {"fp16_clipped": self.fp16_clipped, "causes": self.causes}
         for attr, value in saved.items():
-            (self.fp16_clipped if attr == "fp16_clipped" else getattr(self.owner, attr)).assign(
-                value)
+            (scratch[attr] if attr in scratch else getattr(self.owner, attr)).assign(value)
 
     # -- reading ------------------------------------------------------------------------
     def value(self, field):
@@ -142,7 +150,7 @@ class Statistics:
         stats = CompressionStats()
         totals = {field: self.value(field) for field in FIELDS}
         paths = {path.value: self.value(path) for path in PathKind if path in _WHERE}
-        causes = {c: self.value(f"cause:{c}") for c in CAUSES}
+        causes = dict(zip(CAUSES, self.causes.numpy().tolist()))
         stats.load_state_dict(dict(totals, steps=steps, fp16_clipped=int(
             self.fp16_clipped.numpy()), paths={k: n for k, n in paths.items() if n},
             bytes_by_cause=causes))
