@@ -7,6 +7,8 @@ went (``CAUSES``, ``cause_of``), so a user sees what their ratio is made of.
 
 from collections import Counter
 
+from hvd_dgc.paths import PathKind
+
 __all__ = ["CompressionStats", "CAUSES", "cause_of", "REFRESH"]
 
 #: Why bytes went, in the order the line names them:
@@ -25,13 +27,17 @@ REFRESH = "hvd_dgc.adam_refresh"
 
 
 def cause_of(path, numel, min_compress_size):
-    """Why a tensor's bytes on ``path`` (a ``PathKind`` or its value) went."""
-    path = getattr(path, "value", path)
-    if path == "dense":
+    """Why a tensor's bytes on ``path`` (a ``PathKind`` or its value; a compressor's name
+    where it runs its own collectives) went."""
+    try:
+        kind = PathKind(path)
+    except ValueError:  # PowerSGD, sign, ...: the statistics count them by name
+        return "payloads"
+    if kind is PathKind.DENSE:
         return "small tensors dense" if numel < min_compress_size else "large tensors dense"
-    if path in ("sparse", "region", "hierarchical"):
+    if kind.sums_records:
         return "records"
-    return "sparse gradients" if path == "sparse_grad" else "payloads"
+    return "sparse gradients" if kind is PathKind.SPARSE_GRAD else "payloads"
 
 
 class CompressionStats:
