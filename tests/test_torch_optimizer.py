@@ -167,6 +167,13 @@ def test_groups(gloo):
         assert out["identical"] == [True, True, True]
         assert out["topk_diffs"] == [0.0, 0.0]
         assert out["bad_groups"] == "A parameter can only appear once in groups."
+        # Horovod's private map, which its own tests read: parameter -> name, unique,
+        # Horovod's noname.{group}.{index} where the script names none, the same on
+        # every rank
+        assert out["unnamed"] == ["allreduce.noname.0.0", "allreduce.noname.0.1",
+                                  "allreduce.noname.1.0", "allreduce.noname.1.1"]
+        assert out["unnamed_keys_are_params"]
+        assert out["unnamed_everywhere"] == [out["unnamed"]] * 2
 
 
 def test_adam(gloo):

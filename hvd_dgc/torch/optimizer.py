@@ -97,7 +97,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
-        names = tensor_names(named_parameters, self.param_groups)
+        # parameter -> name, Horovod's own attribute (its tests read it)
+        self._parameter_names = names = tensor_names(named_parameters, self.param_groups)
         check_dtypes(every, names)
         trainable = [p for p in every if p.requires_grad]
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))

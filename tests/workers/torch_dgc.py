@@ -477,7 +477,16 @@ def grouping():
     # The DGC sampler draws per tensor in launch order, which grouping changes, so
     # compare with exact top-k; with DGC every rank must still agree.
     exact = _train_grouped("gt", 6, hvd.Compression.topk, lambda m: [[m[0].weight, m[2].weight]])
+    # Horovod's own test_optimizer_no_named_parameters reads _parameter_names
+    two = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    unnamed = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": two[0].parameters()}, {"params": two[1].parameters()}], lr=0.001))
+    names = unnamed._parameter_names
     return {"identical": [ranks_identical(m, f"grp{i}") for i, m in enumerate(models)],
+            "unnamed": sorted(names.values()),
+            "unnamed_keys_are_params": sorted(id(p) for p in names) == sorted(
+                id(p) for p in two.parameters()),
+            "unnamed_everywhere": hvd.allgather_object(sorted(names.values())),
             "bad_groups": expect_error(lambda: hvd.DistributedOptimizer(
                 torch.optim.SGD(models[0].parameters(), lr=0.1),
                 named_parameters=[("x." + n, p) for n, p in models[0].named_parameters()],
