@@ -406,7 +406,7 @@ def test_fused_memory_update_matches_eager(momentum, nesterov, n, direct):
     numels = (n, 100, 33)
     decays = (0.0, 1e-2, 0.0)
     params = [torch.randn(k, generator=gen) for k in numels]
-    # Adam's frozen preconditioner on the last two (engine.py passes it as a scale)
+    # Adam's frozen preconditioner on the last two (exchange.py passes it as a scale)
     scales = (None, torch.rand(100, generator=gen) + 0.5, torch.rand(33, generator=gen))
     mems = {}
     for name in ("fused", "eager", "guarded"):

@@ -1,4 +1,4 @@
-"""The flat engine (hvd_dgc/torch/engine.py): DGC's local work is a fixed number of
+"""The flat engine (hvd_dgc/torch/exchange.py): DGC's local work is a fixed number of
 operations per launch, whatever the number of tensors (on a GPU each operation is a
 kernel launch). Counted with a TorchDispatchMode at np=1 under horovodrun; the times
 are bench/step_overhead.py's."""

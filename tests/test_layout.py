@@ -96,3 +96,100 @@ def test_every_form_of_import_is_seen(tmp_path):
         f"{os.path.join('tests', 'test_x.py')}:8 imports bench "
         "(tests/ may not import bench: shared code goes in harness/)",
     ])
+
+
+def _package_modules(root=REPO):
+    """module name -> its file, for hvd_dgc's Python modules and the extension modules
+    setup.py builds (named there, so a clone that has not built them still knows them)."""
+    modules = {}
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "hvd_dgc")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                modules[module.removesuffix(".__init__")] = path
+    with open(os.path.join(root, "setup.py"), encoding="utf-8") as f:
+        for node in ast.walk(ast.parse(f.read())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "CppExtension"
+                    and isinstance(node.args[0], ast.Constant)):
+                modules[node.args[0].value] = None  # compiled: it imports nothing of ours
+    return modules
+
+
+def import_graph(root=REPO):
+    """module -> the hvd_dgc modules it imports, anywhere in it (inside functions, and
+    ``importlib.import_module`` with a literal name). ``from package import name``
+    counts as importing ``package.name`` where that is a module, else ``package``."""
+    modules = _package_modules(root)
+    graph = {}
+    for module, path in modules.items():
+        edges = set()
+        if path is not None:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        parts = package.split(".")
+                        parts = parts[:len(parts) - (node.level - 1)]
+                        base = ".".join(parts + ([node.module] if node.module else []))
+                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                             for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.Call):
+                    names = [_dynamic_name(node)]
+                else:
+                    continue
+                edges |= {n for n in names if n in modules and n != module}
+        graph[module] = edges
+    return graph
+
+
+def import_cycles(graph):
+    """The import graph's cycles: each strongly connected part of more than one module."""
+    order, low, stack, on_stack, parts = {}, {}, [], set(), []
+
+    def visit(v):
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                parts.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return parts
+
+
+def test_hvd_dgc_has_no_import_cycle():
+    """No module of hvd_dgc reaches itself through its imports, counting imports inside
+    functions and through importlib."""
+    graph = import_graph()
+    assert len(graph) > 60 and "hvd_dgc.torch._fused_memory" in graph
+    assert "hvd_dgc.torch.elastic" in graph["hvd_dgc.torch"]  # importlib is seen
+    assert import_cycles(graph) == []
+
+
+def test_a_cycle_is_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -271,7 +271,7 @@ def test_elastic_run_loses_a_whole_host(tmp_path):
 def test_elastic_run_gains_a_worker_that_joins_with_identical_weights(tmp_path):
     """Start with one slot; at step 8 the discovery script offers two. The newcomer
     wraps its optimizer alone (no wrap-time config collective under elastic, or it
-    would hang), receives the last commit and hvd_dgc's step (elastic_state.py), and
+    would hang), receives the last commit and hvd_dgc's step (elastic.py), and
     trains in lock-step with rank 0 through a warm-up by step. With the default cost
     model: the link is measured at the sync after the join, on both ranks alike."""
     job = _elastic_job(tmp_path, "add_a_worker", 1, "localhost:1", "localhost:2",

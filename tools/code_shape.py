@@ -136,7 +136,21 @@ def main():
     if args.branches:
         for b in branches:
             print("   ", b)
+    sides = [_module_names(os.path.join(ROOT, args.package, side))
+             for side in ("torch", "tensorflow")]
+    shared, every = sides[0] & sides[1], sides[0] | sides[1]
+    print(f"module names shared by {args.package}/torch and {args.package}/tensorflow: "
+          f"{len(shared)} of {len(every)} ({100 * len(shared) / len(every):.0f}%)")
+    print(f"  torch only: {' '.join(sorted(sides[0] - shared))}")
+    print(f"  tensorflow only: {' '.join(sorted(sides[1] - shared))}")
     return 0
+
+
+def _module_names(folder):
+    """A folder's module names: its .py files and its packages."""
+    return {name[:-3] if name.endswith(".py") else name for name in os.listdir(folder)
+            if name.endswith(".py") or os.path.isfile(os.path.join(folder, name,
+                                                                   "__init__.py"))}
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from hvd_dgc.tensorflow.exchange import HOROVOD_OPS, TENSORFLOW, GradientExchang
 from hvd_dgc.tensorflow.tape_exchanges import (  # noqa: F401 (hvd.set_epoch, ...)
     compression_stats, dgc_state, exchange_for, flush, in_flight, set_epoch, variable_ref)
 
-# Horovod's star import bound `elastic` to its own module; ours commits hvd_dgc's state.
+# Horovod's star import bound `elastic` to its own module; ours (Horovod's names, with
+# hvd_dgc's state committed) takes its place, as in hvd_dgc.torch
 elastic = importlib.import_module("hvd_dgc.tensorflow.elastic")
 
 

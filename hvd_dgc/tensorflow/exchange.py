@@ -611,7 +611,7 @@ class GradientExchange(tf.Module):
 
     def _log(self, step):
         """``log_every``: rank 0 prints the statistics after every N-th step, as PyTorch's
-        optimizer does (hvd_dgc/torch/state.py ``Progress.maybe_log``)."""
+        optimizer does (hvd_dgc/torch/statistics.py ``Progress.maybe_log``)."""
         step = int(step)
         if step and step % self.config.log_every == 0 and _hvd.rank() == 0:
             print(f"[hvd_dgc] step {step}: "

@@ -8,6 +8,8 @@ Horovod's ``none``/``fp16`` next to ``dgc``, ``topk``, ``randomk``,
 ``powersgd``, ``sign``, ``terngrad``, ``qsgd`` and ``bf16``.
 """
 
+import importlib
+
 from horovod.torch import *  # noqa: F401,F403  (the drop-in contract)
 from horovod.torch import Average, Sum, Adasum  # noqa: F401  (explicit for readers)
 
@@ -20,6 +22,8 @@ from hvd_dgc.torch.compression import (  # noqa: F401
     BF16Compressor, Compression, DGCCompressor, PowerSGDCompressor, QSGDCompressor,
     RandomKCompressor, SignCompressor, SparseCompressor, TernGradCompressor, TopKCompressor)
 from hvd_dgc.torch.optimizer import DistributedOptimizer  # noqa: F401
-from hvd_dgc.torch import elastic_state as _elastic_state
-
-_elastic_state.register()  # hvd.elastic.TorchState keeps hvd_dgc's step/epoch in sync
+# Horovod's star import bound `elastic` to its own module; ours (Horovod's names, with
+# TorchState keeping hvd_dgc's step and epoch in sync) takes its place, as in
+# hvd_dgc.tensorflow
+elastic = importlib.import_module("hvd_dgc.torch.elastic")
+elastic.register()

@@ -53,7 +53,7 @@ class NonFiniteGuard:
         else:
             self.mode = "drop" if keeps_own else "skip"
 
-    # -- around each launch (engine.py) ------------------------------------------------
+    # -- around each launch (exchange.py) ------------------------------------------------
     def before_accumulate(self, memory, launch):
         """Before the memory moves. "skip": write the step beside the old memory and keep
         the sampler's RNG. "drop": find this rank's non-finite tensors now (one

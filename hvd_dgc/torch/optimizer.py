@@ -12,7 +12,7 @@ state, and the gradient travels between them as an argument:
 
     backward hook -> scheduler.ready(p)            when tensors leave (scheduler.py)
       -> engine.launch(params)                     clip, accumulate, select, pack,
-                                                   communicate (engine.py, paths.py)
+                                                   communicate (exchange.py, paths.py)
     step() -> synchronize():
       scheduler.finish()                           what has not left yet
       engine.advance(launches)                     second rounds
@@ -50,11 +50,11 @@ from hvd_dgc.seam import host_peers
 from hvd_dgc.stats import REFRESH
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
-from hvd_dgc.torch.backward import BackwardProfiler
+from hvd_dgc.torch.plan_trial import BackwardProfiler
 from hvd_dgc.torch.collective import ExchangeCompressor
 from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
 from hvd_dgc.torch.delayed import DelayedAveraging
-from hvd_dgc.torch.engine import Engine, Member, StepPlace, memory_order
+from hvd_dgc.torch.exchange import GradientExchange, Member, StepPlace, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
 from hvd_dgc.torch.link import measure_local, measure_payload
 from hvd_dgc.torch.names import check_dtypes, tensor_names
@@ -63,7 +63,7 @@ from hvd_dgc.torch.paths import CLASSES, Wire
 from hvd_dgc.torch.scheduler import LaunchScheduler
 from hvd_dgc.torch.seam import HorovodCollectives
 from hvd_dgc.torch.sgd import SGDTakeOver
-from hvd_dgc.torch.state import STATE_KEY, Progress, checkpoint, restore
+from hvd_dgc.torch.statistics import STATE_KEY, Progress, checkpoint, restore
 from hvd_dgc.torch.update import ViewUpdate
 
 __all__ = ["DistributedOptimizer"]
@@ -76,7 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # Horovod's broadcast_optimizer_state calls the *base* step (no collectives)
     # to initialise state only for classes from horovod.torch.optimizer's module.
     __module__ = "horovod.torch.optimizer"
-    _hvd_dgc_optimizer = True  # hvd_dgc/torch/elastic_state.py recognises it by this
+    _hvd_dgc_optimizer = True  # hvd_dgc/torch/elastic.py recognises it by this
 
     def __init__(self, params, named_parameters, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, resolved,
@@ -136,7 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._engine))
         self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
-        self._engine = Engine(resolved, self._planner, self._wire, self._progress.stats,
+        self._engine = GradientExchange(resolved, self._planner, self._wire, self._progress.stats,
                               self._guard, {p: Member(p, infos[p].key, infos[p].name,
                                                       infos[p], order=memory_order(p))
                                             for p in every},
@@ -549,7 +549,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._guard, self._delayed, lambda key: index_to_param[key].device,
                 _hvd.rank())
 
-    # -- elastic Horovod (elastic_state.py) ------------------------------------------------
+    # -- elastic Horovod (elastic.py) ------------------------------------------------
     def shared_state(self):
         """What decides every rank's density and path: (step, epoch, delay)."""
         return self._progress.step, self._progress.epoch, self._delayed.delay

@@ -51,7 +51,7 @@ class _OuterLoopOptimizer(torch.optim.Optimizer):
     # Horovod's broadcast_optimizer_state runs the *base* step (no round) to create
     # the inner optimizer's state for classes from horovod.torch.optimizer's module.
     __module__ = "horovod.torch.optimizer"
-    _hvd_dgc_optimizer = True  # hvd.elastic.TorchState's handler (elastic_state.py)
+    _hvd_dgc_optimizer = True  # hvd.elastic.TorchState's handler (elastic.py)
 
     def __init__(self, params, names, outer, density, min_compress_size, process_set):
         super(self.__class__, self).__init__(params)

@@ -2,7 +2,7 @@
 
 A launch (one tensor, a Horovod group, a bucket, or every tensor of a step) holds
 tensors that may travel different ways (``hvd_dgc.paths.PathKind``). The engine
-(engine.py) lays the launch out in flat buffers, one contiguous range per path (a
+(exchange.py) lays the launch out in flat buffers, one contiguous range per path (a
 ``Part``), prepares the gradients and updates the memory; then every path answers the
 same three calls, so a new way to travel is one more class here, not more branches
 there::
@@ -587,7 +587,7 @@ class ExchangePath(_Path):
 class SparseGradPath(_Path):
     """A sparse gradient (nn.Embedding(sparse=True)) as Horovod's sparse allreduce sends
     it: every rank's coalesced indices and values allgathered; no DGC, no memory. Its
-    average is a sparse tensor, set as the parameter's gradient (engine.py)."""
+    average is a sparse tensor, set as the parameter's gradient (exchange.py)."""
 
     kind = PathKind.SPARSE_GRAD
     flat_rank = 5
@@ -610,7 +610,7 @@ class SparseGradPath(_Path):
     def collect(self, handle, out):
         """Every rank's rows, as one (uncoalesced) sparse tensor per member: the sum, or
         the average (op=Average), as Horovod's sparse allreduce returns it (returned:
-        they replace the flat average, engine.py)."""
+        they replace the flat average, exchange.py)."""
         out = []
         for indices_handle, values_handle, m in handle:
             values = _hvd.synchronize(values_handle)  # values first, as Horovod waits

@@ -1,7 +1,7 @@
 """Where a launch's average is written: the launch's flat buffer, or the gradients.
 
 A path's ``collect`` writes its tensors' average through one of these, by ranges and
-positions of the launch's flat layout (engine.py), and never asks which:
+positions of the launch's flat layout (exchange.py), and never asks which:
 
     out.zero(lo, hi)             the range will receive records
     out.add(positions, values)   records added (in record order: the same sums bit for

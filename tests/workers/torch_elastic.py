@@ -86,7 +86,7 @@ def lagging_drop_and_join(flag, steps=30, change_at=10, commit_every=5, grow=Fal
     """A Horovod elastic loop (``state.commit()`` every ``commit_every`` steps, nothing
     else added) with averages in flight between commits (``delay``, or the overlapped
     outer loop): two ranks then one (``grow=False``), or one then two. The commit flushes
-    them first (elastic_state.py), so no commit is refused and every rank commits
+    them first (elastic.py), so no commit is refused and every rank commits
     weights it agrees on."""
     model, opt, state = _elastic(5, **dgc_options)
     log = []

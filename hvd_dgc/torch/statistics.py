@@ -1,8 +1,8 @@
-"""Where training is, and hvd_dgc's entry in the optimizer's checkpoint.
+"""The statistics, where training is, and hvd_dgc's entry in the optimizer's checkpoint.
 
 ``Progress`` holds the step and epoch (which decide every rank's density and path, so
 every rank must hold the same ones) and the statistics. The checkpoint entry gathers
-what each part owns: the memory (engine), the compressor's state (its RNG, PowerSGD's
+what each part owns: the memory (exchange.py), the compressor's state (its RNG, PowerSGD's
 Q), the guard's counts, the delay ``delay="auto"`` reached. It is kept apart from the
 base optimizer's state so ``hvd.broadcast_optimizer_state`` (which broadcasts rank
 0's ``state``) never overwrites a rank's own residual. Its format, one memory entry
@@ -54,7 +54,7 @@ class Progress:
 
 def checkpoint(progress, memory_state, compressor, guard, lagging, rank):
     """hvd_dgc's entry in ``optimizer.state_dict()`` (``memory_state``: the memory's
-    entries, Engine.memory_state)."""
+    entries, GradientExchange.memory_state)."""
     comp = compressor.state_dict() if hasattr(compressor, "state_dict") else {}
     return {"version": STATE_VERSION, "step": progress.step, "epoch": progress.epoch,
             "rank": rank, "memory": memory_state, "compressor": comp,

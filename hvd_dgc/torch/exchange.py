@@ -1,4 +1,5 @@
-"""The engine: one launch's gradients from the parameters to the collectives and back.
+"""The gradient exchange: a launch's gradients from the parameters to the collectives
+and back.
 
 The path of one gradient, as the optimizer runs it (optimizer.py says when):
 
@@ -38,7 +39,7 @@ from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dt
 from hvd_dgc.torch.paths import CLASSES, Part, PathContext, make_paths
 from hvd_dgc.torch.update import FlatUpdate, GradUpdate, ViewUpdate
 
-__all__ = ["Engine", "Launch", "Member", "StepCounters"]
+__all__ = ["GradientExchange", "Launch", "Member", "StepCounters"]
 
 #: a model's launches (buckets, groups) times a few path assignments, with room to spare
 _LAYOUTS_KEPT = 64
@@ -238,7 +239,7 @@ class StepPlace(NamedTuple):
     name_suffix: str      # keeps the names of steps in flight at once apart
 
 
-class Engine:
+class GradientExchange:
     """Launches, advances and collects the collectives of a step's launches, on flat
     buffers; holds the memory (FlatMemory) and one instance of every path."""
 

@@ -10,10 +10,14 @@ Horovod's sync they are taken from rank 0 too, with the delay ``delay="auto"``
 has reached. Registered in Horovod's handler
 registry when hvd_dgc.torch is imported: ``hvd.elastic.TorchState(model=...,
 optimizer=...)`` needs no change.
+
+This module is ``hvd.elastic`` under ``import hvd_dgc.torch as hvd``: Horovod's own
+(``run``, ``TorchState``, ``ElasticSampler``, ...) with the handler registered.
 """
 
 import abc
 
+from horovod.torch.elastic import *  # noqa: F401,F403  (hvd.elastic, as Horovod's)
 from horovod.torch.elastic import state as _state
 from horovod.torch.functions import broadcast_object
 
