@@ -247,7 +247,8 @@ class CostModel:
 
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
-                           allowed=(DENSE, ALLGATHER, REGION), local_size=1):
+                           allowed=(DENSE, ALLGATHER, REGION), local_size=1,
+                           gather_index_bytes=None):
         """Cheapest of ``allowed`` (DENSE, ALLGATHER, REGION, HIERARCHICAL) for one tensor.
 
         Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
@@ -264,19 +265,22 @@ class CostModel:
         best, best_cost = None, None
         for name, (comm, local) in self.path_seconds(
                 numel, k, world_size, dense_value_bytes, sparse_value_bytes, index_bytes,
-                allowed, local_size).items():
+                allowed, local_size, gather_index_bytes).items():
             c = comm if name == DENSE else weight * (comm + local)
             if best is None or c < best_cost:
                 best, best_cost = name, c
         return best
 
     def path_seconds(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
-                     index_bytes=4, allowed=(DENSE, ALLGATHER, REGION), local_size=1):
+                     index_bytes=4, allowed=(DENSE, ALLGATHER, REGION), local_size=1,
+                     gather_index_bytes=None):
         """``{path: (transfer seconds, DGC's local work seconds)}`` for each of
         ``allowed`` that applies (HIERARCHICAL only where 1 < ``local_size`` <
         ``world_size``, unless it is the only one), in the order of preference on equal
         cost (``AGGREGATIONS``). ``choose_aggregation`` weighs them;
-        overlap.choose_paths places them on the step's timeline."""
+        overlap.choose_paths places them on the step's timeline. ``index_bytes``: a
+        record's position; ``gather_index_bytes``, where the allgather codes them
+        (hvd_dgc/packing.py ``index_bytes(n, k) / k``), the allgather's instead."""
         allowed = _allowed(allowed)
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
@@ -285,8 +289,9 @@ class CostModel:
             HIERARCHICAL: lambda: self.hierarchical_seconds(
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
                 index_bytes),
-            ALLGATHER: lambda: self.sparse_seconds(k, world_size, sparse_value_bytes,
-                                                   index_bytes),
+            ALLGATHER: lambda: self.sparse_seconds(
+                k, world_size, sparse_value_bytes,
+                index_bytes if gather_index_bytes is None else gather_index_bytes),
             REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
                                                 index_bytes),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),

@@ -531,7 +531,7 @@ def _wire_bytes(planner, tensor, path, density):
     from hvd_dgc.paths import PathKind
     world, k = planner.world_size, planner.k(tensor, density)
     if path == PathKind.ALLGATHER:
-        return allgather_bytes(k, world, planner.record_bytes)
+        return allgather_bytes(k, world, planner.gather_record_bytes(tensor.numel, k))
     if path == PathKind.REGION:
         return region_bytes(k, world, planner.record_bytes)
     if path == PathKind.HIERARCHICAL:

@@ -85,8 +85,10 @@ def test_buckets_cut_consecutive_tensors_at_the_threshold():
     # a 10 ms link: every tensor's bytes take less than BUCKET_LATENCIES latencies
     planner = _planner(world=2, density=0.01, warmup=0, cost_model=CostModel(alpha=10e-3))
     order = list(reversed(TENSORS))  # backward order
-    wires = {t.key: (num_selected(t.numel, 0.01) * 8 if planner.path(t, 0.01)
-                     == PathKind.ALLGATHER else t.numel * 4) for t in TENSORS}
+    # a record: its value and its coded position (Planner.gather_record_bytes)
+    wires = {t.key: (num_selected(t.numel, 0.01) * planner.gather_record_bytes(
+        t.numel, num_selected(t.numel, 0.01)) if planner.path(t, 0.01) == PathKind.ALLGATHER
+        else t.numel * 4) for t in TENSORS}
     # the largest first one's bytes: it shares a bucket with the next only when they fit
     one = planner.buckets(0.01, order, 10 ** 9)
     assert set(one) == {0, 1, 2, 3} and len({one[k] for k in one}) == 1  # not the slices

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from harness.hvdrun import run
-from hvd_dgc.torch.memory import fused_kernel_available
+from hvd_dgc.packing import index_bytes
+from hvd_dgc.torch.memory import aligned_size, fused_kernel_available
 from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
@@ -63,8 +64,16 @@ def _assert_sparse_consistency(per_rank):
                 assert 0.8 * k <= c["sent"] <= k, c
             else:  # the GPU form sends exactly k records (compression.py)
                 assert c["sent"] == k, c
-            # int32 index + fp32 value per record; the CPU's padded to k (paths.py _pad)
-            assert c["bytes"] == 8 * k
+        # each step's records: an fp32 value per slot (the CPU's padded to k) and the
+        # positions coded over the launch's range (paths.py AllgatherPath.coded)
+        for step in range(12):
+            cs = sparse[3 * step:3 * step + 3]
+            ks = [-(-c["numel"] // 1000) for c in cs]
+            spans = [aligned_size(c["numel"]) for c in cs]
+            one_launch = 4 * sum(ks) + index_bytes(sum(spans), sum(ks))
+            per_tensor = sum(4 * k + index_bytes(n, k) for n, k in zip(spans, ks))
+            assert sum(c["bytes"] for c in cs) in (one_launch, per_tensor), cs
+            assert sum(c["bytes"] for c in cs) < 6 * sum(ks)  # int32 index: 8 per record
         for c in dense:
             assert c["numel"] < 1024 and c["sent"] == c["numel"]
         assert out["stats"]["compression_ratio"] > 50
@@ -266,10 +275,11 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
             assert res["ratio"] > (2.5 if tag == "fp16" else 1.9), (tag, res["ratio"])
             assert res["paths"]["sparse"] == 3 * 4 * 22, (tag, res["paths"])
             assert res["accuracy"] > out["dense_accuracy"] - 0.02, (tag, res["accuracy"])
-        # the small dense tensors (biases) ride in their bucket's allgather as records
-        # of every index (paths.py fold): an index and an fp32 / fp16 value each
-        assert out["none"]["record_bytes"] == [8] and out["none"]["dense_bytes"] == [8]
-        assert out["fp16"]["record_bytes"] == [6] and out["fp16"]["dense_bytes"] == [6]
+        # a record: an fp32 / fp16 value and its position coded, half a byte at density
+        # 0.25 (paths.py AllgatherPath.coded); the small dense tensors (biases) ride in
+        # their bucket's allgather as their values alone (paths.py fold)
+        assert out["none"]["record_bytes"] == [4.5] and out["none"]["dense_bytes"] == [4]
+        assert out["fp16"]["record_bytes"] == [2.5] and out["fp16"]["dense_bytes"] == [2]
         # op=hvd.Average is the default; predividing by 2 and multiplying back, a
         # power-of-two loss scale and a clipping bound the gradients stay under are exact;
         # broadcast_optimizer_state leaves nothing behind: each equals the plain run

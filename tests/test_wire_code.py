@@ -135,3 +135,18 @@ def test_both_frameworks_code_positions_byte_for_byte_as_the_reference(framework
         else:
             got = decode_positions(tf.constant(blob), n, k).numpy()
         assert got.tolist() == positions, (framework, n, k)
+
+
+def test_torch_decodes_every_ranks_code_at_once():
+    """The allgather's receive (hvd_dgc/torch/positions.py ``decode_positions_many``):
+    the rows of every rank's code of k positions among n, bitmap and Elias-Fano alike,
+    decode to each rank's positions."""
+    import torch
+    from hvd_dgc.torch.positions import decode_positions_many
+
+    rng = np.random.default_rng(11)
+    for n, k in [(16, 4), (300, 150), (65536, 65), (25088, 2048), (1000, 1), (64, 64)]:
+        rows = [np.sort(rng.choice(n, k, replace=False)) for _ in range(3)]
+        blobs = np.stack([ref.encode_positions(r.tolist(), n) for r in rows])
+        got = decode_positions_many(torch.from_numpy(blobs), n, k).numpy()
+        assert got.shape == (3, k) and (got == np.stack(rows)).all(), (n, k)

@@ -108,6 +108,7 @@ class SparseCompressor(Options, Compressor):
     sparse = True
     name = "sparse"
     uses_block_max = False  # does select() want memory.block_abs_max(flat)?
+    codes_positions = True  # the allgather path codes its positions (positions.py)
 
     def __init__(self, density=0.001, fp16_values=False, seed=0):
         self.density = check_density(density)
@@ -177,15 +178,6 @@ class SparseCompressor(Options, Compressor):
         indices = (indices.view(-1, sum(ks)) + offsets).view(-1)
         return list(self._sum_records(values, indices, sum(sizes), dtype, scale).split(sizes))
 
-    def records_at(self, records, offsets, ks, scale=1.0):
-        """``(positions, values)`` of every rank's records of a launch: each rank's block
-        holds ``ks[i]`` records of tensor ``i``, whose index ``j`` lies at ``offsets[i] +
-        j`` of the launch's flat buffers; values times ``scale``, in record order."""
-        values, indices = self.unpack(records)
-        starts = slot_starts(tuple(offsets), tuple(ks), str(records.device))
-        positions = (indices.view(-1, sum(ks)).long() + starts).view(-1)
-        values = values.float()
-        return positions, values if scale == 1.0 else values * scale
 
     def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
         """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates

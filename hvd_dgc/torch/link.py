@@ -9,16 +9,17 @@ import torch
 
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.torch.memory import BLOCK
+from hvd_dgc.torch.positions import decode_records, encode_records
 
 __all__ = ["measure_local", "measure_payload"]
 
 
 def measure_local(compressor, collectives, density, device):
-    """The ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, ``pack``,
-    ``records_at``) on ``device``, agreed over ``collectives`` (hvd_dgc/seam.py: the
+    """The ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, and its records
+    coded and decoded as the allgather path does, positions.py) on ``device``, agreed over ``collectives`` (hvd_dgc/seam.py: the
     slowest rank's; ``python -m hvd_dgc.predict`` passes ``Alone()``): a launch's
-    selection over a synthetic memory, and its records taken out of the memory, packed,
-    unpacked and added, as the engine does."""
+    selection over a synthetic memory, and its records taken out of the memory, coded,
+    decoded and added, as the allgather path does."""
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(CALIBRATION_NUMEL, generator=gen).to(device)
     block_max = v.view(-1, BLOCK).abs().amax(1)  # (the memory's update makes these)
@@ -35,9 +36,11 @@ def measure_local(compressor, collectives, density, device):
         def once():
             values = memory.index_select(0, positions)  # what leaves the memory
             memory.index_fill_(0, positions, 0.0)
-            wire = compressor.pack(values, positions)
-            at, got = compressor.records_at(wire, (0,), (k,))
-            out.index_add_(0, at, got)
+            wire = encode_records(positions, values, CALIBRATION_NUMEL,
+                                  compressor.value_dtype)
+            at, got, _ = decode_records(wire.view(1, -1), CALIBRATION_NUMEL, k,
+                                        compressor.value_dtype)
+            out.index_add_(0, at.view(-1), got.view(-1).float())
         return _fastest(once, v.device)
     return calibrate(select, records, collectives, density)
 

@@ -23,7 +23,6 @@ engine's ``FlatMemory``, and a path takes from them only what leaves (``sent``) 
 gives back what an aggregation did not deliver (``give_back``).
 """
 
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -33,11 +32,13 @@ from horovod.torch.mpi_ops import Average, Sum
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
+from hvd_dgc.packing import index_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
-from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
+from hvd_dgc.torch.compression import coalesce_sorted, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
+from hvd_dgc.torch.positions import decode_records, encode_records
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
 __all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
@@ -249,11 +250,20 @@ class AllgatherPath(_Path):
                             picked.positions if masked is True else masked)
         if part.own is not None:
             part.own.index_put_((picked.positions,), values.to(part.own.dtype))
-        record = ctx.compressor.record_bytes  # padding to k: counted where it is added
-        for m, count in zip(part.members, picked.counts):
-            ctx.stats.record(m.name, self.kind, m.numel, count, count * record,
-                             launch.density)
+        for m, count, sent in zip(part.members, picked.counts,
+                                  self.record_bytes(part, picked.counts)):
+            ctx.stats.record(m.name, self.kind, m.numel, count, sent, launch.density)
         return _Picked(picked.positions, values, picked.counts, part.ks)
+
+    def record_bytes(self, part, counts):
+        """Bytes each member's records weigh on the wire, per member: ``k`` slots of a
+        coded position and a value, the part's code shared by the members' ``k``."""
+        ctx = self.ctx
+        total = sum(part.ks)
+        code = index_bytes(part.hi - part.lo, total)
+        shares = [code * k // total for k in part.ks]
+        shares[-1] += code - sum(shares)
+        return [k * ctx.compressor.value_bytes + share for k, share in zip(part.ks, shares)]
 
     def _masked(self, part, picked):
         """Whose momentum the sent coordinates lose (hvd_dgc/masking.py): True (all),
@@ -269,43 +279,9 @@ class AllgatherPath(_Path):
             counts_on(picked.counts, device), output_size=picked.positions.numel())
         return picked.positions[keep]
 
-    def records(self, part, sel, pre):
-        """``(local indices, wire values)`` in the launch's slots: each tensor's k
-        records in order, those a CPU selection left empty as (index 0, value 0), which
-        add nothing. Padded, every rank sends the same buffer shape every step, and
-        Horovod's response cache answers the negotiation: measured over a 100 ms link
-        (bench/results/round_trips.md), an allgather whose size changes from step to
-        step waits 7 round trips, one of a fixed size 3."""
-        device = sel.positions.device
-        counts = counts_on(sel.counts, str(device))
-        starts = on_device(tuple(part.offsets), str(device))
-        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
-            counts, output_size=sel.positions.numel())
-        local = sel.positions - starts[member]
-        values = sel.values if pre == 1.0 else sel.values * pre
-        if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
-            bad = part.launch.poison[on_device(tuple(part.index), str(device))]
-            values = torch.where(bad[member], float("inf"), values)
-        if sel.counts == sel.ks:
-            return local, values
-        total = sum(sel.ks)
-        first = torch.tensor((0,) + tuple(accumulate(sel.counts))[:-1], dtype=torch.long,
-                             device=device)
-        slot_start = on_device((0,) + tuple(accumulate(sel.ks))[:-1], str(device))
-        slot = slot_start[member] + torch.arange(local.numel(), device=device) - first[member]
-        indices = torch.zeros(total, dtype=local.dtype, device=device).index_copy_(
-            0, slot, local)
-        wire = torch.zeros(total, dtype=values.dtype, device=device).index_copy_(
-            0, slot, values)
-        record = self.ctx.compressor.record_bytes
-        for m, count, k in zip(part.members, sel.counts, sel.ks):
-            if count < k:
-                self.ctx.stats.add_bytes(m.name, (k - count) * record)
-        return indices, wire
-
     def absorb(self, parts, planner):
-        """The launch's dense tensors ride in its allgather, as records of every index,
-        where the cost model says so (costmodel.folds: small tensors, or a link of high
+        """The launch's dense tensors ride in its allgather, their values after the
+        records, where the cost model says so (costmodel.folds: small tensors, or a link of high
         latency): one Horovod operation fewer, two round trips a step over a WAN. The
         same on every rank: it depends on the launch's members and sizes only."""
         dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
@@ -318,42 +294,82 @@ class AllgatherPath(_Path):
         return parts
 
     def _fold(self, part):
-        """The launch's dense tensors as records of every index (``part.folded``): each
-        value exactly what the dense allreduce would have summed, so the memory, the
-        statistics and delayed averaging's own are unchanged; one Horovod operation per
-        launch instead of two (bench/results/round_trips.md)."""
-        dense = part.folded
-        payload = self.dense.take(dense)  # the dense path's own bookkeeping
-        device = payload.device
-        local = torch.cat([torch.arange(n, device=device) for n in dense.numels])
-        for m in dense.members:
-            self.ctx.stats.add_bytes(m.name, m.numel * INDEX_BYTES)
-        return local, payload
+        """The launch's dense tensors' values (``part.folded``), after the records: each
+        exactly what the dense allreduce would have summed, so the memory, the statistics
+        and delayed averaging's own are unchanged; their positions are every index, known
+        to every rank, so none travel. One Horovod operation per launch instead of two
+        (bench/results/round_trips.md)."""
+        return self.dense.take(part.folded)  # the dense path's own bookkeeping
+
+    def coded(self, part, sel, pre):
+        """This rank's bytes: the part's positions coded (positions.py: Elias-Fano or a
+        bitmap over the part's range, sorted), then their values in the same order.
+        Every tensor fills its k slots, those a CPU selection left empty with positions
+        it did not pick and the value 0, which add nothing: every rank sends the same
+        size every step, and Horovod's response cache answers the negotiation (measured
+        over a 100 ms link, bench/results/round_trips.md: an allgather whose size changes
+        from step to step waits 7 round trips, one of a fixed size 3)."""
+        device = sel.positions.device
+        values = sel.values if pre == 1.0 else sel.values * pre
+        if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
+            member = torch.arange(len(sel.counts), device=device).repeat_interleave(
+                counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
+            bad = part.launch.poison[on_device(tuple(part.index), str(device))]
+            values = torch.where(bad[member], float("inf"), values)
+        n, total = part.hi - part.lo, sum(part.ks)
+        positions = sel.positions - part.lo
+        if sum(sel.counts) < total:
+            unpicked = torch.arange(n - total, n, device=device)
+            unpicked = unpicked[~torch.isin(unpicked, positions)][:total - sum(sel.counts)]
+            positions = torch.cat([positions, unpicked])
+            values = torch.cat([values, values.new_zeros(unpicked.numel())])
+        return encode_records(positions, values, n, self.ctx.compressor.value_dtype)
 
     def launch(self, part):
         sel = self.select(part)
-        local, wire = self.records(part, sel, self.ctx.wire.pre())
-        layout = (part.offsets, sel.ks)
+        pre = self.ctx.wire.pre()
+        payload = self.coded(part, sel, pre)
+        folded = None
         if part.folded is not None:
-            dense_local, dense_values = self._fold(part)
-            pre = self.ctx.wire.pre()
-            local = torch.cat([local, dense_local])
-            wire = torch.cat([wire, dense_values if pre == 1.0 else dense_values * pre])
-            layout = (part.offsets + part.folded.offsets, sel.ks + part.folded.numels)
-        records = self.ctx.compressor.pack(wire, local)
-        handle = self.ctx.wire.allgather_async(records, part.launch.name + ".sparse")
-        ranges = [(part.lo, part.hi)]
-        if part.folded is not None:
-            ranges.append((part.folded.lo, part.folded.hi))
-        return handle, layout, ranges
+            dense = self._fold(part)
+            payload = torch.cat([payload, (dense if pre == 1.0 else dense * pre).to(
+                self.ctx.compressor.value_dtype).view(torch.uint8)])
+            folded = part.folded
+        handle = self.ctx.wire.allgather_async(payload, part.launch.name + ".sparse")
+        return _GatherLaunch(handle, part.lo, part.hi, sum(part.ks), folded)
 
     def collect(self, handle, out):
-        handle, (offsets, ks), ranges = handle
-        records = self.ctx.wire.wait(handle)
-        for lo, hi in ranges:
-            out.zero(lo, hi)
-        out.add(*self.ctx.compressor.records_at(records, offsets, ks,
-                                                scale=self.ctx.wire.post()))
+        blocks = self.ctx.wire.wait(handle.handle)
+        blocks = blocks.view(self.ctx.wire.world(), -1)
+        dtype = self.ctx.compressor.value_dtype
+        positions, values, rest = decode_records(blocks, handle.hi - handle.lo, handle.k,
+                                                 dtype)
+        positions = positions + handle.lo
+        out.zero(handle.lo, handle.hi)
+        if handle.folded is not None:
+            folded = handle.folded
+            out.zero(folded.lo, folded.hi)
+            every = _every_index(folded, positions.device)
+            positions = torch.cat([positions, every.expand(blocks.shape[0], -1)], 1)
+            values = torch.cat([values, rest.clone(
+                memory_format=torch.contiguous_format).view(dtype)], 1)
+        values = values.reshape(-1).float()
+        scale = self.ctx.wire.post()
+        out.add(positions.reshape(-1), values if scale == 1.0 else values * scale)
+
+
+class _GatherLaunch(NamedTuple):
+    handle: object
+    lo: int          # the part's range in the launch's buffers: positions are coded in it
+    hi: int
+    k: int           # records a rank sends (the part's k, summed)
+    folded: object   # the dense part carried after the records, or None
+
+
+def _every_index(part, device):
+    """The launch's positions of every element of ``part`` (a folded dense part)."""
+    return torch.cat([torch.arange(o, o + n, device=device)
+                      for o, n in zip(part.offsets, part.numels)])
 
 
 class _RegionLaunch(NamedTuple):
@@ -375,6 +391,10 @@ class RegionPath(AllgatherPath):
     kind = PathKind.REGION
     flat_rank = 1
     batched = True  # one alltoall and one allgather carry all of a step's: synchronize
+
+    def record_bytes(self, part, counts):
+        """An int32 index and a value per record sent (region.py's records)."""
+        return [count * self.ctx.compressor.record_bytes for count in counts]
 
     def absorb(self, parts, planner):
         return parts

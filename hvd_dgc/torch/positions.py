@@ -1,14 +1,16 @@
 """A tensor's selected positions as bytes, coded near their information content: Elias-Fano
 or a bitmap, whichever is smaller (the format and its sizes: hvd_dgc/packing.py; the
 NumPy reference this is held to: tests/reference.py ``encode_positions``). The same
-module, with the same functions, is hvd_dgc/tensorflow/positions.py. Not yet used by a
-path: the wire still carries int32 positions."""
+module, with the same functions, is hvd_dgc/tensorflow/positions.py. PyTorch's allgather
+path sends its records' positions so (paths.py ``AllgatherPath``), and decodes every
+rank's at once (``decode_positions_many``)."""
 
 import torch
 
-from hvd_dgc.packing import elias_fano_low_bits, index_code
+from hvd_dgc.packing import elias_fano_low_bits, index_bytes, index_code
 
-__all__ = ["encode_positions", "decode_positions"]
+__all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
+           "decode_records"]
 
 
 def _bytes_of(bits):
@@ -41,12 +43,39 @@ def encode_positions(positions, n):
 
 def decode_positions(blob, n, k):
     """Inverse of ``encode_positions``: the k sorted positions (int64)."""
-    bits = _bits_of(blob)
+    return decode_positions_many(blob.view(1, -1), n, k).view(-1)
+
+
+def decode_positions_many(blobs, n, k):
+    """``decode_positions`` of each row of ``blobs`` (rows of one length: every rank's
+    code of k positions among n) in a fixed number of operations: ``(rows, k)`` int64.
+    The number of ones is known (k a row), so no read-back waits for the device."""
+    rows, device = blobs.shape[0], blobs.device
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = ((blobs.unsqueeze(-1) >> shifts) & 1).view(rows, -1)
     if index_code(n, k) == "bitmap":
-        return torch.nonzero(bits[:n]).reshape(-1)
+        return torch.nonzero_static(bits[:, :n], size=rows * k)[:, 1].view(rows, k)
     low = elias_fano_low_bits(n, k)
-    weights = torch.ones(1, dtype=torch.int64, device=blob.device) << torch.arange(
-        low, device=blob.device)
-    lows = (bits[:k * low].view(k, low).to(torch.int64) * weights).sum(1)
-    ones = torch.nonzero(bits[k * low:]).reshape(-1)[:k]
-    return ((ones - torch.arange(k, device=blob.device)) << low) | lows
+    weights = torch.ones(1, dtype=torch.int64, device=device) << torch.arange(
+        low, device=device)
+    lows = (bits[:, :k * low].reshape(rows, k, low).to(torch.int64) * weights).sum(2)
+    ones = torch.nonzero_static(bits[:, k * low:], size=rows * k)[:, 1].view(rows, k)
+    return ((ones - torch.arange(k, device=device)) << low) | lows
+
+
+def encode_records(positions, values, n, dtype):
+    """Records as bytes: the positions (distinct, in 0..n-1, any order) coded, then the
+    values at them, as ``dtype``, in position order."""
+    positions, order = torch.sort(positions)
+    values = values[order].to(dtype)
+    return torch.cat([encode_positions(positions, n), values.view(torch.uint8)])
+
+
+def decode_records(blocks, n, k, dtype):
+    """Every row of ``blocks`` (each rank's bytes, one length) as ``encode_records`` wrote
+    k of them first: ``(positions, values, rest)``, ``(rows, k)`` each and the bytes after
+    the records."""
+    rows, code = blocks.shape[0], index_bytes(n, k)
+    end = code + k * (torch.finfo(dtype).bits // 8)
+    values = blocks[:, code:end].clone(memory_format=torch.contiguous_format).view(dtype)
+    return decode_positions_many(blocks[:, :code], n, k), values, blocks[:, end:]

@@ -270,9 +270,9 @@ def horovod_patterns():
             "paths": stats["paths"], "identical": ranks_identical(model, f"hp{tag}"),
             "compressor": type(opt.compressor).__name__,
             # every rank sends k records per tensor (a CPU selection's padded to k)
-            "record_bytes": sorted({t["bytes"] // num_selected(t["numel"], t["density"])
-                                    for t in tensors if t["path"] == "sparse"}),
-            "dense_bytes": sorted({t["bytes"] // t["numel"] for t in tensors
+            "record_bytes": sorted({round(t["bytes"] / num_selected(t["numel"], t["density"]),
+                                          1) for t in tensors if t["path"] == "sparse"}),
+            "dense_bytes": sorted({t["bytes"] / t["numel"] for t in tensors
                                    if t["path"] == "dense"}),
             "accuracy": acc, "max_diff_vs_horovod": max_diff(ref, model),
             "density_now": opt.density, "density_at_10000": opt.schedule(10000, 0.0),
