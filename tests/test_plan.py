@@ -366,3 +366,20 @@ def test_adam_with_no_option_resolves_to_zero_one_adam_and_keeps_its_period_wher
                               cost_model=CostModel(encode_element_seconds=1e-6)), tensors, 2)
     assert chosen.adam_freeze(chosen.resolved.chosen_lagging) == 20
     assert chosen.settled().config.period == 4
+
+
+def test_the_allgather_is_priced_by_the_wire_it_sends():
+    """PyTorch's allgather codes its positions (about 12 bits a record at density 0.001,
+    hvd_dgc/packing.py), region reduce and hierarchical DGC send int32 ones, and the
+    planner prices each: a record on the allgather costs its value and
+    ``index_bytes(n, k) / k``; folded dense tensors cost their values alone."""
+    from hvd_dgc.packing import index_bytes
+    planner = _planner(density=0.001, warmup=0)
+    n, k = 2359296, 2360  # ResNet-50's largest 3x3 convolution at 0.001
+    assert planner.gather_index_bytes(n, k) == index_bytes(n, k) / k
+    assert 1.3 < planner.gather_index_bytes(n, k) < 1.6  # 10.4 to 12.8 bits: not int32's 4
+    assert planner.gather_record_bytes(n, k) == 4 + index_bytes(n, k) / k
+    assert planner.record_bytes == 8
+    # a framework whose records carry int32 positions is priced so
+    planner.compressor = type("Int32Records", (), {"value_bytes": 4, "record_bytes": 8})()
+    assert planner.gather_index_bytes(n, k) == 4 and planner.gather_record_bytes(n, k) == 8

@@ -55,14 +55,16 @@ def _one_launch_on_an_accelerator(gloo):
             assert len(set(out[variant]["launches"])) == 1, (variant, out[variant])
 
 
-def test_folded_dense_tensors_are_counted_with_their_indices(gloo):
+def test_folded_dense_tensors_are_counted_as_their_values(gloo):
+    """A dense tensor riding in its launch's allgather sends its fp32 values alone: its
+    positions are every index, which every rank knows (paths.py AllgatherPath._fold)."""
     dense = [64, 64, 320, 5]  # mlp()'s tensors below min_compress_size, elements
     for out in _checked(gloo, "bundled_equals_per_tensor"):
         folded, alone = out["sync"]["dense_bytes"][0], out["sync"]["dense_bytes"][2]
-        assert sorted(folded.values()) == sorted(8 * n for n in dense)  # records
-        # one launch per tensor: fp32 (on a GPU there is one launch whatever the buckets)
-        per_value = 4 if device_kind() == "cpu" else 8
-        assert sorted(alone.values()) == sorted(per_value * n for n in dense)
+        assert sorted(folded.values()) == sorted(4 * n for n in dense)
+        # one launch per tensor: its own allreduce (on a GPU one launch whatever the
+        # buckets: folded), fp32 either way
+        assert sorted(alone.values()) == sorted(4 * n for n in dense)
         assert sorted(out["unfolded"]["dense_bytes"][0].values()) == \
             sorted(4 * n for n in dense)  # the cost model kept their fp32 allreduce
 

@@ -72,10 +72,10 @@ def test_sparse_ranks_bit_identical_and_a_host_sends_one_local_size_th(per_host,
             assert res["moved"] > 1e-3
             assert res["stats"]["paths"] == {path: 30, "dense": 30}, res["stats"]
         # the 3 weights: k = 17, 66, 3; each of L slices rounds its share up (<= L records)
-        slack = 3 * per_host * 8
-        assert out["hierarchical"]["host_bytes"] <= \
-            out["allgather"]["host_bytes"] / per_host + slack, out
-        assert out["hierarchical"]["host_bytes"] < out["allgather"]["host_bytes"] / 1.5
+        slack = 3 * per_host
+        assert out["hierarchical"]["host_records"] <= \
+            out["allgather"]["host_records"] / per_host + slack, out
+        assert out["hierarchical"]["host_records"] < out["allgather"]["host_records"] / 1.5
 
 
 def test_error_feedback_with_slice_owned_residuals_conserves_everything(two_by_two):
@@ -96,9 +96,11 @@ def test_nonfinite_on_one_rank_skips_the_step_on_every_host(two_by_two):
 
 def test_auto_chooses_hierarchical_per_tensor_by_the_cost_model(two_by_two):
     for out in _checked(two_by_two, "auto_choice"):
-        # 2 steps: the two large weights hierarchical, the 2560-element one by allgather
+        # 2 steps: the 65,536-element weight hierarchical (231 us against the coded
+        # allgather's 237), the 16,384- and 2,560-element ones by allgather (173 us
+        # against 176; 154 against 159)
         for tag in ("auto", "auto_delay"):
-            assert out[tag] == {"hierarchical": 4, "sparse": 2, "dense": 6}, (tag, out[tag])
+            assert out[tag] == {"hierarchical": 2, "sparse": 4, "dense": 6}, (tag, out[tag])
         for tag in ("auto_1gbit", "flat"):
             assert out[tag] == {"sparse": 6, "dense": 6}, (tag, out[tag])
 
@@ -180,4 +182,5 @@ def test_hierarchical_dgc_over_ssh_on_emulated_hosts(over_ssh):
         assert all(out["identical"]), controller
     for out in _checked(results, "sparse_steps"):
         assert all(out["hierarchical"]["identical"]), controller
-        assert out["hierarchical"]["host_bytes"] <= out["allgather"]["host_bytes"] / 2 + 48
+        assert out["hierarchical"]["host_records"] <= \
+            out["allgather"]["host_records"] / 2 + 6

@@ -315,7 +315,7 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
         if rank == 0:  # warnings on rank 0 only (hvd_dgc/say.py)
             assert len(out["warnings"]) == 2
             assert "min_compress_size=1000000" in out["warnings"][0]
-            assert "density 0.9 and 2 ranks" in out["warnings"][1]
+            assert "density 0.99 and 2 ranks" in out["warnings"][1]
         else:
             assert out["warnings"] == []
         assert "not a compressor name" in out["bad_name"] and "'dgc'" in out["bad_name"]

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import hvd_dgc.torch as hvd
+from hvd_dgc.packing import index_bytes
 from tests.workers.device import device, sparse_momentum_deterministic
 from tests.workers.torch_dgc import (batch, expect_error, flat_params, loss_of, mlp,
                                      rank_spread, ranks_identical)
@@ -56,18 +57,19 @@ def _pair(tag, thresholds, steps=8, passes=1, **options):
 def bundled_equals_per_tensor():
     """Default threshold (one bucket), a threshold that cuts the step in two, and 0 (one
     launch per tensor, as Horovod's hooks): the same weights after every step."""
-    records = 205 * 8  # the 4096-element weight's k = 205 records of 8 bytes
+    # the 4096-element weight's k = 205 records: fp32 values, positions coded
+    records = 205 * 4 + index_bytes(4096, 205)
     out = {"sync": _pair("fz", [None, records + 400, 0])}
     out["delay"] = _pair("fzd", [None, 0], delay=2)
     out["period"] = _pair("fzp", [None, 0], delay=1, period=2, steps=9)
     out["passes"] = _pair("fzb", [None, 0], passes=2)
     out["region"] = _pair("fzr", [None, 0], aggregation="region")
-    # little latency in the cost model (16 us; the records' collectives at half the
+    # little latency in the cost model (16 us; the records' collectives at 28% of the
     # allreduce's rate): the step's bytes take less than plan.BUCKET_LATENCIES of it, so
     # one bucket, but the dense tensors keep their allreduce (costmodel.folds: their 453
-    # elements as records cost more than it)
+    # values in the allgather, 52 us, cost more than it, 46 us)
     out["unfolded"] = _pair("fzn", [None, 0], cost_model=hvd.CostModel(
-        alpha=16e-6, gather_bandwidth=6.25e7))
+        alpha=16e-6, gather_bandwidth=3.5e7))
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 
 import horovod.torch as hvd_stock
 import hvd_dgc.torch as hvd
+from hvd_dgc.schedule import num_selected
 from hvd_dgc.aggregation import slices
 from tests.workers import torch_dgc
 from tests.workers.torch_aggregation import _named
@@ -70,12 +71,15 @@ def sparse_steps(steps=10, density=0.001):
             train(model, opt, 1, rank, start=step, **WIDE)
             identical.append(ranks_identical(model, f"sp.{method}.{step}"))
         stats = opt.compression_stats()
-        # the last step's records (what crosses hosts), summed over each host's ranks
-        records = sum(t["bytes"] for t in stats["last_step"]["tensors"].values()
-                      if t["path"] != "dense")
+        # the last step's records (what crosses hosts), summed over each host's ranks:
+        # hierarchical's of 8 bytes (int32 index, fp32 value), the allgather's k a tensor
+        # (its positions coded: its bytes are no count of records)
+        records = sum(t["bytes"] // 8 if t["path"] == "hierarchical" else
+                      num_selected(t["numel"], density)
+                      for t in stats["last_step"]["tensors"].values() if t["path"] != "dense")
         host = hvd_stock.allreduce(torch.tensor([float(records)]), op=hvd_stock.Sum,
-                                   name=f"sp.{method}.bytes") / hvd.cross_size()
-        out[method] = {"identical": identical, "stats": stats, "host_bytes": float(host),
+                                   name=f"sp.{method}.records") / hvd.cross_size()
+        out[method] = {"identical": identical, "stats": stats, "host_records": float(host),
                        "moved": float((flat_params(model) - flat_params(wide_mlp(4))).abs().max())}
     return out
 
@@ -158,8 +162,8 @@ def nonfinite_skip():
 
 
 def auto_choice():
-    """aggregation="auto" at 0.1% across a 100 Mbit/s link: hierarchical for the two
-    large weights, allgather for the small one (the cost model, one choice per tensor);
+    """aggregation="auto" at 0.1% across a 100 Mbit/s link: hierarchical for the largest
+    weight, the coded allgather for the two others (the cost model, one choice per tensor);
     at 1 Gbit/s (the default model) the local reduce costs more than the records it
     saves: flat; "flat" never takes it; with delay > 0 auto takes it as without."""
     out = {}
