@@ -150,3 +150,22 @@ def test_torch_decodes_every_ranks_code_at_once():
         blobs = np.stack([ref.encode_positions(r.tolist(), n) for r in rows])
         got = decode_positions_many(torch.from_numpy(blobs), n, k).numpy()
         assert got.shape == (3, k) and (got == np.stack(rows)).all(), (n, k)
+
+
+def test_a_selection_short_of_k_is_filled_with_elements_it_did_not_pick():
+    """PyTorch's allgather sends k slots a tensor (a fixed size every step); where a CPU
+    selection picked fewer, the rest are positions of the members' own elements it did
+    not pick (value 0), never the alignment between members (paths.py ``_unpicked``)."""
+    from types import SimpleNamespace
+    import torch
+    from hvd_dgc.torch.paths import _unpicked
+
+    part = SimpleNamespace(members=(SimpleNamespace(numel=5), SimpleNamespace(numel=40)),
+                           ks=(2, 3), lo=32, offsets=(32, 64))
+    # member 0 (part positions 0-4, then alignment to 32) picked 1; member 1 picked 0, 2
+    picked = torch.tensor([1, 32, 34])
+    assert _unpicked(part, (1, 2), picked).tolist() == [0, 2]
+    assert _unpicked(part, (0, 0), torch.tensor([], dtype=torch.long)).tolist() == \
+        [0, 1, 32, 33, 34]
+    full = SimpleNamespace(members=(SimpleNamespace(numel=3),), ks=(3,), lo=0, offsets=(0,))
+    assert _unpicked(full, (1,), torch.tensor([1])).tolist() == [0, 2]

@@ -319,8 +319,7 @@ class AllgatherPath(_Path):
         n, total = part.hi - part.lo, sum(part.ks)
         positions = sel.positions - part.lo
         if sum(sel.counts) < total:
-            unpicked = torch.arange(n - total, n, device=device)
-            unpicked = unpicked[~torch.isin(unpicked, positions)][:total - sum(sel.counts)]
+            unpicked = _unpicked(part, sel.counts, positions)
             positions = torch.cat([positions, unpicked])
             values = torch.cat([values, values.new_zeros(unpicked.numel())])
         return encode_records(positions, values, n, self.ctx.compressor.value_dtype)
@@ -364,6 +363,23 @@ class _GatherLaunch(NamedTuple):
     hi: int
     k: int           # records a rank sends (the part's k, summed)
     folded: object   # the dense part carried after the records, or None
+
+
+def _unpicked(part, counts, picked):
+    """``sum(part.ks) - sum(counts)`` positions (in the part's range) of its members'
+    elements that ``picked`` does not hold, never the alignment between them: each
+    member's first ``k + count`` elements hold at least ``k`` it did not pick."""
+    lengths = [min(m.numel, k + c) for m, k, c in zip(part.members, part.ks, counts)]
+    bases, seen = [], 0
+    for offset, length in zip(part.offsets, lengths):
+        bases.append(offset - part.lo - seen)
+        seen += length
+    device = picked.device
+    candidates = torch.arange(seen, device=device) + torch.tensor(
+        bases, device=device).repeat_interleave(torch.tensor(lengths, device=device),
+                                                output_size=seen)
+    free = candidates[~torch.isin(candidates, picked)]
+    return free[:sum(part.ks) - sum(counts)]
 
 
 def _every_index(part, device):
