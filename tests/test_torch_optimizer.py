@@ -13,7 +13,8 @@ from tests.workers.device import kind as device_kind
 
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
-                  "horovod_patterns", "sparse_embeddings", "fp16_outlier", "sparse_step"]
+                  "horovod_patterns", "sparse_embeddings", "fp16_outlier", "sparse_step",
+                  "fp16_records"]
 
 
 def _checked(results, name):
@@ -120,6 +121,14 @@ def test_dense_fp16_beyond_its_range_is_clipped_not_lost(gloo):
         # all of the outlier arrived: 4 steps of at most 32736 carried 1e5 + 3
         total = -(np.float32(GRADS[0][0]) + np.float32(GRADS[0][1])) / 2
         assert abs(out["weights"][-1][0] - total[0]) <= 16
+
+
+def test_fp16_record_values_keep_their_rounding_in_the_memory(gloo):
+    for out in _checked(gloo, "fp16_records"):
+        assert 0.8 * 41 <= out["sent"] <= 41  # k = 41 of 4,096 at density 0.01
+        assert out["rounding_nonzero"] > 10  # fp16 did round these values
+        assert out["rounding_kept"] == 0.0 and out["unsent_untouched"]
+        assert out["average_diff"] == 0.0
 
 
 def test_np1_still_compresses():

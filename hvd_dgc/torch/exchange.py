@@ -105,7 +105,7 @@ class StepCounters:
     for the step, not one per tensor)."""
 
     def __init__(self):
-        self.fp16_clipped = []  # device counts of dense fp16 values sent clipped
+        self.fp16_clipped = []  # device counts of fp16 values sent clipped (dense, records)
 
 
 class Layout:

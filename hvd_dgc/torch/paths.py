@@ -316,6 +316,8 @@ class AllgatherPath(_Path):
                 counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
             bad = part.launch.poison[on_device(tuple(part.index), str(device))]
             values = torch.where(bad[member], float("inf"), values)
+        if self.ctx.compressor.value_dtype == torch.float16:
+            values = self._half(part, sel.positions, values, pre)
         n, total = part.hi - part.lo, sum(part.ks)
         positions = sel.positions - part.lo
         if sum(sel.counts) < total:
@@ -323,6 +325,24 @@ class AllgatherPath(_Path):
             positions = torch.cat([positions, unpicked])
             values = torch.cat([values, values.new_zeros(unpicked.numel())])
         return encode_records(positions, values, n, self.ctx.compressor.value_dtype)
+
+    def _half(self, part, positions, values, pre):
+        """fp16 values (``values`` prescaled by ``pre``) with what fp16 loses kept in the
+        memory (error feedback, as the dense path's fp16, hvd_dgc/fp16wire.py): the
+        rounding, and beyond the dense wire's bound the excess (one bound for both, so
+        fp16wire's warning says it); delayed averaging's own is what the others read.
+        Not finite: sent as it is (the guard sees it)."""
+        ctx = self.ctx
+        bound = ctx.wire.fp16_bound() * pre
+        finite = torch.isfinite(values)
+        ctx.counters.fp16_clipped.append(torch.count_nonzero(finite & (values.abs() > bound)))
+        half = torch.where(finite, values.clamp(-bound, bound), values).to(torch.float16)
+        sent = half.float() if pre == 1.0 else half.float() / pre
+        ctx.memory.give_back(part.launch.block, positions, torch.where(
+            finite, (values if pre == 1.0 else values / pre) - sent, 0.0))
+        if part.own is not None:
+            part.own.index_put_((positions,), sent.to(part.own.dtype))
+        return half
 
     def launch(self, part):
         sel = self.select(part)

@@ -780,6 +780,28 @@ def sparse_step():
     return out
 
 
+def fp16_records():
+    """fp16 record values (Compression.dgc(fp16_values=True)): what fp16 rounds off a sent
+    value stays in the sender's memory (error feedback), the rest of the memory is the
+    gradient untouched, and the average is the fp32 mean of what the ranks sent."""
+    rank, n = hvd.rank(), 4096
+    p = nn.Parameter(torch.zeros(n))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), named_parameters=[("fp16r.w", p)], density=0.01,
+        warmup=0, cost_model=hvd.CostModel(), compression=hvd.Compression.dgc(fp16_values=True))
+    g = (torch.arange(n, dtype=torch.float32) * 1e-3 + 1 / 3) * (1 + rank)
+    p.grad = g.clone()
+    opt.step()
+    v = opt.residual(p).detach().clone()
+    sent = v != g  # a sent value leaves only its rounding behind
+    rounding = g - g.half().float()
+    gathered = hvd.allgather(torch.where(sent, g.half().float(), 0.0).view(1, -1))
+    return {"sent": int(sent.sum()), "rounding_kept": float((v - rounding)[sent].abs().max()),
+            "rounding_nonzero": int((rounding[sent] != 0).sum()),
+            "unsent_untouched": bool(torch.equal(v[~sent], g[~sent])),
+            "average_diff": float((-p.detach() - gathered.mean(0)).abs().max())}
+
+
 def fp16_outlier():  # in the gloo launch of tests/test_torch_optimizer.py
     from tests.workers.fp16_wire import torch_outlier
     return torch_outlier()
