@@ -10,7 +10,8 @@ import math
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
-           "elias_fano_bytes", "index_code", "index_bytes"]
+           "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
+           "gather_record_bytes"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -84,3 +85,18 @@ def index_code(n, k):
 def index_bytes(n, k):
     """Bytes of k positions among n in their smaller code."""
     return min(elias_fano_bytes(n, k), (n + 7) // 8)
+
+
+def gather_index_bytes(compressor, n, k):
+    """A record's position on the allgather path of ``k`` records among ``n``: coded
+    where the compressor's records are (``codes_positions``: PyTorch's, about 12 bits at
+    density 0.001), else an int32 (region reduce, hierarchical DGC and TensorFlow send
+    those)."""
+    if getattr(compressor, "codes_positions", False) and 0 < k < n:
+        return index_bytes(n, k) / k
+    return 4
+
+
+def gather_record_bytes(compressor, n, k):
+    """A record on the allgather path: its position and its value."""
+    return gather_index_bytes(compressor, n, k) + getattr(compressor, "value_bytes", 4)

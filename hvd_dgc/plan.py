@@ -25,7 +25,7 @@ from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.packing import index_bytes
+from hvd_dgc.packing import gather_index_bytes, gather_record_bytes
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.say import rank0_once, say, verbose
 from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
@@ -226,8 +226,8 @@ class Planner:
             seconds = model.path_seconds(tensor.numel, k, world, self.dense_value_bytes,
                                          self.compressor.value_bytes, allowed=allowed,
                                          local_size=self.local_size,
-                                         gather_index_bytes=self.gather_index_bytes(
-                                             tensor.numel, k))
+                                         gather_index_bytes=gather_index_bytes(
+                                             self.compressor, tensor.numel, k))
             order.append((tensor.key, hide.get(tensor.key, 0.0)))
             candidates[tensor.key] = [Candidate(path, comm, local, path in self.at_end)
                                       for path, (comm, local) in seconds.items()]
@@ -246,7 +246,8 @@ class Planner:
             path = self.path(tensor, density, step)
             k = self.k(tensor, density)
             if path == PathKind.ALLGATHER:
-                wire = allgather_bytes(k, world, self.gather_record_bytes(tensor.numel, k))
+                wire = allgather_bytes(k, world,
+                                       gather_record_bytes(self.compressor, tensor.numel, k))
             elif path == PathKind.REGION:
                 wire = region_bytes(k, world, self.record_bytes)
             elif path == PathKind.HIERARCHICAL:
@@ -354,17 +355,6 @@ class Planner:
         """A record of the region and hierarchical paths: an int32 index and a value."""
         return getattr(self.compressor, "record_bytes", 8)
 
-    def gather_index_bytes(self, numel, k):
-        """A record's position on the allgather path: coded where the compressor's
-        records are (PyTorch: ``packing.index_bytes(n, k) / k``, about 12 bits at
-        density 0.001), else an int32."""
-        if getattr(self.compressor, "codes_positions", False) and 0 < k < numel:
-            return index_bytes(numel, k) / k
-        return 4
-
-    def gather_record_bytes(self, numel, k):
-        """A record on the allgather path: its position and its value."""
-        return self.gather_index_bytes(numel, k) + getattr(self.compressor, "value_bytes", 4)
 
     def k(self, tensor, density):
         """Records a sparse path sends of ``tensor`` at ``density``."""
@@ -406,7 +396,7 @@ class Planner:
             chosen = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
                 self.compressor.value_bytes, allowed=self.flat,
-                gather_index_bytes=self.gather_index_bytes(tensor.numel, k))
+                gather_index_bytes=gather_index_bytes(self.compressor, tensor.numel, k))
             self._paths[key] = chosen
         return chosen
 
@@ -455,7 +445,7 @@ class Planner:
             decided = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
                 self.compressor.value_bytes, allowed=aggregations, local_size=self.local_size,
-                gather_index_bytes=self.gather_index_bytes(tensor.numel, k)
+                gather_index_bytes=gather_index_bytes(self.compressor, tensor.numel, k)
             ) == PathKind.HIERARCHICAL
             self._hierarchical[tensor.numel] = decided
         return decided
@@ -534,7 +524,7 @@ class Planner:
                                       self.dense_value_bytes) / model.bandwidth
             elif path == PathKind.ALLGATHER:
                 k = self.k(tensor, density)
-                record = self.gather_record_bytes(tensor.numel, k)
+                record = gather_record_bytes(self.compressor, tensor.numel, k)
                 wire = k * record
                 seconds = allgather_bytes(k, self.world_size, record) / \
                     model.records_bandwidth

@@ -528,10 +528,12 @@ def _wire_bytes(planner, tensor, path, density):
     Planner.exchange_seconds prices)."""
     from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, \
         region_bytes
+    from hvd_dgc.packing import gather_record_bytes
     from hvd_dgc.paths import PathKind
     world, k = planner.world_size, planner.k(tensor, density)
     if path == PathKind.ALLGATHER:
-        return allgather_bytes(k, world, planner.gather_record_bytes(tensor.numel, k))
+        return allgather_bytes(k, world,
+                               gather_record_bytes(planner.compressor, tensor.numel, k))
     if path == PathKind.REGION:
         return region_bytes(k, world, planner.record_bytes)
     if path == PathKind.HIERARCHICAL:

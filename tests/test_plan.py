@@ -5,6 +5,7 @@ import pytest
 
 from hvd_dgc import CostModel
 from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.packing import gather_record_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import BUCKET_LATENCIES, Planner, TensorInfo
 from hvd_dgc.schedule import num_selected
@@ -85,10 +86,10 @@ def test_buckets_cut_consecutive_tensors_at_the_threshold():
     # a 10 ms link: every tensor's bytes take less than BUCKET_LATENCIES latencies
     planner = _planner(world=2, density=0.01, warmup=0, cost_model=CostModel(alpha=10e-3))
     order = list(reversed(TENSORS))  # backward order
-    # a record: its value and its coded position (Planner.gather_record_bytes)
-    wires = {t.key: (num_selected(t.numel, 0.01) * planner.gather_record_bytes(
-        t.numel, num_selected(t.numel, 0.01)) if planner.path(t, 0.01) == PathKind.ALLGATHER
-        else t.numel * 4) for t in TENSORS}
+    # a record: its value and its coded position (packing.gather_record_bytes)
+    wires = {t.key: (num_selected(t.numel, 0.01) * gather_record_bytes(
+        planner.compressor, t.numel, num_selected(t.numel, 0.01))
+        if planner.path(t, 0.01) == PathKind.ALLGATHER else t.numel * 4) for t in TENSORS}
     # the largest first one's bytes: it shares a bucket with the next only when they fit
     one = planner.buckets(0.01, order, 10 ** 9)
     assert set(one) == {0, 1, 2, 3} and len({one[k] for k in one}) == 1  # not the slices
@@ -373,13 +374,13 @@ def test_the_allgather_is_priced_by_the_wire_it_sends():
     hvd_dgc/packing.py), region reduce and hierarchical DGC send int32 ones, and the
     planner prices each: a record on the allgather costs its value and
     ``index_bytes(n, k) / k``; folded dense tensors cost their values alone."""
-    from hvd_dgc.packing import index_bytes
-    planner = _planner(density=0.001, warmup=0)
+    from hvd_dgc.packing import gather_index_bytes, index_bytes
+    compressor = _planner(density=0.001, warmup=0).compressor
     n, k = 2359296, 2360  # ResNet-50's largest 3x3 convolution at 0.001
-    assert planner.gather_index_bytes(n, k) == index_bytes(n, k) / k
-    assert 1.3 < planner.gather_index_bytes(n, k) < 1.6  # 10.4 to 12.8 bits: not int32's 4
-    assert planner.gather_record_bytes(n, k) == 4 + index_bytes(n, k) / k
-    assert planner.record_bytes == 8
-    # a framework whose records carry int32 positions is priced so
-    planner.compressor = type("Int32Records", (), {"value_bytes": 4, "record_bytes": 8})()
-    assert planner.gather_index_bytes(n, k) == 4 and planner.gather_record_bytes(n, k) == 8
+    assert gather_index_bytes(compressor, n, k) == index_bytes(n, k) / k
+    assert 1.3 < gather_index_bytes(compressor, n, k) < 1.6  # 10.4-12.8 bits, not int32's 4
+    assert gather_record_bytes(compressor, n, k) == 4 + index_bytes(n, k) / k
+    assert compressor.record_bytes == 8  # region reduce's and hierarchical DGC's records
+    # a framework whose records carry int32 positions (TensorFlow's) is priced so
+    int32 = type("Int32Records", (), {"value_bytes": 4, "record_bytes": 8})()
+    assert gather_index_bytes(int32, n, k) == 4 and gather_record_bytes(int32, n, k) == 8
