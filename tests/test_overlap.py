@@ -9,6 +9,7 @@ import pytest
 from hvd_dgc import CostModel
 from hvd_dgc.overlap import (BackwardProfile, Candidate, PlanTrial, ProfileRecorder,
                              choose_paths, exchange_ends, profile_from)
+from hvd_dgc.packing import gather_index_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo
 from tests.test_plan import _planner
@@ -110,16 +111,19 @@ def _measured(world=2, **options):
 
 def test_the_profile_replaces_the_dense_preference():
     """2 ranks, 1 Gbit/s, 2^20-element weights: an allreduce is 33.6 ms; at 25% an
-    allgather 16.8 ms plus 2.1 ms of DGC's work. By the sums weighed twice: dense (37.8 >
+    allgather 9.5 ms (an fp32 value and half a byte of coded position a record) plus
+    8.4 ms of DGC's work (8 ns an element). By the sums weighed twice: dense (35.8 >
     33.6). With a profile where fc (ready first) has 50 ms of backward after it, its
-    allreduce hides (0 against 2.1 ms of work): dense; conv, ready last, hides nothing:
-    sparse (18.9 < 33.6). At 1%: fc still hidden, dense; conv sparse."""
+    allreduce hides (0 against 8.4 ms of work): dense; conv, ready last, hides nothing:
+    sparse (17.9 < 33.6). At 1%: fc still hidden, dense; conv sparse."""
     planner = _measured(density=0.01, warmup=0)
-    model = planner.cost_model
+    planner.cost_model = model = CostModel(select_element_seconds=8e-9, dense_preference=2.0)
+    planner.replan(2)
     dense = model.dense_seconds(FC.numel, 2, 4)
-    gather, work = model.sparse_seconds(262144, 2, 4, 4), model.local_seconds(FC.numel,
-                                                                              262144, 2)
-    assert (dense, gather, work) == pytest.approx((0.0336, 0.0168, 0.0021), abs=2e-4)
+    gather = model.sparse_seconds(262144, 2, 4, gather_index_bytes(
+        planner.compressor, FC.numel, 262144))
+    work = model.local_seconds(FC.numel, 262144, 2)
+    assert (dense, gather, work) == pytest.approx((0.0336, 0.0095, 0.0084), abs=2e-4)
     assert planner.path(FC, 0.25) == DENSE and planner.path(CONV, 0.25) == DENSE
     assert planner.path(FC, 0.01) == SPARSE and planner.path(CONV, 0.01) == SPARSE
     generation = planner.generation
