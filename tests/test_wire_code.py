@@ -169,3 +169,18 @@ def test_a_selection_short_of_k_is_filled_with_elements_it_did_not_pick():
         [0, 1, 32, 33, 34]
     full = SimpleNamespace(members=(SimpleNamespace(numel=3),), ks=(3,), lo=0, offsets=(0,))
     assert _unpicked(full, (1,), torch.tensor([1])).tolist() == [0, 2]
+
+
+def test_padding_is_merged_into_the_sorted_selection():
+    """paths.py ``_merged``: a sorted selection and the unpicked positions that fill its k
+    slots, one sorted list, each value where its position went and 0 at the others; an
+    unsorted selection is left to encode_records' sort."""
+    import torch
+    from hvd_dgc.torch.paths import _merged
+
+    positions, more = torch.tensor([1, 5, 9]), torch.tensor([0, 6, 7, 12])
+    out, values = _merged(positions, torch.tensor([10.0, 50.0, 90.0]), more)
+    assert out.tolist() == [0, 1, 5, 6, 7, 9, 12]
+    assert values.tolist() == [0.0, 10.0, 50.0, 0.0, 0.0, 90.0, 0.0]
+    out, values = _merged(torch.tensor([9, 1]), torch.tensor([90.0, 10.0]), torch.tensor([0]))
+    assert out.tolist() == [9, 1, 0] and values.tolist() == [90.0, 10.0, 0.0]

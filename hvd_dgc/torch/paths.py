@@ -23,6 +23,7 @@ engine's ``FlatMemory``, and a path takes from them only what leaves (``sent``) 
 gives back what an aggregation did not deliver (``give_back``).
 """
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -321,9 +322,8 @@ class AllgatherPath(_Path):
         n, total = part.hi - part.lo, sum(part.ks)
         positions = sel.positions - part.lo
         if sum(sel.counts) < total:
-            unpicked = _unpicked(part, sel.counts, positions)
-            positions = torch.cat([positions, unpicked])
-            values = torch.cat([values, values.new_zeros(unpicked.numel())])
+            positions, values = _merged(positions, values,
+                                        _unpicked(part, sel.counts, positions))
         return encode_records(positions, values, n, self.ctx.compressor.value_dtype)
 
     def _half(self, part, positions, values, pre):
@@ -387,19 +387,42 @@ class _GatherLaunch(NamedTuple):
 
 def _unpicked(part, counts, picked):
     """``sum(part.ks) - sum(counts)`` positions (in the part's range) of its members'
-    elements that ``picked`` does not hold, never the alignment between them: each
-    member's first ``k + count`` elements hold at least ``k`` it did not pick."""
+    elements that ``picked`` (``counts[i]`` of member i's, in member order) does not
+    hold, never the alignment between them: each member's first ``k + count`` elements
+    hold at least ``k`` it did not pick."""
     lengths = [min(m.numel, k + c) for m, k, c in zip(part.members, part.ks, counts)]
-    bases, seen = [], 0
+    bases, seen = [], 0  # a member's candidates: part position - base, for its lengths
     for offset, length in zip(part.offsets, lengths):
         bases.append(offset - part.lo - seen)
         seen += length
     device = picked.device
-    candidates = torch.arange(seen, device=device) + torch.tensor(
-        bases, device=device).repeat_interleave(torch.tensor(lengths, device=device),
-                                                output_size=seen)
-    free = candidates[~torch.isin(candidates, picked)]
-    return free[:sum(part.ks) - sum(counts)]
+    on = str(device)
+    member = torch.arange(len(counts), device=device).repeat_interleave(
+        counts_on(counts, on), output_size=picked.numel())
+    slot = picked - on_device(tuple(bases), on)[member]  # its candidate slot, if it has one
+    free = torch.ones(seen, dtype=torch.bool, device=device)
+    free[slot[slot < on_device(tuple(accumulate(lengths)), on)[member]]] = False
+    candidates = torch.arange(seen, device=device) + on_device(tuple(bases), on)\
+        .repeat_interleave(on_device(tuple(lengths), on), output_size=seen)
+    return candidates[free][:sum(part.ks) - sum(counts)]
+
+
+def _merged(positions, values, more):
+    """``positions`` (sorted) with ``more`` (sorted, none among them) in one sorted
+    list, ``values`` with a 0 at each of ``more``'s: each lands where the other list's
+    smaller ones put it, which costs less than sorting them again. (Where ``positions``
+    are not sorted, an accelerator's selection, ``encode_records`` sorts the two.)"""
+    if positions.device.type != "cpu" or not bool((positions[1:] > positions[:-1]).all()):
+        return torch.cat([positions, more]), torch.cat([values, values.new_zeros(more.numel())])
+    total = positions.numel() + more.numel()
+    out = positions.new_empty(total)
+    at = torch.arange(positions.numel()) + torch.searchsorted(more, positions)
+    out[at] = positions
+    gaps = torch.arange(more.numel()) + torch.searchsorted(positions, more)
+    out[gaps] = more
+    merged = values.new_zeros(total)
+    merged[at] = values
+    return out, merged
 
 
 def _every_index(part, device):
