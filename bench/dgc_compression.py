@@ -47,7 +47,7 @@ def bytes_per_step(grads, density, min_size, fp16):
 
 
 class FlatStep:
-    """What the optimizer's engine does for one launch of every tensor (exchange.py): the
+    """What the optimizer's exchange does for one launch of every tensor (exchange.py): the
     gradients into one flat buffer, the memory's update, one selection of every sparse
     tensor, their records packed, the dense ones' values taken. ``fused=False`` runs the
     eager update and selection even where the C++ kernel library is built."""

@@ -126,7 +126,7 @@ def select_and_pack(args, dev):
 
 
 def local_work(args, dev, world=2):
-    """One step's local DGC work for every ResNet-50 tensor, as the engine does it for one
+    """One step's local DGC work for every ResNet-50 tensor, as the exchange does it for one
     launch of them all (bench/dgc_compression.py FlatStep: flat buffers, one update, one
     selection)."""
     grads = [g for _, g in gradients(dev, 2)]

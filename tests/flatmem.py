@@ -1,4 +1,4 @@
-"""One tensor's DGC memory, on the flat memory the engine uses (hvd_dgc/torch/memory.py):
+"""One tensor's DGC memory, on the flat memory the exchange uses (hvd_dgc/torch/memory.py):
 what the maths tests call, one block of one tensor."""
 
 import torch

@@ -11,7 +11,7 @@ from tests.test_torch_optimizer import _checked
 
 # tests/workers/tf_adam.py's bodies, run by tf_dgc's suite ("module.name"): the take-over
 # itself (the reference at density one), fit, a checkpoint and the refusals on both Keras
-# versions; the engine's features from the freeze on (delay, refresh, sign, the dense
+# versions; the exchange's features from the freeze on (delay, refresh, sign, the dense
 # decline), whose Keras-specific part is that take-over, on one version each, which keeps
 # each launch well inside its limit on a slow CI machine
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",

@@ -335,7 +335,7 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
 
 
 def test_step_applies_sparse_averages_where_they_landed(gloo):
-    """step() synchronizing itself writes the average into views of the engine's buffer
+    """step() synchronizing itself writes the average into views of the exchange's buffer
     and steps at the records' positions only (SGD's step, frozen AdamW's): bit-identical
     weights and gradients to the explicit synchronize() + dense step, every step,
     whatever zero_grad does."""

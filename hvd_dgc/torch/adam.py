@@ -285,7 +285,7 @@ class AdamTakeOver:
         state, group = self.optimizer.state[p], self._group_of[p]
         beta1 = float(group["betas"][0])
         moment = self._second_moment(p)
-        if moment is None or not bool(moment[0].any()):  # (zero gradients: the engine
+        if moment is None or not bool(moment[0].any()):  # (zero gradients: the exchange
             # gives a tensor whose hook did not fire zeros, so every rank joins)
             state[SCALE_KEY] = torch.full_like(
                 p, (1.0 - beta1) / (typical ** 0.5 + group["eps"]),

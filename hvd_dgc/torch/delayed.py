@@ -88,7 +88,7 @@ class DelayedAveraging(LagQueue):
         return ".d%d" % (step % slots)
 
     # -- per step ------------------------------------------------------------------------
-    def gradients(self, engine, launches, due, sizes=None):
+    def gradients(self, exchange, launches, due, sizes=None):
         """This step's gradients: ``own`` of its launches, plus ``avg - own`` of every
         entry due (``-own`` for a step between exchanges), one operation per launch, each
         times its step's size over this one's (``sizes``: ``{param: size}`` now;
@@ -101,7 +101,7 @@ class DelayedAveraging(LagQueue):
                 grads[m.param] = result[o:o + m.numel]
         for entry in due:
             for launch in entry.launches:
-                self._add_correction(grads, engine.corrections(launch), launch.layout,
+                self._add_correction(grads, exchange.corrections(launch), launch.layout,
                                      entry.size, sizes)
         return grads
 
@@ -168,7 +168,7 @@ class DelayedAveraging(LagQueue):
         exchanges, no collective pending): a checkpoint can take them back alone."""
         return all(launch.local for entry in self.inflight for launch in entry.launches)
 
-    def abandon(self, engine):
+    def abandon(self, exchange):
         """An elastic restore: Horovod must finish what is in flight; its results are
         moot."""
         for entry in self.inflight:
@@ -176,7 +176,7 @@ class DelayedAveraging(LagQueue):
                 if launch.local:
                     continue
                 try:
-                    engine.collect(launch)
+                    exchange.collect(launch)
                 except Exception:  # noqa: BLE001  from a Horovod since shut down (elastic)
                     pass
         self.inflight.clear()

@@ -21,7 +21,7 @@ A launch's tensors lie in one flat buffer per role (gradient, memory u and v, up
 own), each tensor's slice a view: the work above is a fixed number of operations per
 launch whatever the number of tensors, which on a GPU is the number of kernels
 (bench/results/step_overhead.md). Each path owns a contiguous range: the sparse
-tensors first (block-aligned, for the selection's scan), then the others. The engine
+tensors first (block-aligned, for the selection's scan), then the others. The exchange
 is the only part that holds the memory; a path is handed its launch's block.
 """
 
@@ -46,7 +46,7 @@ _LAYOUTS_KEPT = 64
 
 
 class Member(NamedTuple):
-    """One parameter of a launch as the engine sees it; the hyper-parameters the memory
+    """One parameter of a launch as the exchange sees it; the hyper-parameters the memory
     applies for it (SGD's, taken over; else 0) are read from its param group each step."""
 
     param: torch.Tensor

@@ -15,11 +15,11 @@ __all__ = ["measure_local", "measure_payload"]
 
 
 def measure_local(compressor, collectives, density, device):
-    """The ``LocalCost`` of ``compressor`` (a sparse one: ``pick``, and its records
-    coded and decoded as the allgather path does, positions.py) on ``device``, agreed over ``collectives`` (hvd_dgc/seam.py: the
-    slowest rank's; ``python -m hvd_dgc.predict`` passes ``Alone()``): a launch's
-    selection over a synthetic memory, and its records taken out of the memory, coded,
-    decoded and added, as the allgather path does."""
+    """The ``LocalCost`` of ``compressor`` (a sparse one: ``pick``) on ``device``, agreed
+    over ``collectives`` (hvd_dgc/seam.py: the slowest rank's; ``python -m
+    hvd_dgc.predict`` passes ``Alone()``): a launch's selection over a synthetic memory,
+    and its records taken out of the memory, coded, decoded and added, as the allgather
+    path does (positions.py)."""
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(CALIBRATION_NUMEL, generator=gen).to(device)
     block_max = v.view(-1, BLOCK).abs().amax(1)  # (the memory's update makes these)

@@ -184,7 +184,7 @@ class FlatMemory:
     Args:
         momentum_masking: zero the momentum of sent coordinates: True (the paper's
             default), False (the momentum keeps pushing coordinates already sent), or
-            "auto" (the engine decides per step; hvd_dgc/masking.py).
+            "auto" (the exchange decides per step; hvd_dgc/masking.py).
     """
 
     def __init__(self, momentum_masking=True):

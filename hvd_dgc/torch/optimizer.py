@@ -11,12 +11,12 @@ This class is Horovod's API only. The work is done by parts that each own their
 state, and the gradient travels between them as an argument:
 
     backward hook -> scheduler.ready(p)            when tensors leave (scheduler.py)
-      -> engine.launch(params)                     clip, accumulate, select, pack,
+      -> exchange.launch(params)                     clip, accumulate, select, pack,
                                                    communicate (exchange.py, paths.py)
     step() -> synchronize():
       scheduler.finish()                           what has not left yet
-      engine.advance(launches)                     second rounds
-      delay 0, period 1: engine.collect(launch)    the average -> p.grad
+      exchange.advance(launches)                     second rounds
+      delay 0, period 1: exchange.collect(launch)    the average -> p.grad
                          guard.settle(...)         a non-finite step undone (guard.py)
       otherwise: lagging.gradients(...)            own now, avg - own D steps later
                                                    (lagging.py)
@@ -133,15 +133,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                          lambda: self._progress.step)
         if self._config.lagging:  # a script that ends without flush() leaves its last
             #                         steps in flight (at_exit.py)
-            settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._engine))
+            settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._exchange))
         self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
         self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
-        self._engine = GradientExchange(resolved, self._planner, self._wire, self._progress.stats,
-                              self._guard, {p: Member(p, infos[p].key, infos[p].name,
-                                                      infos[p], order=memory_order(p))
-                                            for p in every},
-                              self._takeover.hyper, self._takeover.scale, sparse_as_dense,
-                              process_set.size)
+        members = {p: Member(p, infos[p].key, infos[p].name, infos[p], order=memory_order(p))
+                   for p in every}
+        self._exchange = GradientExchange(
+            resolved, self._planner, self._wire, self._progress.stats, self._guard, members,
+            self._takeover.hyper, self._takeover.scale, sparse_as_dense, process_set.size)
         self._scheduler = LaunchScheduler(
             trainable, self._param_index, infos, groups, backward_passes_per_step,
             self._planner, fusion_threshold(self._config.fusion_threshold), on_accelerator,
@@ -188,9 +187,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (adam.py), or nothing."""
         if included and self._resolved.freeze is not None:
             return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
-                                lambda p, u: self._engine.seed_velocity(p, u),
+                                lambda p, u: self._exchange.seed_velocity(p, u),
                                 self._resolved.refresh,
-                                lambda p, ratio: self._engine.rescale(p, ratio),
+                                lambda p, ratio: self._exchange.rescale(p, ratio),
                                 self._average_variance)
         return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
                            plain=type(self).__bases__[0].step is torch.optim.SGD.step)
@@ -229,7 +228,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- one launch at this step's place -------------------------------------------------
     def _launch(self, params):
-        """The engine's launch of ``params`` at this step (called by the scheduler)."""
+        """The exchange's launch of ``params`` at this step (called by the scheduler)."""
         step = self._progress.step
         self._guard.begin(self._delayed.keeps_own)
         world = self.process_set.size()
@@ -242,7 +241,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         at = StepPlace(step, self._progress.density(), _hvd.rank(),
                        self._delayed.exchanges_now(step), self._delayed.keeps_own, scale,
                        self._delayed.name_suffix(step))
-        return self._engine.launch(params, at, "hvd_dgc." + self._engine.members[params[0]].name)
+        name = "hvd_dgc." + self._exchange.members[params[0]].name
+        return self._exchange.launch(params, at, name)
 
     # -- Horovod's optimizer API ---------------------------------------------------------
     def synchronize(self, flush=False):
@@ -258,7 +258,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _synchronize(self, flush=False, views=False):
         """``views``: the step itself synchronizes, so nothing touches ``p.grad`` before
-        the step: the averages may become views of the engine's buffers (update.py)."""
+        the step: the averages may become views of the exchange's buffers (update.py)."""
         self._skip_step = False
         self._views = []
         self._sparse_grads = set()
@@ -267,7 +267,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._guard.begin(self._delayed.keeps_own)
         launches = self._scheduler.finish()
-        self._engine.advance(launches)
+        self._exchange.advance(launches)
         step = self._progress.step
         if not self._delayed.keeps_own:
             began = time.perf_counter()
@@ -283,13 +283,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             started = time.perf_counter()
             sizes = self._takeover.step_sizes()  # (what this step applies its own at)
             self._delayed.push(step, launches, sizes)
-            grads = self._delayed.gradients(self._engine, launches,
+            grads = self._delayed.gradients(self._exchange, launches,
                                             self._delayed.due(step, flush), sizes)
             if not flush:
                 self._delayed.tune(step, started, time.perf_counter() - started)
             params = list(grads)
             torch._foreach_copy_([p.grad for p in params],
-                                 [self._engine.members[p].shaped(g)
+                                 [self._exchange.members[p].shaped(g)
                                   for p, g in zip(params, grads.values())])
             self._average_after_step = flush
             self._guard.report_dropped(step, self._delayed.delay, self._delayed.period)
@@ -304,7 +304,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finite."""
         guarded, sums = self._guard.mode == "skip", []
         for launch in launches:
-            out, sparse = self._engine.collect(launch, into_grads=True, views=views)
+            out, sparse = self._exchange.collect(launch, into_grads=True, views=views)
             if isinstance(out, ViewUpdate):
                 self._views.append(out)
             layout = launch.layout
@@ -316,17 +316,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 sums.append((total, lambda layout=layout, named=named: [
                     (layout.members[i].name, layout.members[i].param.grad)
                     for i in layout.dense_grads] + named))
-            self._engine.write(launch, out, launch.scale)
-            self._sparse_grads |= self._engine.write_sparse(sparse, launch.scale)
+            self._exchange.write(launch, out, launch.scale)
+            self._sparse_grads |= self._exchange.write_sparse(sparse, launch.scale)
         if guarded:
-            self._skip_step = self._guard.settle(self._engine.memory,
+            self._skip_step = self._guard.settle(self._exchange.memory,
                                                  self._guard.nonfinite(sums),
                                                  self._progress.step)
 
     def _report_fp16(self):
         """Dense fp16 values this step sent clipped (hvd_dgc/fp16wire.py): counted in the
         statistics, and a warning the first time (a skipped step's are dropped)."""
-        counters, stats = self._engine.counters, self._progress.stats
+        counters, stats = self._exchange.counters, self._progress.stats
         counts, counters.fp16_clipped = counters.fp16_clipped, []
         if not counts or self._skip_step:
             return
@@ -435,13 +435,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _apply_in_flight(self):
         """What is in flight applied now, as one step of its corrections: ``avg - own``
         of each exchange (waited for), ``-own`` of each step since the last one."""
-        corrections = self._delayed.gradients(self._engine, [], self._delayed.due(0, True),
+        corrections = self._delayed.gradients(self._exchange, [], self._delayed.due(0, True),
                                               self._takeover.step_sizes(ahead=False))
         self._delayed.flushed()
         saved = {p: p.grad for p in corrections}
         try:
             for p, c in corrections.items():
-                p.grad = self._engine.members[p].shaped(c).to(p.dtype)
+                p.grad = self._exchange.members[p].shaped(c).to(p.dtype)
             self._takeover.correct(super(self.__class__, self).step)  # linear: lagging.py
         finally:
             for p, g in saved.items():
@@ -468,13 +468,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def residual(self, p):
         """``p``'s DGC residual (the memory's ``v``, a flat view), or None."""
-        return self._engine.residual(p)
+        return self._exchange.residual(p)
 
     def dgc_memory(self):
         """This rank's DGC memory, ``{parameter name: {"u": velocity or None, "v":
         residual}}`` (copies, flat): what a checkpoint keeps, by name."""
-        names = {m.key: m.name for m in self._engine.members.values()}
-        return {names[key]: s for key, s in self._engine.memory_state().items()}
+        names = {m.key: m.name for m in self._exchange.members.values()}
+        return {names[key]: s for key, s in self._exchange.memory_state().items()}
 
     @property
     def compressor(self):
@@ -523,7 +523,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"optimizer.state_dict().")
             self._apply_in_flight()
         state = super(self.__class__, self).state_dict()
-        state[STATE_KEY] = checkpoint(self._progress, self._engine.memory_state(),
+        state[STATE_KEY] = checkpoint(self._progress, self._exchange.memory_state(),
                                       self._resolved.compressor, self._guard, self._delayed,
                                       _hvd.rank())
         return state
@@ -531,9 +531,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         dgc_state = state_dict.pop(STATE_KEY, None)
-        self._delayed.abandon(self._engine)
+        self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
-        self._engine.memory.commit()  # a step cut short has nothing to undo
+        self._exchange.memory.commit()  # a step cut short has nothing to undo
         self._guard.reset()
         self._skip_step = False
         self._synchronized = False
@@ -544,8 +544,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                        "Horovod/torch checkpoint?); residuals and velocities start at zero.")
             return
         index_to_param = {i: p for p, i in self._param_index.items()}
-        dgc_state = dict(dgc_state, memory=self._engine.load_memory_state(dgc_state["memory"]))
-        restore(dgc_state, self._progress, self._engine.memory, self._resolved.compressor,
+        dgc_state = dict(dgc_state, memory=self._exchange.load_memory_state(dgc_state["memory"]))
+        restore(dgc_state, self._progress, self._exchange.memory, self._resolved.compressor,
                 self._guard, self._delayed, lambda key: index_to_param[key].device,
                 _hvd.rank())
 

@@ -1,7 +1,7 @@
-"""How one launch's tensors travel: one class per way, one protocol (the engine's paths).
+"""How one launch's tensors travel: one class per way, one protocol (the exchange's paths).
 
 A launch (one tensor, a Horovod group, a bucket, or every tensor of a step) holds
-tensors that may travel different ways (``hvd_dgc.paths.PathKind``). The engine
+tensors that may travel different ways (``hvd_dgc.paths.PathKind``). The exchange
 (exchange.py) lays the launch out in flat buffers, one contiguous range per path (a
 ``Part``), prepares the gradients and updates the memory; then every path answers the
 same three calls, so a new way to travel is one more class here, not more branches
@@ -18,8 +18,8 @@ there::
                                         through ``out`` (update.py: the launch's flat
                                         buffer, or the gradients themselves)
 
-The memory belongs to the engine: a part carries the launch's memory block and the
-engine's ``FlatMemory``, and a path takes from them only what leaves (``sent``) or
+The memory belongs to the exchange: a part carries the launch's memory block and the
+exchange's ``FlatMemory``, and a path takes from them only what leaves (``sent``) or
 gives back what an aggregation did not deliver (``give_back``).
 """
 
@@ -93,19 +93,19 @@ class PathContext(NamedTuple):
 
     wire: object
     compressor: object
-    memory: object        # the engine's FlatMemory
+    memory: object        # the exchange's FlatMemory
     stats: object         # CompressionStats
     masking: object       # the momentum_masking option
     dense_fp16: bool
-    counters: object      # engine.StepCounters
+    counters: object      # exchange.StepCounters
 
 
 class Part(NamedTuple):
     """One path's share of a launch: its members, a contiguous range of the flat buffers."""
 
     kind: PathKind
-    launch: object        # engine.Launch: block, buffers, step, density, name
-    members: tuple        # engine.Member records, in flat order
+    launch: object        # exchange.Launch: block, buffers, step, density, name
+    members: tuple        # exchange.Member records, in flat order
     index: tuple          # their positions in the launch's layout
     lo: int               # [lo, hi): their range in the block's buffers
     hi: int
@@ -128,7 +128,7 @@ class Part(NamedTuple):
 
 
 class _Path:
-    """What every path answers, and what the engine lays out by (class attributes)."""
+    """What every path answers, and what the exchange lays out by (class attributes)."""
 
     kind = None
     #: where its tensors lie in a launch's flat buffers (those whose selection scans

@@ -29,7 +29,7 @@ __all__ = ["LaunchScheduler"]
 class LaunchScheduler:
     """Counts and pending launches of one optimizer's step.
 
-    ``launch(params)`` starts a launch (the optimizer's: the engine at this step's
+    ``launch(params)`` starts a launch (the optimizer's: the exchange at this step's
     place) and returns its ``Launch``es; ``density()`` is this step's density."""
 
     def __init__(self, params, index, infos, groups, passes, planner, fusion_threshold,

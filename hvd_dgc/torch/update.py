@@ -8,7 +8,7 @@ positions of the launch's flat layout (exchange.py), and never asks which:
                                  bit whichever target)
     out.assign(lo, hi, values)   a range's values as they are (dense, per tensor)
 
-``FlatUpdate`` writes into the launch's flat buffer; the engine then copies it into the
+``FlatUpdate`` writes into the launch's flat buffer; the exchange then copies it into the
 gradients (one operation), and delayed averaging keeps it (``avg - own``).
 ``GradUpdate`` writes straight into the parameters' gradients (synchronous steps on a
 CPU, float32 gradients, with the kernel library built): no flat buffer to copy out
@@ -51,7 +51,7 @@ class _Update:
         return values
 
     def finish(self):
-        """Every path has written its part (the engine calls this once)."""
+        """Every path has written its part (the exchange calls this once)."""
 
     def check(self):
         """The sum of everything written (non-finite iff something written was)."""
@@ -97,7 +97,7 @@ class ViewUpdate(_Update):
 
     The buffer is zero but where the last ViewUpdate wrote (``layout.written``, a
     ``Written``; None when unknown: after a FlatUpdate, or when a gradient still
-    viewing it was written to, which the engine checks before each collect), so only
+    viewing it was written to, which the exchange checks before each collect), so only
     those are zeroed; and not those this update assigns whole (a dense path's range is
     rewritten every step: clearing it first would be a pass over it for nothing). The
     clearing waits for the first records added, or for ``finish``."""

@@ -708,7 +708,7 @@ def with_process_sets(names):
 
 
 def sparse_step():
-    """step() synchronizing itself: the averages become views of the engine's buffers and
+    """step() synchronizing itself: the averages become views of the exchange's buffers and
     the step runs where the records landed only (update.py ViewUpdate and
     step_at_records: SGD's, frozen AdamW's). Against the explicit synchronize();
     skip_synchronize(): step() (dense gradients, the dense step over them), side by
