@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.shapes import numel, resnet50_shapes  # noqa: E402
+from harness.shapes import lm_shapes, numel, resnet50_shapes  # noqa: E402
 from hvd_dgc.packing import index_bytes  # noqa: E402
 from hvd_dgc.schedule import num_selected  # noqa: E402
 
@@ -37,12 +37,6 @@ FORMATS = [("int32 + fp32 (today)", "int32", 32), ("int32 + fp16 (today, fp16)",
 #: the same, the small tensors folded into one selected tensor instead of sent dense
 FOLDED = [("coded + fp16, small tensors folded", "coded", 16),
           ("coded + 4 bits, small tensors folded", "coded", 4)]
-
-
-def lm_shapes():
-    """The stdlib byte LM's parameter shapes (harness/stdlib_lm.py, bench/adam_lm.py)."""
-    from harness.stdlib_lm import byte_lm
-    return [(name, tuple(p.shape)) for name, p in byte_lm().named_parameters()]
 
 
 def record_bytes(n, k, index, value_bits):

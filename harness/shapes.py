@@ -1,5 +1,6 @@
 """ResNet-50's parameter shapes (torchvision's layout), built from the architecture so the
-benchmarks need no torchvision: 161 tensors, 25,557,032 parameters."""
+benchmarks need no torchvision: 161 tensors, 25,557,032 parameters; and the stdlib byte
+LM's (harness/stdlib_lm.py, bench/adam_lm.py)."""
 
 
 def resnet50_shapes(num_classes=1000):
@@ -21,6 +22,12 @@ def resnet50_shapes(num_classes=1000):
             inplanes = planes * 4
     shapes += [("fc.weight", (num_classes, 2048)), ("fc.bias", (num_classes,))]
     return shapes
+
+
+def lm_shapes():
+    """The stdlib byte LM's parameter shapes (harness/stdlib_lm.py ``byte_lm``)."""
+    from harness.stdlib_lm import byte_lm
+    return [(name, tuple(p.shape)) for name, p in byte_lm().named_parameters()]
 
 
 def numel(shape):

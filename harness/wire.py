@@ -4,7 +4,7 @@ density and the plan, not on the values)."""
 
 import torch
 
-from harness.shapes import resnet50_shapes
+from harness.shapes import lm_shapes, resnet50_shapes
 
 #: bench/wire.py's modes: the options a user passes (all else default)
 MODES = {
@@ -14,10 +14,7 @@ MODES = {
 
 
 def shapes_of(model):
-    if model == "resnet50":
-        return [(name, tuple(shape)) for name, shape in resnet50_shapes()]
-    from harness.stdlib_lm import byte_lm
-    return [(name, tuple(p.shape)) for name, p in byte_lm().named_parameters()]
+    return resnet50_shapes() if model == "resnet50" else lm_shapes()
 
 
 def step_bytes(model, mode, steps=6, density=0.001):

@@ -11,7 +11,7 @@ import math
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
-           "gather_record_bytes"]
+           "gather_record_bytes", "fold_index_bytes"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -87,14 +87,26 @@ def index_bytes(n, k):
     return min(elias_fano_bytes(n, k), (n + 7) // 8)
 
 
+def _codes_positions(compressor):
+    """Does the allgather path code this compressor's positions (PyTorch's)?"""
+    return getattr(compressor, "codes_positions", False)
+
+
 def gather_index_bytes(compressor, n, k):
     """A record's position on the allgather path of ``k`` records among ``n``: coded
     where the compressor's records are (``codes_positions``: PyTorch's, about 12 bits at
     density 0.001), else an int32 (region reduce, hierarchical DGC and TensorFlow send
     those)."""
-    if getattr(compressor, "codes_positions", False) and 0 < k < n:
+    if _codes_positions(compressor) and 0 < k < n:
         return index_bytes(n, k) / k
     return 4
+
+
+def fold_index_bytes(compressor):
+    """A dense element's position where it rides in the allgather (folded): none where
+    the positions are coded (its values alone: every index, which every rank knows),
+    else an int32 record's."""
+    return 0 if _codes_positions(compressor) else 4
 
 
 def gather_record_bytes(compressor, n, k):

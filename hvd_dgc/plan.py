@@ -25,7 +25,7 @@ from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.packing import gather_index_bytes, gather_record_bytes
+from hvd_dgc.packing import fold_index_bytes, gather_index_bytes, gather_record_bytes
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.say import rank0_once, say, verbose
 from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
@@ -355,7 +355,6 @@ class Planner:
         """A record of the region and hierarchical paths: an int32 index and a value."""
         return getattr(self.compressor, "record_bytes", 8)
 
-
     def k(self, tensor, density):
         """Records a sparse path sends of ``tensor`` at ``density``."""
         return num_selected(tensor.numel, density)
@@ -548,8 +547,7 @@ class Planner:
     def folds(self, numel):
         """Carry ``numel`` dense elements inside a launch's allgather (costmodel.folds)."""
         return self.cost_model.folds(numel, self.world_size, self.compressor.value_bytes,
-                                     0 if getattr(self.compressor, "codes_positions", False)
-                                     else 4)
+                                     fold_index_bytes(self.compressor))
 
     # -- words -------------------------------------------------------------------
     def kind_name(self):

@@ -31,7 +31,7 @@ from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce
 from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.schedule import check_density, num_selected
 from hvd_dgc.torch.cpu_select import Picked, adapt_block, draws, select_block
-from hvd_dgc.torch.gpu_select import Selection, select_span, slot_offsets, slot_starts
+from hvd_dgc.torch.gpu_select import Selection, select_span, slot_offsets
 from hvd_dgc.torch.memory import aligned_size, block_abs_max
 from hvd_dgc.torch.options import Options
 from hvd_dgc.torch.powersgd import PowerSGDCompressor
@@ -177,7 +177,6 @@ class SparseCompressor(Options, Compressor):
         offsets = slot_offsets(sizes, ks, str(records.device))
         indices = (indices.view(-1, sum(ks)) + offsets).view(-1)
         return list(self._sum_records(values, indices, sum(sizes), dtype, scale).split(sizes))
-
 
     def scatter_sum(self, records, numel, dtype=torch.float32, scale=1.0):
         """``scale`` x the sum of every rank's records, as a dense flat tensor (duplicates

@@ -11,12 +11,12 @@ This class is Horovod's API only. The work is done by parts that each own their
 state, and the gradient travels between them as an argument:
 
     backward hook -> scheduler.ready(p)            when tensors leave (scheduler.py)
-      -> exchange.launch(params)                     clip, accumulate, select, pack,
+      -> exchange.launch(params)                   clip, accumulate, select, pack,
                                                    communicate (exchange.py, paths.py)
     step() -> synchronize():
       scheduler.finish()                           what has not left yet
-      exchange.advance(launches)                     second rounds
-      delay 0, period 1: exchange.collect(launch)    the average -> p.grad
+      exchange.advance(launches)                   second rounds
+      delay 0, period 1: exchange.collect(launch)  the average -> p.grad
                          guard.settle(...)         a non-finite step undone (guard.py)
       otherwise: lagging.gradients(...)            own now, avg - own D steps later
                                                    (lagging.py)

@@ -39,7 +39,7 @@ from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import coalesce_sorted, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
-from hvd_dgc.torch.positions import decode_records, encode_records
+from hvd_dgc.torch.positions import decode_records, encode_records, sorted_on_host
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
 __all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
@@ -412,7 +412,7 @@ def _merged(positions, values, more):
     list, ``values`` with a 0 at each of ``more``'s: each lands where the other list's
     smaller ones put it, which costs less than sorting them again. (Where ``positions``
     are not sorted, an accelerator's selection, ``encode_records`` sorts the two.)"""
-    if positions.device.type != "cpu" or not bool((positions[1:] > positions[:-1]).all()):
+    if not sorted_on_host(positions):
         return torch.cat([positions, more]), torch.cat([values, values.new_zeros(more.numel())])
     total = positions.numel() + more.numel()
     out = positions.new_empty(total)

@@ -10,7 +10,7 @@ import torch
 from hvd_dgc.packing import elias_fano_low_bits, index_bytes, index_code
 
 __all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
-           "decode_records"]
+           "decode_records", "sorted_on_host"]
 
 
 def _bytes_of(bits):
@@ -63,12 +63,18 @@ def decode_positions_many(blobs, n, k):
     return ((ones - torch.arange(k, device=device)) << low) | lows
 
 
+def sorted_on_host(positions):
+    """Are ``positions`` on the CPU and increasing? (On an accelerator the look would be
+    a wait for the device: there the answer is no.)"""
+    return positions.device.type == "cpu" and bool((positions[1:] > positions[:-1]).all())
+
+
 def encode_records(positions, values, n, dtype):
     """Records as bytes: the positions (distinct, in 0..n-1, any order) coded, then the
     values at them, as ``dtype``, in position order. A CPU selection's positions come
     sorted, and are then not sorted again (looking costs a hundredth of a sort; on an
     accelerator it would cost a wait for the device, so there they are sorted)."""
-    if positions.device.type != "cpu" or not bool((positions[1:] > positions[:-1]).all()):
+    if not sorted_on_host(positions):
         positions, order = torch.sort(positions)
         values = values[order]
     return torch.cat([encode_positions(positions, n), values.to(dtype).view(torch.uint8)])
