@@ -203,16 +203,19 @@ class CostModel:
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
         return PathKind.EXCHANGE if gather * self.dense_preference <= dense else DENSE
 
-    def folds(self, numel, world_size, value_bytes=4, index_bytes=4):
+    def folds(self, numel, world_size, value_bytes=4, index_bytes=4, dense_value_bytes=None):
         """Carry ``numel`` dense elements (a launch's dense tensors together) inside the
         launch's allgather rather than in an allreduce of their own? Yes where the
         allgather's extra bytes cost less than the allreduce they replace, latency
-        included: small tensors (biases, norms), or any on a link of high latency."""
+        included: small tensors (biases, norms), or any on a link of high latency.
+        ``value_bytes``, ``index_bytes``: an element in the allgather;
+        ``dense_value_bytes``: in the allreduce (default ``value_bytes``)."""
         if world_size < 2 or numel <= 0:
             return False
         extra = allgather_bytes(numel, world_size, value_bytes + index_bytes) / \
             self.records_bandwidth
-        return extra <= self.dense_seconds(numel, world_size, value_bytes)
+        return extra <= self.dense_seconds(
+            numel, world_size, value_bytes if dense_value_bytes is None else dense_value_bytes)
 
     def max_sparse_k(self, numel, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                      index_bytes=4):
@@ -248,7 +251,7 @@ class CostModel:
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
                            allowed=(DENSE, ALLGATHER, REGION), local_size=1,
-                           gather_index_bytes=None):
+                           gather_record_bytes=None):
         """Cheapest of ``allowed`` (DENSE, ALLGATHER, REGION, HIERARCHICAL) for one tensor.
 
         Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
@@ -265,7 +268,7 @@ class CostModel:
         best, best_cost = None, None
         for name, (comm, local) in self.path_seconds(
                 numel, k, world_size, dense_value_bytes, sparse_value_bytes, index_bytes,
-                allowed, local_size, gather_index_bytes).items():
+                allowed, local_size, gather_record_bytes).items():
             c = comm if name == DENSE else weight * (comm + local)
             if best is None or c < best_cost:
                 best, best_cost = name, c
@@ -273,14 +276,15 @@ class CostModel:
 
     def path_seconds(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                      index_bytes=4, allowed=(DENSE, ALLGATHER, REGION), local_size=1,
-                     gather_index_bytes=None):
+                     gather_record_bytes=None):
         """``{path: (transfer seconds, DGC's local work seconds)}`` for each of
         ``allowed`` that applies (HIERARCHICAL only where 1 < ``local_size`` <
         ``world_size``, unless it is the only one), in the order of preference on equal
         cost (``AGGREGATIONS``). ``choose_aggregation`` weighs them;
         overlap.choose_paths places them on the step's timeline. ``index_bytes``: a
-        record's position; ``gather_index_bytes``, where the allgather codes them
-        (hvd_dgc/packing.py ``index_bytes(n, k) / k``), the allgather's instead."""
+        record's position; ``gather_record_bytes``, where the allgather codes its records
+        (hvd_dgc/packing.py: positions near ``index_bytes(n, k) / k``, values perhaps in 8
+        bits), a record on the allgather instead of ``sparse_value_bytes + index_bytes``."""
         allowed = _allowed(allowed)
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
@@ -290,8 +294,8 @@ class CostModel:
                 numel, k, world_size, local_size, dense_value_bytes, sparse_value_bytes,
                 index_bytes),
             ALLGATHER: lambda: self.sparse_seconds(
-                k, world_size, sparse_value_bytes,
-                index_bytes if gather_index_bytes is None else gather_index_bytes),
+                k, world_size, sparse_value_bytes, index_bytes) if gather_record_bytes is None
+            else self.sparse_seconds(k, world_size, gather_record_bytes, 0),
             REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
                                                 index_bytes),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),

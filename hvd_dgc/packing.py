@@ -11,7 +11,8 @@ import math
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
-           "gather_record_bytes", "fold_index_bytes"]
+           "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
+           "check_value_bits", "gather_value_bits", "gather_value_bytes"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -109,6 +110,40 @@ def fold_index_bytes(compressor):
     return 0 if _codes_positions(compressor) else 4
 
 
+# -- a record's value on the allgather ---------------------------------------------------
+# Where the values go in 8 bits (``value_bits=8``, PyTorch's default), each is a float8
+# e4m3 code of ``value / scale``, one float32 ``scale`` per tensor (its largest finite
+# magnitude / 448, so the largest maps to e4m3's largest): 1/16 relative precision over
+# the 2**17 of range below it, and 0 exact (a filler record, a folded tensor's zeros).
+# What the rounding loses stays in the memory (error feedback): delayed, never lost.
+# The NumPy reference both frameworks are held to: tests/reference.py ``fp8_values``.
+FP8_MAX = 448.0
+GATHER_VALUE_BITS = (8, 16, 32)
+
+
+def check_value_bits(value_bits):
+    if isinstance(value_bits, bool) or value_bits not in GATHER_VALUE_BITS:
+        raise ValueError(f"value_bits must be one of {GATHER_VALUE_BITS} (the bits of each "
+                         f"value the allgather sends), got {value_bits!r}")
+    return value_bits
+
+
+def gather_value_bits(compressor):
+    """The bits of a record's value on the allgather path: the compressor's
+    ``value_bits``, at most 16 where its records are fp16 (``fp16_values``)."""
+    bits = 8 * getattr(compressor, "value_bytes", 4)
+    return min(bits, getattr(compressor, "value_bits", bits))
+
+
+def gather_value_bytes(compressor, k, tensors=1):
+    """A record's value on the allgather path, among ``k`` records of ``tensors``
+    tensors: in 8 bits, a byte and a share of each tensor's float32 scale."""
+    bits = gather_value_bits(compressor)
+    if bits == 8:
+        return 1 + SCALE_BYTES * tensors / max(k, 1)
+    return bits // 8
+
+
 def gather_record_bytes(compressor, n, k):
     """A record on the allgather path: its position and its value."""
-    return gather_index_bytes(compressor, n, k) + getattr(compressor, "value_bytes", 4)
+    return gather_index_bytes(compressor, n, k) + gather_value_bytes(compressor, k)

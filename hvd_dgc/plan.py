@@ -25,7 +25,8 @@ from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.packing import fold_index_bytes, gather_index_bytes, gather_record_bytes
+from hvd_dgc.packing import fold_index_bytes, gather_record_bytes, gather_value_bits, \
+    gather_value_bytes
 from hvd_dgc.schedule import DensitySchedule, num_selected
 from hvd_dgc.say import rank0_once, say, verbose
 from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
@@ -226,7 +227,7 @@ class Planner:
             seconds = model.path_seconds(tensor.numel, k, world, self.dense_value_bytes,
                                          self.compressor.value_bytes, allowed=allowed,
                                          local_size=self.local_size,
-                                         gather_index_bytes=gather_index_bytes(
+                                         gather_record_bytes=gather_record_bytes(
                                              self.compressor, tensor.numel, k))
             order.append((tensor.key, hide.get(tensor.key, 0.0)))
             candidates[tensor.key] = [Candidate(path, comm, local, path in self.at_end)
@@ -395,7 +396,7 @@ class Planner:
             chosen = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
                 self.compressor.value_bytes, allowed=self.flat,
-                gather_index_bytes=gather_index_bytes(self.compressor, tensor.numel, k))
+                gather_record_bytes=gather_record_bytes(self.compressor, tensor.numel, k))
             self._paths[key] = chosen
         return chosen
 
@@ -444,7 +445,7 @@ class Planner:
             decided = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
                 self.compressor.value_bytes, allowed=aggregations, local_size=self.local_size,
-                gather_index_bytes=gather_index_bytes(self.compressor, tensor.numel, k)
+                gather_record_bytes=gather_record_bytes(self.compressor, tensor.numel, k)
             ) == PathKind.HIERARCHICAL
             self._hierarchical[tensor.numel] = decided
         return decided
@@ -546,8 +547,9 @@ class Planner:
 
     def folds(self, numel):
         """Carry ``numel`` dense elements inside a launch's allgather (costmodel.folds)."""
-        return self.cost_model.folds(numel, self.world_size, self.compressor.value_bytes,
-                                     fold_index_bytes(self.compressor))
+        return self.cost_model.folds(numel, self.world_size,
+                                     gather_value_bytes(self.compressor, numel),
+                                     fold_index_bytes(self.compressor), self.dense_value_bytes)
 
     # -- words -------------------------------------------------------------------
     def kind_name(self):
@@ -719,7 +721,8 @@ class Planner:
         large = len(large) - len(self.exchange_dense())
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, self.min_compress_size,
-                       self.resolved.dense_fp16, self.resolved.fp16_values, delay, large,
+                       self.resolved.dense_fp16, gather_value_bits(self.compressor), delay,
+                       large,
                        len(self.tensors), framework, sums, period, taken_over,
                        self.measured_words(), self.resolved.zero_one)
 

@@ -183,7 +183,7 @@ def take_over(optimizer, freeze, framework):
                     f"densely instead, pass density=1.0.", name)
 
 
-def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, delay,
+def summary(kind, density, warmup, min_compress_size, dense_fp16, record_bits, delay,
             compressed, total, framework, sums=("sparse",), period=1, taken_over="",
             measured="", zero_one=False):
     """The one line rank 0 prints at wrap time: what hvd_dgc does and how to turn it off.
@@ -192,8 +192,9 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, sparse_fp16, d
     the warm-up in words (DensitySchedule.describe) or ""; ``compressed``/``total``: how
     many trainable tensors are large enough to be sparsified, of how many; ``sums``: the
     paths for them at the final density (hvd_dgc.paths.PathKind); ``zero_one``: the
-    period is 0/1 Adam's default (adam.py ``ZERO_ONE_PERIOD``), not the script's."""
-    values = "fp16" if sparse_fp16 else "fp32"
+    period is 0/1 Adam's default (adam.py ``ZERO_ONE_PERIOD``), not the script's;
+    ``record_bits``: a record's value on the allgather (packing.gather_value_bits)."""
+    values = {8: "fp8", 16: "fp16"}.get(record_bits, "fp32")
     dense_values = "fp16" if dense_fp16 else "fp32"
     if kind == "dense":
         return (f"[hvd_dgc] {framework}: dense averaging (density=1.0), {dense_values} "

@@ -616,6 +616,25 @@ def delayed_frozen_adam(start, grads_at, steps, world, freeze, lr, betas, eps, w
 
 
 # -- positions coded near their information content (hvd_dgc/packing.py) ----------------
+def fp8_values(values, tensor, tensors):
+    """Values in 8 bits as the allgather sends them (hvd_dgc/packing.py), ``tensor``
+    naming each one's tensor (0 .. tensors - 1): each tensor's scale is its largest finite
+    magnitude / 448 (1 where it has none), a value's code the float8 e4m3 nearest to
+    value / scale (ties to even), NaN where the value is not finite. Returns ``(codes as
+    uint8, scales, each value as it arrives)``."""
+    import ml_dtypes
+    values, tensor = f32(values), np.asarray(tensor, np.int64)
+    finite = np.isfinite(values)
+    magnitudes = np.where(finite, np.abs(values), F32(0)).astype(np.float32)
+    largest = np.zeros(tensors, np.float32)
+    np.maximum.at(largest, tensor, magnitudes)
+    scales = np.where(largest > 0, largest / F32(448), F32(1)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        scaled = np.where(finite, values / scales[tensor], np.nan).astype(np.float32)
+    codes = scaled.astype(ml_dtypes.float8_e4m3fn)
+    return codes.view(np.uint8), scales, codes.astype(np.float32) * scales[tensor]
+
+
 def encode_positions(positions, n, code=None):
     """``positions`` (sorted, distinct, in 0..n-1) as uint8 bytes in ``code`` ("bitmap"
     or "elias-fano"; default: the smaller, hvd_dgc/packing.py ``index_code``). Both are

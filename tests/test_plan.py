@@ -99,15 +99,19 @@ def test_buckets_cut_consecutive_tensors_at_the_threshold():
 
 
 def test_a_long_transfer_ends_its_bucket():
-    """On the assumed link (50 us, 1 Gbit/s) fc.weight's 5,120 records (41 KB, 0.33 ms)
-    take more than BUCKET_LATENCIES x 50 us: its bucket (fc.bias, then it, in backward
-    order) closes with it, so nothing after it holds it back; conv's tensors start the
-    next. Cut at the threshold alone, all four shared one bucket."""
-    planner = _planner(world=2, density=0.01, warmup=0)
+    """On the assumed link (50 us, 1 Gbit/s) fc.weight's 5,120 records with fp32 values
+    (about 27 KB, 0.2 ms) take more than BUCKET_LATENCIES x 50 us: its bucket (fc.bias,
+    then it, in backward order) closes with it, so nothing after it holds it back;
+    conv's tensors start the next. Cut at the threshold alone, all four shared one
+    bucket."""
+    planner = _planner(world=2, density=0.01, warmup=0,
+                       compression=Compression.dgc(value_bits=32))
     model = planner.cost_model
     fc = TENSORS[2]
     assert planner.path(fc, 0.01) == PathKind.ALLGATHER
-    seconds = num_selected(fc.numel, 0.01) * 8 / model.records_bandwidth
+    k = num_selected(fc.numel, 0.01)
+    seconds = k * gather_record_bytes(planner.compressor, fc.numel, k) / \
+        model.records_bandwidth
     assert seconds > BUCKET_LATENCIES * model.alpha
     plan = planner.buckets(0.01, list(reversed(TENSORS)), 10 ** 9)
     assert plan == {3: (3, 2), 2: (3, 2), 1: (1, 0), 0: (1, 0)}
@@ -373,13 +377,19 @@ def test_the_allgather_is_priced_by_the_wire_it_sends():
     """PyTorch's allgather codes its positions (about 12 bits a record at density 0.001,
     hvd_dgc/packing.py), region reduce and hierarchical DGC send int32 ones, and the
     planner prices each: a record on the allgather costs its value and
-    ``index_bytes(n, k) / k``; folded dense tensors cost their values alone."""
-    from hvd_dgc.packing import gather_index_bytes, index_bytes
+    ``index_bytes(n, k) / k``, and its value: 8 bits and a share of its tensor's
+    float32 scale by default, 16 or 32 bits where asked; folded dense tensors cost their
+    values alone."""
+    from hvd_dgc.packing import gather_index_bytes, gather_value_bytes, index_bytes
     compressor = _planner(density=0.001, warmup=0).compressor
     n, k = 2359296, 2360  # ResNet-50's largest 3x3 convolution at 0.001
     assert gather_index_bytes(compressor, n, k) == index_bytes(n, k) / k
     assert 1.3 < gather_index_bytes(compressor, n, k) < 1.6  # 10.4-12.8 bits, not int32's 4
-    assert gather_record_bytes(compressor, n, k) == 4 + index_bytes(n, k) / k
+    assert gather_record_bytes(compressor, n, k) == 1 + 4 / k + index_bytes(n, k) / k
+    for options, value in [({"value_bits": 32}, 4), ({"value_bits": 16}, 2),
+                           ({"fp16_values": True, "value_bits": 32}, 2),
+                           ({"fp16_values": True}, 1 + 4 / k)]:
+        assert gather_value_bytes(Compression.dgc(**options), k) == value, options
     assert compressor.record_bytes == 8  # region reduce's and hierarchical DGC's records
     # a framework whose records carry int32 positions (TensorFlow's) is priced so
     int32 = type("Int32Records", (), {"value_bytes": 4, "record_bytes": 8})()

@@ -14,7 +14,7 @@ from tests.workers.device import kind as device_kind
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
                   "horovod_patterns", "sparse_embeddings", "fp16_outlier", "sparse_step",
-                  "fp16_records"]
+                  "fp16_records", "fp8_records"]
 
 
 def _checked(results, name):
@@ -65,16 +65,17 @@ def _assert_sparse_consistency(per_rank):
                 assert 0.8 * k <= c["sent"] <= k, c
             else:  # the GPU form sends exactly k records (compression.py)
                 assert c["sent"] == k, c
-        # each step's records: an fp32 value per slot (the CPU's padded to k) and the
-        # positions coded over the launch's range (paths.py AllgatherPath.coded)
+        # each step's records: an 8-bit value per slot (the CPU's padded to k) and a
+        # float32 scale per tensor, the positions coded over the launch's range (paths.py
+        # AllgatherPath.coded)
         for step in range(12):
             cs = sparse[3 * step:3 * step + 3]
             ks = [-(-c["numel"] // 1000) for c in cs]
             spans = [aligned_size(c["numel"]) for c in cs]
-            one_launch = 4 * sum(ks) + index_bytes(sum(spans), sum(ks))
-            per_tensor = sum(4 * k + index_bytes(n, k) for n, k in zip(spans, ks))
+            one_launch = sum(ks) + 4 * len(ks) + index_bytes(sum(spans), sum(ks))
+            per_tensor = sum(k + 4 + index_bytes(n, k) for n, k in zip(spans, ks))
             assert sum(c["bytes"] for c in cs) in (one_launch, per_tensor), cs
-            assert sum(c["bytes"] for c in cs) < 6 * sum(ks)  # int32 index: 8 per record
+            assert sum(c["bytes"] for c in cs) < 3 * sum(ks)  # int32 index: 8 per record
         for c in dense:
             assert c["numel"] < 1024 and c["sent"] == c["numel"]
         assert out["stats"]["compression_ratio"] > 50
@@ -129,6 +130,18 @@ def test_fp16_record_values_keep_their_rounding_in_the_memory(gloo):
         assert out["rounding_nonzero"] > 10  # fp16 did round these values
         assert out["rounding_kept"] == 0.0 and out["unsent_untouched"]
         assert out["average_diff"] == 0.0
+
+
+def test_8bit_record_values_keep_their_rounding_in_the_memory(gloo):
+    """The default: values in 8 bits, float8 e4m3 and a scale per tensor (the NumPy
+    reference's), the rounding kept in the memory, the average of what arrived."""
+    for out in _checked(gloo, "fp8_records"):
+        assert 0.8 * 41 <= out["sent"] <= 41  # k = 41 of 4,096 at density 0.01
+        assert out["rounding_nonzero"] > 10  # 8 bits did round these values
+        assert out["rounding_kept"] == 0.0 and out["unsent_untouched"]
+        assert out["average_diff"] == 0.0
+        # 41 slots: a byte each, a float32 scale, the positions coded (a bitmap)
+        assert out["bytes"] == 41 + 4 + index_bytes(4096, 41)
 
 
 def test_np1_still_compresses():
@@ -280,15 +293,18 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
             res = out[tag]
             assert res["identical"], tag
             assert res["density_now"] == 0.25 and res["density_at_10000"] == 0.001, res
-            # 3 large weights at 25%: fp32 records cost half their dense bytes, fp16 3/8
-            assert res["ratio"] > (2.5 if tag == "fp16" else 1.9), (tag, res["ratio"])
+            # 3 large weights at 25%: 8-bit records cost under 3/8 of their dense bytes
+            assert res["ratio"] > 2.5, (tag, res["ratio"])
             assert res["paths"]["sparse"] == 3 * 4 * 22, (tag, res["paths"])
             assert res["accuracy"] > out["dense_accuracy"] - 0.02, (tag, res["accuracy"])
-        # a record: an fp32 / fp16 value and its position coded, half a byte at density
-        # 0.25 (paths.py AllgatherPath.coded); the small dense tensors (biases) ride in
-        # their bucket's allgather as their values alone (paths.py fold)
-        assert out["none"]["record_bytes"] == [4.5] and out["none"]["dense_bytes"] == [4]
-        assert out["fp16"]["record_bytes"] == [2.5] and out["fp16"]["dense_bytes"] == [2]
+        # a record: an 8-bit value (and a share of its tensor's scale) and its position
+        # coded, half a byte at density 0.25 (paths.py AllgatherPath.coded), with fp16 on
+        # the dense path too; the small dense tensors (biases) ride in their bucket's
+        # allgather as their values alone, in 8 bits and a scale each (paths.py _fold)
+        for tag in ("none", "fp16"):
+            assert out[tag]["record_bytes"] == [1.5], tag
+            assert out[tag]["dense_bytes"] == out["none"]["dense_bytes"], tag
+            assert all(1 < b <= 1 + 4 / 10 for b in out[tag]["dense_bytes"]), tag
         # op=hvd.Average is the default; predividing by 2 and multiplying back, a
         # power-of-two loss scale and a clipping bound the gradients stay under are exact;
         # broadcast_optimizer_state leaves nothing behind: each equals the plain run
@@ -305,8 +321,9 @@ def test_horovod_script_patterns_compress_with_the_import_line_switched(gloo):
             assert out["none"]["printed"].count(
                 "[hvd_dgc] torch: DGC at density 0.001, warm-up 0.25 to step 160, 0.0625 "
                 "to step 640, 0.01562 to step 2500, 0.004 to step 10000: 3 of 6") == 1
-            assert "3 of 6 tensors sparse (fp32 records" in out["none"]["printed"]
-            assert "fp16 records" in out["fp16"]["printed"]
+            assert "3 of 6 tensors sparse (fp8 records" in out["none"]["printed"]
+            assert "fp8 records" in out["fp16"]["printed"]
+            assert "fp16 allreduce" in out["fp16"]["printed"]
             assert "dense averaging (density=1.0)" in dense["printed"]
         else:
             assert all(out[t]["printed"] == "" for t in ("none", "fp16", "dense"))

@@ -184,3 +184,48 @@ def test_padding_is_merged_into_the_sorted_selection():
     assert values.tolist() == [0.0, 10.0, 50.0, 0.0, 0.0, 90.0, 0.0]
     out, values = _merged(torch.tensor([9, 1]), torch.tensor([90.0, 10.0]), torch.tensor([0]))
     assert out.tolist() == [9, 1, 0] and values.tolist() == [90.0, 10.0, 0.0]
+
+
+def test_8bit_values_by_hand():
+    """float8 e4m3 of value / scale, the scale a tensor's largest magnitude / 448: the
+    largest arrives exact, 0 stays 0, and e4m3's 3 bits of mantissa round the rest to
+    the nearest (ties to even) of 8 steps an octave."""
+    values = np.array([4.48, -1.0, 0.0, 1.3, 2.0], np.float32)  # one tensor: scale 0.01
+    codes, scales, arrived = ref.fp8_values(values, [0] * 5, 1)
+    assert scales.tolist() == [np.float32(4.48) / np.float32(448)]
+    # 448 (the largest), -100 -> -96 (steps of 8 in 64..128: -96 and -104 equally near,
+    # the even mantissa), 0, 130 -> 128 (steps of 16 in 128..256), 200 -> 192 (192 and
+    # 208 equally near, the even mantissa)
+    assert (codes.view(np.uint8)[[0, 2]] == [0x7E, 0]).all()
+    assert arrived == pytest.approx(np.float32(0.01) * np.array([448, -96, 0, 128, 192]),
+                                    rel=1e-6)
+
+
+def test_torch_codes_8bit_values_byte_for_byte_as_the_reference():
+    """Several tensors of different magnitudes, zeros, a non-finite value (NaN on the
+    wire, which the guard sees: a cast would saturate it to 448), and one tensor that is
+    all zeros (scale 1)."""
+    import torch
+    from hvd_dgc.torch.positions import decode_values, encode_values, tensor_of
+    gen = np.random.default_rng(3)
+    values = np.concatenate([gen.standard_normal(50) * 1e-5, gen.standard_normal(30) * 3e2,
+                             np.zeros(4), gen.standard_normal(9)]).astype(np.float32)
+    values[60] = np.inf
+    tensor = np.repeat([0, 1, 2, 3], [50, 30, 4, 9])
+    want_codes, want_scales, want = ref.fp8_values(values, tensor, 4)
+    codes, scales, arrived = encode_values(torch.from_numpy(values), torch.from_numpy(tensor),
+                                           4)
+    assert np.array_equal(codes.view(torch.uint8).numpy(), want_codes)
+    assert np.array_equal(scales.numpy(), want_scales) and want_scales[2] == 1.0
+    assert np.array_equal(arrived.numpy(), want, equal_nan=True)
+    assert np.isnan(want[60]) and np.isnan(want[30:80]).sum() == 1
+    finite = np.isfinite(values)
+    # relative error at most 1/16 where a value is within 2**-6 of its tensor's largest
+    near = finite & (np.abs(values) >= want_scales[tensor] * 448 / 64)
+    assert (np.abs(want - values)[near] <= np.abs(values)[near] / 16).all()
+    # decoded from the wire, each by its tensor's scale, found from its position
+    starts = torch.tensor([0, 50, 80, 84])
+    at = tensor_of(torch.arange(93), starts)
+    assert at.tolist() == tensor.tolist()
+    got = decode_values(codes, scales[at])
+    assert np.array_equal(got.numpy(), want, equal_nan=True)

@@ -28,6 +28,7 @@ import torch
 from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
+from hvd_dgc.packing import check_value_bits
 from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.schedule import check_density, num_selected
 from hvd_dgc.torch.cpu_select import Picked, adapt_block, draws, select_block
@@ -103,6 +104,11 @@ class SparseCompressor(Options, Compressor):
         fp16_values: send values as float16 (6-byte records instead of 8).
         seed: seed of this compressor's own generator (the global RNG is never
             touched); ranks offset it by their rank.
+        value_bits: bits of each value the optimizer's allgather sends: 8 (float8
+            e4m3 and a float32 scale per tensor, what the rounding loses kept in the
+            memory), 16 or 32; at most 16 with ``fp16_values``. The paths that add
+            records up in flight (region, hierarchical) send fp32 (fp16 with
+            ``fp16_values``).
     """
 
     sparse = True
@@ -110,13 +116,15 @@ class SparseCompressor(Options, Compressor):
     uses_block_max = False  # does select() want memory.block_abs_max(flat)?
     codes_positions = True  # the allgather path codes its positions (positions.py)
 
-    def __init__(self, density=0.001, fp16_values=False, seed=0):
+    def __init__(self, density=0.001, fp16_values=False, seed=0, value_bits=8):
         self.density = check_density(density)
         self.fp16_values = bool(fp16_values)
         self.seed = int(seed)
+        self.value_bits = check_value_bits(value_bits)
 
     def _options(self):
-        return {"density": self.density, "fp16_values": self.fp16_values, "seed": self.seed}
+        return {"density": self.density, "fp16_values": self.fp16_values, "seed": self.seed,
+                "value_bits": self.value_bits}
 
     @property
     def value_dtype(self):
@@ -270,8 +278,10 @@ class DGCCompressor(SparseCompressor, DGCSampling):
     uses_block_max = True
 
     def __init__(self, density=0.001, fp16_values=False, seed=0, sample_ratio=0.01,
-                 window=(0.8, 1.3), threshold_decay=0.8, max_adapt_rounds=10, min_sample=2048):
-        SparseCompressor.__init__(self, density=density, fp16_values=fp16_values, seed=seed)
+                 window=(0.8, 1.3), threshold_decay=0.8, max_adapt_rounds=10, min_sample=2048,
+                 value_bits=8):
+        SparseCompressor.__init__(self, density=density, fp16_values=fp16_values, seed=seed,
+                                  value_bits=value_bits)
         DGCSampling.__init__(self, sample_ratio, window, threshold_decay, max_adapt_rounds,
                              min_sample)
 

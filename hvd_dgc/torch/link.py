@@ -9,7 +9,8 @@ import torch
 
 from hvd_dgc.localcost import CALIBRATION_NUMEL, calibrate, calibrate_payload
 from hvd_dgc.torch.memory import BLOCK
-from hvd_dgc.torch.positions import decode_records, encode_records
+from hvd_dgc.torch.positions import FP8, decode_records, decode_values, encode_records, \
+    encode_values, gather_dtype
 
 __all__ = ["measure_local", "measure_payload"]
 
@@ -33,13 +34,19 @@ def measure_local(compressor, collectives, density, device):
         positions = torch.randperm(CALIBRATION_NUMEL, generator=gen)[:k].to(device)
         memory = v.clone()
 
+        dtype = gather_dtype(compressor)
+        tensor = torch.zeros(k, dtype=torch.int64, device=device)
+
         def once():
             values = memory.index_select(0, positions)  # what leaves the memory
             memory.index_fill_(0, positions, 0.0)
-            wire = encode_records(positions, values, CALIBRATION_NUMEL,
-                                  compressor.value_dtype)
-            at, got, _ = decode_records(wire.view(1, -1), CALIBRATION_NUMEL, k,
-                                        compressor.value_dtype)
+            if dtype == FP8:  # in 8 bits, the rounding back into the memory
+                values, scales, arrived = encode_values(values, tensor, 1)
+                memory.index_add_(0, positions, arrived)
+            wire = encode_records(positions, values, CALIBRATION_NUMEL, dtype)
+            at, got, _ = decode_records(wire.view(1, -1), CALIBRATION_NUMEL, k, dtype)
+            if dtype == FP8:
+                got = decode_values(got, scales[0])
             out.index_add_(0, at.view(-1), got.view(-1).float())
         return _fastest(once, v.device)
     return calibrate(select, records, collectives, density)

@@ -33,13 +33,14 @@ from horovod.torch.mpi_ops import Average, Sum
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
-from hvd_dgc.packing import index_bytes
+from hvd_dgc.packing import SCALE_BYTES, gather_value_bits, index_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import coalesce_sorted, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
-from hvd_dgc.torch.positions import decode_records, encode_records, sorted_on_host
+from hvd_dgc.torch.positions import decode_records, decode_values, encode_records, \
+    encode_values, gather_dtype, sorted_on_host, tensor_of
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
 __all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
@@ -160,13 +161,15 @@ class DensePath(_Path):
     kind = PathKind.DENSE
     flat_rank = 3
 
-    def take(self, part, in_place=False):
+    def take(self, part, in_place=False, value_bytes=None):
         """What leaves the memory: all of ``v`` over the part (stats counted). A rank's
         non-finite gradient is in its ``v`` (the guard's flags are read off it), so the
         payload carries it to every rank's average without being poisoned. ``in_place``:
         ``v`` itself where it can go (fp32, nothing kept for delayed averaging), zero
         once its average is read (``collect``; MemoryBlock.clear_later: the next update
-        reads zeros instead): two passes over it fewer than a copy and a clear."""
+        reads zeros instead): two passes over it fewer than a copy and a clear.
+        ``value_bytes``: what a value weighs on the wire, with its tensor's share of a
+        scale (a folded tensor's in 8 bits), if not the payload's."""
         ctx, launch = self.ctx, part.launch
         v = launch.block.v[part.lo:part.hi]
         if ctx.dense_fp16:
@@ -176,10 +179,10 @@ class DensePath(_Path):
         else:
             payload = v.clone()
             v.zero_()  # every coordinate left: v cleared, u kept (memory.sent_range)
-        size = payload.element_size()
         for m in part.members:
-            ctx.stats.record(m.name, self.kind, m.numel, m.numel, m.numel * size,
-                             launch.density)
+            sent = m.numel * payload.element_size() if value_bytes is None else \
+                m.numel * value_bytes + SCALE_BYTES
+            ctx.stats.record(m.name, self.kind, m.numel, m.numel, sent, launch.density)
         if part.own is not None:
             part.own[part.lo:part.hi] = payload
         return payload
@@ -259,12 +262,13 @@ class AllgatherPath(_Path):
     def record_bytes(self, part, counts):
         """Bytes each member's records weigh on the wire, per member: ``k`` slots of a
         coded position and a value, the part's code shared by the members' ``k``."""
-        ctx = self.ctx
+        bits = gather_value_bits(self.ctx.compressor)
         total = sum(part.ks)
         code = index_bytes(part.hi - part.lo, total)
         shares = [code * k // total for k in part.ks]
         shares[-1] += code - sum(shares)
-        return [k * ctx.compressor.value_bytes + share for k, share in zip(part.ks, shares)]
+        scale = SCALE_BYTES if bits == 8 else 0  # a tensor's scale (8 bits)
+        return [k * bits // 8 + scale + share for k, share in zip(part.ks, shares)]
 
     def _masked(self, part, picked):
         """Whose momentum the sent coordinates lose (hvd_dgc/masking.py): True (all),
@@ -286,45 +290,63 @@ class AllgatherPath(_Path):
         latency): one Horovod operation fewer, two round trips a step over a WAN. The
         same on every rank: it depends on the launch's members and sizes only."""
         dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
+        bits = gather_value_bits(self.ctx.compressor)
         if dense is None or mine is None or \
-                self.ctx.dense_fp16 != (self.ctx.compressor.value_bytes == 2) or \
+                bits != 8 and self.ctx.dense_fp16 != (bits == 16) or \
                 not planner.folds(sum(dense.numels)):
             return parts  # (fp16 on the dense wire with fp32 records, or the reverse)
         parts = dict(parts)
         parts[self.kind] = mine._replace(folded=parts.pop(PathKind.DENSE))
         return parts
 
-    def _fold(self, part):
-        """The launch's dense tensors' values (``part.folded``), after the records: each
-        exactly what the dense allreduce would have summed, so the memory, the statistics
-        and delayed averaging's own are unchanged; their positions are every index, known
-        to every rank, so none travel. One Horovod operation per launch instead of two
-        (bench/results/round_trips.md)."""
-        return self.dense.take(part.folded)  # the dense path's own bookkeeping
+    def _fold(self, part, pre):
+        """The launch's dense tensors' values (``part.folded``), prescaled by ``pre``, as
+        bytes after the records: what the dense allreduce would have summed (the memory,
+        the statistics and delayed averaging's own as it keeps them), or in 8 bits with
+        what the rounding loses back in the memory. Their positions are every index,
+        known to every rank, so none travel. One Horovod operation per launch instead of
+        two (bench/results/round_trips.md)."""
+        folded = part.folded
+        if gather_value_bits(self.ctx.compressor) != 8:
+            dense = self.dense.take(folded)  # the dense path's own bookkeeping
+            return (dense if pre == 1.0 else dense * pre).to(
+                gather_dtype(self.ctx.compressor)).view(torch.uint8)
+        dense = self.dense.take(folded, value_bytes=1).float()
+        device = dense.device
+        tensor = torch.arange(len(folded.members), device=device).repeat_interleave(
+            on_device(folded.numels, str(device)), output_size=dense.numel())
+        codes, scales = self._eighth(folded, _every_index(folded, device),
+                                     dense if pre == 1.0 else dense * pre, pre, tensor)
+        return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
 
     def coded(self, part, sel, pre):
         """This rank's bytes: the part's positions coded (positions.py: Elias-Fano or a
-        bitmap over the part's range, sorted), then their values in the same order.
-        Every tensor fills its k slots, those a CPU selection left empty with positions
-        it did not pick and the value 0, which add nothing: every rank sends the same
-        size every step, and Horovod's response cache answers the negotiation (measured
-        over a 100 ms link, bench/results/round_trips.md: an allgather whose size changes
-        from step to step waits 7 round trips, one of a fixed size 3)."""
+        bitmap over the part's range, sorted), then their values in the same order (in
+        8 bits, then each member's scale). Every tensor fills its k slots, those a CPU
+        selection left empty with positions it did not pick and the value 0, which add
+        nothing: every rank sends the same size every step, and Horovod's response cache
+        answers the negotiation (measured over a 100 ms link,
+        bench/results/round_trips.md: an allgather whose size changes from step to step
+        waits 7 round trips, one of a fixed size 3)."""
         device = sel.positions.device
         values = sel.values if pre == 1.0 else sel.values * pre
+        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
+            counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
         if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
-            member = torch.arange(len(sel.counts), device=device).repeat_interleave(
-                counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
             bad = part.launch.poison[on_device(tuple(part.index), str(device))]
             values = torch.where(bad[member], float("inf"), values)
-        if self.ctx.compressor.value_dtype == torch.float16:
+        bits, scales = gather_value_bits(self.ctx.compressor), None
+        if bits == 16:
             values = self._half(part, sel.positions, values, pre)
+        elif bits == 8:
+            values, scales = self._eighth(part, sel.positions, values, pre, member)
         n, total = part.hi - part.lo, sum(part.ks)
         positions = sel.positions - part.lo
         if sum(sel.counts) < total:
             positions, values = _merged(positions, values,
                                         _unpicked(part, sel.counts, positions))
-        return encode_records(positions, values, n, self.ctx.compressor.value_dtype)
+        coded = encode_records(positions, values, n, gather_dtype(self.ctx.compressor))
+        return coded if scales is None else torch.cat([coded, scales.view(torch.uint8)])
 
     def _half(self, part, positions, values, pre):
         """fp16 values (``values`` prescaled by ``pre``) with what fp16 loses kept in the
@@ -337,44 +359,74 @@ class AllgatherPath(_Path):
         finite = torch.isfinite(values)
         ctx.counters.fp16_clipped.append(torch.count_nonzero(finite & (values.abs() > bound)))
         half = torch.where(finite, values.clamp(-bound, bound), values).to(torch.float16)
-        sent = half.float() if pre == 1.0 else half.float() / pre
-        ctx.memory.give_back(part.launch.block, positions, torch.where(
+        self._keep_rest(part, positions, values, half.float(), pre, finite)
+        return half
+
+    def _eighth(self, part, positions, values, pre, tensor):
+        """8-bit values (positions.encode_values: float8 and a scale per member, whose
+        members ``tensor`` names) with the rounding kept in the memory, as ``_half``:
+        ``(codes, scales)``."""
+        codes, scales, arrived = encode_values(values, tensor, len(part.members))
+        self._keep_rest(part, positions, values, arrived, pre, torch.isfinite(values))
+        return codes, scales
+
+    def _keep_rest(self, part, positions, values, arrived, pre, finite):
+        """Error feedback of a rounding: what ``values`` (prescaled by ``pre``) lost on
+        the way to ``arrived`` back into the memory at ``positions``; delayed averaging's
+        own holds what arrives."""
+        sent = arrived if pre == 1.0 else arrived / pre
+        self.ctx.memory.give_back(part.launch.block, positions, torch.where(
             finite, (values if pre == 1.0 else values / pre) - sent, 0.0))
         if part.own is not None:
             part.own.index_put_((positions,), sent.to(part.own.dtype))
-        return half
 
     def launch(self, part):
         sel = self.select(part)
         pre = self.ctx.wire.pre()
         payload = self.coded(part, sel, pre)
-        folded = None
         if part.folded is not None:
-            dense = self._fold(part)
-            payload = torch.cat([payload, (dense if pre == 1.0 else dense * pre).to(
-                self.ctx.compressor.value_dtype).view(torch.uint8)])
-            folded = part.folded
+            payload = torch.cat([payload, self._fold(part, pre)])
         handle = self.ctx.wire.allgather_async(payload, part.launch.name + ".sparse")
-        return _GatherLaunch(handle, part.lo, part.hi, sum(part.ks), folded)
+        starts = tuple(o - part.lo for o in part.offsets)
+        return _GatherLaunch(handle, part.lo, part.hi, sum(part.ks), starts, part.folded)
 
     def collect(self, handle, out):
         blocks = self.ctx.wire.wait(handle.handle)
-        blocks = blocks.view(self.ctx.wire.world(), -1)
-        dtype = self.ctx.compressor.value_dtype
+        rows = self.ctx.wire.world()
+        blocks = blocks.view(rows, -1)
+        dtype = gather_dtype(self.ctx.compressor)
         positions, values, rest = decode_records(blocks, handle.hi - handle.lo, handle.k,
                                                  dtype)
+        device = positions.device
+        if dtype == torch.float8_e4m3fn:  # then each member's scale
+            scales, rest = _floats(rest[:, :SCALE_BYTES * len(handle.starts)]), \
+                rest[:, SCALE_BYTES * len(handle.starts):]
+            values = decode_values(values, scales.gather(1, tensor_of(
+                positions, on_device(handle.starts, str(device)))))
         positions = positions + handle.lo
         out.zero(handle.lo, handle.hi)
         if handle.folded is not None:
             folded = handle.folded
             out.zero(folded.lo, folded.hi)
-            every = _every_index(folded, positions.device)
-            positions = torch.cat([positions, every.expand(blocks.shape[0], -1)], 1)
-            values = torch.cat([values, rest.clone(
-                memory_format=torch.contiguous_format).view(dtype)], 1)
+            every = _every_index(folded, device)
+            if dtype == torch.float8_e4m3fn:
+                dense = rest[:, :every.numel()].clone(
+                    memory_format=torch.contiguous_format).view(dtype)
+                tensor = torch.arange(len(folded.members), device=device).repeat_interleave(
+                    on_device(folded.numels, str(device)), output_size=every.numel())
+                dense = decode_values(dense, _floats(rest[:, every.numel():])[:, tensor])
+            else:
+                dense = rest.clone(memory_format=torch.contiguous_format).view(dtype)
+            positions = torch.cat([positions, every.expand(rows, -1)], 1)
+            values = torch.cat([values.to(dense.dtype), dense], 1)
         values = values.reshape(-1).float()
         scale = self.ctx.wire.post()
         out.add(positions.reshape(-1), values if scale == 1.0 else values * scale)
+
+
+def _floats(raw):
+    """Rows of bytes as float32 (the scales of 8-bit values)."""
+    return raw.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
 class _GatherLaunch(NamedTuple):
@@ -382,6 +434,7 @@ class _GatherLaunch(NamedTuple):
     lo: int          # the part's range in the launch's buffers: positions are coded in it
     hi: int
     k: int           # records a rank sends (the part's k, summed)
+    starts: tuple    # where each member starts in that range
     folded: object   # the dense part carried after the records, or None
 
 

@@ -7,10 +7,14 @@ rank's at once (``decode_positions_many``)."""
 
 import torch
 
-from hvd_dgc.packing import elias_fano_low_bits, index_bytes, index_code
+from hvd_dgc.packing import FP8_MAX, elias_fano_low_bits, gather_value_bits, index_bytes, \
+    index_code
 
 __all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
-           "decode_records", "sorted_on_host"]
+           "decode_records", "sorted_on_host", "encode_values", "decode_values",
+           "gather_dtype", "tensor_of"]
+
+FP8 = torch.float8_e4m3fn
 
 
 def _bytes_of(bits):
@@ -85,6 +89,37 @@ def decode_records(blocks, n, k, dtype):
     k of them first: ``(positions, values, rest)``, ``(rows, k)`` each and the bytes after
     the records."""
     rows, code = blocks.shape[0], index_bytes(n, k)
-    end = code + k * (torch.finfo(dtype).bits // 8)
+    end = code + k * dtype.itemsize
     values = blocks[:, code:end].clone(memory_format=torch.contiguous_format).view(dtype)
     return decode_positions_many(blocks[:, :code], n, k), values, blocks[:, end:]
+
+
+def gather_dtype(compressor):
+    """The dtype of a record's value on the allgather (packing.gather_value_bits)."""
+    return {8: FP8, 16: torch.float16, 32: torch.float32}[gather_value_bits(compressor)]
+
+
+def encode_values(values, tensor, tensors):
+    """``values`` of ``tensors`` tensors (``tensor``: each value's, in 0..tensors-1) in 8
+    bits (hvd_dgc/packing.py): ``(codes, scales, arrived)``, the float8 e4m3 codes, each
+    tensor's float32 scale (its largest finite magnitude / 448; 1 where it has none) and
+    each value as it arrives. A value that is not finite goes as NaN, which the guard
+    sees (a cast would saturate it to 448)."""
+    finite = torch.isfinite(values)
+    magnitudes = torch.where(finite, values.abs(), 0.0).float()
+    largest = magnitudes.new_zeros(tensors).scatter_reduce_(0, tensor, magnitudes, "amax")
+    scales = torch.where(largest > 0, largest / FP8_MAX, 1.0)
+    scale = scales[tensor]
+    codes = torch.where(finite, values / scale, float("nan")).to(FP8)
+    return codes, scales, codes.float() * scale
+
+
+def decode_values(codes, scale):
+    """Inverse of ``encode_values``: ``codes`` (float8) times each one's tensor's scale."""
+    return codes.float() * scale
+
+
+def tensor_of(positions, starts):
+    """Each position's tensor, the tensors starting at ``starts`` (increasing, a tensor
+    on the positions' device)."""
+    return torch.searchsorted(starts, positions, right=True) - 1

@@ -9,6 +9,7 @@ import copy
 import traceback
 import warnings
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -288,8 +289,10 @@ def horovod_patterns():
         warnings.simplefilter("always")
         with contextlib.redirect_stdout(io.StringIO()):
             wrap(min_compress_size=10 ** 6)
-            # near 1 with no latency to save (the coded records cost more than dense)
-            wrap(density=0.99, cost_model=hvd.CostModel(alpha=1e-7))
+            # near 1 with no latency to save, fp32 values (the coded records cost more
+            # than dense; in 8 bits they cost less)
+            wrap(density=0.99, cost_model=hvd.CostModel(alpha=1e-7),
+                 compression=hvd.Compression.dgc(value_bits=32))
     out["warnings"] = [str(w.message) for w in caught if "does nothing" in str(w.message)]
     with contextlib.redirect_stdout(io.StringIO()):  # the one-line default for AdamW
         adamw = hvd.DistributedOptimizer(
@@ -477,7 +480,10 @@ def grouping():
                             lambda m: [[m[0].weight, m[2].weight], [m[0].bias, m[4].weight]])
     # The DGC sampler draws per tensor in launch order, which grouping changes, so
     # compare with exact top-k; with DGC every rank must still agree.
-    exact = _train_grouped("gt", 6, hvd.Compression.topk, lambda m: [[m[0].weight, m[2].weight]])
+    # (fp32 values: in 8 bits a small tensor folded into a group's allgather is rounded,
+    # with the rounding kept in its memory, where alone it goes exact in an allreduce)
+    exact = _train_grouped("gt", 6, hvd.Compression.topk(value_bits=32),
+                           lambda m: [[m[0].weight, m[2].weight]])
     # Horovod's own test_optimizer_no_named_parameters reads _parameter_names
     two = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
     unnamed = hvd.DistributedOptimizer(torch.optim.SGD(
@@ -781,14 +787,16 @@ def sparse_step():
 
 
 def fp16_records():
-    """fp16 record values (Compression.dgc(fp16_values=True)): what fp16 rounds off a sent
-    value stays in the sender's memory (error feedback), the rest of the memory is the
-    gradient untouched, and the average is the fp32 mean of what the ranks sent."""
+    """fp16 record values (Compression.dgc(fp16_values=True, value_bits=16)): what fp16
+    rounds off a sent value stays in the sender's memory (error feedback), the rest of
+    the memory is the gradient untouched, and the average is the fp32 mean of what the
+    ranks sent."""
     rank, n = hvd.rank(), 4096
     p = nn.Parameter(torch.zeros(n))
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD([p], lr=1.0), named_parameters=[("fp16r.w", p)], density=0.01,
-        warmup=0, cost_model=hvd.CostModel(), compression=hvd.Compression.dgc(fp16_values=True))
+        warmup=0, cost_model=hvd.CostModel(),
+        compression=hvd.Compression.dgc(fp16_values=True, value_bits=16))
     g = (torch.arange(n, dtype=torch.float32) * 1e-3 + 1 / 3) * (1 + rank)
     p.grad = g.clone()
     opt.step()
@@ -800,6 +808,36 @@ def fp16_records():
             "rounding_nonzero": int((rounding[sent] != 0).sum()),
             "unsent_untouched": bool(torch.equal(v[~sent], g[~sent])),
             "average_diff": float((-p.detach() - gathered.mean(0)).abs().max())}
+
+
+def fp8_records():
+    """8-bit record values (the default, value_bits=8): each sent value arrives as
+    tests/reference.py ``fp8_values`` says (float8 e4m3 of value / scale, the scale the
+    tensor's largest sent magnitude / 448), what the rounding loses stays in the
+    sender's memory, the rest of the memory is the gradient untouched, and the average
+    is the mean of what arrived from each rank."""
+    from tests.reference import fp8_values
+    rank, n = hvd.rank(), 4096
+    p = nn.Parameter(torch.zeros(n))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), named_parameters=[("fp8r.w", p)], density=0.01,
+        warmup=0, cost_model=hvd.CostModel())
+    g = (torch.arange(n, dtype=torch.float32) * 1e-3 + 1 / 3) * (1 + rank)
+    p.grad = g.clone()
+    opt.step()
+    v = opt.residual(p).detach().clone()
+    sent = (v != g).numpy()
+    _, _, arrived = fp8_values(g.numpy()[sent], np.zeros(sent.sum(), np.int64), 1)
+    arrived = torch.from_numpy(arrived)
+    gathered = hvd.allgather(torch.zeros(n).index_put_(
+        (torch.from_numpy(sent.nonzero()[0]),), arrived).view(1, -1))
+    sent = torch.from_numpy(sent)
+    return {"sent": int(sent.sum()),
+            "rounding_kept": float((v[sent] - (g[sent] - arrived)).abs().max()),
+            "rounding_nonzero": int((g[sent] != arrived).sum()),
+            "unsent_untouched": bool(torch.equal(v[~sent], g[~sent])),
+            "average_diff": float((-p.detach() - gathered.mean(0)).abs().max()),
+            "bytes": opt.compression_stats()["last_step"]["bytes_sent"]}
 
 
 def fp16_outlier():  # in the gloo launch of tests/test_torch_optimizer.py
