@@ -1,18 +1,18 @@
-"""Bytes on the wire a step, per rank, in real runs: hvd_dgc's modes on ResNet-50's and
-the stdlib byte LM's parameter shapes, 2 and 4 ranks (``horovodrun --gloo`` on this host).
+"""Bytes on the wire per rank and step: hvd_dgc's modes on ResNet-50's and the stdlib byte
+LM's parameter shapes, at 2 to 1,024 ranks, and real runs to check the simulation.
 
-    python bench/wire.py                 # the table
+    python bench/wire.py                 # the simulated table, N = 2 ... 1024
     python bench/wire.py --csv           # n_workers,mode,bytes_received_per_rank,...
-    python bench/wire.py --np 2 --models resnet50
+    python bench/wire.py --real          # real runs at 2 and 4 ranks beside the simulation
+    python bench/wire.py --real --np 2 --models resnet50
 
-Synthetic gradients (the records' size depends on the shapes, the density and the
-planner's paths, not on the values), DGC at its final density 0.001 from the first step
-(``warmup=0``), the cost model's assumed 1 Gbit/s link so the planner compresses. A rank's
-bytes sent are hvd_dgc's own count (``compression_stats()["last_step"]``); received are
-priced from each tensor's path: the allgather's every rank's records, the ring allreduce's
-2 (N-1)/N of the tensor, region reduce's hvd_dgc/aggregation.py ``region_bytes``. A
-small dense tensor that rides in its launch's allgather (its values alone) is priced as
-the ring's: equal at N = 2, half of what it receives from N = 4 on.
+The simulation (harness/wire_sim.py) takes the planner's own choices (paths, buckets, the
+dense tensors riding in an allgather) with the cost model's assumed 1 Gbit/s link, and
+the wire formats' sizes, which the encoders write (tests/test_wire_code.py); no rank
+runs. ``--real`` runs each mode under ``horovodrun --gloo`` on this host (harness/wire.py,
+synthetic gradients, DGC at 0.001 from the first step): a rank's bytes sent are hvd_dgc's
+own count (``compression_stats()["last_step"]``), received are priced from each tensor's
+path; and prints the simulation's numbers for the same N beside them.
 """
 
 import argparse
@@ -21,40 +21,77 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from harness.hvdrun import run  # noqa: E402
+from harness import wire_sim  # noqa: E402
 from harness.wire import MODES  # noqa: E402
 
-COLUMNS = ["model", "n_workers", "mode", "bytes_received_per_rank", "dense_bytes_per_rank",
-           "bytes_sent_per_rank", "dense_sent_per_rank", "fewer_than_dense_sent", "paths"]
+WORLDS = [2, 4, 8, 16, 64, 256, 1024]
+COLUMNS = ["n_workers", "mode", "bytes_received_per_rank", "dense_bytes_per_rank", "model",
+           "bytes_sent_per_rank", "fewer_than_dense_received", "paths"]
+
+
+def _paths(paths):
+    return " ".join(f"{k}:{v}" for k, v in sorted(paths.items()))
+
+
+def simulated(models, modes, worlds):
+    rows = []
+    for model in models:
+        for mode in modes:
+            for world in worlds:
+                r = wire_sim.step_bytes(model, mode, world)
+                rows.append((world, mode, round(r["received"]), round(r["dense_received"]),
+                             model, round(r["sent"]), r["dense_received"] / r["received"],
+                             _paths(r["paths"])))
+    return rows
+
+
+def real(models, modes, worlds):
+    from harness.hvdrun import run
+    print("| model | N | mode | sent a step | received a step | simulated received | "
+          "difference | dense ring's | fewer than dense fp32 sent | paths |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for world in worlds:
+            for mode in modes:
+                r = run("harness.wire:step_bytes", np=world, timeout=900,
+                        kwargs={"model": model, "mode": mode})[0]
+                sim = wire_sim.step_bytes(model, mode, world)["received"] \
+                    if mode in wire_sim.MODES else None
+                diff = f"{100 * (sim / r['received'] - 1):+.2f}%" if sim else "-"
+                print(f"| {model} | {world} | {mode} | {r['sent']:,} | "
+                      f"{round(r['received']):,} | "
+                      f"{f'{round(sim):,}' if sim else '-'} | {diff} | "
+                      f"{round(r['dense_received']):,} | "
+                      f"{r['dense_sent'] / r['sent']:.0f}x | {_paths(r['paths'])} |",
+                      flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--np", type=int, nargs="+", default=None,
+                        help=f"ranks (default: {WORLDS}; with --real, 2 4)")
     parser.add_argument("--models", nargs="+", default=["resnet50", "stdlib_lm"],
                         choices=["resnet50", "stdlib_lm"])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help=f"simulated: {list(wire_sim.MODES)}; real: {list(MODES)}")
+    parser.add_argument("--real", action="store_true", help="real runs beside the simulation")
     parser.add_argument("--csv", action="store_true")
     args = parser.parse_args()
-    rows = []
-    for model in args.models:
-        for np_ in args.np:
-            for mode in args.modes:
-                r = run("harness.wire:step_bytes", np=np_, timeout=900,
-                        kwargs={"model": model, "mode": mode})[0]
-                rows.append((model, np_, mode, round(r["received"]), round(r["dense_received"]),
-                             r["sent"], r["dense_sent"], r["dense_sent"] / r["sent"],
-                             " ".join(f"{k}:{v}" for k, v in sorted(r["paths"].items()))))
+    if args.real:
+        real(args.models, args.modes or list(MODES), args.np or [2, 4])
+        return
+    rows = simulated(args.models, args.modes or list(wire_sim.MODES), args.np or WORLDS)
     if args.csv:
         print(",".join(COLUMNS))
         for row in rows:
             print(",".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row))
         return
-    print("| model | N | mode | received a step | dense ring's | sent a step | fewer than "
-          "dense fp32 | paths |")
+    print("| model | mode | N | received a step | dense ring's | fewer than dense | sent a "
+          "step | paths |")
     print("|---|---|---|---|---|---|---|---|")
-    for m, n, mode, rec, drec, sent, dsent, ratio, paths in rows:
-        print(f"| {m} | {n} | {mode} | {rec:,} | {drec:,} | {sent:,} | {ratio:.0f}x | {paths} |")
+    for world, mode, received, dense, model, sent, ratio, paths in rows:
+        print(f"| {model} | {mode} | {world} | {received:,} | {dense:,} | {ratio:.1f}x | "
+              f"{sent:,} | {paths} |")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from harness.shapes import lm_shapes, resnet50_shapes
 
 #: bench/wire.py's modes: the options a user passes (all else default)
 MODES = {
-    "sgd_dgc": {},                       # DGC, fp32 values
-    "sgd_dgc_fp16": {"fp16": True},      # compression=hvd.Compression.fp16: fp16 values
+    "sgd_dgc": {},                                   # DGC, its defaults: 8-bit values
+    "sgd_dgc_fp16": {"value_bits": 16},              # Compression.dgc(value_bits=16)
+    "sgd_dgc_fp32": {"value_bits": 32},              # Compression.dgc(value_bits=32)
+    "sgd_dgc_horovod_fp16": {"fp16": True},          # compression=hvd.Compression.fp16
 }
 
 
@@ -27,11 +29,13 @@ def step_bytes(model, mode, steps=6, density=0.001):
     hvd.init()
     world = hvd.size()
     fp16 = MODES[mode].get("fp16", False)
+    bits = MODES[mode].get("value_bits")
     named = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in shapes_of(model)]
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9), named_parameters=named,
         density=density, warmup=0, cost_model=hvd.CostModel(),
-        compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+        compression=hvd.Compression.fp16 if fp16 else hvd.Compression.dgc(value_bits=bits)
+        if bits else hvd.Compression.none)
     gen = torch.Generator().manual_seed(hvd.rank())
     for _ in range(steps):
         for _, p in named:
@@ -41,7 +45,9 @@ def step_bytes(model, mode, steps=6, density=0.001):
     received, paths = 0.0, {}
     for t in last["tensors"].values():
         paths[t["path"]] = paths.get(t["path"], 0) + 1
-        if t["path"] == "dense":
+        if t["path"] == "dense" and t["bytes"] not in (2 * t["numel"], 4 * t["numel"]):
+            received += allgather_bytes(1, world, t["bytes"])  # in 8 bits: folded
+        elif t["path"] == "dense":  # (folded or not: priced as the ring's)
             received += dense_bytes(t["numel"], world, t["bytes"] / t["numel"])
         elif t["path"] == "sparse":  # every rank's bytes, the same size
             received += allgather_bytes(1, world, t["bytes"])

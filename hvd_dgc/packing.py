@@ -128,10 +128,14 @@ def check_value_bits(value_bits):
     return value_bits
 
 
-def gather_value_bits(compressor):
+def gather_value_bits(compressor, density=None):
     """The bits of a record's value on the allgather path: the compressor's
-    ``value_bits``, at most 16 where its records are fp16 (``fp16_values``)."""
+    ``value_bits``, at most 16 where its records are fp16 (``fp16_values``). At
+    ``density`` 1 the records carry every element, and their values go whole (fp32, or
+    fp16 with ``fp16_values``): density 1.0 is dense averaging, exact."""
     bits = 8 * getattr(compressor, "value_bytes", 4)
+    if density is not None and density >= 1:
+        return bits
     return min(bits, getattr(compressor, "value_bits", bits))
 
 

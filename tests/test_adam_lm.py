@@ -57,11 +57,12 @@ def test_adamw_on_real_text_stays_close_to_horovod_with_fewer_bytes(lm):
         assert 4.0 * numel * (out["steps"] - ONCE) / after > 2.0, after
         # refreshed: less than half the bytes of the 200-step warm-up
         assert out["top-k"]["bytes"] < 0.5 * res["bytes"]
-        # the default, 0/1 Adam: closer to Horovod than the top-k take-over, with 3x
-        # fewer bytes again (9.8 MB against 31.1, the top-k's positions coded)
+        # the default, 0/1 Adam: closer to Horovod than the top-k take-over, with 1.5x
+        # fewer bytes again (9.8 MB against 16.0, the top-k's positions coded and its
+        # values in 8 bits)
         zero_one = out["default"]
         assert curves["default"][-1] < curves["top-k"][-1]
-        assert zero_one["bytes"] < out["top-k"]["bytes"] / 3, (zero_one, out["top-k"])
+        assert zero_one["bytes"] < out["top-k"]["bytes"] / 1.5, (zero_one, out["top-k"])
 
 
 def test_the_benchmarks_cosine_schedule_warms_up_then_ends_at_a_tenth():

@@ -105,8 +105,9 @@ def test_a_measurement_replaces_the_model_only_past_the_change_factor_the_waits_
 
 
 def _planner(local_size=0, aggregation="auto"):
+    """fp32 values: hierarchical DGC's records are priced against the allgather's alike."""
     config = DGCConfig(density=0.01, aggregation=aggregation)
-    resolved = config.resolve(TORCH, Compression.dgc, ARGS, (True, "SGD"))
+    resolved = config.resolve(TORCH, Compression.dgc(value_bits=32), ARGS, (True, "SGD"))
     tensors = [TensorInfo(0, "w", 1 << 20, (1024, 1024)), TensorInfo(1, "b", 1024, (1024,))]
     return Planner(resolved, tensors, 4, local_size)
 

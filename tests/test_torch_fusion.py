@@ -19,7 +19,7 @@ def gloo():
 
 
 @pytest.mark.parametrize("variant", ["sync", "delay", "period", "passes", "region",
-                                     "unfolded"])
+                                     "unfolded", "unfolded_8bit"])
 def test_buckets_train_exactly_as_one_launch_per_tensor(gloo, variant):
     for out in _checked(gloo, "bundled_equals_per_tensor"):
         res = out[variant]
@@ -56,8 +56,9 @@ def _one_launch_on_an_accelerator(gloo):
 
 
 def test_folded_dense_tensors_are_counted_as_their_values(gloo):
-    """A dense tensor riding in its launch's allgather sends its fp32 values alone: its
-    positions are every index, which every rank knows (paths.py AllgatherPath._fold)."""
+    """A dense tensor riding in its launch's allgather sends its values alone (fp32 here,
+    8 bits and a scale by default): its positions are every index, which every rank
+    knows (paths.py AllgatherPath._fold)."""
     dense = [64, 64, 320, 5]  # mlp()'s tensors below min_compress_size, elements
     for out in _checked(gloo, "bundled_equals_per_tensor"):
         folded, alone = out["sync"]["dense_bytes"][0], out["sync"]["dense_bytes"][2]
@@ -67,6 +68,12 @@ def test_folded_dense_tensors_are_counted_as_their_values(gloo):
         assert sorted(alone.values()) == sorted(4 * n for n in dense)
         assert sorted(out["unfolded"]["dense_bytes"][0].values()) == \
             sorted(4 * n for n in dense)  # the cost model kept their fp32 allreduce
+        # 8-bit values (the default): folded, a byte each and the tensor's scale
+        eight = out["folded_8bit"]
+        assert sorted(eight["dense_bytes"][0].values()) == sorted(n + 4 for n in dense)
+        assert eight["launches"] == [1] and all(eight["identical"])
+        assert sorted(out["unfolded_8bit"]["dense_bytes"][0].values()) == \
+            sorted(4 * n for n in dense)
 
 
 def test_a_tensor_unused_on_one_rank_leaves_with_its_bucket_in_synchronize(gloo):

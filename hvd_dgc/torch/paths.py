@@ -262,13 +262,21 @@ class AllgatherPath(_Path):
     def record_bytes(self, part, counts):
         """Bytes each member's records weigh on the wire, per member: ``k`` slots of a
         coded position and a value, the part's code shared by the members' ``k``."""
-        bits = gather_value_bits(self.ctx.compressor)
+        bits = self._bits(part)
         total = sum(part.ks)
         code = index_bytes(part.hi - part.lo, total)
         shares = [code * k // total for k in part.ks]
         shares[-1] += code - sum(shares)
         scale = SCALE_BYTES if bits == 8 else 0  # a tensor's scale (8 bits)
         return [k * bits // 8 + scale + share for k, share in zip(part.ks, shares)]
+
+    def _bits(self, part):
+        """The bits of the part's values on the wire (packing.gather_value_bits: 8 by
+        default, whole at density 1)."""
+        return gather_value_bits(self.ctx.compressor, part.launch.density)
+
+    def _dtype(self, part):
+        return gather_dtype(self.ctx.compressor, part.launch.density)
 
     def _masked(self, part, picked):
         """Whose momentum the sent coordinates lose (hvd_dgc/masking.py): True (all),
@@ -290,7 +298,7 @@ class AllgatherPath(_Path):
         latency): one Horovod operation fewer, two round trips a step over a WAN. The
         same on every rank: it depends on the launch's members and sizes only."""
         dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
-        bits = gather_value_bits(self.ctx.compressor)
+        bits = None if mine is None else self._bits(mine)
         if dense is None or mine is None or \
                 bits != 8 and self.ctx.dense_fp16 != (bits == 16) or \
                 not planner.folds(sum(dense.numels)):
@@ -307,10 +315,10 @@ class AllgatherPath(_Path):
         known to every rank, so none travel. One Horovod operation per launch instead of
         two (bench/results/round_trips.md)."""
         folded = part.folded
-        if gather_value_bits(self.ctx.compressor) != 8:
+        if self._bits(part) != 8:
             dense = self.dense.take(folded)  # the dense path's own bookkeeping
-            return (dense if pre == 1.0 else dense * pre).to(
-                gather_dtype(self.ctx.compressor)).view(torch.uint8)
+            return (dense if pre == 1.0 else dense * pre).to(self._dtype(part)).view(
+                torch.uint8)
         dense = self.dense.take(folded, value_bytes=1).float()
         device = dense.device
         tensor = torch.arange(len(folded.members), device=device).repeat_interleave(
@@ -330,12 +338,13 @@ class AllgatherPath(_Path):
         waits 7 round trips, one of a fixed size 3)."""
         device = sel.positions.device
         values = sel.values if pre == 1.0 else sel.values * pre
-        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
-            counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
+        bits, scales, member = self._bits(part), None, None
+        if part.launch.poison is not None or bits == 8:  # each value's member
+            member = torch.arange(len(sel.counts), device=device).repeat_interleave(
+                counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
         if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
             bad = part.launch.poison[on_device(tuple(part.index), str(device))]
             values = torch.where(bad[member], float("inf"), values)
-        bits, scales = gather_value_bits(self.ctx.compressor), None
         if bits == 16:
             values = self._half(part, sel.positions, values, pre)
         elif bits == 8:
@@ -345,7 +354,7 @@ class AllgatherPath(_Path):
         if sum(sel.counts) < total:
             positions, values = _merged(positions, values,
                                         _unpicked(part, sel.counts, positions))
-        coded = encode_records(positions, values, n, gather_dtype(self.ctx.compressor))
+        coded = encode_records(positions, values, n, self._dtype(part))
         return coded if scales is None else torch.cat([coded, scales.view(torch.uint8)])
 
     def _half(self, part, positions, values, pre):
@@ -388,13 +397,14 @@ class AllgatherPath(_Path):
             payload = torch.cat([payload, self._fold(part, pre)])
         handle = self.ctx.wire.allgather_async(payload, part.launch.name + ".sparse")
         starts = tuple(o - part.lo for o in part.offsets)
-        return _GatherLaunch(handle, part.lo, part.hi, sum(part.ks), starts, part.folded)
+        return _GatherLaunch(handle, part.lo, part.hi, sum(part.ks), starts, part.folded,
+                             self._dtype(part))
 
     def collect(self, handle, out):
         blocks = self.ctx.wire.wait(handle.handle)
         rows = self.ctx.wire.world()
         blocks = blocks.view(rows, -1)
-        dtype = gather_dtype(self.ctx.compressor)
+        dtype = handle.dtype
         positions, values, rest = decode_records(blocks, handle.hi - handle.lo, handle.k,
                                                  dtype)
         device = positions.device
@@ -436,6 +446,7 @@ class _GatherLaunch(NamedTuple):
     k: int           # records a rank sends (the part's k, summed)
     starts: tuple    # where each member starts in that range
     folded: object   # the dense part carried after the records, or None
+    dtype: object    # the values' (AllgatherPath._dtype)
 
 
 def _unpicked(part, counts, picked):

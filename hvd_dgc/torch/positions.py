@@ -94,9 +94,10 @@ def decode_records(blocks, n, k, dtype):
     return decode_positions_many(blocks[:, :code], n, k), values, blocks[:, end:]
 
 
-def gather_dtype(compressor):
+def gather_dtype(compressor, density=None):
     """The dtype of a record's value on the allgather (packing.gather_value_bits)."""
-    return {8: FP8, 16: torch.float16, 32: torch.float32}[gather_value_bits(compressor)]
+    return {8: FP8, 16: torch.float16, 32: torch.float32}[
+        gather_value_bits(compressor, density)]
 
 
 def encode_values(values, tensor, tensors):
@@ -122,4 +123,4 @@ def decode_values(codes, scale):
 def tensor_of(positions, starts):
     """Each position's tensor, the tensors starting at ``starts`` (increasing, a tensor
     on the positions' device)."""
-    return torch.searchsorted(starts, positions, right=True) - 1
+    return torch.searchsorted(starts, positions.contiguous(), right=True) - 1

@@ -35,8 +35,9 @@ def torch_run():
         p = torch.nn.Parameter(torch.zeros(NUMEL))
         opt = dgc.DistributedOptimizer(
             torch.optim.SGD([p], lr=LR, momentum=MOMENTUM), named_parameters=[(f"w{delay}", p)],
-            compression=dgc.Compression.topk, density=DENSITY, min_compress_size=16,
-            momentum_masking=True, aggregation="allgather", delay=delay)
+            compression=dgc.Compression.topk(value_bits=32), density=DENSITY,
+            min_compress_size=16, momentum_masking=True, aggregation="allgather",
+            delay=delay)  # (fp32 values, as the reference and TensorFlow send them)
         steps = []
         for g in grads():
             before = p.detach().clone()

@@ -131,6 +131,13 @@ def delay_zero_is_synchronous():
     return {"equal_each_step": equal, "moved": moved, "in_flight": opt.in_flight}
 
 
+def _compression(name):
+    """The compressor by name; top-k with fp32 values, as the simulations send them (8-bit
+    values' rounding: tests/test_torch_optimizer.py)."""
+    return hvd.Compression.topk(value_bits=32) if name == "topk" else \
+        getattr(hvd.Compression, name)
+
+
 VARIANTS = {
     # name: (compression, density or None, momentum, weight decay, passes, warm-up steps)
     "dense_sgd": ("none", None, 0.0, 0.0, 1, 0),
@@ -146,7 +153,7 @@ def delay_two_matches_simulation(steps=10, delay=2, lr=0.05):
     for name, (comp, density, momentum, wd, passes, warmup) in VARIANTS.items():
         model = mlp(seed=5)
         start = copy.deepcopy(model)
-        kwargs = dict(compression=getattr(hvd.Compression, comp), delay=delay,
+        kwargs = dict(compression=_compression(comp), delay=delay,
                       backward_passes_per_step=passes)
         schedule = None
         if density is None:  # dense, said explicitly
@@ -259,7 +266,7 @@ def period_matches_simulation(steps=11, lr=0.05):
     for name, (comp, density, momentum, wd, period, delay, warmup) in PERIODS.items():
         model = mlp(seed=6)
         start = copy.deepcopy(model)
-        kwargs = dict(compression=getattr(hvd.Compression, comp), delay=delay, period=period)
+        kwargs = dict(compression=_compression(comp), delay=delay, period=period)
         schedule = None
         if density is None:
             kwargs.update(density=1.0)
@@ -324,7 +331,7 @@ def period_against_reference(lr=0.05):
         if density is None:
             options.update(density=1.0)
         else:
-            options.update(density=density, warmup=0, compression=hvd.Compression.topk,
+            options.update(density=density, warmup=0, compression=_compression("topk"),
                            momentum_masking=True, aggregation="allgather")
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(params, lr=lr, momentum=momentum),

@@ -13,8 +13,11 @@ from tests.workers.device import device, sparse_momentum_deterministic
 from tests.workers.torch_dgc import (batch, expect_error, flat_params, loss_of, mlp,
                                      rank_spread, ranks_identical)
 
-#: mlp(): weights of 1280, 4096 (DGC) and 320, biases of 64, 64, 5 (dense) elements
-OPTIONS = dict(density=0.05, warmup=0, aggregation="allgather")
+#: mlp(): weights of 1280, 4096 (DGC) and 320, biases of 64, 64, 5 (dense) elements.
+#: fp32 values: a dense tensor folded into a bucket's allgather then goes exact, as in
+#: its own allreduce (in 8 bits it is rounded, the rounding kept in its memory).
+OPTIONS = dict(density=0.05, warmup=0, aggregation="allgather",
+               compression=hvd.Compression.dgc(value_bits=32))
 
 
 def _wrap(model, tag, threshold, **options):
@@ -70,6 +73,14 @@ def bundled_equals_per_tensor():
     # values in the allgather, 52 us, cost more than it, 46 us)
     out["unfolded"] = _pair("fzn", [None, 0], cost_model=hvd.CostModel(
         alpha=16e-6, gather_bandwidth=3.5e7))
+    # 8-bit values (the default): each tensor's scale is its own, so with nothing folded
+    # buckets still train exactly as one launch per tensor (no latency and a slow
+    # allgather keep the biases' allreduce against their 8-bit values, costmodel.folds);
+    # folded, the biases go in 8 bits
+    eight = hvd.Compression.dgc()
+    out["unfolded_8bit"] = _pair("fz8n", [None, 0], compression=eight,
+                                 cost_model=hvd.CostModel(alpha=0.0, gather_bandwidth=1e7))
+    out["folded_8bit"] = _pair("fz8f", [None], compression=eight)
     return out
 
 
