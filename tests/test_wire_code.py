@@ -229,3 +229,17 @@ def test_torch_codes_8bit_values_byte_for_byte_as_the_reference():
     assert at.tolist() == tensor.tolist()
     got = decode_values(codes, scales[at])
     assert np.array_equal(got.numpy(), want, equal_nan=True)
+
+
+def test_the_wire_simulation_is_a_real_runs_bytes():
+    """bench/wire.py's simulation (harness/wire_sim.py: the planner's paths, buckets and
+    folds, the formats' sizes) gives the bytes a real 2-rank run sends and receives, byte
+    for byte, on the stdlib LM's shapes with the defaults (8-bit values)."""
+    from harness.hvdrun import run
+    from harness.wire_sim import step_bytes
+    real = run("harness.wire:step_bytes", np=2, timeout=300,
+               kwargs={"model": "stdlib_lm", "mode": "sgd_dgc"})[0]
+    sim = step_bytes("stdlib_lm", "sgd_dgc", 2)
+    assert real["sent"] == round(sim["sent"]) and real["received"] == sim["received"]
+    assert real["paths"] == sim["paths"] == {"dense": 17, "sparse": 11}
+    assert real["dense_sent"] / real["sent"] > 350  # 391x, 113x with fp32 values
