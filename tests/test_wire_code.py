@@ -243,3 +243,27 @@ def test_the_wire_simulation_is_a_real_runs_bytes():
     assert real["sent"] == round(sim["sent"]) and real["received"] == sim["received"]
     assert real["paths"] == sim["paths"] == {"dense": 17, "sparse": 11}
     assert real["dense_sent"] / real["sent"] > 350  # 391x, 113x with fp32 values
+
+
+@pytest.mark.parametrize("n, k", [(16, 4), (4096, 4), (4096, 2000), (4096, 4096), (1000, 1),
+                                  (64, 63), (2359296, 2360), (10 ** 6, 3), (100_003, 977)])
+def test_the_cpu_kernel_codes_positions_as_atens_operations_do(n, k, monkeypatch):
+    """On the CPU the C++ kernel (hvd_dgc/torch/csrc) writes and reads the codes a word at
+    a time; the same bytes and positions as the ATen operations an accelerator runs."""
+    import torch
+    from hvd_dgc.torch import positions
+    from hvd_dgc.torch.memory import fused_kernel_available
+    assert fused_kernel_available()  # (built by the install, tests/test_core.py)
+    gen = np.random.default_rng(n + k)
+    rows = [np.sort(gen.choice(n, k, replace=False)) for _ in range(3)]
+    codes = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(positions, "KERNEL", kernel)
+        blobs = torch.stack([positions.encode_positions(torch.from_numpy(r), n)
+                             for r in rows])
+        codes[kernel] = (blobs, positions.decode_positions_many(blobs, n, k))
+    assert torch.equal(codes[True][0], codes[False][0])
+    assert codes[True][0].shape[1] == index_bytes(n, k)
+    assert torch.equal(codes[True][1], codes[False][1])
+    assert codes[True][1].tolist() == [r.tolist() for r in rows]
+    assert np.array_equal(codes[True][0][0].numpy(), ref.encode_positions(rows[0], n))

@@ -9,12 +9,14 @@ import torch
 
 from hvd_dgc.packing import FP8_MAX, elias_fano_low_bits, gather_value_bits, index_bytes, \
     index_code
+from hvd_dgc.torch.memory import fused_kernel_available
 
 __all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
            "decode_records", "sorted_on_host", "encode_values", "decode_values",
            "gather_dtype", "tensor_of"]
 
 FP8 = torch.float8_e4m3fn
+KERNEL = True  # (False: ATen's operations on the CPU too, as on an accelerator; tests)
 
 
 def _bytes_of(bits):
@@ -29,11 +31,22 @@ def _bits_of(blob):
     return ((blob.view(-1, 1) >> shifts) & 1).reshape(-1)
 
 
+def _by_kernel(t):
+    """Code on the CPU with the C++ kernel (hvd_dgc/torch/csrc), where it is built: a
+    word at a time instead of ATen's passes over every bit (the same bytes)."""
+    return KERNEL and t.device.type == "cpu" and fused_kernel_available()
+
+
 def encode_positions(positions, n):
     """``positions`` (sorted, distinct, in 0..n-1; an integer tensor) as a uint8 tensor
     of ``packing.index_bytes(n, k)`` bytes."""
     p = positions.reshape(-1).to(torch.int64)
     k = p.numel()
+    if _by_kernel(p):
+        bitmap = index_code(n, k) == "bitmap"
+        return torch.ops.hvd_dgc.encode_positions(
+            p.contiguous(), n, 0 if bitmap else elias_fano_low_bits(n, k), bitmap,
+            index_bytes(n, k))
     if index_code(n, k) == "bitmap":
         bits = torch.zeros(n, dtype=torch.uint8, device=p.device)
         bits[p] = 1
@@ -55,6 +68,10 @@ def decode_positions_many(blobs, n, k):
     code of k positions among n) in a fixed number of operations: ``(rows, k)`` int64.
     The number of ones is known (k a row), so no read-back waits for the device."""
     rows, device = blobs.shape[0], blobs.device
+    if _by_kernel(blobs):
+        bitmap = index_code(n, k) == "bitmap"
+        return torch.ops.hvd_dgc.decode_positions(
+            blobs.contiguous(), n, k, 0 if bitmap else elias_fano_low_bits(n, k), bitmap)
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
     bits = ((blobs.unsqueeze(-1) >> shifts) & 1).view(rows, -1)
     if index_code(n, k) == "bitmap":

@@ -704,6 +704,86 @@ void sgd_sparse_step(at::TensorList params, const at::Tensor& starts,
   });
 }
 
+// -- positions coded near their information content (hvd_dgc/packing.py) ---------------
+// One bit stream, least significant bit first. A bitmap: bit p set for each position p.
+// Elias-Fano: position i's low `low` bits at bits [i low, (i + 1) low), then bit
+// (p_i >> low) + i of a bit vector that starts at bit k low. The layout decisions
+// (which code, `low`, the size) are packing.py's; these write and read the bits.
+
+// `positions`: k sorted, distinct int64 in 0..n-1 -> `nbytes` bytes.
+at::Tensor encode_positions(const at::Tensor& positions, int64_t n, int64_t low, bool bitmap,
+                            int64_t nbytes) {
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong &&
+              positions.dim() == 1, "hvd_dgc: encode_positions wants contiguous int64");
+  const int64_t k = positions.numel();
+  const int64_t* p = positions.data_ptr<int64_t>();
+  std::vector<uint64_t> words((nbytes + 7) / 8 + 1, 0);
+  auto set = [&](int64_t bit) { words[bit >> 6] |= uint64_t(1) << (bit & 63); };
+  if (bitmap) {
+    for (int64_t i = 0; i < k; ++i) set(p[i]);
+  } else {
+    const uint64_t mask = low ? (low == 64 ? ~uint64_t(0) : (uint64_t(1) << low) - 1) : 0;
+    for (int64_t i = 0; i < k; ++i) {
+      if (low) {
+        const uint64_t bits = static_cast<uint64_t>(p[i]) & mask;
+        const int64_t at = i * low, word = at >> 6, shift = at & 63;
+        words[word] |= bits << shift;
+        if (shift + low > 64) words[word + 1] |= bits >> (64 - shift);
+      }
+      set(k * low + (p[i] >> low) + i);
+    }
+  }
+  at::Tensor out = at::empty({nbytes}, positions.options().dtype(at::kByte));
+  std::memcpy(out.data_ptr<uint8_t>(), words.data(), nbytes);  // little-endian words
+  return out;
+}
+
+// Each row of `blobs` (rows of one length, each k positions among n coded as above) ->
+// (rows, k) int64, sorted.
+at::Tensor decode_positions(const at::Tensor& blobs, int64_t n, int64_t k, int64_t low,
+                            bool bitmap) {
+  TORCH_CHECK(blobs.is_contiguous() && blobs.scalar_type() == at::kByte && blobs.dim() == 2,
+              "hvd_dgc: decode_positions wants contiguous uint8 rows");
+  const int64_t rows = blobs.size(0), width = blobs.size(1);
+  at::Tensor out = at::empty({rows, k}, blobs.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint8_t* b = blobs.data_ptr<uint8_t>();
+  const int64_t nwords = (width + 7) / 8 + 1;
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<uint64_t> words(nwords);
+    for (int64_t r = r0; r < r1; ++r) {
+      std::fill(words.begin(), words.end(), 0);
+      std::memcpy(words.data(), b + r * width, width);
+      int64_t* row = o + r * k;
+      const int64_t start = bitmap ? 0 : k * low;  // the bit vector's first bit
+      const int64_t end = bitmap ? n : width * 8;
+      int64_t found = 0;
+      for (int64_t w = start >> 6; w * 64 < end && found < k; ++w) {
+        uint64_t word = words[w];
+        if (w == (start >> 6)) word &= ~uint64_t(0) << (start & 63);
+        while (word && found < k) {
+          const int64_t bit = w * 64 + __builtin_ctzll(word) - start;
+          word &= word - 1;
+          row[found] = bitmap ? bit : ((bit - found) << low);
+          ++found;
+        }
+      }
+      TORCH_CHECK(found == k, "hvd_dgc: a position code holds ", found, " positions, not ",
+                  k);
+      if (!bitmap && low) {
+        const uint64_t mask = low == 64 ? ~uint64_t(0) : (uint64_t(1) << low) - 1;
+        for (int64_t i = 0; i < k; ++i) {
+          const int64_t at = i * low, word = at >> 6, shift = at & 63;
+          uint64_t bits = words[word] >> shift;
+          if (shift + low > 64) bits |= words[word + 1] << (64 - shift);
+          row[i] |= static_cast<int64_t>(bits & mask);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hvd_dgc, lib) {
@@ -723,6 +803,9 @@ TORCH_LIBRARY(hvd_dgc, lib) {
           "Tensor decays, "
           "float scale, Tensor u, Tensor v, Tensor(a!) u_out, Tensor(b!) v_out, "
           "float momentum, bool nesterov, Tensor(c!)? block_max, int lo, int hi) -> ()");
+  lib.def("encode_positions(Tensor positions, int n, int low, bool bitmap, int nbytes) "
+          "-> Tensor");
+  lib.def("decode_positions(Tensor blobs, int n, int k, int low, bool bitmap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
@@ -733,6 +816,8 @@ TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
   lib.impl("index_add_list", &index_add_list);
   lib.impl("sgd_sparse_step", &sgd_sparse_step);
   lib.impl("accumulate_from", &accumulate_from);
+  lib.impl("encode_positions", &encode_positions);
+  lib.impl("decode_positions", &decode_positions);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
