@@ -16,7 +16,9 @@ SGD with momentum 0.9, as the paper trains ResNet-50.
     python bench/step_overhead.py --out bench/results/step_overhead.md
 
 Rows: stock Horovod (``horovod.torch.DistributedOptimizer``; at np=1 it registers no
-hooks: its step is the base SGD's), hvd_dgc at the final density 0.001, and hvd_dgc in
+hooks: its step is the base SGD's), hvd_dgc at the final density 0.001 (as it runs; with
+its positions coded by ATen's operations instead of the C++ kernel, as on a GPU; with
+fp32 values instead of 8-bit ones), and hvd_dgc in
 the default warm-up's dense-ish stages (density 0.25 and 0.0625, fixed); then AdamW
 (lr 1e-3, weight decay 0.01) through stock Horovod and through hvd_dgc with its
 variance frozen (the take-over's long phase, hvd_dgc/adam.py) at density 0.001, each
@@ -57,9 +59,9 @@ class Setup:
     """One optimizer over its own copy of the parameters (hooks fire for every backward
     of the parameters they are registered on, so each row owns its tensors)."""
 
-    def __init__(self, label, make_optimizer, shapes, seed=0):
+    def __init__(self, label, make_optimizer, shapes, seed=0, kernel_coding=True):
         gen = torch.Generator().manual_seed(seed)
-        self.label = label
+        self.label, self.kernel_coding = label, kernel_coding
         self.params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01)
                        for _, s in shapes]
         self.weights = [torch.randn(s, generator=gen) for _, s in shapes]
@@ -67,6 +69,8 @@ class Setup:
         self.opt = make_optimizer(named)
 
     def step(self):
+        from hvd_dgc.torch import positions
+        positions.KERNEL = self.kernel_coding  # (False: ATen's coding, as on a GPU)
         self.opt.zero_grad()
         loss = sum((p * w).sum() for p, w in zip(self.params, self.weights))
         loss.backward()
@@ -83,10 +87,10 @@ def optimizers():
     def horovod(named):
         return stock.DistributedOptimizer(sgd(named), named_parameters=named)
 
-    def dgc(density):
+    def dgc(density, **options):
         def make(named):
             return hvd.DistributedOptimizer(sgd(named), named_parameters=named,
-                                            density=density, warmup=0)
+                                            density=density, warmup=0, **options)
         return make
 
     def adamw(named):
@@ -100,6 +104,9 @@ def optimizers():
                                         density=0.001, warmup=0, freeze_variance=1)
 
     return [("stock Horovod", horovod), ("hvd_dgc, density 0.001", dgc(0.001)),
+            ("hvd_dgc, density 0.001, positions coded by ATen", dgc(0.001)),
+            ("hvd_dgc, density 0.001, fp32 values", dgc(
+                0.001, compression=hvd.Compression.dgc(value_bits=32))),
             ("hvd_dgc, density 0.0625 (warm-up)", dgc(0.0625)),
             ("hvd_dgc, density 0.25 (warm-up)", dgc(0.25)),
             ("stock Horovod, AdamW", horovod_adamw),
@@ -130,7 +137,8 @@ def main():
         raise SystemExit("run at np=1 (python bench/step_overhead.py): the counts are local")
 
     shapes = resnet50_shapes()
-    setups = [Setup(label, make, shapes) for label, make in optimizers()]
+    setups = [Setup(label, make, shapes, kernel_coding="by ATen" not in label)
+              for label, make in optimizers()]
     for s in setups:
         for _ in range(args.warmup):
             s.step()
@@ -143,7 +151,8 @@ def main():
             times[s.label].append(time.perf_counter() - start)
 
     def stock_of(label):  # each optimizer against stock Horovod with the same one
-        return setups[4 if "AdamW" in label else 0].label
+        return next(s.label for s in setups if s.label == (
+            "stock Horovod, AdamW" if "AdamW" in label else "stock Horovod"))
     lines = [
         f"# hvd_dgc's local work per step, np=1, ResNet-50's shapes (CPU)",
         "",
