@@ -41,8 +41,9 @@ def measure_local(compressor, collectives, density, device):
             values = memory.index_select(0, positions)  # what leaves the memory
             memory.index_fill_(0, positions, 0.0)
             if dtype == FP8:  # in 8 bits, the rounding back into the memory
-                values, scales, arrived = encode_values(values, tensor, 1)
-                memory.index_add_(0, positions, arrived)
+                codes, scales, arrived = encode_values(values, tensor, 1)
+                memory.index_add_(0, positions, values - arrived)
+                values = codes
             wire = encode_records(positions, values, CALIBRATION_NUMEL, dtype)
             at, got, _ = decode_records(wire.view(1, -1), CALIBRATION_NUMEL, k, dtype)
             if dtype == FP8:

@@ -1,9 +1,11 @@
 """A tensor's selected positions as bytes, coded near their information content: Elias-Fano
 or a bitmap, whichever is smaller (the format and its sizes: hvd_dgc/packing.py; the
-NumPy reference this is held to: tests/reference.py ``encode_positions``). The same
-module, with the same functions, is hvd_dgc/tensorflow/positions.py. PyTorch's allgather
+NumPy reference this is held to: tests/reference.py ``encode_positions``).
+hvd_dgc/tensorflow/positions.py has the same positions' functions. PyTorch's allgather
 path sends its records' positions so (paths.py ``AllgatherPath``), and decodes every
-rank's at once (``decode_positions_many``)."""
+rank's at once (``decode_positions_many``); on the CPU the C++ kernel writes and reads
+the bits. Their values go in 8 bits where the compressor says so (``encode_values``:
+float8 e4m3 and a scale per tensor, hvd_dgc/packing.py; TensorFlow's values stay fp32)."""
 
 import torch
 
