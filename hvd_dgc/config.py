@@ -388,47 +388,80 @@ class DGCConfig:
         kind = compressor_kind(compressor)
         aggregations = aggregation_choices(self.aggregation, kind == "sparse",
                                            repr(compressor), framework.sparse_default)
-        density, warmup, freeze = self.density, self.warmup, None
         refresh = resolve_refresh(self.freeze_variance, self.refresh_variance)
+        freeze = None
         if kind == "exchange":
-            if density is not None or warmup:
-                raise ValueError(f"density/warmup apply to sparse compressors, but compression="
-                                 f"{compressor!r} compresses every element of each "
-                                 f"large tensor. Use compression={framework.sparse_default} "
-                                 f"to sparsify.")
-            if lagging and not compressor.sent_at_launch:
-                raise ValueError(f"{lagging} does not work with compression={compressor!r}: "
-                                 f"what this rank sent is known only after its first "
-                                 f"collective, and a later correction needs it at once. Use "
-                                 f"{undo}, or a one-round compressor (Compression.sign, qsgd, "
-                                 f"bf16, dgc).")
-            schedule = as_schedule(1.0)
-            # Adam taken over: exact Adam on dense averages to the freeze, then the
-            # compressor on the linear update (sign: 1-bit Adam itself; plan.py `path`)
-            freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
-            if freeze is not None:
-                schedule = FrozenAdamSchedule(freeze, schedule, refresh)
-        elif dense_requested(density, warmup) and self.aggregation not in (
+            schedule, freeze = self._exchange_schedule(compressor, framework, adam, refresh)
+        elif dense_requested(self.density, self.warmup) and self.aggregation not in (
                 "allgather", "region", "hierarchical"):
             compressor, kind, schedule = namespace.none, "dense", as_schedule(1.0)
         else:
-            adaptive = optimizer is not None and not optimizer[0]
-            freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
-            if freeze is not None and density is None and warmup is None:
-                schedule = FrozenAdamSchedule.default(freeze, refresh) \
-                    if self.warmup_densities is None else FrozenAdamSchedule(
-                        freeze, DensitySchedule.coverage(0.001, DEFAULT_SENDS,
-                                                         self.warmup_densities), refresh)
-            else:
-                schedule = as_schedule(density, warmup, self.warmup_unit,
-                                       self.warmup_densities, adaptive=adaptive)
-                if freeze is not None:
-                    schedule = FrozenAdamSchedule(freeze, schedule, refresh)
-            if fw == "tensorflow" and not isinstance(
-                    getattr(schedule, "inner", schedule), DensitySchedule):
-                raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
-                                "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
-                                "Python callable")
+            schedule, freeze = self._sparse_schedule(fw, optimizer, adam, refresh)
+        self._check_optimizer_options(fw, optimizer, adam, freeze)
+        if kind != "dense":
+            # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
+            # optimizer's checkpoint, not to the shared Compression.dgc default.
+            compressor = compressor()
+        # the link is measured where the script names no cost model (and there is a
+        # choice to make: a dense optimizer has none)
+        cost_model = CostModel() if kind == "dense" and self.cost_model is None else \
+            self.cost_model if self.cost_model is not None else default_cost_model()
+        return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
+                        aggregations, freeze,
+                        take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
+                        cost_model, refresh if freeze is not None else False)
+
+
+    def _exchange_schedule(self, compressor, framework, adam, refresh):
+        """``(schedule, freeze)`` of a compressor that runs its own collectives on every
+        element (sign, QSGD, PowerSGD, ...): no density; Adam taken over runs exact Adam on
+        dense averages to the freeze, then the compressor on the linear update (sign: 1-bit
+        Adam itself; plan.py ``path``)."""
+        lagging, undo = self.lagging, self.undo_lagging
+        if self.density is not None or self.warmup:
+            raise ValueError(f"density/warmup apply to sparse compressors, but compression="
+                             f"{compressor!r} compresses every element of each "
+                             f"large tensor. Use compression={framework.sparse_default} "
+                             f"to sparsify.")
+        if lagging and not compressor.sent_at_launch:
+            raise ValueError(f"{lagging} does not work with compression={compressor!r}: "
+                             f"what this rank sent is known only after its first "
+                             f"collective, and a later correction needs it at once. Use "
+                             f"{undo}, or a one-round compressor (Compression.sign, qsgd, "
+                             f"bf16, dgc).")
+        schedule = as_schedule(1.0)
+        freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
+        if freeze is not None:
+            schedule = FrozenAdamSchedule(freeze, schedule, refresh)
+        return schedule, freeze
+
+    def _sparse_schedule(self, fw, optimizer, adam, refresh):
+        """``(schedule, freeze)`` of a sparse compressor: the density schedule (adaptive
+        optimizers get the longer default warm-up), behind Adam's freeze where Adam is
+        taken over."""
+        density, warmup = self.density, self.warmup
+        adaptive = optimizer is not None and not optimizer[0]
+        freeze = freeze_steps(self.freeze_variance, refresh) if adam else None
+        if freeze is not None and density is None and warmup is None:
+            schedule = FrozenAdamSchedule.default(freeze, refresh) \
+                if self.warmup_densities is None else FrozenAdamSchedule(
+                    freeze, DensitySchedule.coverage(0.001, DEFAULT_SENDS,
+                                                     self.warmup_densities), refresh)
+        else:
+            schedule = as_schedule(density, warmup, self.warmup_unit,
+                                   self.warmup_densities, adaptive=adaptive)
+            if freeze is not None:
+                schedule = FrozenAdamSchedule(freeze, schedule, refresh)
+        if fw == "tensorflow" and not isinstance(
+                getattr(schedule, "inner", schedule), DensitySchedule):
+            raise TypeError("hvd_dgc.tensorflow needs density as a number or a "
+                            "hvd_dgc.DensitySchedule (evaluated inside the graph), not a "
+                            "Python callable")
+        return schedule, freeze
+
+    def _check_optimizer_options(self, fw, optimizer, adam, freeze):
+        """The options that depend on the wrapped optimizer: Adam's freeze and refresh,
+        a linear update for delay and period, the settings known to lose."""
         if fw == "tensorflow" and optimizer is None and self.freeze_variance != "auto":
             raise ValueError(f"freeze_variance={self.freeze_variance!r} applies to Adam/AdamW "
                              f"wrapped by hvd_dgc.tensorflow.keras.DistributedOptimizer; "
@@ -447,18 +480,6 @@ class DGCConfig:
             check_linear_update(self, optimizer[0] or freeze is not None, optimizer[1], fw,
                                 adam=adam)
             warn_known_losses(self, optimizer[1], freeze is not None)
-        if kind != "dense":
-            # A copy per optimizer: the sampler's RNG and PowerSGD's Q belong to one
-            # optimizer's checkpoint, not to the shared Compression.dgc default.
-            compressor = compressor()
-        # the link is measured where the script names no cost model (and there is a
-        # choice to make: a dense optimizer has none)
-        cost_model = CostModel() if kind == "dense" and self.cost_model is None else \
-            self.cost_model if self.cost_model is not None else default_cost_model()
-        return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
-                        aggregations, freeze,
-                        take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
-                        cost_model, refresh if freeze is not None else False)
 
 
 class Framework(NamedTuple):
