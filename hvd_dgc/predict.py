@@ -564,6 +564,36 @@ def _launches(planner, density, threshold):
     return len(set(buckets.values())) + sum(t.key not in buckets for t in planner.tensors)
 
 
+def _stage(planner, tensors, stage, threshold, compute, horovod_step, hiding, period):
+    """One stage of the schedule as ``predict`` reports it: each tensor's path and why,
+    the bytes, the launches and the step's time against Horovod's (``hiding`` steps of
+    compute hide the exchange: delayed averaging)."""
+    note, start, end, unit, density, step = stage
+    world = planner.world_size
+    paths = {t.name: planner.path(t, density, step) for t in tensors}
+    groups = {}
+    for t in tensors:
+        why = _why(planner, t, paths[t.name], density, step, note)
+        groups[why] = groups.get(why, 0) + 1
+    sent = sum(_wire_bytes(planner, t, paths[t.name], density) for t in tensors) \
+        if world > 1 else 0.0
+    work = sum(_local_seconds(planner, t, paths[t.name], density) for t in tensors) \
+        if world > 1 else 0.0
+    launches = _launches(planner, density, threshold)
+    exchange = planner.exchange_seconds(density, launches, step=step) if world > 1 else 0.0
+    busy = compute + work
+    every = period if note != "exact Adam" else 1
+    step_seconds = busy + max(0.0, exchange - hiding * busy) / every
+    return {
+        "stage": _label(start, end, unit, note), "from": start, "to": end, "unit": unit,
+        "density": density, "paths": {n: str(v) for n, v in paths.items()},
+        "groups": groups, "bytes_per_exchange": sent, "exchange_every": every,
+        "bytes_per_step": sent / every, "launches": launches,
+        "exchange_seconds": exchange, "local_seconds": work,
+        "step_seconds": step_seconds, "horovod_step_seconds": horovod_step,
+        "speedup": horovod_step / step_seconds if step_seconds > 0 else 1.0}
+
+
 def predict(args, p):
     """The whole prediction as a dict (what --json prints)."""
     from hvd_dgc.plan import fusion_threshold
@@ -598,32 +628,8 @@ def predict(args, p):
     delay = planner.config.fixed_delay
     auto = planner.config.auto_delay is not None
     period = planner.config.period
-    stages = []
-    for note, start, end, unit, density, step in _stages(planner):
-        paths = {t.name: planner.path(t, density, step) for t in tensors}
-        groups = {}
-        for t in tensors:
-            why = _why(planner, t, paths[t.name], density, step, note)
-            groups[why] = groups.get(why, 0) + 1
-        sent = sum(_wire_bytes(planner, t, paths[t.name], density) for t in tensors) \
-            if world > 1 else 0.0
-        work = sum(_local_seconds(planner, t, paths[t.name], density) for t in tensors) \
-            if world > 1 else 0.0
-        launches = _launches(planner, density, threshold)
-        exchange = planner.exchange_seconds(density, launches, step=step) \
-            if world > 1 else 0.0
-        busy = compute + work
-        hidden = (8 if auto else delay) * busy
-        every = period if note != "exact Adam" else 1
-        step_seconds = busy + max(0.0, exchange - hidden) / every
-        stages.append({
-            "stage": _label(start, end, unit, note), "from": start, "to": end, "unit": unit,
-            "density": density, "paths": {n: str(v) for n, v in paths.items()},
-            "groups": groups, "bytes_per_exchange": sent, "exchange_every": every,
-            "bytes_per_step": sent / every, "launches": launches,
-            "exchange_seconds": exchange, "local_seconds": work,
-            "step_seconds": step_seconds, "horovod_step_seconds": horovod_step,
-            "speedup": horovod_step / step_seconds if step_seconds > 0 else 1.0})
+    stages = [_stage(planner, tensors, stage, threshold, compute, horovod_step,
+                     8 if auto else delay, period) for stage in _stages(planner)]
     out = {
         "model": description, "framework": kind, "parameters": sum(t.numel for t in tensors),
         "tensors": len(tensors), "np": world, "hosts": hosts, "ranks_per_host": slots,
