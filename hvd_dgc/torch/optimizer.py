@@ -113,19 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._grad_scaler = grad_scaler
         self._planner = Planner(resolved, [infos[p] for p in trainable], process_set.size())
         self._progress.stage_line = self._planner.stage_line  # a new stage's paths, said
-        peers = ()
-        if process_set.included():
-            collectives = HorovodCollectives(process_set)
-            # Elastic: a worker added later wraps its optimizer alone, while the others
-            # wait in a reset; a collective here would hang it. All run the same script.
-            if os.environ.get("HOROVOD_ELASTIC") != "1":
-                check_consistent(collectives, self._planner.consistency(
-                    **self._horovod_config()), "DistributedOptimizer")
-            peers = _host_peers(self._planner, collectives)
-            self._planner.replan(process_set.size(), local_size=len(peers))
-            if os.environ.get("HOROVOD_ELASTIC") != "1":  # elastic: at each sync instead
-                self._measure(collectives, trainable, peers)
-            self._takeover.freeze_at(self._planner.adam_freeze(resolved.chosen_lagging))
+        peers = self._agree(process_set, trainable, resolved) if process_set.included() \
+            else ()
         # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
         self._resolved = resolved = self._planner.settled()
         self._config = resolved.config
@@ -148,12 +137,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             lambda: self._progress.step)
         self._profiler = _backward_profiler(self._config, resolved, self._planner,
                                             process_set, self._scheduler, self._takeover)
-        self._hooks = []
-        if process_set.included():
-            # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
-            for p in trainable:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda *_, p=p: self._ready(p)))
+        # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda *_, p=p: self._ready(p))
+                       for p in trainable] if process_set.included() else []
+
+    def _agree(self, process_set, trainable, resolved):
+        """With the other ranks: the same configuration, the hosts' ranks (hierarchical
+        DGC), the link and DGC's own work measured, Adam's freeze. Returns this host's
+        ranks. Elastic: a worker added later wraps its optimizer alone while the others
+        wait in a reset, so the collectives that would hang it run at each sync instead.
+        All run the same script."""
+        collectives = HorovodCollectives(process_set)
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if not elastic:
+            check_consistent(collectives, self._planner.consistency(
+                **self._horovod_config()), "DistributedOptimizer")
+        peers = _host_peers(self._planner, collectives)
+        self._planner.replan(process_set.size(), local_size=len(peers))
+        if not elastic:
+            self._measure(collectives, trainable, peers)
+        self._takeover.freeze_at(self._planner.adam_freeze(resolved.chosen_lagging))
+        return peers
 
     def _ready(self, p):
         """``p``'s hook: the scheduler's, timed while the backward pass is profiled."""
