@@ -52,7 +52,7 @@ def planner_for(mode, tensors, world):
 def _dgc(planner, tensors, world):
     """SGD DGC at the final density: ``(sent, received, paths)`` a step."""
     from hvd_dgc.aggregation import dense_bytes, region_bytes
-    from hvd_dgc.packing import SCALE_BYTES, gather_value_bits, index_bytes
+    from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
     from hvd_dgc.paths import PathKind
     from hvd_dgc.plan import fusion_threshold
     from hvd_dgc.torch.memory import aligned_size
@@ -63,8 +63,9 @@ def _dgc(planner, tensors, world):
     launches = list(dict.fromkeys(buckets.values())) + [
         (t.key,) for t in order if t.key not in buckets]
     by_key = {t.key: t for t in tensors}
-    value = gather_value_bits(planner.compressor) / 8
-    scale = SCALE_BYTES if value == 1 else 0
+    bits = gather_value_bits(planner.compressor)
+    value = bits / 8
+    scale = SCALE_BYTES if bits == 8 else 0
     dense_value = planner.dense_value_bytes
     sent = received = 0.0
     paths = {}
@@ -73,7 +74,7 @@ def _dgc(planner, tensors, world):
         gathered = [t for t in members if path[t.key] == PathKind.ALLGATHER]
         dense = [t for t in members if path[t.key] == PathKind.DENSE]
         folded = bool(gathered and dense) and planner.folds(sum(t.numel for t in dense)) \
-            and (value == 1 or planner.resolved.dense_fp16 == (value == 2))
+            and folds_values(bits, planner.resolved.dense_fp16)
         block = 0.0
         if gathered:
             ks = [planner.k(t, density) for t in gathered]

@@ -12,7 +12,7 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
-           "check_value_bits", "gather_value_bits", "gather_value_bytes"]
+           "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -137,6 +137,13 @@ def gather_value_bits(compressor, density=None):
     if density is not None and density >= 1:
         return bits
     return min(bits, getattr(compressor, "value_bits", bits))
+
+
+def folds_values(bits, dense_fp16):
+    """May a launch's dense tensors ride in its allgather, whose values go in ``bits``?
+    In 8 bits always (their rounding kept in their own residual, as the records'); else
+    only where those values have the dense allreduce's width (fp16 on both, or fp32)."""
+    return bits == 8 or dense_fp16 == (bits == 16)
 
 
 def gather_value_bytes(compressor, k, tensors=1):

@@ -33,7 +33,7 @@ from horovod.torch.mpi_ops import Average, Sum
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
-from hvd_dgc.packing import SCALE_BYTES, gather_value_bits, index_bytes
+from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import coalesce_sorted, on_accelerator
@@ -298,11 +298,10 @@ class AllgatherPath(_Path):
         latency): one Horovod operation fewer, two round trips a step over a WAN. The
         same on every rank: it depends on the launch's members and sizes only."""
         dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
-        bits = None if mine is None else self._bits(mine)
         if dense is None or mine is None or \
-                bits != 8 and self.ctx.dense_fp16 != (bits == 16) or \
+                not folds_values(self._bits(mine), self.ctx.dense_fp16) or \
                 not planner.folds(sum(dense.numels)):
-            return parts  # (fp16 on the dense wire with fp32 records, or the reverse)
+            return parts
         parts = dict(parts)
         parts[self.kind] = mine._replace(folded=parts.pop(PathKind.DENSE))
         return parts
@@ -321,8 +320,7 @@ class AllgatherPath(_Path):
                 torch.uint8)
         dense = self.dense.take(folded, value_bytes=1).float()
         device = dense.device
-        tensor = torch.arange(len(folded.members), device=device).repeat_interleave(
-            on_device(folded.numels, str(device)), output_size=dense.numel())
+        tensor = _member_of_each(folded.numels, device, dense.numel())
         codes, scales = self._eighth(folded, _every_index(folded, device),
                                      dense if pre == 1.0 else dense * pre, pre, tensor)
         return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
@@ -340,8 +338,7 @@ class AllgatherPath(_Path):
         values = sel.values if pre == 1.0 else sel.values * pre
         bits, scales, member = self._bits(part), None, None
         if part.launch.poison is not None or bits == 8:  # each value's member
-            member = torch.arange(len(sel.counts), device=device).repeat_interleave(
-                counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
+            member = _member_of_each(sel.counts, device, sel.positions.numel())
         if part.launch.poison is not None:  # skip_nonfinite: inf in a bad tensor's records
             bad = part.launch.poison[on_device(tuple(part.index), str(device))]
             values = torch.where(bad[member], float("inf"), values)
@@ -422,8 +419,7 @@ class AllgatherPath(_Path):
             if dtype == torch.float8_e4m3fn:
                 dense = rest[:, :every.numel()].clone(
                     memory_format=torch.contiguous_format).view(dtype)
-                tensor = torch.arange(len(folded.members), device=device).repeat_interleave(
-                    on_device(folded.numels, str(device)), output_size=every.numel())
+                tensor = _member_of_each(folded.numels, device, every.numel())
                 dense = decode_values(dense, _floats(rest[:, every.numel():])[:, tensor])
             else:
                 dense = rest.clone(memory_format=torch.contiguous_format).view(dtype)
@@ -432,6 +428,13 @@ class AllgatherPath(_Path):
         values = values.reshape(-1).float()
         scale = self.ctx.wire.post()
         out.add(positions.reshape(-1), values if scale == 1.0 else values * scale)
+
+
+def _member_of_each(counts, device, total):
+    """Each of ``total`` values' member (0 .. len(counts) - 1), member i's ``counts[i]``
+    of them in member order (a selection's records, a folded part's elements)."""
+    return torch.arange(len(counts), device=device).repeat_interleave(
+        counts_on(counts, str(device)), output_size=total)
 
 
 def _floats(raw):
@@ -461,8 +464,7 @@ def _unpicked(part, counts, picked):
         seen += length
     device = picked.device
     on = str(device)
-    member = torch.arange(len(counts), device=device).repeat_interleave(
-        counts_on(counts, on), output_size=picked.numel())
+    member = _member_of_each(counts, device, picked.numel())
     slot = picked - on_device(tuple(bases), on)[member]  # its candidate slot, if it has one
     free = torch.ones(seen, dtype=torch.bool, device=device)
     free[slot[slot < on_device(tuple(accumulate(lengths)), on)[member]]] = False
@@ -526,8 +528,7 @@ class RegionPath(AllgatherPath):
         sel = self.select(part)
         device = sel.positions.device
         starts = on_device(tuple(part.offsets), str(device))
-        member = torch.arange(len(sel.counts), device=device).repeat_interleave(
-            counts_on(sel.counts, str(device)), output_size=sel.positions.numel())
+        member = _member_of_each(sel.counts, device, sel.positions.numel())
         local = sel.positions - starts[member]
         values = sel.values
         if part.launch.poison is not None:  # inf is the largest sum: some owner sends it
