@@ -98,8 +98,10 @@ def _dgc(planner, tensors, world):
 
 def _adam(planner, tensors, world):
     """AdamW's default once its variance is frozen: each tensor's path (the sign's
-    allgather or dense), an exchange every ``period`` steps."""
+    allgather, from 3 ranks its compressed allreduce, or dense), an exchange every
+    ``period`` steps."""
     from hvd_dgc.aggregation import dense_bytes
+    from hvd_dgc.packing import exchange_bytes
     from hvd_dgc.paths import PathKind
     from hvd_dgc.predict import NEVER
     period = planner.config.period
@@ -109,8 +111,8 @@ def _adam(planner, tensors, world):
         path = planner.path(t, 1.0, NEVER)
         paths[path.value] = paths.get(path.value, 0) + 1
         if path == PathKind.EXCHANGE:
-            payload = planner.compressor.payload_bytes(t.numel)
-            sent, received = sent + payload, received + (world - 1) * payload
+            out, got = exchange_bytes(planner.compressor, t.numel, world)
+            sent, received = sent + out, received + got
         else:
             ring = dense_bytes(t.numel, world, planner.dense_value_bytes)
             sent, received = sent + ring, received + ring

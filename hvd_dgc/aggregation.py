@@ -3,7 +3,7 @@
 After Ok-Topk (S. Shi, X. Zhou, S. Song, X. Wang, Z. Zhu, X. Huang, X. Jiang, F. Zhou,
 Z. Guo, L. Xie, R. Lan, X. Ouyang, Y. Zhang, J. Wei, J. Gong, W. Lin, P. Gao, P. Meng,
 X. Xu, C. Guo, B. Yang, Z. Chen, Y. Wu, X. Chu: "Near-optimal sparse allreduce for
-distributed deep learning", PPoPP 2022), simplified to N fixed, interleaved regions of
+distributed deep learning", PPoPP 2022), simplified to fixed, interleaved regions of
 the index space (Ok-Topk balances contiguous regions by the observed index distribution
 and selects with a global threshold; here each owner keeps a quota, and interleaving
 makes every region a sample of the whole tensor, so N per-region quotas keep about what
@@ -13,10 +13,11 @@ Today's sparse path allgathers every rank's k records, so each worker receives
 k(N-1) records: linear in N. Region reduce, per tensor of n elements:
 
 1. each rank selects up to k records (index, value) from its DGC memory;
-2. rank j owns the indices i with i mod N = j (its region); one alltoall sends each
-   record to the owner of its index;
+2. rank j owns the indices i with i mod R = j (its region), R = N, or 2k where that is
+   fewer (``regions``: a tensor of few records keeps 2k, not N); one alltoall sends
+   each record to the owner of its index;
 3. owner j sums what it received (its own records included) into S_j;
-4. owner j keeps the ``quota = ceil(2k / N)`` entries of S_j largest in |value|
+4. owner j keeps the ``quota = ceil(2k / R)`` entries of S_j largest in |value|
    (ties: lower index first) and adds the rest, D_j = S_j - kept, back into its
    own residual (error feedback), so nothing is lost::
 
@@ -29,13 +30,13 @@ Records received per worker (r = value_bytes + index_bytes bytes each; balanced:
 every rank's indices spread evenly over the regions, which interleaving makes the usual
 case: a tensor's large values cluster in rows and channels, not in residues mod N)::
 
-    region reduce        k(N-1)/N  +  quota(N-1)   ~ 3k(N-1)/N    flat in N
+    region reduce        k(N-1)/N  +  quota R(N-1)/N   ~ 3k(N-1)/N    flat in N
     sparse allgather     k(N-1)                                   linear in N
     dense ring allreduce 2(N-1)/N * n values of w_dense bytes     flat in N
 
 Alpha-beta time (beta = 1/bandwidth; hvd_dgc/costmodel.py)::
 
-    region reduce        2(N-1) alpha + [k(N-1)/N + quota(N-1)] r beta
+    region reduce        2(N-1) alpha + [k(N-1)/N + quota R(N-1)/N] r beta
     sparse allgather      (N-1) alpha +  k(N-1)               r beta
     dense ring allreduce 2(N-1) alpha + 2(N-1)/N n w_dense      beta
 
@@ -54,8 +55,8 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-__all__ = ["slices", "region_of", "quota", "RegionReduce", "region_reduce_reference",
-           "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes",
+__all__ = ["slices", "chunk_rows", "region_of", "regions", "quota", "RegionReduce",
+           "region_reduce_reference", "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes",
            "hierarchical_bytes", "slice_k", "METHODS"]
 
 METHODS = ("dense", "allgather", "region")
@@ -82,8 +83,26 @@ def slices(n, world):
     return out
 
 
-def region_of(indices, n, world):
-    """Owner rank of each index of a tensor of ``n`` elements: ``index mod N``.
+def chunk_rows(n, world):
+    """A tensor of ``n`` elements in ``world`` chunks (``slices``) as rows of the longest
+    chunk's length (the sign's compressed allreduce, packing.sign_chunk_bytes): ``(length,
+    gather, scatter, lengths)``, ``gather`` [world, length] picking each row's elements
+    out of the tensor with one zero appended (position n: the padding), ``scatter`` each
+    element's place in the flattened rows, ``lengths`` each chunk's."""
+    bounds = slices(n, world)
+    length = max(1, -(-int(n) // int(world)))
+    column = np.arange(length)
+    starts = np.array([lo for lo, _ in bounds], np.int64)
+    lengths = np.array([hi - lo for lo, hi in bounds], np.int64)
+    gather = np.where(column < lengths[:, None], starts[:, None] + column, n)
+    scatter = np.concatenate([c * length + np.arange(hi - lo)
+                              for c, (lo, hi) in enumerate(bounds)]).astype(np.int64)
+    return length, gather, scatter, lengths
+
+
+def region_of(indices, n, world, k):
+    """Owner rank of each index of a tensor of ``n`` elements whose ranks select ``k``:
+    ``index mod R``, R = ``regions(k, N)`` (N where the quota is more than one).
 
     Interleaved, not contiguous: contiguous regions of a weight are blocks of its rows,
     and where a few rows (a class's, a channel's) hold the large values, a per-region
@@ -97,10 +116,10 @@ def region_of(indices, n, world):
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise ValueError(f"indices must lie in [0, {n}), got range "
                          f"[{idx.min()}, {idx.max()}]")
-    return idx % int(world)
+    return idx % regions(k, world)
 
 
-#: owners together keep KEEP * k records (quota = ceil(KEEP k / N)). Ok-Topk keeps k, one
+#: owners together keep KEEP * k records (quota = ceil(KEEP k / R)). Ok-Topk keeps k, one
 #: rank's worth, while allgather applies the union of the N ranks' selections (up to
 #: N k). Measured through the optimizer (digits MLP, N = 4, DGC 1%, 4 seeds, 330 steps;
 #: tests/test_torch_aggregation.py): allgather 96.8%; region keeping k 95.7% (one seed
@@ -110,16 +129,26 @@ def region_of(indices, n, world):
 KEEP = 2
 
 
-def quota(k, world):
-    """Records each owner keeps after the reduce: ceil(KEEP k / N), at least 1.
+def regions(k, world):
+    """How many regions a tensor's index space is cut into, ranks 0 to R-1 owning one
+    each: N, or KEEP k where that is fewer (at least 1).
 
-    N owners together keep about KEEP k, so the allgather moves about KEEP k(N-1)/N
-    records per worker whatever N is."""
+    Each owner keeps at least one sum, so N regions of a tensor whose k is below N/KEEP
+    would keep N records, not KEEP k, and what every rank receives would grow with the
+    world: at 1,024 ranks a tensor with k = 64 would keep 1,024 instead of 128."""
     if int(world) != world or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     if int(k) != k or k < 0:
         raise ValueError(f"k must be a non-negative integer, got {k!r}")
-    return max(1, -(-KEEP * int(k) // int(world)))
+    return max(1, min(int(world), KEEP * int(k)))
+
+
+def quota(k, world):
+    """Records each owner keeps after the reduce: ceil(KEEP k / R), R = ``regions(k, N)``.
+
+    The R owners together keep about KEEP k, so the allgather moves about KEEP k(N-1)/N
+    records per worker whatever N is."""
+    return max(1, -(-KEEP * int(k) // regions(k, world)))
 
 
 class RegionReduce(NamedTuple):
@@ -178,8 +207,8 @@ def region_reduce_reference(selections, n, k):
     if not np.issubdtype(dtype, np.floating):
         dtype = np.float64
 
-    # 2. split: rank i's records for owner j
-    owners = [region_of(idx, n, world) for idx, _ in sels]
+    # 2. split: rank i's records for owner j (ranks from regions(k, N) on own none)
+    owners = [region_of(idx, n, world, k) for idx, _ in sels]
     from_others = [0] * world
     kept_idx, kept_val, returned = [], [], []
     for j in range(world):
@@ -226,7 +255,7 @@ def allgather_bytes(k, world, record_bytes):
 
 def region_bytes(k, world, record_bytes):
     n1 = world - 1
-    return (k * n1 / world + quota(k, world) * n1) * record_bytes
+    return (k * n1 + quota(k, world) * regions(k, world) * n1) / world * record_bytes
 
 
 def slice_k(k, numel, slice_numel):
@@ -249,7 +278,8 @@ def bytes_per_worker(method, n, k, world, value_bytes=4, index_bytes=4, dense_va
     """Bytes one worker receives per step for one tensor, balanced expectation.
 
     dense: 2(N-1)/N n w_dense (ring allreduce); allgather: k(N-1) r;
-    region: [k(N-1)/N + quota(N-1)] r, with r = value_bytes + index_bytes."""
+    region: [k(N-1)/N + quota R(N-1)/N] r, with r = value_bytes + index_bytes and R =
+    ``regions(k, N)``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_world(n, world)

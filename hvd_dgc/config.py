@@ -409,7 +409,8 @@ class DGCConfig:
         return Resolved(self, fw, compressor, kind, choice.fp16, dense_fp16, schedule,
                         aggregations, freeze,
                         take_over(optimizer, freeze, fw) if kind != "dense" else TakeOver(),
-                        cost_model, refresh if freeze is not None else False)
+                        cost_model, refresh if freeze is not None else False,
+                        batched=framework.batched)
 
 
     def _exchange_schedule(self, compressor, framework, adam, refresh):
@@ -486,13 +487,15 @@ class Framework(NamedTuple):
     """What ``DGCConfig.resolve`` needs to know of a framework: its name ("torch" or
     "tensorflow"), its ``Compression`` namespace (Horovod's ``none``/``fp16`` beside
     hvd_dgc's), the base classes of hvd_dgc's compressors there, and its tensor class
-    (members of Horovod's ``groups``)."""
+    (members of Horovod's ``groups``), and the paths whose one launch carries all of a
+    step's tensors on it (PyTorch's region reduce: its latency is paid once a step)."""
 
     name: str
     compression: object
     ours: tuple
     tensor: type = object
     tensor_name: str = "tf.Variable"
+    batched: frozenset = frozenset()
 
     @property
     def sparse_default(self):
@@ -546,6 +549,7 @@ class Resolved(NamedTuple):
     #                         taken over
     chosen: bool = True  # the compressor is the script's (False: Adam's default sign, which
     #                      the messages leave unnamed where it changes nothing)
+    batched: frozenset = frozenset()  # Framework.batched
 
     def every_step(self):
         """These options with 0/1 Adam's default period dropped: its exchange at every

@@ -13,10 +13,11 @@ volume. Every input is identical on every rank, so every rank picks the same
 collective (a mismatch would hang Horovod).
 
 Region reduce (hvd_dgc/aggregation.py, after Ok-Topk, PPoPP 2022) keeps the
-sparse volume flat in N: an alltoall to the owners of N index regions, a
-re-sparsified sum on each owner, an allgather of quota = ceil(2k/N) records each (aggregation.KEEP = 2)::
+sparse volume flat in N: an alltoall to the owners of R = min(N, 2k) index regions, a
+re-sparsified sum on each owner, an allgather of quota = ceil(2k/R) records from each
+(aggregation.KEEP = 2)::
 
-    region reduce             2(N-1) alpha + [k(N-1)/N + quota (N-1)] (w + i) beta
+    region reduce             2(N-1) alpha + [k(N-1)/N + quota R(N-1)/N] (w + i) beta
 
 Hierarchical DGC (several hosts of L ranks each: Horovod's local_size > 1 and
 cross_size > 1) first sums the dense gradient inside each host, over the fast
@@ -156,9 +157,16 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be > 0 bytes/s, got "
                                  f"{getattr(self, name)!r}")
 
+    def launch_seconds(self, path, world_size):
+        """The latency of one launch of ``path``: its rounds of N-1 messages (the dense
+        ring's reduce-scatter and allgather, region reduce's alltoall and allgather, the
+        allgather's one), whatever it carries. Hierarchical: its round across hosts."""
+        rounds = 2 if path in (DENSE, REGION) else 1
+        return rounds * (world_size - 1) * self.alpha
+
     def dense_seconds(self, numel, world_size, value_bytes):
-        n1 = world_size - 1
-        return 2 * n1 * self.alpha + dense_bytes(numel, world_size, value_bytes) / self.bandwidth
+        return self.launch_seconds(DENSE, world_size) + \
+            dense_bytes(numel, world_size, value_bytes) / self.bandwidth
 
     @property
     def records_bandwidth(self):
@@ -166,8 +174,7 @@ class CostModel:
         return self.bandwidth if self.gather_bandwidth is None else self.gather_bandwidth
 
     def sparse_seconds(self, k, world_size, value_bytes, index_bytes):
-        n1 = world_size - 1
-        return n1 * self.alpha + allgather_bytes(
+        return self.launch_seconds(ALLGATHER, world_size) + allgather_bytes(
             k, world_size, value_bytes + index_bytes) / self.records_bandwidth
 
     def local_seconds(self, numel, k, world_size):
@@ -191,17 +198,32 @@ class CostModel:
         n1 = world_size - 1
         return n1 * self.alpha + n1 * payload_bytes / self.records_bandwidth
 
-    def choose_exchange(self, numel, payload_bytes, world_size, dense_value_bytes=4):
+    def choose_exchange(self, numel, payload_bytes, world_size, dense_value_bytes=4,
+                        chunk_bytes=None):
         """EXCHANGE (the compressor's allgather of ``payload_bytes`` a rank, with its
-        encoding and the decoding of every rank's payload) or DENSE for one tensor of
-        ``numel`` elements. Ties go to the compressor, so np=1 with no work measured
-        (where both cost nothing) runs what np=2 runs; ``dense_preference`` weighs the
-        compressor's side as it weighs a sparse path (its work runs on the training
-        thread)."""
-        gather = self.gather_seconds(payload_bytes, world_size) + numel * (
-            self.encode_element_seconds + world_size * self.decode_element_seconds)
+        encoding and the decoding of every rank's payload; or, given ``chunk_bytes``, the
+        sign's compressed allreduce of chunks of that size: ``reduce_seconds``) or DENSE
+        for one tensor of ``numel`` elements. Ties go to the compressor, so np=1 with no
+        work measured (where both cost nothing) runs what np=2 runs; ``dense_preference``
+        weighs the compressor's side as it weighs a sparse path (its work runs on the
+        training thread)."""
+        if chunk_bytes is None:
+            exchange = self.gather_seconds(payload_bytes, world_size) + numel * (
+                self.encode_element_seconds + world_size * self.decode_element_seconds)
+        else:
+            exchange = self.reduce_seconds(numel, chunk_bytes, world_size)
         dense = self.dense_seconds(numel, world_size, dense_value_bytes)
-        return PathKind.EXCHANGE if gather * self.dense_preference <= dense else DENSE
+        return PathKind.EXCHANGE if exchange * self.dense_preference <= dense else DENSE
+
+    def reduce_seconds(self, numel, chunk_bytes, world_size):
+        """The sign's compressed allreduce (packing.sign_reduce_bytes): an alltoall and an
+        allgather, each of N-1 chunks in; every element encoded once and its chunk's
+        share again by its owner, and decoded twice (the owner's N chunks in, everyone's
+        averages out)."""
+        n1 = world_size - 1
+        return 2 * n1 * self.alpha + 2 * n1 * chunk_bytes / self.records_bandwidth + \
+            numel * (self.encode_element_seconds * (1 + 1 / world_size)
+                     + 2 * self.decode_element_seconds)
 
     def folds(self, numel, world_size, value_bytes=4, index_bytes=4, dense_value_bytes=None):
         """Carry ``numel`` dense elements (a launch's dense tensors together) inside the
@@ -232,10 +254,10 @@ class CostModel:
         return lo
 
     def region_seconds(self, k, world_size, value_bytes, index_bytes):
-        """Region reduce: alltoall of k(N-1)/N records in, allgather of quota(N-1) in,
-        quota = ceil(2k/N) (at least 1); two rounds of N-1 messages each."""
-        n1 = world_size - 1
-        return 2 * n1 * self.alpha + region_bytes(
+        """Region reduce: alltoall of k(N-1)/N records in, allgather of quota R(N-1)/N
+        in, quota = ceil(2k/R) of R = min(N, 2k) owners (aggregation.regions); two rounds
+        of N-1 messages each."""
+        return self.launch_seconds(REGION, world_size) + region_bytes(
             k, world_size, value_bytes + index_bytes) / self.records_bandwidth
 
     def hierarchical_seconds(self, numel, k, world_size, local_size, dense_value_bytes,

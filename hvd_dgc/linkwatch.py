@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from hvd_dgc.autodelay import check_counts
 from hvd_dgc.linkprobe import probe_link
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.switch import change_line
 
 __all__ = ["LinkWatch", "LinkWatchState", "LinkWatcher", "Relink", "as_link_watch",
@@ -122,17 +123,18 @@ def relinked_words(step, link, was, before, after, planner, density, traced=Fals
     short one (switch.change_line), the full story with ``verbose``; ``traced``: the
     step is traced again (Keras)."""
     again = "; the step is traced again" if traced else ""
-    if not planner.verbose():
+    words = PlanWords(planner)
+    if not words.verbose():
         rate = f"{link.bandwidth * 8 / 1e6:.0f} Mbit/s"
         if was is not None:
             rate += f" (was {was.bandwidth * 8 / 1e6:.0f})"
-        return change_line(step, f"link now {rate}: {planner.compressed_words(density)}"
+        return change_line(step, f"link now {rate}: {words.compressed_words(density)}"
                                  f"{'; step traced again' if traced else ''}")
     return (f"hvd_dgc: at step {step} the link measured {link.numbers()} (was "
             f"{was.numbers() if was is not None else 'not measured'}; a {link.seconds:.2f} s "
             f"probe): the step's exchange on its paths priced {after * 1e3:.1f} ms, not "
             f"{before * 1e3:.1f} ms, so each tensor's path was chosen afresh: "
-            f"{planner.sparse_words(density)}{again}")
+            f"{words.sparse_words(density)}{again}")
 
 
 class LinkWatchState:

@@ -44,7 +44,7 @@ class LowRankPlan:
         n, m = self.matrix_shape(shape)
         return (n + m) * self.effective_rank(shape) * self.min_rate < n * m
 
-    def wire_bytes(self, shape):
+    def wire_bytes(self, shape, world=1):
         """P and Q in float32."""
         n, m = self.matrix_shape(shape)
         return (n + m) * self.effective_rank(shape) * 4

@@ -8,7 +8,9 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 
 import math
 
-__all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes",
+__all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_chunk_bytes",
+           "sign_reduce_bytes", "SIGN_COLLECTIVES", "check_sign_collective", "sign_reduces",
+           "exchange_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
@@ -34,6 +36,57 @@ def num_buckets(n, bucket_size):
 def sign_payload_bytes(n):
     """EF-SignSGD: one bit per element, plus the float32 scale ||p||_1 / n."""
     return plane_bytes(n, 1) + SCALE_BYTES
+
+
+def sign_chunk_bytes(n, world):
+    """The sign's compressed allreduce (1-bit Adam's, with per-chunk scales): a tensor of
+    ``n`` elements in ``world`` chunks (hvd_dgc.aggregation.slices: contiguous, the first
+    n % N one longer), each chunk on the wire as its float32 scale and its signs, one bit
+    each, padded to the longest chunk's ceil(n / N): the same size for every chunk."""
+    return SCALE_BYTES + plane_bytes(-(-n // world) if world else n, 1)
+
+
+def sign_reduce_bytes(n, world):
+    """``(sent, received)`` bytes of one rank in the sign's compressed allreduce of a
+    tensor of ``n`` elements: its chunks to their owners (an alltoall), then its own
+    chunk's average re-signed to every rank (an allgather). What a rank receives,
+    2 (N-1) chunks, is about 2 (N-1)/N n/8 bytes: flat in N, where the allgather of every
+    rank's signs receives (N-1) n/8."""
+    if world < 2:
+        return sign_payload_bytes(n), 0
+    chunk = sign_chunk_bytes(n, world)
+    return world * chunk, 2 * (world - 1) * chunk
+
+
+#: the sign compressor's ``collective`` option: "allgather" (every rank's signs to every
+#: rank), "allreduce" (the compressed allreduce, ``sign_reduce_bytes``) or "auto"
+SIGN_COLLECTIVES = ("auto", "allgather", "allreduce")
+
+
+def check_sign_collective(collective):
+    if collective not in SIGN_COLLECTIVES:
+        raise ValueError(f"Compression.sign's collective must be one of {SIGN_COLLECTIVES}, "
+                         f"got {collective!r}")
+    return collective
+
+
+def sign_reduces(collective, world):
+    """Does the sign go as the compressed allreduce on ``world`` ranks? "allreduce": from 2
+    ranks; "auto": from 3, where it receives fewer bytes than the allgather for any
+    tensor of more than 96 elements (at 2 ranks both move one rank's signs, and the
+    allgather in one round, exactly); "allgather" (or a compressor without the option:
+    None): never."""
+    return world >= (2 if collective == "allreduce" else 3) and \
+        collective in ("allreduce", "auto")
+
+
+def exchange_bytes(compressor, n, world):
+    """``(sent, received)`` bytes of one rank for a tensor of ``n`` elements that a payload
+    compressor (sign, QSGD, bf16: ``payload_bytes``) exchanges on ``world`` ranks."""
+    if sign_reduces(getattr(compressor, "collective", None), world):
+        return sign_reduce_bytes(n, world)
+    payload = compressor.payload_bytes(n)
+    return payload, (world - 1) * payload
 
 
 def qsgd_payload_bytes(n, levels, bucket_size):

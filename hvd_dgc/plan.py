@@ -11,9 +11,9 @@ TensorFlow exchange asks per density stage when it builds its graph.
     planner.path(tensor, density, step)     PathKind: cost model, hierarchical, exchange
     planner.stage_paths(tensor)             TensorFlow: a PathKind per density stage
     planner.buckets(density, order)         PyTorch: which tensors leave together
-    planner.announce(...)                  wrap time, rank 0: the line, the warnings
-    planner.brief(...), planner.summary(...)  the line by default, the full plan
     planner.consistency(**extra)            what every rank compares at wrap time
+
+What rank 0 says of the plan is hvd_dgc/plan_words.py's (``PlanWords(planner)``).
 """
 
 import dataclasses
@@ -24,13 +24,10 @@ from typing import NamedTuple
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
-from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.packing import fold_index_bytes, gather_record_bytes, gather_value_bits, \
-    gather_value_bytes
+from hvd_dgc.paths import PathKind
+from hvd_dgc.packing import exchange_bytes, fold_index_bytes, gather_record_bytes, \
+    gather_value_bytes, sign_chunk_bytes, sign_reduces
 from hvd_dgc.schedule import DensitySchedule, num_selected
-from hvd_dgc.say import rank0_once, say, verbose
-from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
-                            gather_idle_warning, idle_warning, percent, summary)
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
            "HOROVOD_FUSION_DEFAULT"]
@@ -223,7 +220,7 @@ class Planner:
             elif self.hierarchical(tensor):
                 allowed = (PathKind.HIERARCHICAL,)
             else:
-                allowed = self.flat
+                allowed = self.flat_at(density)
             seconds = model.path_seconds(tensor.numel, k, world, self.dense_value_bytes,
                                          self.compressor.value_bytes, allowed=allowed,
                                          local_size=self.local_size,
@@ -241,87 +238,40 @@ class Planner:
         of ``launches`` Horovod operations. Hierarchical tensors count their records'
         transfer between hosts only."""
         model = model or self.cost_model
-        world = self.world_size
-        seconds = launches * 2 * (world - 1) * model.alpha
+        seconds = launches * 2 * (self.world_size - 1) * model.alpha
         for tensor in self.tensors:
             path = self.path(tensor, density, step)
-            k = self.k(tensor, density)
-            if path == PathKind.ALLGATHER:
-                wire = allgather_bytes(k, world,
-                                       gather_record_bytes(self.compressor, tensor.numel, k))
-            elif path == PathKind.REGION:
-                wire = region_bytes(k, world, self.record_bytes)
-            elif path == PathKind.HIERARCHICAL:
-                wire = hierarchical_bytes(k, world, self.local_size, self.record_bytes)
-            elif path == PathKind.EXCHANGE and hasattr(self.compressor, "payload_bytes"):
-                # a payload compressor's allgather (costmodel.gather_seconds' transfer)
-                wire = (world - 1) * self.compressor.payload_bytes(tensor.numel)
-            else:
-                seconds += dense_bytes(tensor.numel, world, self.dense_value_bytes) / \
-                    model.bandwidth
-                continue
-            seconds += wire / model.records_bandwidth
+            wire = self.wire_bytes(tensor, path, density)
+            seconds += wire / (model.bandwidth if self._dense_wire(path) else
+                               model.records_bandwidth)
         return seconds
 
-    def sparse_words(self, density):
-        """How many large tensors take a sparse path at ``density``, in words."""
-        large = [t for t in self.tensors if self.large(t)]
-        sparse = sum(self.path(t, density) != PathKind.DENSE for t in large)
-        return f"{sparse} of {len(large)} large tensors sparse at density {density:g}"
+    def _dense_wire(self, path):
+        return path not in (PathKind.ALLGATHER, PathKind.REGION, PathKind.HIERARCHICAL) and \
+            not (path == PathKind.EXCHANGE and hasattr(self.compressor, "payload_bytes"))
 
-    def compressed_words(self, density, at=True):
-        """``sparse_words`` for the short lines: "2 of 4 large tensors sparse at 1%"."""
-        large = [t for t in self.tensors if self.large(t)]
-        sparse = sum(self.path(t, density) not in (PathKind.DENSE, PathKind.SPARSE_GRAD)
-                     for t in large)
-        return f"{sparse} of {len(large)} large tensors sparse" + \
-            (f" at {percent(density)}" if at else "")
+    def wire_bytes(self, tensor, path, density):
+        """Bytes one rank receives for ``tensor`` on ``path`` at ``density`` in one
+        exchange (the volumes ``exchange_seconds`` prices). Hierarchical: its records
+        between hosts only; a compressor of its own collectives without a payload
+        (PowerSGD, TernGrad): the dense ring's."""
+        world, k = self.world_size, self.k(tensor, density)
+        if path == PathKind.ALLGATHER:
+            return allgather_bytes(k, world,
+                                   gather_record_bytes(self.compressor, tensor.numel, k))
+        if path == PathKind.REGION:
+            return region_bytes(k, world, self.record_bytes)
+        if path == PathKind.HIERARCHICAL:
+            return hierarchical_bytes(k, world, self.local_size, self.record_bytes)
+        if not self._dense_wire(path):  # a payload compressor's allgather, or the sign's
+            #                              compressed allreduce
+            return exchange_bytes(self.compressor, tensor.numel, world)[1]
+        return dense_bytes(tensor.numel, world, self.dense_value_bytes)
 
-    def sync_line(self, world):
-        """Rank 0's line where an elastic sync measured the link of a new world of
-        ``world`` ranks (None where nothing was measured): short, the full story with
-        ``verbose``."""
-        words = self.measured_words()
-        if not words:
-            return None
-        if self.verbose():
-            return f"hvd_dgc: elastic sync at {world} ranks: {words}"
-        link = "" if self.link is None else \
-            f"link {self.link.bandwidth * 8 / 1e6:.0f} Mbit/s, "
-        final = self.resolved.final_density() or 1.0
-        line = f"[hvd_dgc] elastic sync at {world} ranks: {link}{self.compressed_words(final)}"
-        return line if len(line) <= CHANGE_LIMIT else line[:CHANGE_LIMIT - 3] + "..."
-
-    def stage_line(self, step, before, after):
-        """Rank 0's short line where a new density stage changes the tensors' paths
-        (None where the paths stay as they were): the density now and what it sends."""
-        if before == after or not self.resolved.sparse:
-            return None
-        if [self.path(t, before) for t in self.tensors] == \
-                [self.path(t, after) for t in self.tensors]:
-            return None
-        return change_line(step, f"density {percent(after)} now: "
-                                 f"{self.compressed_words(after, at=False)}")
-
-    def measured_words(self):
-        """What was measured, for the rank-0 line ("" if nothing)."""
-        words = [x.words() for x in (self.link, self.local) if x is not None]
-        if self.unmeasured:
-            words.append(self.unmeasured)
-        large = [t for t in self.tensors if self.large(t)] if self.resolved.sparse else []
-        dense = [(d, sum(self.path(t, d) == PathKind.DENSE for t in large))
-                 for d in self.densities() if d < 1]
-        dense = [f"{n} of {len(large)} at density {d:g}" for d, n in dense if n]
-        if words and dense:  # said once; the statistics count each step's paths
-            words.append(f"dense where sparse would cost more: {', '.join(dense)}")
-        priced = self.exchange_dense()
-        if priced:  # said with or without a measured link: it follows the world's size
-            large = sum(self.large(t) for t in self.tensors)
-            work = " and its work" if self.local is not None else ""
-            words.append(f"dense where {self.compressor.name}'s allgather{work} at "
-                         f"{self.world_size} ranks would cost more than the allreduce: "
-                         f"{len(priced)} of {large} large tensors")
-        return "; ".join(words)
+    def exchange_collective(self):
+        """How a payload compressor's tensors travel on this world, in words."""
+        return "compressed allreduce" if sign_reduces(
+            getattr(self.compressor, "collective", None), self.world_size) else "allgather"
 
     def exchange_dense(self):
         """The large tensors a compressor of its own collectives leaves dense because its
@@ -341,7 +291,8 @@ class Planner:
         self.world_size = int(world_size)
         if local_size is not None:
             self.local_size = int(local_size)
-        self._paths = {}         # (numel, k, world) -> PathKind, for the cost model's choice
+        self._paths = {}         # (numel, k, allowed) -> PathKind, the cost model's choice
+        self._flat = {}          # density -> the flat paths the step allows (flat_at)
         self._hierarchical = {}  # numel -> bool, decided once per tensor
         self._buckets = {}       # the latest (density, world) -> {key: bucket}
         self._overlap = {}       # density -> OverlapPlan, once the profile is agreed
@@ -390,15 +341,76 @@ class Planner:
         """A flat tensor's path by the cost model's sums (``choose_aggregation``, with its
         ``dense_preference``)."""
         k = num_selected(tensor.numel, density)
-        key = (tensor.numel, k)
-        chosen = self._paths.get(key)
+        allowed = self.flat_at(density)
+        key = (tensor.numel, k, allowed)  # (the same k at another density: maybe another
+        chosen = self._paths.get(key)     # step's choice, whatever was asked first)
         if chosen is None:
             chosen = self.cost_model.choose_aggregation(
                 tensor.numel, k, self.world_size, self.dense_value_bytes,
-                self.compressor.value_bytes, allowed=self.flat,
+                self.compressor.value_bytes, allowed=allowed,
                 gather_record_bytes=gather_record_bytes(self.compressor, tensor.numel, k))
             self._paths[key] = chosen
         return chosen
+
+    def flat_at(self, density):
+        """The flat paths a tensor may take at ``density``: ``flat``, less the one of
+        ALLGATHER and REGION under which the whole step costs more (``step_seconds``)
+        where both are allowed. Chosen for the step, not tensor by tensor: a launch's
+        latency is paid once for all it carries, and PyTorch's region reduce carries a
+        step's tensors in one launch (``Framework.batched``), so at a thousand ranks it
+        costs a step two rounds of latency where the allgather's buckets cost one each,
+        and moves 3k records where the allgather moves k(N-1)."""
+        both = (PathKind.ALLGATHER, PathKind.REGION)
+        if not all(kind in self.flat for kind in both):
+            return self.flat
+        flat = self._flat.get(density)
+        if flat is None:
+            costs = [self.step_seconds(density, kind) for kind in both]
+            dropped = both[1] if costs[0] <= costs[1] else both[0]  # equal: allgather
+            if len(self._flat) >= 64:  # a callable schedule's densities: the latest only
+                self._flat.clear()
+            flat = self._flat[density] = tuple(a for a in self.flat if a != dropped)
+        return flat
+
+    def step_seconds(self, density, kind):
+        """The step's flat exchange at ``density`` were its sparse path ``kind``: each
+        large flat tensor dense or ``kind``, as the cost model chooses for it alone
+        (weighing DGC's side by ``dense_preference``), and ``kind``'s latency once per
+        launch: once a step where the framework batches ``kind``, else once per bucket
+        (``buckets``' cut, backward order) or per tensor outside them."""
+        model, world = self.cost_model, self.world_size
+        allowed = tuple(a for a in self.flat if a in (PathKind.DENSE, kind))
+        weight = model.dense_preference
+        seconds, paths, sparse = 0.0, {}, 0
+        for tensor in self.tensors:
+            if not self.large(tensor) or self.hierarchical(tensor):
+                continue
+            k = self.k(tensor, density)
+            record = gather_record_bytes(self.compressor, tensor.numel, k)
+            path = model.choose_aggregation(
+                tensor.numel, k, world, self.dense_value_bytes, self.compressor.value_bytes,
+                allowed=allowed, gather_record_bytes=record)
+            comm, local = model.path_seconds(
+                tensor.numel, k, world, self.dense_value_bytes, self.compressor.value_bytes,
+                allowed=(path,), gather_record_bytes=record)[path]
+            paths[tensor.key] = path
+            if path == PathKind.DENSE:
+                seconds += comm
+            else:
+                sparse += 1
+                seconds += weight * (comm + local - model.launch_seconds(path, world))
+        if not sparse:
+            return seconds
+        if kind in self.resolved.batched:
+            launches = 1
+        elif kind == PathKind.ALLGATHER:
+            order = list(reversed(self.tensors))
+            cut = self._cut(order, lambda t: paths.get(t.key, PathKind.DENSE), density,
+                            fusion_threshold(self.config.fusion_threshold))
+            launches = sum(any(paths.get(key) == kind for key in bucket) for bucket in cut)
+        else:
+            launches = sparse
+        return seconds + weight * launches * model.launch_seconds(kind, world)
 
     def timeline_differs(self, density):
         """Would the step's timeline (``overlap_plan``) send some flat tensor another way
@@ -421,9 +433,12 @@ class Planner:
         key = ("exchange", tensor.numel)
         chosen = self._paths.get(key)
         if chosen is None:
+            world = self.world_size
+            chunk = sign_chunk_bytes(tensor.numel, world) if sign_reduces(
+                getattr(self.compressor, "collective", None), world) else None
             chosen = self.cost_model.choose_exchange(
-                tensor.numel, payload_bytes(tensor.numel), self.world_size,
-                self.dense_value_bytes)
+                tensor.numel, payload_bytes(tensor.numel), world, self.dense_value_bytes,
+                chunk_bytes=chunk)
             self._paths[key] = chosen
         return chosen
 
@@ -512,11 +527,20 @@ class Planner:
         plan = self._buckets.get(key)
         if plan is not None:
             return plan
+        buckets = self._cut(order, lambda t: self.path(t, density), density, threshold)
+        plan = {k: bucket for bucket in buckets if len(bucket) > 1 for k in bucket}
+        self._buckets = {key: plan}  # the latest only: a callable schedule may change often
+        return plan
+
+    def _cut(self, order, path_of, density, threshold):
+        """``buckets``' launches, every one (single tensors too), as tuples of keys: the
+        tensors of ``order`` whose ``path_of`` is DENSE or ALLGATHER, cut by bytes and
+        latency."""
         model = self.cost_model
         budget = BUCKET_LATENCIES * model.alpha
         buckets, members, size, seconds_in = [], [], 0, 0.0
         for tensor in order:
-            path = self.path(tensor, density)
+            path = path_of(tensor)
             # seconds: its transfer as the cost model prices it (none in a world of one)
             if path == PathKind.DENSE:
                 wire = tensor.numel * self.dense_value_bytes
@@ -541,35 +565,13 @@ class Planner:
                 members, size, seconds_in = [], 0, 0.0
         if members:
             buckets.append(tuple(members))
-        plan = {k: bucket for bucket in buckets if len(bucket) > 1 for k in bucket}
-        self._buckets = {key: plan}  # the latest only: a callable schedule may change often
-        return plan
+        return buckets
 
     def folds(self, numel):
         """Carry ``numel`` dense elements inside a launch's allgather (costmodel.folds)."""
         return self.cost_model.folds(numel, self.world_size,
                                      gather_value_bytes(self.compressor, numel),
                                      fold_index_bytes(self.compressor), self.dense_value_bytes)
-
-    # -- words -------------------------------------------------------------------
-    def kind_name(self):
-        return self.compressor.name if self.resolved.kind != "dense" else "dense"
-
-    def _final(self, density_now):
-        """The final density and the warm-up in words (a callable: its value now)."""
-        r = self.resolved
-        if not r.sparse:
-            return 1.0, ""
-        final = r.final_density()
-        if final is None:
-            return density_now, "warm-up set by a callable schedule"
-        return final, r.schedule.describe() if hasattr(r.schedule, "describe") else ""
-
-    def _sums(self, final):
-        """The paths of the large tensors at the final density."""
-        if not self.resolved.sparse:
-            return set()
-        return {self.path(t, final) for t in self.tensors if self.large(t)}
 
     def adam_freeze(self, lagging):
         """The step at which Adam/AdamW's take-over freezes its variance: the schedule's
@@ -629,102 +631,6 @@ class Planner:
         sparse = sum(t.numel for t in self.tensors
                      if self.large(t) and self.path(t, density) != PathKind.DENSE)
         return sparse / total if total else 0.0
-
-    def idle_warning(self, density_now=1.0):
-        """Why DGC does nothing with this set-up, or None. Nothing where the compressor
-        is Adam's default sign and Adam is left exact: the script chose no compressor,
-        and its training is Horovod's (``brief`` says so)."""
-        if self.resolved.kind == "dense":
-            return None
-        if self.exchange_idle() and not self.resolved.chosen:
-            return None
-        if self.exchange_idle():
-            return gather_idle_warning(self.kind_name(), self.world_size,
-                                       self.link is not None)
-        if self.adam_declined and self.adam_share:
-            return adam_idle_warning(self.adam_share, ADAM_SPARSE_SHARE, self.link is not None)
-        final, _ = self._final(density_now)
-        large = any(self.large(t) for t in self.tensors)
-        sums = self._sums(final)
-        sparse_at_final = not self.resolved.sparse or bool(sums - {PathKind.DENSE})
-        return idle_warning(self.kind_name(), self.min_compress_size, large, sparse_at_final,
-                            final, self.world_size, self.link is not None)
-
-    def verbose(self):
-        """The full texts wanted: the ``verbose`` option or ``HVD_DGC_VERBOSE=1``."""
-        return verbose(getattr(self.config, "verbose", False))
-
-    def announce(self, framework, delay, period=1, density_now=1.0):
-        """Wrap time, both frameworks, rank 0 only: the warnings (each once), then one
-        line: ``brief`` by default, ``summary`` (the full plan) with ``verbose``."""
-        message = self.idle_warning(density_now)
-        if message:
-            rank0_once(message, UserWarning, stacklevel=3)
-        if self.resolved.taken_over.lost:
-            rank0_once(self.resolved.taken_over.lost, UserWarning, stacklevel=3)
-        line = self.summary(framework, delay, period, density_now) if self.verbose() else \
-            self.brief(framework, delay, period, density_now)
-        say(line, once=False)
-
-    def brief(self, framework, delay, period=1, density_now=1.0):
-        """The wrap-time line by default (switch.brief, at most 200 characters): what
-        runs now, what comes later, how to see the full plan."""
-        r = self.resolved
-        final, _ = self._final(density_now)
-        inner = getattr(r.schedule, "inner", r.schedule)  # (FrozenAdamSchedule's)
-        freeze = None
-        if r.freeze is not None and not self.adam_declined:
-            freeze = self.adam_frozen_at if self.adam_frozen_at is not None else r.freeze
-        start, until, unit = final, None, "step"
-        if r.sparse and isinstance(inner, DensitySchedule) and inner.warmup > 0:
-            stages = [d for d in inner.warmup_densities if d not in self.adam_dense]
-            start, until, unit = (stages or [final])[0], inner.warmup, inner.unit
-            if r.freeze is not None and unit == "step":  # counted from the freeze
-                until += r.freeze
-        callable_schedule = r.sparse and r.final_density() is None
-        if callable_schedule:
-            start = final = density_now
-        never = 2 ** 62  # a step past every start (PowerSGD's start_iter, Adam's freeze)
-        large = [t for t in self.tensors if self.large(t)]
-
-        def compressed(density):
-            return sum(self.path(t, density, never) not in (PathKind.DENSE,
-                                                            PathKind.SPARSE_GRAD)
-                       for t in large)
-        return brief(framework, self.kind_name(), final, start=start, until=until, unit=unit,
-                     sparse=compressed(final), sparse_start=compressed(start),
-                     total=len(self.tensors), name=r.taken_over.name, freeze=freeze,
-                     declined=self.adam_declined, zero_one=r.zero_one and period > 1,
-                     chosen=r.chosen, delay=delay, period=period,
-                     schedule_callable=callable_schedule, large=len(large),
-                     min_compress_size=self.min_compress_size)
-
-    def summary(self, framework, delay, period=1, density_now=1.0):
-        """The full plan (``verbose=True``) rank 0 prints at wrap time: what runs and how
-        to turn it off."""
-        final, warm = self._final(density_now)
-        taken_over = self.resolved.taken_over.said
-        if self.adam_frozen_at not in (None, self.resolved.freeze):
-            warm = self.resolved.schedule.describe(self.adam_frozen_at)
-        if self.exact_adam(0):  # Adam taken over by a compressor of its own collectives
-            taken_over = self.resolved.schedule.describe()
-        if self.adam_declined:
-            warm = ""
-            little = "every tensor goes dense on this link" if not self.adam_share else \
-                f"{self.adam_share:.1%} of the gradient would go sparse on this link (under " \
-                f"{ADAM_SPARSE_SHARE:.0%}: every tensor goes dense)"
-            taken_over = f"Adam not taken over: {little}, so exact Adam runs throughout " \
-                         f"(adam.py)"
-        large = [t for t in self.tensors if self.large(t)]
-        if self.resolved.sparse:  # those the cost model sends dense even at the final density
-            large = [t for t in large if self.path(t, final) != PathKind.DENSE]
-        large = len(large) - len(self.exchange_dense())
-        sums = [p for p in SUMS if p in self._sums(final)]
-        return summary(self.kind_name(), final, warm, self.min_compress_size,
-                       self.resolved.dense_fp16, gather_value_bits(self.compressor), delay,
-                       large,
-                       len(self.tensors), framework, sums, period, taken_over,
-                       self.measured_words(), self.resolved.zero_one)
 
     def consistency(self, **extra):
         """What must agree on every rank (hvd_dgc/consistency.py compares it): the

@@ -470,7 +470,7 @@ def _horovod_planner(kind, tensors, world, link):
 
 
 # -- the report -------------------------------------------------------------------------
-NEVER = 2 ** 62  # a step past every start (as Planner.brief asks)
+NEVER = 2 ** 62  # a step past every start (as PlanWords.brief asks)
 
 
 def _stages(planner):
@@ -524,23 +524,9 @@ def _why(planner, tensor, path, density, step, note=""):
 
 
 def _wire_bytes(planner, tensor, path, density):
-    """Bytes one rank sends for ``tensor`` on ``path`` in one exchange (the volumes
-    Planner.exchange_seconds prices)."""
-    from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, \
-        region_bytes
-    from hvd_dgc.packing import gather_record_bytes
-    from hvd_dgc.paths import PathKind
-    world, k = planner.world_size, planner.k(tensor, density)
-    if path == PathKind.ALLGATHER:
-        return allgather_bytes(k, world,
-                               gather_record_bytes(planner.compressor, tensor.numel, k))
-    if path == PathKind.REGION:
-        return region_bytes(k, world, planner.record_bytes)
-    if path == PathKind.HIERARCHICAL:
-        return hierarchical_bytes(k, world, planner.local_size, planner.record_bytes)
-    if path == PathKind.EXCHANGE and hasattr(planner.compressor, "payload_bytes"):
-        return (world - 1) * planner.compressor.payload_bytes(tensor.numel)
-    return dense_bytes(tensor.numel, world, planner.dense_value_bytes)
+    """Bytes one rank receives for ``tensor`` on ``path`` in one exchange
+    (``Planner.wire_bytes``)."""
+    return planner.wire_bytes(tensor, path, density)
 
 
 def _local_seconds(planner, tensor, path, density):
@@ -597,6 +583,7 @@ def _stage(planner, tensors, stage, threshold, compute, horovod_step, hiding, pe
 def predict(args, p):
     """The whole prediction as a dict (what --json prints)."""
     from hvd_dgc.plan import fusion_threshold
+    from hvd_dgc.plan_words import PlanWords
     world, hosts, slots, host_text = _world(args, p)
     rate, rtt, alpha, gather = _link(args, p)
     if args.step_ms is not None and not args.step_ms >= 0:
@@ -640,7 +627,8 @@ def predict(args, p):
         "local_cost": None if local is None else local._asdict(),
         "local_cost_words": local.words() if local is not None else unmeasured,
         "optimizer": args.optimizer, "options": options,
-        "resolved": {"compressor": planner.kind_name(), "delay": "auto" if auto else delay,
+        "resolved": {"compressor": PlanWords(planner).kind_name(),
+                     "delay": "auto" if auto else delay,
                      "period": period, "freeze": planner.resolved.freeze,
                      "adam_declined": planner.adam_declined},
         "compute_seconds": compute, "compute_how": how,

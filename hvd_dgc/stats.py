@@ -9,18 +9,26 @@ from collections import Counter
 
 from hvd_dgc.paths import PathKind
 
-__all__ = ["CompressionStats", "CAUSES", "cause_of", "REFRESH"]
+__all__ = ["CompressionStats", "CAUSES", "RECORDS", "cause_of", "split_records", "REFRESH"]
 
 #: Why bytes went, in the order the line names them:
-#: records: DGC's selected coordinates (allgather, region reduce, hierarchical);
+#: positions, values: DGC's selected coordinates (allgather, region reduce, hierarchical):
+#: where they lie (coded on PyTorch's allgather: packing.index_bytes; an int32 each
+#: elsewhere) and their values (8 bits and a scale per tensor on PyTorch's allgather);
 #: large tensors dense: a tensor DGC could compress sent whole (a warm-up stage or the
 #: cost model chose dense, or Adam before its freeze);
 #: small tensors dense: under ``min_compress_size``, sent whole every step;
 #: payloads: a compressor's own collectives (PowerSGD, sign, QSGD, ...);
 #: sparse gradients: embedding rows allgathered as Horovod does;
-#: refresh: Adam's second moments averaged (``refresh_variance``).
-CAUSES = ("records", "large tensors dense", "small tensors dense", "payloads",
-          "sparse gradients", "refresh")
+#: refresh: Adam's second moments averaged (``refresh_variance``);
+#: records: positions and values together, in statistics a checkpoint saved before they
+#: were told apart.
+CAUSES = ("positions", "values", "large tensors dense", "small tensors dense", "payloads",
+          "sparse gradients", "refresh", "records")
+
+#: ``cause_of``'s answer for DGC's records, which ``CompressionStats`` splits into
+#: "positions" and "values"
+RECORDS = "records"
 
 #: the name ``add_bytes`` takes for Adam's variance refresh
 REFRESH = "hvd_dgc.adam_refresh"
@@ -36,8 +44,16 @@ def cause_of(path, numel, min_compress_size):
     if kind is PathKind.DENSE:
         return "small tensors dense" if numel < min_compress_size else "large tensors dense"
     if kind.sums_records:
-        return "records"
+        return RECORDS
     return "sparse gradients" if kind is PathKind.SPARSE_GRAD else "payloads"
+
+
+def split_records(cause, bytes_sent, positions):
+    """``{cause: bytes}`` of ``bytes_sent`` that went for ``cause``: DGC's records
+    (``RECORDS``) split into their ``positions`` and the rest, their values."""
+    if cause != RECORDS:
+        return {cause: bytes_sent}
+    return {"positions": positions, "values": bytes_sent - positions}
 
 
 class CompressionStats:
@@ -68,7 +84,9 @@ class CompressionStats:
         self._current = {}
         self._current_launches = 0
 
-    def record(self, name, path, numel, elements_sent, bytes_sent, density):
+    def record(self, name, path, numel, elements_sent, bytes_sent, density, positions=0):
+        """One tensor's step on ``path``; ``positions``: of ``bytes_sent``, those that
+        say where DGC's records lie (the rest: their values)."""
         path = getattr(path, "value", path)  # a PathKind counts under its plain name
         self.bytes_sent += bytes_sent
         self.dense_bytes += 4 * numel
@@ -76,18 +94,20 @@ class CompressionStats:
         self.elements_total += numel
         self.paths[path] += 1
         cause = cause_of(path, numel, self.min_compress_size)
-        self.by_cause[cause] += bytes_sent
+        self.by_cause.update(split_records(cause, bytes_sent, positions))
         self._current[name] = {"path": path, "numel": numel, "sent": elements_sent,
                                "bytes": bytes_sent, "density": density, "cause": cause}
 
-    def add_bytes(self, name, bytes_sent):
-        """More bytes this step for ``name`` (a tensor's, known only after a later round;
-        or ``REFRESH``, Adam's variance refresh)."""
+    def add_bytes(self, name, bytes_sent, positions=0):
+        """More bytes this step for ``name`` (a tensor's, known only after a later round,
+        ``positions`` of them where records lie; or ``REFRESH``, Adam's variance
+        refresh)."""
         self.bytes_sent += bytes_sent
         if name in self._current:
             self._current[name]["bytes"] += bytes_sent
-        self.by_cause[self._current[name]["cause"] if name in self._current else
-                      "refresh" if name == REFRESH else "payloads"] += bytes_sent
+        cause = self._current[name]["cause"] if name in self._current else \
+            "refresh" if name == REFRESH else "payloads"
+        self.by_cause.update(split_records(cause, bytes_sent, positions))
 
     def add_returned(self, elements):
         self.returned_elements += elements

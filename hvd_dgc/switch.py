@@ -136,13 +136,15 @@ def adam_idle_warning(share, threshold, measured=False):
             f"expect, or delay/period (which take Adam over from its freeze).")
 
 
-def gather_idle_warning(kind, world, measured=False):
-    """Why a payload compressor (sign, QSGD, bf16) does nothing: its allgather, with its
-    encoding and decoding where they were ``measured``, costs more than the dense
-    allreduce of every large tensor."""
-    if measured:
-        return (f"hvd_dgc: on the link measured between the {world} ranks, {kind}'s "
-                f"allgather with its encoding and decoding costs more than a dense allreduce "
+def gather_idle_warning(kind, world, measured=False, collective="allgather"):
+    """Why a payload compressor (sign, QSGD, bf16) does nothing: its ``collective``
+    (its allgather, or the sign's compressed allreduce), with its encoding and decoding
+    where they were ``measured``, costs more than the dense allreduce of every large
+    tensor."""
+    if measured or collective != "allgather":
+        return (f"hvd_dgc: on the link {'measured' if measured else 'assumed'} between the "
+                f"{world} ranks, {kind}'s {collective} with its encoding and decoding costs "
+                f"more than a dense allreduce "
                 f"of each tensor, so every tensor goes dense (as Horovod does) and {kind} "
                 f"does nothing; to compress anyway, pass cost_model=hvd_dgc.CostModel("
                 f"alpha=..., bandwidth=...) for the link you expect.")

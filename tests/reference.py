@@ -666,3 +666,66 @@ def decode_positions(blob, n, k, code=None):
     lows = (bits[:k * low].reshape(k, low) << np.arange(low)).sum(1)
     ones = np.flatnonzero(bits[k * low:])[:k]
     return ((ones - np.arange(k)) << low) | lows
+
+
+# -- the sign's compressed allreduce (1-bit Adam's; hvd_dgc/packing.py sign_chunk_bytes) --
+def sign_chunk(x, length):
+    """One chunk as the compressed allreduce sends it: its scale, mean |x| (summed in
+    float64, then float32; 0 for an empty chunk), and its signs (x >= 0: 1), one bit
+    each, least significant first, padded with 1 bits to ``length``. Returns ``(payload
+    bytes, the chunk as it arrives: scale where the bit is 1, -scale where 0)``."""
+    x = f32(x)
+    scale = np.float32(np.abs(x).astype(np.float64).sum() / x.size) if x.size else F32(0)
+    bits = np.ones(length, np.uint8)
+    bits[:x.size] = x >= 0
+    payload = np.concatenate([np.array([scale], np.float32).view(np.uint8),
+                              np.packbits(bits, bitorder="little")])
+    return payload, np.where(x >= 0, scale, -scale).astype(np.float32)
+
+
+def sign_reduce(inputs, server_errors=None):
+    """The compressed allreduce of one tensor, every rank's part at once: rank i's
+    ``inputs[i]`` (its memory, error feedback included) in N chunks
+    (hvd_dgc.aggregation.slices), chunk c signed and sent to rank c; rank c averages the
+    N chunks it got (summed in float64 in rank order, divided by N, then float32), adds
+    its ``server_errors[c]`` (None: zeros), signs the result again and sends it to every
+    rank, keeping what that lost as its new server error. Returns ``(average, sent,
+    server_errors, payloads)``: the average every rank decodes, what each rank's own
+    chunks decoded to (its error feedback takes it out of its memory), the new server
+    errors, and ``payloads[i]``: rank i's bytes to each owner, then its re-signed chunk."""
+    from hvd_dgc.aggregation import slices
+    world, n = len(inputs), len(inputs[0])
+    bounds = slices(n, world)
+    length = -(-n // world)
+    errors = [np.zeros(hi - lo, np.float32) for lo, hi in bounds] if server_errors is None \
+        else [f32(e) for e in server_errors]
+    coded = [[sign_chunk(f32(x)[lo:hi], length) for lo, hi in bounds] for x in inputs]
+    sent = [np.concatenate([d for _, d in row]) for row in coded]
+    average, new_errors, payloads = [], [], []
+    for c, (lo, hi) in enumerate(bounds):
+        total = np.zeros(hi - lo, np.float64)
+        for i in range(world):
+            total += coded[i][c][1]
+        w = (total / world).astype(np.float32) + errors[c]
+        payload, arrived = sign_chunk(w, length)
+        average.append(arrived)
+        new_errors.append((w - arrived).astype(np.float32))
+        payloads.append(payload)
+    to_owners = [[p for p, _ in row] for row in coded]
+    return (np.concatenate(average), sent, new_errors,
+            [(to_owners[i], payloads[i]) for i in range(world)])
+
+
+#: the tensors of tests/test_sign_reduce.py's runs, one launch: uneven chunks on 3 and 4
+#: ranks, a tensor with fewer elements than ranks (empty chunks)
+SIGN_NUMELS = (1001, 37, 2, 64)
+SIGN_STEPS = 3
+
+
+def sign_inputs(world, step):
+    """Every rank's new input at ``step`` of those runs: ``[rank][tensor]`` float32."""
+    out = []
+    for rank in range(world):
+        gen = np.random.default_rng(1000 * step + rank)
+        out.append([gen.standard_normal(n).astype(np.float32) for n in SIGN_NUMELS])
+    return out

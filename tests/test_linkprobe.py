@@ -324,7 +324,7 @@ def test_measured_link_is_the_same_on_every_rank_and_said(loopback, framework):
     for density, path in out["paths"].items():
         k = max(1, math.ceil(n * float(density)))
         dense = 2 * out["alpha"] + 4 * n / out["bandwidth"]
-        sparse = out["alpha"] + 8 * k / gather + sigma * n + \
+        sparse = out["alpha"] + out["records"][density] * k / gather + sigma * n + \
             rho_select * k + rho_record * k * world
         expected = "dense" if k >= n or sparse * MEASURED_DENSE_PREFERENCE > dense \
             else "sparse"  # (allgather's name)

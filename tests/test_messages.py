@@ -1,7 +1,7 @@
 """What hvd_dgc says while a job runs: one short line on rank 0 at wrap time (the full plan
 with ``verbose=True`` or ``HVD_DGC_VERBOSE=1``), warnings on rank 0 once, short lines
 when the plan changes, labelled statistics. The wording is framework-free
-(hvd_dgc/switch.py ``brief``, hvd_dgc/plan.py ``Planner.brief``), checked here for every
+(hvd_dgc/switch.py ``brief``, hvd_dgc/plan_words.py ``PlanWords.brief``), checked here for every
 kind of run; then a real 2-rank job of a small script switched by one line."""
 
 import sys
@@ -12,6 +12,7 @@ import pytest
 from hvd_dgc import CostModel, DensitySchedule, say
 from hvd_dgc.config import DGCConfig, HorovodArguments
 from hvd_dgc.plan import Planner, TensorInfo
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.stats import CompressionStats
 from hvd_dgc.switch import CHANGE_LIMIT, HINT, LINE_LIMIT, change_line, percent
 
@@ -37,7 +38,7 @@ def _line(compression=None, optimizer=SGD, world=2, **options):
     settled = planner.settled()
     delay = settled.config.delay
     density = settled.schedule(0, 0.0) if settled.sparse else 1.0
-    return planner, planner.brief("torch", delay, settled.config.period, density)
+    return planner, PlanWords(planner).brief("torch", delay, settled.config.period, density)
 
 
 #: every kind of run: options -> what the line must say
@@ -83,7 +84,7 @@ def test_the_wrap_line_says_what_runs_in_at_most_200_characters(kind):
     if kind != "dense":
         assert line.endswith(f"{HINT}."), line
     # the full plan, as before, with verbose: longer, the link's and each tensor's story
-    full = planner.summary("torch", 0)
+    full = PlanWords(planner).summary("torch", 0)
     assert full.startswith("[hvd_dgc] torch: ") and full != line
 
 
@@ -108,10 +109,10 @@ def test_a_plain_adamw_user_hears_nothing_of_a_compressor_they_did_not_choose():
     script that asked for the sign is told."""
     cost = CostModel(encode_element_seconds=1e-6)
     planner, line = _line(optimizer=ADAMW, cost_model=cost)
-    assert planner.adam_declined and planner.idle_warning() is None
+    assert planner.adam_declined and PlanWords(planner).idle_warning() is None
     assert "sign" not in line and "exact" in line, line
     chosen, _ = _line(compression="sign", cost_model=cost)
-    assert "sign does nothing" in chosen.idle_warning()
+    assert "sign does nothing" in PlanWords(chosen).idle_warning()
 
 
 def test_wording_helpers():
@@ -123,7 +124,7 @@ def test_wording_helpers():
 
 def test_a_change_of_plan_is_one_short_line_and_the_full_story_with_verbose(monkeypatch):
     """A re-measured link (linkwatch.relinked_words, both frameworks) and a new density
-    stage whose paths differ (Planner.stage_line, PyTorch)."""
+    stage whose paths differ (PlanWords.stage_line, PyTorch)."""
     from hvd_dgc.linkprobe import LinkMeasurement
     from hvd_dgc.linkwatch import relinked_words
     monkeypatch.setenv("HVD_DGC_VERBOSE", "")
@@ -135,15 +136,16 @@ def test_a_change_of_plan_is_one_short_line_and_the_full_story_with_verbose(monk
     assert line == ("[hvd_dgc] step 1234: link now 10 Mbit/s (was 10000): 2 of 2 large "
                     "tensors sparse at 0.1%; step traced again"), line
     assert len(line) <= CHANGE_LIMIT
-    assert planner.stage_line(300, 1.0, 0.001) == \
+    assert PlanWords(planner).stage_line(300, 1.0, 0.001) == \
         "[hvd_dgc] step 300: density 0.1% now: 2 of 2 large tensors sparse"
-    assert planner.stage_line(300, 0.001, 0.001) is None  # no new stage
-    assert planner.sync_line(2) is None  # nothing measured: nothing to say
+    assert PlanWords(planner).stage_line(300, 0.001, 0.001) is None  # no new stage
+    assert PlanWords(planner).sync_line(2) is None  # nothing measured: nothing to say
     planner.measured(slow)
-    assert planner.sync_line(2) == ("[hvd_dgc] elastic sync at 2 ranks: link 10 Mbit/s, 2 of "
-                                    "2 large tensors sparse at 0.1%")
+    assert PlanWords(planner).sync_line(2) == ("[hvd_dgc] elastic sync at 2 ranks: link 10 "
+                                               "Mbit/s, 2 of 2 large tensors sparse at 0.1%")
     monkeypatch.setenv("HVD_DGC_VERBOSE", "1")
-    assert planner.sync_line(2).startswith("hvd_dgc: elastic sync at 2 ranks: link measured:")
+    assert PlanWords(planner).sync_line(2).startswith(
+        "hvd_dgc: elastic sync at 2 ranks: link measured:")
     line = relinked_words(1234, slow, fast, 0.01, 0.5, planner, 0.001)
     assert line.startswith("hvd_dgc: at step 1234 the link measured 1000 us per message, "
                            "10 Mbit/s (was 50 us per message, 10000 Mbit/s; a 0.40 s probe)")
@@ -152,20 +154,23 @@ def test_a_change_of_plan_is_one_short_line_and_the_full_story_with_verbose(monk
 def test_statistics_say_per_step_and_cumulative():
     stats = CompressionStats()
     for _ in range(3):
-        stats.record("w", "sparse", 10 ** 6, 10 ** 4, 80000, 0.01)
+        stats.record("w", "sparse", 10 ** 6, 10 ** 4, 80000, 0.01, positions=40000)
         stats.end_step()
     line = stats.format(0.01)
     assert line.startswith("density 0.01 now; sent 0.080 MB this step, 0.240 MB in 3 steps "
-                           "(50.0x less than dense fp32); of which records 100%; paths in 3 "
-                           "steps {'sparse': 3}"), line
+                           "(50.0x less than dense fp32); of which positions 50%, values 50%; "
+                           "paths in 3 steps {'sparse': 3}"), line
 
 
 def test_statistics_say_why_the_bytes_went():
-    """Each byte under its cause (hvd_dgc/stats.py ``CAUSES``): records, a large tensor
-    sent dense (a warm-up stage), a small one dense every step, a compressor's payload,
-    embedding rows, Adam's refresh; a later round's bytes under their tensor's cause."""
+    """Each byte under its cause (hvd_dgc/stats.py ``CAUSES``): the records' positions and
+    values, a large tensor sent dense (a warm-up stage), a small one dense every step, a
+    compressor's payload, embedding rows, Adam's refresh; a later round's bytes under
+    their tensor's cause."""
     stats = CompressionStats(min_compress_size=100)
-    stats.record("conv", "sparse", 10 ** 6, 10 ** 3, 8000, 0.001)
+    stats.record("conv", "sparse", 10 ** 6, 10 ** 3, 5000, 0.001, positions=2000)
+    stats.record("owned", "region", 10 ** 4, 10, 80, 0.001, positions=40)
+    stats.add_bytes("owned", 2920, positions=960)  # its kept records, a later round
     stats.record("fc", "dense", 1000, 1000, 4000, 0.25)
     stats.record("bias", "dense", 10, 10, 40, 1.0)
     stats.record("emb", "sparse_grad", 500, 50, 400, 1.0)
@@ -174,12 +179,12 @@ def test_statistics_say_why_the_bytes_went():
     stats.add_bytes("hvd_dgc.adam_refresh", 2000)
     stats.end_step()
     s = stats.summary()
-    assert s["bytes_by_cause"] == {"records": 8000, "large tensors dense": 4000,
-                                   "small tensors dense": 40, "payloads": 2000,
-                                   "sparse gradients": 400, "refresh": 2000}
+    assert s["bytes_by_cause"] == {"positions": 3000, "values": 5000,
+                                   "large tensors dense": 4000, "small tensors dense": 40,
+                                   "payloads": 2000, "sparse gradients": 400, "refresh": 2000}
     assert sum(s["bytes_by_cause"].values()) == s["bytes_sent"] == 16440
-    assert "of which records 49%, large tensors dense 24%, small tensors dense 0%, " \
-        "payloads 12%, sparse gradients 2%, refresh 12%;" in stats.format()
+    assert "of which positions 18%, values 30%, large tensors dense 24%, small tensors " \
+        "dense 0%, payloads 12%, sparse gradients 2%, refresh 12%;" in stats.format()
     restored = CompressionStats(100)
     restored.load_state_dict(stats.state_dict())
     assert restored.summary()["bytes_by_cause"] == s["bytes_by_cause"]
@@ -187,6 +192,9 @@ def test_statistics_say_why_the_bytes_went():
     del old["bytes_by_cause"]  # a checkpoint from before the causes were counted
     restored.load_state_dict(old)
     assert restored.summary()["bytes_by_cause"] == {}
+    old["bytes_by_cause"] = {"records": 8000, "refresh": 2000}  # before positions and
+    restored.load_state_dict(old)                               # values were told apart
+    assert restored.summary()["bytes_by_cause"] == {"refresh": 2000, "records": 8000}
 
 
 def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):

@@ -8,6 +8,7 @@ from hvd_dgc.config import DGCConfig, HorovodArguments
 from hvd_dgc.packing import gather_record_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import BUCKET_LATENCIES, Planner, TensorInfo
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import Compression
 from hvd_dgc.torch.optimizer import TORCH
@@ -155,15 +156,15 @@ def test_tensorflow_asks_per_density_stage():
 
 def test_the_words_and_the_dict_every_rank_compares():
     planner = _planner(world=2, density=0.001, warmup=0)
-    line = planner.summary("torch", 0)
+    line = PlanWords(planner).summary("torch", 0)
     assert line.startswith("[hvd_dgc] torch: DGC at density 0.001, no warm-up: 2 of 5")
     assert "allgather" in line and "density=1.0" in line
-    assert planner.idle_warning(0.001) is None
+    assert PlanWords(planner).idle_warning(0.001) is None
     config = planner.consistency(op="average")
     assert config["tensors"][2] == ["fc.weight", [1000, 512]]
     assert config["sparse_gradients"] == ["emb.weight"] and config["op"] == "average"
     tiny = Planner(planner.resolved, [TensorInfo(0, "b", 10, (10,))], 2)
-    assert "min_compress_size=1024" in tiny.idle_warning(0.001)
+    assert "min_compress_size=1024" in PlanWords(tiny).idle_warning(0.001)
 
 
 def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
@@ -216,10 +217,10 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
     planner, at = planned(1e-5, density=0.004, warmup=0)
     assert at is None and planner.adam_declined and planner.adam_share == 2560 / 85002
     assert {planner.path(t, d) for t in tensors for d in (0.004, 1.0)} == {PathKind.DENSE}
-    line = planner.summary("torch", 0)
+    line = PlanWords(planner).summary("torch", 0)
     assert "Adam not taken over: 3.0% of the gradient would go sparse on this link " \
            "(under 10%: every tensor goes dense), so exact Adam runs throughout" in line, line
-    assert planner.idle_warning(0.004).startswith(
+    assert PlanWords(planner).idle_warning(0.004).startswith(
         "hvd_dgc: on this link only 3.0% of the gradient would go sparse (under 10%), too "
         "little to be worth freezing Adam's variance, so every tensor goes dense")
     assert freeze(1e-3, lagging="delay=2") == (20, False)
@@ -255,10 +256,11 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     element from N = 64, QSGD's 4 bits from N = 16, bf16's 16 from N = 5, latency aside:
     with it, sign turns at 71 for this tensor). Such a tensor goes dense, what the
     compressor had kept in the memory with it; PowerSGD's allreduces are not priced."""
-    from hvd_dgc.packing import qsgd_payload_bytes, sign_payload_bytes
+    from hvd_dgc.packing import qsgd_payload_bytes, sign_chunk_bytes, sign_payload_bytes
     fc = TENSORS[2]  # 512,000 elements
     model = CostModel()
-    cases = [(Compression.sign, sign_payload_bytes(fc.numel)),
+    gathered = Compression.sign(collective="allgather")
+    cases = [(gathered, sign_payload_bytes(fc.numel)),
              (Compression.qsgd, qsgd_payload_bytes(fc.numel, 7, 128)),
              (Compression.bf16, 2 * fc.numel)]
     for compression, payload in cases:
@@ -283,18 +285,19 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     # the decision follows the world (an elastic reset), and is said; conv.weight's
     # 36,864 elements stay signed at any N: one allgather's latency against the
     # allreduce's two outweighs its bytes
-    planner = _planner(world=2, compression=Compression.sign)
+    planner = _planner(world=2, compression=gathered)
     assert planner.path(fc, 1.0, step=100) == PathKind.EXCHANGE
-    assert planner.exchange_dense() == [] and planner.idle_warning() is None
-    assert "would cost more than the allreduce" not in planner.summary("torch", 0)
+    assert planner.exchange_dense() == [] and PlanWords(planner).idle_warning() is None
+    assert "would cost more than the allreduce" not in PlanWords(planner).summary("torch", 0)
     planner.replan(128)
-    assert planner.exchange_dense() == [fc] and planner.idle_warning() is None
-    line = planner.summary("torch", 0)
+    assert planner.exchange_dense() == [fc] and PlanWords(planner).idle_warning() is None
+    line = PlanWords(planner).summary("torch", 0)
     assert "compressor sign on 1 of 5 tensors" in line, line
     assert "dense where sign's allgather at 128 ranks would cost more than the allreduce: " \
         "1 of 2 large tensors" in line, line
     alone = Planner(planner.resolved, [fc], 128)  # nothing left to compress: warned
-    assert "at 128 ranks every rank would receive 127 sign payloads" in alone.idle_warning()
+    assert "at 128 ranks every rank would receive 127 sign payloads" in \
+        PlanWords(alone).idle_warning()
     # its work, measured: on a fast link sign's encoding and decoding cost more than
     # the allreduce they spare, and the words say the work counted
     from hvd_dgc.localcost import PayloadCost
@@ -304,7 +307,22 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     fast.measured(None, PayloadCost(1e-9, 2e-9))  # 0.5 ms + 2 x 1 ms against ~1.7 ms
     assert fast.path(fc, 1.0, step=100) == PathKind.DENSE
     assert fast.cost_model.encode_element_seconds == 1e-9
-    assert "dense where sign's allgather and its work at 2 ranks" in fast.summary("torch", 0)
+    assert "dense where sign's allgather and its work at 2 ranks" in \
+        PlanWords(fast).summary("torch", 0)
+    # the sign by default: from 3 ranks its compressed allreduce, priced as such (2 (N-1)
+    # chunks of n/8N bytes against the ring's 2(N-1)/N 4n): signed at any N, and said
+    for world in (2, 3, 128, 1024):
+        planner = _planner(world=world, compression=Compression.sign)
+        assert planner.path(fc, 1.0, step=100) == PathKind.EXCHANGE, world
+        assert planner.wire_bytes(fc, PathKind.EXCHANGE, 1.0) == (
+            sign_payload_bytes(fc.numel) if world == 2 else
+            2 * (world - 1) * sign_chunk_bytes(fc.numel, world))
+    assert planner.exchange_collective() == "compressed allreduce"
+    reduced = _planner(world=3, compression=Compression.sign, cost_model=CostModel(
+        alpha=20e-6, bandwidth=1.25e9))
+    reduced.measured(None, PayloadCost(1e-8, 2e-8))
+    assert "dense where sign's compressed allreduce and its work at 3 ranks" in \
+        PlanWords(reduced).summary("torch", 0)
     # PowerSGD's allreduces do not grow with N: not priced
     assert _planner(world=128, compression=Compression.powersgd(start_iter=0)).path(
         fc, 1.0, step=100) == PathKind.EXCHANGE
@@ -363,7 +381,7 @@ def test_adam_with_no_option_resolves_to_zero_one_adam_and_keeps_its_period_wher
         settled = planner.settled()
         assert (at is None, planner.adam_declined) == (declined, declined), model
         assert settled.config.period == planner.config.period == period, model
-        line = planner.summary("torch", 0, settled.config.period)
+        line = PlanWords(planner).summary("torch", 0, settled.config.period)
         assert ("0/1 Adam (Lu et al.), Adam's default where no option is given" in line) \
             == (not declined), line
     # the script's own period is never dropped (it needs the linear update: taken over)
@@ -394,3 +412,43 @@ def test_the_allgather_is_priced_by_the_wire_it_sends():
     # a framework whose records carry int32 positions (TensorFlow's) is priced so
     int32 = type("Int32Records", (), {"value_bytes": 4, "record_bytes": 8})()
     assert gather_index_bytes(int32, n, k) == 4 and gather_record_bytes(int32, n, k) == 8
+
+
+def test_the_step_chooses_between_the_allgather_and_region_reduce():
+    """Region reduce carries all of a PyTorch step's tensors in one launch (its two rounds
+    of latency paid once a step); the allgather pays one round per bucket. Tensor by
+    tensor the allgather's one round looks cheaper at any N; for the step, from 8 ranks
+    on the assumed link, region reduce is, and its bytes stay flat in N
+    (bench/results/wire.md). The planner chooses for the step (``flat_at``)."""
+    from harness.shapes import numel, resnet50_shapes
+    tensors = [TensorInfo(i, name, numel(shape), tuple(shape))
+               for i, (name, shape) in enumerate(resnet50_shapes())]
+    resolved = DGCConfig(density=0.001, warmup=0, cost_model=CostModel()).resolve(
+        TORCH, Compression.dgc, ARGS, (True, "SGD"))
+    assert resolved.batched == {PathKind.REGION}
+    chosen = {}
+    for world in (2, 4, 8, 1024):
+        planner = Planner(resolved, tensors, world)
+        chosen[world] = {planner.path(t, 0.001) for t in tensors if planner.large(t)}
+    assert chosen == {2: {PathKind.ALLGATHER}, 4: {PathKind.ALLGATHER},
+                      8: {PathKind.REGION}, 1024: {PathKind.REGION}}
+    model, big = CostModel(), max(tensors, key=lambda t: t.numel)
+    k = num_selected(big.numel, 0.001)
+    assert model.choose_aggregation(
+        big.numel, k, 1024, allowed=(PathKind.ALLGATHER, PathKind.REGION),
+        gather_record_bytes=gather_record_bytes(Compression.dgc, big.numel, k)) == \
+        PathKind.ALLGATHER
+    # where region reduce is not batched (TensorFlow's: a launch per tensor), each of its
+    # tensors pays the two rounds: exactly the difference between the step's prices
+    batched = Planner(resolved, tensors, 1024)
+    apart = Planner(resolved._replace(batched=frozenset()), tensors, 1024)
+    sparse = sum(batched.path(t, 0.001) == PathKind.REGION for t in tensors)
+    assert sparse == 76
+    assert apart.step_seconds(0.001, PathKind.REGION) - \
+        batched.step_seconds(0.001, PathKind.REGION) == pytest.approx(
+            (sparse - 1) * model.dense_preference * model.launch_seconds(PathKind.REGION, 1024))
+    # a forced aggregation is not second-guessed
+    forced = Planner(DGCConfig(density=0.001, warmup=0, aggregation="allgather",
+                               cost_model=CostModel()).resolve(
+        TORCH, Compression.dgc, ARGS, (True, "SGD")), tensors, 1024)
+    assert {forced.path(t, 0.001) for t in tensors if forced.large(t)} == {PathKind.ALLGATHER}

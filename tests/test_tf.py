@@ -274,10 +274,12 @@ def test_tape_dgc_inside_tf_function_keeps_ranks_identical(tape):
         assert stats["paths"] == {"sparse": 16, "dense": 32}
         assert stats["current_density"] == 0.01 and stats["step"] == 8
         assert stats["compression_ratio"] > 8
-        # why the bytes went (hvd_dgc/stats.py): records and the small tensors, dense
-        # (folded into the allgathers, their indices' bytes with them): all of them
+        # why the bytes went (hvd_dgc/stats.py): the records' int32 positions and fp32
+        # values, and the small tensors, dense (folded into the allgathers, their indices'
+        # bytes with them): all of them
         causes = stats["bytes_by_cause"]
-        assert set(causes) == {"records", "small tensors dense"}, causes
+        assert set(causes) == {"positions", "values", "small tensors dense"}, causes
+        assert causes["positions"] == causes["values"], causes
         assert sum(causes.values()) == stats["bytes_sent"], (causes, stats["bytes_sent"])
 
 

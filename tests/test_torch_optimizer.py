@@ -79,10 +79,16 @@ def _assert_sparse_consistency(per_rank):
         for c in dense:
             assert c["numel"] < 1024 and c["sent"] == c["numel"]
         assert out["stats"]["compression_ratio"] > 50
-        # why the bytes went: the weights' records, the biases dense (hvd_dgc/stats.py)
-        assert out["stats"]["bytes_by_cause"] == {
-            "records": sum(c["bytes"] for c in sparse),
-            "small tensors dense": sum(c["bytes"] for c in dense)}
+        # why the bytes went: the weights' records, their positions coded (under 2 bytes
+        # a slot) and their values in a byte a slot and a scale a tensor, the biases
+        # dense (hvd_dgc/stats.py)
+        causes = out["stats"]["bytes_by_cause"]
+        assert set(causes) == {"positions", "values", "small tensors dense"}, causes
+        assert causes["positions"] + causes["values"] == sum(c["bytes"] for c in sparse)
+        slots = sum(-(-c["numel"] // 1000) for c in sparse)
+        assert causes["values"] == slots + 4 * len(sparse), causes
+        assert 0 < causes["positions"] < 2 * slots, causes
+        assert causes["small tensors dense"] == sum(c["bytes"] for c in dense)
         assert out["own_compressor"]  # RNG state is per optimizer, not per shared default
 
 

@@ -46,8 +46,17 @@ class Comm:
     def size(self):
         return self.process_set.size()
 
+    def rank(self):
+        return self.process_set.rank()
+
     def allgather(self, tensor, tag):
         return _hvd.allgather(tensor, name=f"{self.name}.{tag}", process_set=self.process_set)
+
+    def alltoall(self, tensor, splits, tag):
+        """Rows ``splits[j]`` of ``tensor`` to rank j; what every rank sent this one."""
+        got, _ = _hvd.alltoall(tensor, splits=tf.constant(splits, tf.int32),
+                               name=f"{self.name}.{tag}", process_set=self.process_set)
+        return got
 
     def allreduce(self, tensor, tag, op):
         return _hvd.allreduce(tensor, op=op, name=f"{self.name}.{tag}",
@@ -78,8 +87,9 @@ class ExchangeCompressor(CompressorOptions, Compressor):
         the planner's argument (hvd_dgc/plan.py), unused: a graph decides the start."""
         return True
 
-    def slot(self, shape, name):
-        """Per-tensor state (tf.Variables made at build, outside any trace), or None."""
+    def slot(self, shape, name, world=1):
+        """Per-tensor state (tf.Variables made at build, outside any trace, for ``world``
+        ranks), or None."""
         return None
 
     def exchange(self, v, shape, slot, comm, at):

@@ -44,7 +44,8 @@ from horovod.tensorflow.mpi_ops import Max
 
 from hvd_dgc.autodelay import AutoDelayState
 from hvd_dgc.lagging import InFlight, LagQueue, StepSize
-from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part
+from hvd_dgc.stats import RECORDS
+from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part, later_positions
 
 __all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "check_inter_op_threads"]
 
@@ -234,7 +235,8 @@ class DelayedAveraging(LagQueue):
                 returned.set_shape([None, 2])
                 ctx.give_back(i, returned[:, 0], tf.bitcast(returned[:, 1], tf.float32))
         if self.gives_back:
-            ctx.statistics.add(bytes_sent=parts[-1], cause="records")
+            ctx.statistics.add(bytes_sent=parts[-1], cause=RECORDS,
+                               positions=later_positions(ctx.compressor, parts[-1]))
         return out
 
     # -- called from the graph (tf.py_function) ---------------------------------
@@ -391,7 +393,9 @@ class DelayedAveraging(LagQueue):
                 if self.gives_back:
                     ctx.give_back(i, c.returned[:, 0],
                                   tf.constant(c.returned[:, 1].view(np.float32)))
-                    ctx.statistics.add(bytes_sent=c.later_bytes, cause="records")
+                    ctx.statistics.add(bytes_sent=c.later_bytes, cause=RECORDS,
+                                       positions=later_positions(ctx.compressor,
+                                                                 c.later_bytes))
         return total
 
 

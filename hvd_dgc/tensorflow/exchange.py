@@ -52,6 +52,7 @@ from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once
 from hvd_dgc.schedule import check_steps, epoch_check_steps, stuck_epoch_message
 from hvd_dgc.seam import host_peers
@@ -96,6 +97,12 @@ class GradientExchange(tf.Module):
         self.resolved = config.resolve(TENSORFLOW, compression, HorovodArguments(
             op, gradient_predivide_factor, backward_passes_per_step, groups, HOROVOD_OPS),
             optimizer)
+        comp = self.resolved.compressor
+        if self.resolved.config.lagging and \
+                getattr(comp, "collective", "allgather") != "allgather":
+            # delay's and period's threads allgather a payload (delayed.py): the sign's
+            # compressed allreduce runs in the synchronous step only, here as in its price
+            self.resolved = self.resolved._replace(compressor=comp(collective="allgather"))
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.sparse_as_dense = sparse_as_dense
         self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
@@ -336,7 +343,7 @@ class GradientExchange(tf.Module):
         self.built_world = self.world_size()
         # rank 0 only: one line (the full plan with verbose), each warning once
         delay = self.dga.describe_delay() if self.dga is not None else self.delay
-        self.planner.announce("tensorflow", delay, self.period)
+        PlanWords(self.planner).announce("tensorflow", delay, self.period)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """A SavedModel (Keras 2's ``model.save`` in TF's format) leaves the own steps out:
@@ -390,7 +397,7 @@ class GradientExchange(tf.Module):
             self.planner.measured(link, local)
             self.paths.replan(self.planner)
             self.statistics.cover(self.paths.kinds())
-        line = self.planner.sync_line(self.world_size())
+        line = PlanWords(self.planner).sync_line(self.world_size())
         if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
             print(line, flush=True)
         return [tuple(stages) for stages in self.paths.stages] != before

@@ -37,6 +37,7 @@ from horovod.tensorflow.mpi_ops import Average
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.paths import ORDER, PathKind
+from hvd_dgc.stats import RECORDS
 from hvd_dgc.tensorflow.collective import Comm
 from hvd_dgc.tensorflow.compression import SparseCompressor
 from hvd_dgc.tensorflow.memory import local_gradient
@@ -44,7 +45,13 @@ from hvd_dgc.tensorflow.region import share_kept, to_owners
 
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
            "DensePath", "AllgatherPath", "RegionPath", "HierarchicalPath", "ExchangePath",
-           "SparseGradPath", "host_slice"]
+           "SparseGradPath", "host_slice", "later_positions"]
+
+
+def later_positions(compressor, later_bytes):
+    """Of a region owner's ``later_bytes`` (its kept records, sent in the second round),
+    those of their int32 positions."""
+    return later_bytes * SparseCompressor.INDEX_BYTES // compressor.record_bytes
 
 
 class At(NamedTuple):
@@ -351,8 +358,9 @@ class AllgatherPath(_Path):
         values = tf.gather(v, indices)
         ctx.memory.sent(i, indices, mask_momentum=at.density <= ctx.mask_limit)
         sent = tf.cast(tf.shape(indices)[0], tf.int64)
-        ctx.statistics.count(self.kind, self.held(i), sent,
-                             self.record_bytes() * tf.maximum(tf.cast(k, tf.int64), sent))
+        slots = tf.maximum(tf.cast(k, tf.int64), sent)
+        ctx.statistics.count(self.kind, self.held(i), sent, self.record_bytes() * slots,
+                             SparseCompressor.INDEX_BYTES * slots)
         return indices, values
 
     def take(self, i, v, k, at, poison=None):
@@ -457,7 +465,8 @@ class RegionPath(AllgatherPath):
         for i, res in zip(part.members, got):
             self.ctx.give_back(i, res.returned_indices, res.returned_values)
             self.ctx.statistics.add(bytes_sent=self.record_bytes() * res.kept,
-                                    cause="records")
+                                    cause=RECORDS,
+                                    positions=SparseCompressor.INDEX_BYTES * res.kept)
         return [res.total * self.ctx.wire.summed() for res in got]
 
     def correction(self, part, got):
@@ -542,7 +551,7 @@ class ExchangePath(_Path):
         taking = [PathKind.EXCHANGE in planner.stage_paths(t) for t in planner.tensors]
         if not any(taking):
             return None
-        return [compressor.slot(t.shape, t.name) if takes else None
+        return [compressor.slot(t.shape, t.name, planner.world_size) if takes else None
                 for t, takes in zip(planner.tensors, taking)]
 
     def synchronous(self, i, v, k, at, poison=None):

@@ -22,6 +22,7 @@ step, so ``fit`` traces it again (at most three times a density).
 import horovod.tensorflow as _hvd
 
 from hvd_dgc.overlap import TRIAL_MARGIN, TRIAL_STEPS, PlanTrial
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.switch import change_line, percent
 from hvd_dgc.tensorflow.seam import HorovodCollectives
 
@@ -65,7 +66,7 @@ class DenseTrial:
         action = trial.end_step(seconds, density, lambda: density not in self.decided and
                                 planner.sums_send_sparse(density))
         if action == "timeline":  # the sums' steps are done: all dense for as many
-            self._sums_words = planner.sparse_words(trial.density)
+            self._sums_words = PlanWords(planner).sparse_words(trial.density)
             return self._force(trial.density, True)
         if action == "sums":  # a new density began meanwhile: back to the sums' plan
             return self._force(trial.density, False)
@@ -80,7 +81,7 @@ class DenseTrial:
         sums, alone = trial.means
         self.tried.append((trial.density, sums, alone, "dense" if dense else "sums"))
         changed = False if dense else self._force(trial.density, False)
-        if _hvd.rank() == 0 and not planner.verbose():  # short; a change of plan only
+        if _hvd.rank() == 0 and not PlanWords(planner).verbose():  # short; a change of plan only
             if dense:
                 print(change_line(step, f"every tensor dense at {percent(trial.density)} "
                                         f"({alone * 1e3:.1f} ms a step, sparse "

@@ -53,7 +53,7 @@ class PowerSGDCompressor(LowRankPlan, ExchangeCompressor):
     def _seed(self, name):
         return [self.seed, zlib.crc32(name.encode()) & 0x7FFFFFFF]
 
-    def slot(self, shape, name):
+    def slot(self, shape, name, world=1):
         """Q (m x r): the warm start, every rank's first one alike."""
         n, m = self.matrix_shape(shape)
         first = tf.random.stateless_normal([m, self.effective_rank(shape)], self._seed(name))

@@ -11,8 +11,11 @@ included with the Keras SGD.
 """
 
 import tensorflow as tf
-from hvd_dgc.packing import SCALE_BYTES, check_qsgd, level_bits, num_buckets, plane_bytes, \
-    qsgd_payload_bytes, sign_payload_bytes
+
+from hvd_dgc.aggregation import chunk_rows, slices
+from hvd_dgc.packing import SCALE_BYTES, check_qsgd, check_sign_collective, level_bits, \
+    num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduce_bytes, \
+    sign_reduces
 from hvd_dgc.tensorflow.collective import ExchangeCompressor, Step
 
 __all__ = ["GatherCompressor", "SignCompressor", "QSGDCompressor", "BF16Compressor",
@@ -88,9 +91,22 @@ class GatherCompressor(ExchangeCompressor):
 class SignCompressor(GatherCompressor):
     """EF-SignSGD / 1-bit SGD (Seide et al. 2014; Karimireddy et al., ICML 2019): sign(p)
     at one bit per element and the scale ||p||_1 / n; decodes to scale * sign(p). The
-    residual p - scale * sign(p) is what makes it converge."""
+    residual p - scale * sign(p) is what makes it converge.
+
+    ``collective`` as PyTorch's (hvd_dgc/torch/quantize.py): "auto" (the default) sends
+    it from 3 ranks as 1-bit Adam's compressed allreduce (``exchange``), byte for byte
+    PyTorch's; "allgather" or "allreduce" forces one. With ``delay`` or ``period`` the
+    exchange runs on delayed averaging's threads, which allgather (``launch``,
+    ``finish``; exchange.py gives such a run ``collective="allgather"``)."""
 
     name = "sign"
+
+    def __init__(self, seed=0, collective="auto"):
+        super().__init__(seed)
+        self.collective = check_sign_collective(collective)
+
+    def _options(self):
+        return {"seed": self.seed, "collective": self.collective}
 
     def payload_bytes(self, n):
         return sign_payload_bytes(n)
@@ -103,6 +119,88 @@ class SignCompressor(GatherCompressor):
         scale = _floats(payload[:SCALE_BYTES])[0]
         signs = tf.cast(unpack_planes(payload[SCALE_BYTES:], 1, n), tf.float32) * 2.0 - 1.0
         return signs * scale
+
+    def slot(self, shape, name, world=1):
+        """Where the compressed allreduce runs on ``world`` ranks, the server error of the
+        chunk this rank averages: as long as the tensor (its chunk's share written,
+        whatever the world), tracked so a checkpoint keeps it."""
+        if not sign_reduces(self.collective, world):
+            return None
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        return _ErrorSlot(tf.Variable(tf.zeros([numel]), trainable=False,
+                                      name="sign_server_error"))
+
+    def exchange(self, v, shape, slot, comm, at):
+        """The compressed allreduce where ``sign_reduces``: this rank's chunks signed to
+        their owners (an alltoall), its own chunk's average plus its server error signed
+        again to every rank (an allgather); else the allgather of every rank's signs."""
+        world = comm.size()
+        if slot is None or not sign_reduces(self.collective, world):
+            return super().exchange(v, shape, slot, comm, at)
+        n, rank = int(v.shape[0]), comm.rank()
+        (lo, hi), length = slices(n, world)[rank], max(1, -(-n // world))
+        gather, scatter, lengths = _chunk_layout(n, world)
+        payloads, arrived = _sign_rows(tf.gather(tf.concat([v, tf.zeros([1])], 0), gather),
+                                       lengths)
+        sent = tf.gather(tf.reshape(arrived, [-1]), scatter)
+        width = int(payloads.shape[1])
+        got = tf.reshape(comm.alltoall(tf.reshape(payloads, [-1]), [width] * world, "owners"),
+                         [world, width])
+        total = tf.reduce_sum(tf.cast(_unsign_rows(got, length), tf.float64), 0)
+        average = tf.cast(total / world, tf.float32)[:hi - lo] + slot.error[lo:hi]
+        mine, resigned = _sign_rows(tf.pad(average, [[0, length - (hi - lo)]])[None],
+                                    lengths[rank:rank + 1])
+        everyone = tf.reshape(comm.allgather(tf.reshape(mine, [-1]), "gather"), [world, width])
+        mean = tf.gather(tf.reshape(_unsign_rows(everyone, length), [-1]), scatter)
+        error = average - resigned[0, :hi - lo]
+        # a step whose average is not finite (the guard skips it) keeps the error it had
+        slot.error[lo:hi].assign(tf.where(tf.reduce_all(tf.math.is_finite(mean)), error,
+                                          slot.error[lo:hi]))
+        return Step(mean, sent, tf.constant(sign_reduce_bytes(n, world)[0], tf.int64))
+
+
+class _ErrorSlot(tf.Module):
+    """One tensor's server error, tracked so a checkpoint keeps it."""
+
+    def __init__(self, error):
+        super().__init__(name="sign")
+        self.error = error
+
+
+def _chunk_layout(n, world):
+    """hvd_dgc.aggregation.chunk_rows as constants: ``(gather, scatter, lengths)``."""
+    _, gather, scatter, lengths = chunk_rows(n, world)
+    return (tf.constant(gather, tf.int32), tf.constant(scatter, tf.int32),
+            tf.constant(lengths, tf.float64))
+
+
+def _sign_rows(rows, lengths):
+    """Rows of chunks (zero past each one's length) as packing.sign_chunk_bytes lays them
+    out: ``(payloads [rows, 4 + ceil(length / 8)] uint8, the rows as they arrive)``; a
+    chunk's scale is its mean |x|, summed in float64 (PyTorch's ``_sign_rows``)."""
+    count, length = int(rows.shape[0]), int(rows.shape[1])
+    scale = tf.cast(tf.reduce_sum(tf.cast(tf.abs(rows), tf.float64), 1)
+                    / tf.maximum(lengths, 1.0), tf.float32)
+    positive = rows >= 0  # (the padding too: 1 bits)
+    width = plane_bytes(length)
+    bits = tf.concat([tf.cast(positive, tf.int32),
+                      tf.ones([count, width * 8 - length], tf.int32)], 1)
+    packed = tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [count, width, 8]),
+                                                 _shifts()), 2)
+    scales = tf.reshape(tf.bitcast(tf.reshape(scale, [-1, 1]), tf.uint8), [count, SCALE_BYTES])
+    payloads = tf.concat([scales, tf.cast(packed, tf.uint8)], 1)
+    return payloads, tf.where(positive, scale[:, None], -scale[:, None])
+
+
+def _unsign_rows(payloads, length):
+    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads."""
+    scale = tf.bitcast(payloads[:, :SCALE_BYTES], tf.float32)  # [rows]
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+        tf.cast(payloads[:, SCALE_BYTES:], tf.int32)[:, :, None], _shifts()), 1)
+    positive = tf.reshape(bits, [tf.shape(payloads)[0], -1])[:, :length] > 0
+    return tf.where(positive, scale[:, None], -scale[:, None])
 
 
 class QSGDCompressor(GatherCompressor):

@@ -3,10 +3,11 @@ workers are added (issue 15; the maths, its formulas and the NumPy reference are
 hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022; hvd_dgc/torch/region.py
 is the PyTorch side, and both are tested against that reference).
 
-Each rank owns one region of the tensor's index space: rank j the indices i with
-i mod N = j (interleaved; hvd_dgc.aggregation.region_of says why). One alltoall sends
-each record to its region's owner; the owner sums what it got, in source-rank order,
-and keeps its ``quota = ceil(KEEP k / N)`` largest sums (ties: lower index); one
+The tensor's index space is cut into R = N regions, or KEEP k where that is fewer
+(hvd_dgc.aggregation.regions), rank j owning the indices i with i mod R = j
+(interleaved; hvd_dgc.aggregation.region_of says why). One alltoall sends each record
+to its region's owner; the owner sums what it got, in source-rank order, and keeps its
+``quota = ceil(KEEP k / R)`` largest sums (ties: lower index); one
 allgather shares the kept ones, so every rank builds the same update. What the owner
 did not keep goes back into its own residual (the caller's ``give_back``): nothing is
 lost. About 3k(N-1)/N records per worker, whatever N.
@@ -29,8 +30,8 @@ from horovod.tensorflow.mpi_ops import global_process_set
 from hvd_dgc.aggregation import KEEP
 from hvd_dgc.tensorflow.compression import SparseCompressor
 
-__all__ = ["OwnersRound", "RegionResult", "owners", "quota", "region_reduce", "to_owners",
-           "share_kept"]
+__all__ = ["OwnersRound", "RegionResult", "owners", "regions", "quota", "region_reduce",
+           "to_owners", "share_kept"]
 
 
 class RegionResult(NamedTuple):
@@ -40,15 +41,23 @@ class RegionResult(NamedTuple):
     kept: tf.Tensor              # int64 scalar: records this rank kept, as owner
 
 
-def owners(indices, world):
-    """The rank owning each index (hvd_dgc.aggregation.region_of in graph ops)."""
-    return tf.math.floormod(tf.cast(indices, tf.int64), int(world))
+def owners(indices, regions):
+    """The rank owning each index (hvd_dgc.aggregation.region_of in graph ops);
+    ``regions``: ``regions(k, N)``."""
+    return tf.math.floormod(tf.cast(indices, tf.int64), regions)
+
+
+def regions(k, world):
+    """hvd_dgc.aggregation.regions for a k that is a tensor (it follows the warm-up)."""
+    k = tf.cast(k, tf.int64)
+    return tf.maximum(tf.constant(1, tf.int64), tf.minimum(tf.constant(int(world), tf.int64),
+                                                           KEEP * k))
 
 
 def quota(k, world):
     """hvd_dgc.aggregation.quota for a k that is a tensor (it follows the warm-up)."""
     k = tf.cast(k, tf.int64)
-    return tf.maximum(tf.constant(1, tf.int64), -(-KEEP * k // int(world)))
+    return tf.maximum(tf.constant(1, tf.int64), -(-KEEP * k // regions(k, world)))
 
 
 class OwnersRound(NamedTuple):
@@ -82,7 +91,7 @@ def to_owners(indices, values, k, name, process_set=global_process_set, codec=No
     they will travel; the rounding goes back with the sums it does not keep)."""
     codec = codec or _FLOAT32
     world = process_set.size()
-    owner = owners(indices, world)
+    owner = owners(indices, regions(k, world))
     order = tf.argsort(owner, stable=True)
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=world, maxlength=world)
     records = SparseCompressor.pack(tf.gather(values, order), tf.gather(indices, order))

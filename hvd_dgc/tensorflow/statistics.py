@@ -18,13 +18,13 @@ and, outside the checkpoint (scratch, as ``fp16_clipped``), the bytes sent by wh
 Where each field lives is said once, in ``_WHERE``; everything else counts by name::
 
     statistics.count(PathKind.REGION, numel, sent, 8 * sent)
-    statistics.add(bytes_sent=..., cause="records", returned_elements=...)
+    statistics.add(bytes_sent=..., cause="records", positions=..., returned_elements=...)
 """
 
 import tensorflow as tf
 
 from hvd_dgc.paths import PathKind
-from hvd_dgc.stats import CAUSES, CompressionStats, cause_of
+from hvd_dgc.stats import CAUSES, RECORDS, CompressionStats, cause_of
 
 __all__ = ["Statistics", "FIELDS"]
 
@@ -85,25 +85,30 @@ class Statistics:
         return None if where is None else getattr(self.owner, where[0], None)
 
     # -- counting, in a step's graph (or eagerly) -------------------------------------
-    def count(self, path, numel, sent, sent_bytes):
+    def count(self, path, numel, sent, sent_bytes, positions=0):
         """One tensor's step on ``path``: ``sent`` of its ``numel`` elements left, in
-        ``sent_bytes`` (dense fp32 would have sent ``4 numel``; ``numel`` a Python int)."""
+        ``sent_bytes`` (dense fp32 would have sent ``4 numel``; ``numel`` a Python int),
+        ``positions`` of them where DGC's records lie."""
         self.add((path,), cause=cause_of(path, numel, self.min_compress_size),
-                 bytes_sent=sent_bytes, dense_bytes=4 * numel, elements_sent=sent,
-                 elements_total=numel)
+                 positions=positions, bytes_sent=sent_bytes, dense_bytes=4 * numel,
+                 elements_sent=sent, elements_total=numel)
 
     def cause_of(self, path, numel):
         """Why a tensor's bytes on ``path`` went (hvd_dgc/stats.py ``cause_of``)."""
         return cause_of(path, numel, self.min_compress_size)
 
-    def add(self, paths=(), cause=None, **fields):
+    def add(self, paths=(), cause=None, positions=0, **fields):
         """Add to fields by name, and one step to each of ``paths``; ``bytes_sent`` also
-        to ``cause`` (one of hvd_dgc/stats.py ``CAUSES``) where given."""
+        to ``cause`` (hvd_dgc/stats.py ``cause_of``) where given: DGC's records
+        (``RECORDS``) to "positions" (``positions`` of them) and "values"."""
         amounts = dict(fields)
         if cause is not None and "bytes_sent" in fields:
-            self.causes.assign_add(tf.stack([
-                tf.cast(fields["bytes_sent"], tf.int64) if c == cause
-                else tf.constant(0, tf.int64) for c in CAUSES]))
+            sent = tf.cast(fields["bytes_sent"], tf.int64)
+            where = tf.cast(positions, tf.int64)
+            by = {"positions": where, "values": sent - where} if cause == RECORDS else \
+                {cause: sent}
+            self.causes.assign_add(tf.stack([by.get(c, tf.constant(0, tf.int64))
+                                             for c in CAUSES]))
         amounts.update((path, 1) for path in paths)
         by_store = {}
         for field, amount in amounts.items():

@@ -54,6 +54,12 @@ class HorovodComm:
     def allgather_async(self, tensor, name):
         return _hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def alltoall_async(self, tensor, splits, name):
+        """Rows ``splits[j]`` of ``tensor`` to rank j; ``wait`` gives ``(received,
+        received splits)``."""
+        return _hvd.alltoall_async(tensor, splits=torch.tensor(splits, dtype=torch.int32),
+                                   name=name, process_set=self.process_set)
+
     def wait(self, handle):
         return _hvd.synchronize(handle)
 
@@ -72,6 +78,9 @@ class LocalComm:
 
     def allgather_async(self, tensor, name):
         return tensor
+
+    def alltoall_async(self, tensor, splits, name):
+        return tensor, torch.tensor(splits, dtype=torch.int32)
 
     def wait(self, handle):
         return handle
@@ -99,8 +108,9 @@ class ExchangeCompressor(Options, Compressor):
         (same answer on every rank); otherwise it is allreduced dense."""
         return True
 
-    def wire_bytes(self, shape):
-        """Bytes this rank puts into the collectives for one tensor of ``shape``."""
+    def wire_bytes(self, shape, world=1):
+        """Bytes this rank puts into the collectives for one tensor of ``shape`` on
+        ``world`` ranks."""
         raise NotImplementedError
 
     def launch(self, residuals, keys, name, comm):
@@ -144,7 +154,7 @@ class GatherCompressor(ExchangeCompressor):
     allgather the payload in between, never allreduce it.
     """
 
-    def wire_bytes(self, shape):
+    def wire_bytes(self, shape, world=1):
         return self.payload_bytes(math.prod(shape))
 
     def launch(self, residuals, keys, name, comm):

@@ -107,9 +107,11 @@ class NonFiniteGuard:
                 launch.own[o:o + launch.layout.members[i].numel].zero_()
 
     def _save_rng(self, device):
-        """The sampler's RNG as it was before this step, for a step that gets skipped."""
+        """The sampler's RNG (or a compressor's state: the sign's server errors) as it
+        was before this step, for a step that gets skipped."""
         comp = self.compressor
-        if self._saved_rng is None and getattr(comp, "random", False):
+        if self._saved_rng is None and (getattr(comp, "random", False) or
+                                        getattr(comp, "stateful", False)):
             if hasattr(comp, "generator"):  # they exist before they are saved
                 comp.generator(device, self.rank)
                 comp.generator("cpu", self.rank)

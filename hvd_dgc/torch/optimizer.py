@@ -44,6 +44,7 @@ from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle, relinked_words
 from hvd_dgc.outer import check_outer
 from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once, rank0_warn
 from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
 from hvd_dgc.seam import host_peers
@@ -69,7 +70,7 @@ from hvd_dgc.torch.update import ViewUpdate
 __all__ = ["DistributedOptimizer"]
 
 TORCH = Framework("torch", Compression, (SparseCompressor, ExchangeCompressor), torch.Tensor,
-                  "torch.Tensor")
+                  "torch.Tensor", frozenset(k for k, path in CLASSES.items() if path.batched))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -112,7 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      resolved.compressor, _hvd.rank())
         self._grad_scaler = grad_scaler
         self._planner = Planner(resolved, [infos[p] for p in trainable], process_set.size())
-        self._progress.stage_line = self._planner.stage_line  # a new stage's paths, said
+        self._progress.stage_line = PlanWords(self._planner).stage_line  # a new stage's
+        #                                                                  paths, said
         peers = self._agree(process_set, trainable, resolved) if process_set.included() \
             else ()
         # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
@@ -226,8 +228,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _announce(self):
         """Rank 0 only: what hvd_dgc does here in one line (the full plan with
-        ``verbose``), and each warning once (hvd_dgc/plan.py ``Planner.announce``)."""
-        self._planner.announce("torch", self._delayed.describe_delay(),
+        ``verbose``), and each warning once (hvd_dgc/plan_words.py ``PlanWords.announce``)."""
+        PlanWords(self._planner).announce("torch", self._delayed.describe_delay(),
                                self._delayed.period, self._progress.density())
 
     # -- one launch at this step's place -------------------------------------------------
@@ -568,7 +570,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._planner.replan(self.process_set.size())
             self._measure(HorovodCollectives(self.process_set),
                           [p for p in self._param_index if p.requires_grad])
-            line = self._planner.sync_line(self.process_set.size())
+            line = PlanWords(self._planner).sync_line(self.process_set.size())
             if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
                 print(line, flush=True)
 

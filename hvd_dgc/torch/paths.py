@@ -36,7 +36,7 @@ from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
-from hvd_dgc.torch.compression import coalesce_sorted, on_accelerator
+from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
 from hvd_dgc.torch.gpu_select import counts_on, on_device
 from hvd_dgc.torch.memory import Run
 from hvd_dgc.torch.positions import decode_records, decode_values, encode_records, \
@@ -254,21 +254,23 @@ class AllgatherPath(_Path):
                             picked.positions if masked is True else masked)
         if part.own is not None:
             part.own.index_put_((picked.positions,), values.to(part.own.dtype))
-        for m, count, sent in zip(part.members, picked.counts,
-                                  self.record_bytes(part, picked.counts)):
-            ctx.stats.record(m.name, self.kind, m.numel, count, sent, launch.density)
+        for m, count, (sent, positions) in zip(part.members, picked.counts,
+                                               self.record_bytes(part, picked.counts)):
+            ctx.stats.record(m.name, self.kind, m.numel, count, sent, launch.density,
+                             positions)
         return _Picked(picked.positions, values, picked.counts, part.ks)
 
     def record_bytes(self, part, counts):
-        """Bytes each member's records weigh on the wire, per member: ``k`` slots of a
-        coded position and a value, the part's code shared by the members' ``k``."""
+        """``(bytes, of which positions)`` each member's records weigh on the wire: ``k``
+        slots of a coded position and a value, the part's code shared by the members'
+        ``k``."""
         bits = self._bits(part)
         total = sum(part.ks)
         code = index_bytes(part.hi - part.lo, total)
         shares = [code * k // total for k in part.ks]
         shares[-1] += code - sum(shares)
         scale = SCALE_BYTES if bits == 8 else 0  # a tensor's scale (8 bits)
-        return [k * bits // 8 + scale + share for k, share in zip(part.ks, shares)]
+        return [(k * bits // 8 + scale + share, share) for k, share in zip(part.ks, shares)]
 
     def _bits(self, part):
         """The bits of the part's values on the wire (packing.gather_value_bits: 8 by
@@ -519,7 +521,8 @@ class RegionPath(AllgatherPath):
 
     def record_bytes(self, part, counts):
         """An int32 index and a value per record sent (region.py's records)."""
-        return [count * self.ctx.compressor.record_bytes for count in counts]
+        return [(count * self.ctx.compressor.record_bytes, count * INDEX_BYTES)
+                for count in counts]
 
     def absorb(self, parts, planner):
         return parts
@@ -560,7 +563,8 @@ class RegionPath(AllgatherPath):
                 continue
             reduce.advance()
             for position, kept in zip(positions, reduce.kept_counts):
-                self.ctx.stats.add_bytes(handle.part.members[position].name, kept * record)
+                self.ctx.stats.add_bytes(handle.part.members[position].name, kept * record,
+                                         kept * INDEX_BYTES)
 
     def collect(self, handle, out):
         self.advance(handle)
@@ -671,7 +675,7 @@ class HierarchicalPath(_Path):
                 ctx.memory.sent(block, picked.positions, picked.positions if masked else None)
             count = picked.positions.numel()
             ctx.stats.record(m.name, self.kind, n, count, count * comp.record_bytes,
-                             launch.density)
+                             launch.density, count * INDEX_BYTES)
             records.append(comp.pack(values if pre == 1.0 else values * pre,
                                      picked.positions + lo))
             if part.own is not None:
@@ -706,8 +710,8 @@ class ExchangePath(_Path):
             for j, r in enumerate(residuals):
                 r.copy_(torch.where(launch.poison[part.index[j]], float("inf"), r))
         for m in part.members:
-            ctx.stats.record(m.name, comp.name, m.numel, m.numel, comp.wire_bytes(m.shape),
-                             launch.density)
+            ctx.stats.record(m.name, comp.name, m.numel, m.numel,
+                             comp.wire_bytes(m.shape, ctx.wire.world()), launch.density)
         ex = comp.launch(residuals, [m.name for m in part.members], launch.name + ".x",
                          HorovodComm(ctx.wire.process_set))
         if part.own is not None:  # one-round compressors know what they sent at launch

@@ -9,6 +9,7 @@ import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
 from hvd_dgc.overlap import PlanTrial, ProfileRecorder, profile_from
+from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.switch import change_line
 from hvd_dgc.torch.at_exit import settle_at_exit
 
@@ -93,12 +94,12 @@ class BackwardProfiler:
         if kept is None:
             return
         self.decided_at = step + 1
-        if _hvd.rank() == 0 and not planner.verbose():  # short; a change of plan only
+        if _hvd.rank() == 0 and not PlanWords(planner).verbose():  # short; a change of plan only
             sums, timeline = trial.means
             if kept:
+                kept = PlanWords(planner).compressed_words(trial.density)
                 print(change_line(step + 1, f"timeline plan kept ({timeline * 1e3:.1f} ms a "
-                                            f"step, sums' {sums * 1e3:.1f}): "
-                                            f"{planner.compressed_words(trial.density)}"),
+                                            f"step, sums' {sums * 1e3:.1f}): {kept}"),
                       flush=True)
         elif _hvd.rank() == 0:
             sums, timeline = trial.means
@@ -110,7 +111,7 @@ class BackwardProfiler:
                   f"timeline's paths (predicted to wait {plan.exposed * 1e3:.1f} ms past "
                   f"the backward pass), {sums * 1e3:.1f} ms on the sums': "
                   f"{'the timeline' if kept else 'the sums'} kept: "
-                  f"{planner.sparse_words(trial.density)}", flush=True)
+                  f"{PlanWords(planner).sparse_words(trial.density)}", flush=True)
 
     def _settle(self):
         """At exit: the agreement in flight, waited for."""

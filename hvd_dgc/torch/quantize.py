@@ -15,11 +15,13 @@ only (no int8, no bfloat16), which decides how each one travels:
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from hvd_dgc.packing import SCALE_BYTES, check_qsgd, level_bits, num_buckets, plane_bytes, \
-    qsgd_payload_bytes, sign_payload_bytes
+from hvd_dgc.aggregation import chunk_rows
+from hvd_dgc.packing import SCALE_BYTES, check_qsgd, check_sign_collective, exchange_bytes, \
+    level_bits, num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduces
 from hvd_dgc.torch.collective import Exchange, ExchangeCompressor, GatherCompressor, Max, Sum
 
 __all__ = ["SignCompressor", "TernGradCompressor", "QSGDCompressor", "BF16Compressor",
@@ -64,21 +66,44 @@ class SignCompressor(GatherCompressor):
     Sends sign(p) at 1 bit per element, packed 8 to a byte, and the scale
     ||p||_1 / n; decodes to scale * sign(p). Without error feedback sign
     compression can diverge; the residual p - scale * sign(p) makes it
-    converge. Aggregation: allgather of the packed bits and scales, each rank
-    decodes every rank's scale * sign and averages (no majority vote: that
-    would drop the scales, which error feedback needs).
+    converge.
+
+    Two ways to average (``collective``; hvd_dgc/packing.py ``sign_reduces``):
+
+    - "allgather": every rank's packed bits and scale to every rank, each rank decoding
+      and averaging them all (no majority vote: that would drop the scales, which error
+      feedback needs). A rank receives (N-1) n/8 bytes: it grows with N.
+    - "allreduce": the compressed allreduce of 1-bit Adam (Tang et al., ICML 2021): the
+      tensor in N chunks, each with its own scale, chunk c to rank c (an alltoall); rank
+      c averages the N chunks it got, adds its server error (what its earlier averages
+      lost), signs the sum again and sends it to every rank (an allgather), keeping what
+      that lost as its new server error. A rank receives about 2 (N-1)/N n/8 bytes,
+      whatever N. The server errors are this rank's state (``state_dict``); on another
+      world they start afresh.
+    - "auto" (the default): the allreduce from 3 ranks, the allgather below.
     """
 
     name = "sign"
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, collective="auto"):
         self.seed = int(seed)
+        self.collective = check_sign_collective(collective)
+        self._errors, self._errors_of = {}, None  # key -> server error, for (world, rank)
+        self._chunks = {}  # (n, world, device) -> _Chunks
 
     def _options(self):
-        return {"seed": self.seed}
+        return {"seed": self.seed, "collective": self.collective}
 
     def payload_bytes(self, numel):
         return sign_payload_bytes(numel)
+
+    def wire_bytes(self, shape, world=1):
+        return exchange_bytes(self, math.prod(shape), world)[0]
+
+    @property
+    def stateful(self):
+        """Keeps state between steps (the server errors), which a skipped step restores."""
+        return self.collective != "allgather"
 
     def encode(self, flat, rank=0):
         scale = flat.abs().mean().reshape(1)
@@ -88,6 +113,124 @@ class SignCompressor(GatherCompressor):
         scale = _floats(payload[:SCALE_BYTES]).to(dtype)
         signs = unpack_planes(payload[SCALE_BYTES:], 1, numel).to(dtype).mul_(2).sub_(1)
         return signs.mul_(scale)
+
+    # -- the compressed allreduce ----------------------------------------------------
+    def launch(self, residuals, keys, name, comm):
+        """Round 1: every chunk signed, chunk c to rank c."""
+        world = comm.size()
+        if not sign_reduces(self.collective, world):
+            return super().launch(residuals, keys, name, comm)
+        if self._errors_of != (world, comm.rank()):  # another world: other chunks
+            self._errors, self._errors_of = {}, (world, comm.rank())
+        ex = Exchange(comm, name, residuals, keys)
+        ex.chunks = [self._chunks_of(v.numel(), world, v.device) for v in residuals]
+        coded = [_sign_rows(torch.cat([v.reshape(-1).float(), v.new_zeros(1, dtype=torch.float32)])
+                            [c.gather], c.lengths) for v, c in zip(residuals, ex.chunks)]
+        ex.sent = [rows.reshape(-1)[c.scatter].to(v.dtype)
+                   for (_, rows), c, v in zip(coded, ex.chunks, residuals)]
+        self.keep_residual(ex)
+        payloads = torch.cat([payload for payload, _ in coded], dim=1)  # [N, P]
+        ex.widths = [payload.shape[1] for payload, _ in coded]
+        ex.handle = comm.alltoall_async(payloads.reshape(-1), [payloads.shape[1]] * world,
+                                        name + ".owners")
+        return ex
+
+    def advance(self, ex):
+        """Round 2: this rank's chunk of each tensor averaged, its server error added,
+        signed again and sent to every rank."""
+        if not hasattr(ex, "chunks") or ex.round != 1:
+            return
+        world, rank = ex.comm.size(), ex.comm.rank()
+        got = ex.comm.wait(ex.handle)[0].view(world, -1)
+        mine, offset = [], 0
+        for key, chunks, width in zip(ex.keys, ex.chunks, ex.widths):
+            rows = _unsign_rows(got[:, offset:offset + width], chunks.length)
+            offset += width
+            count = chunks.counts[rank]
+            average = (rows.double().sum(0) / world).float()[:count]
+            error = self._errors.get(key)
+            if error is not None:
+                average += error
+            padded = torch.zeros(1, chunks.length, device=average.device)
+            padded[0, :count] = average
+            payload, arrived = _sign_rows(padded, chunks.lengths[rank:rank + 1])
+            self._errors[key] = average - arrived[0, :count]
+            mine.append(payload)
+        ex.handle = ex.comm.allgather_async(torch.cat(mine, dim=1).reshape(-1),
+                                            ex.name + ".gather")
+        ex.round = 2
+
+    def collect(self, ex):
+        if not hasattr(ex, "chunks"):
+            return super().collect(ex)
+        self.advance(ex)
+        world = ex.comm.size()
+        gathered = ex.comm.wait(ex.handle).view(world, -1)
+        averages, offset = [], 0
+        for v, chunks, width in zip(ex.residuals, ex.chunks, ex.widths):
+            rows = _unsign_rows(gathered[:, offset:offset + width], chunks.length)
+            offset += width
+            averages.append(rows.reshape(-1)[chunks.scatter].to(v.dtype))
+        return averages
+
+    def _chunks_of(self, n, world, device):
+        key = (n, world, str(device))
+        chunks = self._chunks.get(key)
+        if chunks is None:
+            chunks = self._chunks[key] = _chunk_layout(n, world, device)
+        return chunks
+
+    # -- checkpoint: the server errors, this rank's -----------------------------------
+    def state_dict(self):
+        return {"server_errors": {k: e.clone() for k, e in self._errors.items()},
+                "of": self._errors_of}
+
+    def load_state_dict(self, state, rank=0):
+        self._errors = {k: e.clone() for k, e in state.get("server_errors", {}).items()}
+        self._errors_of = state.get("of")
+        if self._errors_of is not None and self._errors_of[1] != rank:
+            self._errors, self._errors_of = {}, None  # another rank's chunks
+
+
+class _Chunks(NamedTuple):
+    """hvd_dgc.aggregation.chunk_rows on the device (``counts``: the lengths on the
+    host)."""
+
+    length: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    lengths: torch.Tensor
+    counts: tuple  # ``lengths`` on the host
+
+
+def _chunk_layout(n, world, device):
+    length, gather, scatter, lengths = chunk_rows(n, world)
+    return _Chunks(length, torch.from_numpy(gather).to(device),
+                   torch.from_numpy(scatter).to(device), torch.from_numpy(lengths).to(device),
+                   tuple(lengths.tolist()))
+
+
+def _sign_rows(rows, lengths):
+    """Rows of chunks (zero past each one's length) signed as packing.sign_chunk_bytes
+    lays them out: ``(payloads [rows, 4 + ceil(length / 8)] uint8, the rows as they
+    arrive)``. A chunk's scale is its mean |x|, summed in float64."""
+    scale = (rows.abs().double().sum(1) / lengths.clamp(min=1)).float()
+    positive = rows >= 0  # (the padding too: 1 bits)
+    width = plane_bytes(rows.shape[1])
+    bits = torch.ones(rows.shape[0], width * 8, dtype=torch.uint8, device=rows.device)
+    bits[:, :rows.shape[1]] = positive
+    packed = (bits.view(rows.shape[0], width, 8) << _SHIFTS.to(rows.device)).sum(
+        2, dtype=torch.uint8)
+    payloads = torch.cat([scale.reshape(-1, 1).view(torch.uint8), packed], dim=1)
+    return payloads, torch.where(positive, scale[:, None], -scale[:, None])
+
+
+def _unsign_rows(payloads, length):
+    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads."""
+    scale = payloads[:, :SCALE_BYTES].contiguous().view(torch.float32)  # [rows, 1]
+    bits = (payloads[:, SCALE_BYTES:].unsqueeze(2) >> _SHIFTS.to(payloads.device)) & 1
+    positive = bits.reshape(payloads.shape[0], -1)[:, :length].bool()
+    return torch.where(positive, scale, -scale)
 
 
 class QSGDCompressor(GatherCompressor):
@@ -203,7 +346,7 @@ class TernGradCompressor(ExchangeCompressor):
     def _options(self):
         return {"clip_sigma": self.clip_sigma, "seed": self.seed}
 
-    def wire_bytes(self, shape):
+    def wire_bytes(self, shape, world=1):
         return 2 * math.prod(shape) + SCALE_BYTES
 
     def clip(self, flat):

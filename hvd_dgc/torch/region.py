@@ -3,11 +3,11 @@ stay flat as workers are added (issue 15; the maths and its NumPy reference are 
 hvd_dgc/aggregation.py, after Ok-Topk, Shi et al., PPoPP 2022).
 
 Allgather, the other sparse path, hands every worker every other worker's k records:
-k(N-1) per worker per tensor, growing with N. Here each rank owns one region of each
-tensor's index space (rank j the indices i with i mod N = j): one alltoall sends each record to its region's
-owner, the owner sums what it got and keeps its ``quota = ceil(2k/N)`` largest sums
-per tensor, one allgather shares the kept ones. About 3k(N-1)/N records per worker,
-whatever N.
+k(N-1) per worker per tensor, growing with N. Here each tensor's index space is cut
+into R = N regions, or 2k where that is fewer (aggregation.regions), rank j owning the
+indices i with i mod R = j: one alltoall sends each record to its region's owner, the
+owner sums what it got and keeps its ``quota = ceil(2k/R)`` largest sums per tensor,
+one allgather shares the kept ones. About 3k(N-1)/N records per worker, whatever N.
 
 What an owner does not keep goes back into the owner's residual (error feedback), so
 nothing is lost: the sum over ranks of the memories plus the update is what it was
@@ -33,7 +33,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import global_process_set
 
-from hvd_dgc.aggregation import quota
+from hvd_dgc.aggregation import quota, regions
 from hvd_dgc.torch.compression import TopKCompressor
 from hvd_dgc.torch.gpu_select import on_device
 
@@ -53,10 +53,10 @@ class RegionResult(NamedTuple):
     received: int            # records received from other ranks, both rounds
 
 
-def owners(indices, world):
-    """The rank owning each index of its tensor: ``index mod N``, interleaved regions
-    (hvd_dgc.aggregation.region_of says why)."""
-    return torch.remainder(indices, world)
+def owners(indices, regions):
+    """The rank owning each index of its tensor: ``index mod R``, interleaved regions
+    (hvd_dgc.aggregation.region_of says why); ``regions``: R, per index or one for all."""
+    return torch.remainder(indices, regions)
 
 
 def pack_records(indices, values):
@@ -78,8 +78,8 @@ class RegionReduce:
             order (``counts[t]`` of tensor ``t``, indices local to it, distinct).
         counts: records this rank sends of each tensor (a CPU selection may send
             fewer than k).
-        numels, ks: per tensor, its size and the k of the selection (the quota is
-            ``ceil(2k/N)``, aggregation.quota); identical on every rank.
+        numels, ks: per tensor, its size and the k of the selection (its regions and
+            quota: aggregation.regions, aggregation.quota); identical on every rank.
         codec: ``pack(values, indices) -> records`` / ``unpack(records) -> (values,
             indices)``; the sparse compressor's (its value width travels).
     """
@@ -102,7 +102,8 @@ class RegionReduce:
         tensor_of = torch.repeat_interleave(torch.arange(len(counts), device=device),
                                             counts_t, output_size=indices.numel())
         local = indices.to(torch.int64)
-        owner = owners(local, self.world)
+        cut = on_device(tuple(regions(k, self.world) for k in self.ks), str(device))
+        owner = owners(local, cut[tensor_of])
         order = torch.argsort(owner, stable=True)
         splits = torch.bincount(owner, minlength=self.world).to(torch.int32).cpu()
         joint = local + self.starts[tensor_of]
@@ -166,7 +167,7 @@ class RegionReduce:
 
 def region_reduce(indices, values, numel, k, name, process_set=global_process_set):
     """Sum every rank's records ``(indices, values)`` of one flat tensor of ``numel``
-    elements, keeping ``ceil(2k/N)`` per region (module doc). Blocking; every rank of
+    elements, keeping ``quota(k, N)`` per region (module doc). Blocking; every rank of
     ``process_set`` must call it with the same ``numel``, ``k`` and ``name``."""
     return RegionReduce(indices, values, [indices.numel()], [numel], [k], _FLOAT32_RECORDS,
                         name, process_set).collect()

@@ -28,7 +28,7 @@ class Progress:
         self.epoch = 0.0
         self.stats = CompressionStats(min_compress_size)
         # (step, density before, density now) -> rank 0's line where a new density stage
-        # changes the tensors' paths, or None (Planner.stage_line)
+        # changes the tensors' paths, or None (PlanWords.stage_line)
         self.stage_line = None
         self._stage = None  # the density the last step ran at
 

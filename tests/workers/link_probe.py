@@ -13,7 +13,10 @@ from unittest import mock
 
 
 def _measured(planner, line):
-    """What the planner measured, rank 0's line, and its largest tensor's path per stage."""
+    """What the planner measured, rank 0's line, and its largest tensor's path per stage
+    with the bytes a record of it weighs on the allgather there (PyTorch's coded, 8-bit
+    values; TensorFlow's int32 and fp32)."""
+    from hvd_dgc.packing import gather_record_bytes
     link, local = planner.link, planner.local
     weight = max(planner.tensors, key=lambda t: t.numel)
     return {"alpha": link.alpha, "bandwidth": link.bandwidth, "seconds": link.seconds,
@@ -23,7 +26,10 @@ def _measured(planner, line):
             "local_size": planner.local_size,
             "model": repr(planner.cost_model), "local": list(local),
             "numel": weight.numel,
-            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()}}
+            "paths": {str(d): str(planner.path(weight, d)) for d in planner.densities()},
+            "records": {str(d): gather_record_bytes(planner.compressor, weight.numel,
+                                                    planner.k(weight, d))
+                        for d in planner.densities()}}
 
 
 def _torch():

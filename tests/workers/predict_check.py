@@ -23,6 +23,7 @@ def chosen(cases, cost_model, steps):
     density and each tensor's path (compression_stats' last step)."""
     import torch
     import hvd_dgc.torch as hvd
+    from hvd_dgc.plan_words import PlanWords
     hvd.init()
     out = {}
     for name, (optimizer, options) in cases.items():
@@ -45,7 +46,7 @@ def chosen(cases, cost_model, steps):
             seen.append({"density": density, "exchanged": exchanged,
                          "paths": {n: t["path"] for n, t in tensors.items()}})
         out[name] = {"model": repr(opt._planner.cost_model), "steps": seen,
-                     "compressor": opt._planner.kind_name()}
+                     "compressor": PlanWords(opt._planner).kind_name()}
     return out
 
 

@@ -13,9 +13,10 @@ from tests.workers.tf_dgc import _batch, _flat, _identical, _loss, _sgd_momentum
 METHODS = ("allgather", "region")
 
 
-def reference_parity(cases=((1000, 10), (37, 5), (3, 2), (4096, 40))):
+def reference_parity(cases=((1000, 10), (37, 5), (3, 2), (4096, 40), (50, 1))):
     """One region reduce of records every rank can recompute (so each rank runs the
-    reference for all), bit for bit: the sum everyone gets, and what this rank keeps."""
+    reference for all), bit for bit: the sum everyone gets, and what this rank keeps.
+    (50, 1): on 4 ranks, 2 regions (aggregation.regions), ranks 2 and 3 owning none."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow.region import region_reduce
@@ -48,7 +49,7 @@ def reference_parity(cases=((1000, 10), (37, 5), (3, 2), (4096, 40))):
                                    and np.array_equal(res.returned_values.numpy()[order],
                                                       back_val.astype(np.float32))),
             "kept": int(res.kept),
-            "kept_ref": int((region_of(ref.indices, n, world) == rank).sum())})
+            "kept_ref": int((region_of(ref.indices, n, world, k) == rank).sum())})
     return out
 
 
@@ -75,7 +76,7 @@ def reference_parity_fp16(cases=((1000, 10), (37, 5), (4096, 40))):
         wire = ref.values.astype(np.float16).astype(np.float32)
         expected = np.zeros(n, np.float32)
         expected[ref.indices] = wire
-        mine = region_of(ref.indices, n, world) == rank
+        mine = region_of(ref.indices, n, world, k) == rank
         back = {int(i): v for i, v in zip(*ref.returned[rank])}
         for i, s, w in zip(ref.indices[mine], ref.values[mine], wire[mine]):
             if s != w:

@@ -12,7 +12,8 @@ from tests.workers.device import device
 #: name -> (numel, k per rank, overlap): "overlap" draws every rank's indices from the
 #: first half, so ranks send the same coordinates and owners sum them
 CASES = {"spread": (1000, 40, False), "overlap": (1001, 60, True), "k_above_region": (10, 5, False),
-         "fewer_elements_than_ranks": (3, 2, False), "density_one": (64, 64, False)}
+         "fewer_elements_than_ranks": (3, 2, False), "density_one": (64, 64, False),
+         "fewer_records_than_ranks": (50, 1, False)}  # 4 ranks: 2 regions, 2 owners
 
 
 def selections(world, numel, k, overlap, seed=0):
