@@ -265,25 +265,9 @@ def brief(framework, kind, final=1.0, *, start=None, until=None, unit="step", sp
     exact = f"exact Adam to step {freeze}, then " if freeze is not None else ""
     count = f"{sparse} of {total} tensors compressed, the rest dense"
     if kind in _LABELS:
-        label = _LABELS[kind]
-        start = final if start is None else start
-        if large == 0:
-            what = (f"{label}: no tensor has min_compress_size={min_compress_size} elements "
-                    f"or more: every tensor dense")
-            count = ""
-        elif schedule_callable:
-            what = f"{label} at {percent(start)} now, as your density schedule says"
-        elif sparse == 0:
-            what = f"{label}: every tensor dense on this link (sparse would cost more)"
-            count = ""
-        elif until is not None and start > final:
-            now = " now" if freeze is None else ""
-            at = f": {percent(start)} of each large tensor{now}" if sparse_start != 0 else \
-                f" at {percent(start)}: every tensor dense{now} (cheaper on this link)"
-            what = f"{label} warm-up{at}, falling to {percent(final)} by {unit} {until:g}"
-            count = f"{sparse} of {total} tensors compressed at {percent(final)}, the rest dense"
-        else:
-            what = f"{label} at {percent(final)} of each large tensor"
+        what, count = _sparse_what(_LABELS[kind], final, final if start is None else start,
+                                   until, unit, sparse, sparse_start, total, freeze,
+                                   schedule_callable, large, min_compress_size)
         what = exact + what
     elif not chosen:  # Adam's default: the sign after the freeze (adam.py)
         every = f" every {_ordinal(period)} step, local steps between" if zero_one and \
@@ -297,12 +281,7 @@ def brief(framework, kind, final=1.0, *, start=None, until=None, unit="step", sp
                         else f"{kind}: every tensor dense on this link (its collectives "
                              f"would cost more)")
         count = ""
-    extra = []
-    if delay:
-        delay = "'auto'" if str(delay).startswith("auto") else delay
-        extra.append(f"delayed averaging (delay={delay})")
-    if period > 1 and not zero_one:
-        extra.append(f"an exchange every {period} steps (period={period})")
+    extra = _lagging_words(delay, period, zero_one)
     parts = [adam + what] + [count] * bool(count) + extra
     line = head + "; ".join(parts) + f". {HINT}."
     if len(line) > LINE_LIMIT and count:  # the count is the first to go
@@ -310,6 +289,37 @@ def brief(framework, kind, final=1.0, *, start=None, until=None, unit="step", sp
     if len(line) > LINE_LIMIT:
         line = line[:LINE_LIMIT - len(HINT) - 6].rstrip(" ,;") + f"... {HINT}."
     return line
+
+
+def _sparse_what(label, final, start, until, unit, sparse, sparse_start, total, freeze,
+                 schedule_callable, large, min_compress_size):
+    """``brief``'s words for a sparse compressor: ``(what runs, the tensors' count)``."""
+    count = f"{sparse} of {total} tensors compressed, the rest dense"
+    if large == 0:
+        return (f"{label}: no tensor has min_compress_size={min_compress_size} elements "
+                f"or more: every tensor dense"), ""
+    if schedule_callable:
+        return f"{label} at {percent(start)} now, as your density schedule says", count
+    if sparse == 0:
+        return f"{label}: every tensor dense on this link (sparse would cost more)", ""
+    if until is not None and start > final:
+        now = " now" if freeze is None else ""
+        at = f": {percent(start)} of each large tensor{now}" if sparse_start != 0 else \
+            f" at {percent(start)}: every tensor dense{now} (cheaper on this link)"
+        return (f"{label} warm-up{at}, falling to {percent(final)} by {unit} {until:g}",
+                f"{sparse} of {total} tensors compressed at {percent(final)}, the rest dense")
+    return f"{label} at {percent(final)} of each large tensor", count
+
+
+def _lagging_words(delay, period, zero_one):
+    """``brief``'s words for the script's delayed averaging and period."""
+    extra = []
+    if delay:
+        delay = "'auto'" if str(delay).startswith("auto") else delay
+        extra.append(f"delayed averaging (delay={delay})")
+    if period > 1 and not zero_one:
+        extra.append(f"an exchange every {period} steps (period={period})")
+    return extra
 
 
 def change_line(step, what, limit=CHANGE_LIMIT):

@@ -174,13 +174,7 @@ class GradientExchange(tf.Module):
         if self.memory is not None:
             return
         names = tensor_names(variables)
-        grads = list(grads) if grads is not None else [None] * len(variables)
-        sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads]
-        if any(sliced) and self.resolved.zero_one and self.lags:
-            self._drop_default_period(names[sliced.index(True)])
-        for name, is_sliced in zip(names, sliced):
-            if is_sliced:
-                self._check_slices_allowed(name)
+        sliced = self._sliced(names, grads)
         with tf.init_scope():
             for var, name in zip(variables, names):
                 dtype = tf.as_dtype(var.dtype)
@@ -191,90 +185,115 @@ class GradientExchange(tf.Module):
             self.tensors = tuple(
                 TensorInfo(i, name, int(np.prod(v.shape)), tuple(int(d) for d in v.shape), s)
                 for i, (v, name, s) in enumerate(zip(variables, names, sliced)))
-            # Elastic: a worker added later builds alone, while the others wait in a
-            # reset; a collective here would hang it. All run the same script.
-            self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
-            # A tape's step lives in the user's tf.function, which is not traced again
-            # after an elastic reset (Horovod's TF2 elastic example keeps it at module
-            # level): its graph must hold for every world size (traced_once).
-            self.traced_once = self.elastic and self.is_tape
-            if self.traced_once:
-                self._check_traced_once()
-                self.wire = self.wire._replace(agnostic=True)
-            self.planner = Planner(self.resolved, self.tensors, self._planning_world())
-            if self.traced_once:
-                self.planner.exclude(PathKind.REGION)
-            if not self.elastic:
-                check_consistent(HorovodCollectives(self.process_set),
-                                 self.planner.consistency(momentum=self.momentum,
-                                                          nesterov=self.nesterov,
-                                                          op=repr(self.op)),
-                                 "hvd_dgc.tensorflow")
-            peers = self._host_peers()
-            if peers:  # several hosts of several ranks: hierarchical DGC may run
-                self.wire = self.wire._replace(peers=peers)
-                self.planner.replan(self.world_size(), local_size=len(peers))
-            if self.planner.measure and self.elastic:
-                # a worker that joins builds alone: the link is measured at each sync
-                # of the elastic state instead, where every rank is (measure_at_sync)
-                if self._measured_at_sync is not None:
-                    self.planner.measured(*self._measured_at_sync)
-                else:
-                    self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per "
-                                               "message) until the elastic state's sync")
-            elif self.planner.measure:  # every rank agreed to probe (the default)
-                self.planner.measured(*self._probe())
-            if self.adam is not None:  # later, or never, where all goes dense before
-                self.adam.freeze_at(self.planner.adam_freeze(self.resolved.chosen_lagging))
-            # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
-            self.resolved = self.planner.settled()
-            if self.planner.measure and not self.elastic:  # (after the period settled)
-                self.watcher = self._link_watcher()
-                self.trial = self._plan_trial()
-            elif self.config.link_watch not in (None, False):  # asked for: say why not
-                rank0_once(link_watch_idle(self.config, self.planner.measure,
-                                           self.resolved.sparse, elastic=self.elastic,
-                                           tape=self.is_tape),
-                           UserWarning, key="hvd_dgc.link_watch_idle")
-            # rank 0's step, when an elastic reset gave it before this build
-            self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
-                                    name="step")
-            self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
-                                     name="epoch")
-            self.statistics = Statistics(self, min_compress_size=self.config.min_compress_size)
-            # elastic: the next step first agrees on step and epoch (scratch, see _agree)
-            object.__setattr__(self, "agreeing", tf.Variable(
-                self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))
-            self.memory = DGCMemory(self._held(), self.momentum,
-                                    self.nesterov, self.config.momentum_masking,
-                                    snapshots=self.may_skip,
-                                    no_residual=sliced, preconditioner=None
-                                    if self.adam is None else self.adam.bind(
-                                        self, variables, sliced))
-            # a compressor's per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
-            slots = ExchangePath.slots(self.compression, self.planner)
-            if slots is not None:
-                self.slots = slots
-            self.guard = NonFiniteGuard(self.memory, self.statistics, self.step)
-            self.paths = ExchangePaths(PathContext(
-                self.wire, self.compression, self.memory, self.statistics, self.tensors,
-                slots, masking_density_limit(self.config.momentum_masking, self.momentum),
-                self.dense_fp16, self.config.clip_norm), self.planner,
-                fusion_threshold(self.config.fusion_threshold))
+            self._plan()
+            self._create_state(variables, sliced)
             if self.lags:
-                config = self.resolved.config
-                self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
-                                            self.period, config.auto_delay)
-                # tracked: a checkpoint between exchanges carries this rank's own steps
-                self.own_steps = OwnStepsInCheckpoint(self.dga)
-                if self.dga.auto is not None:
-                    # delay="auto"'s D, tracked: a checkpoint goes on from the D it had
-                    self.auto_delay = tf.Variable(self.dga.auto.delay, dtype=tf.int64,
-                                                  trainable=False, name="auto_delay")
-                    self.dga.keep_delay_in(self.auto_delay)
-                    if self._first_delay is not None:
-                        self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
+                self._create_delayed(variables)
             self._planned()
+
+    def _sliced(self, names, grads):
+        """Which variables get IndexedSlices gradients (no residual slot), checked."""
+        grads = list(grads) if grads is not None else [None] * len(names)
+        sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads]
+        if any(sliced) and self.resolved.zero_one and self.lags:
+            self._drop_default_period(names[sliced.index(True)])
+        for name, is_sliced in zip(names, sliced):
+            if is_sliced:
+                self._check_slices_allowed(name)
+        return sliced
+
+    def _plan(self):
+        """The planner: every rank's agreement, the hosts, the link measured, Adam's
+        freeze, the link watch and the plan trial."""
+        # Elastic: a worker added later builds alone, while the others wait in a
+        # reset; a collective here would hang it. All run the same script.
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        # A tape's step lives in the user's tf.function, which is not traced again
+        # after an elastic reset (Horovod's TF2 elastic example keeps it at module
+        # level): its graph must hold for every world size (traced_once).
+        self.traced_once = self.elastic and self.is_tape
+        if self.traced_once:
+            self._check_traced_once()
+            self.wire = self.wire._replace(agnostic=True)
+        self.planner = Planner(self.resolved, self.tensors, self._planning_world())
+        if self.traced_once:
+            self.planner.exclude(PathKind.REGION)
+        if not self.elastic:
+            check_consistent(HorovodCollectives(self.process_set),
+                             self.planner.consistency(momentum=self.momentum,
+                                                      nesterov=self.nesterov,
+                                                      op=repr(self.op)),
+                             "hvd_dgc.tensorflow")
+        peers = self._host_peers()
+        if peers:  # several hosts of several ranks: hierarchical DGC may run
+            self.wire = self.wire._replace(peers=peers)
+            self.planner.replan(self.world_size(), local_size=len(peers))
+        if self.planner.measure and self.elastic:
+            # a worker that joins builds alone: the link is measured at each sync
+            # of the elastic state instead, where every rank is (measure_at_sync)
+            if self._measured_at_sync is not None:
+                self.planner.measured(*self._measured_at_sync)
+            else:
+                self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per "
+                                           "message) until the elastic state's sync")
+        elif self.planner.measure:  # every rank agreed to probe (the default)
+            self.planner.measured(*self._probe())
+        if self.adam is not None:  # later, or never, where all goes dense before
+            self.adam.freeze_at(self.planner.adam_freeze(self.resolved.chosen_lagging))
+        # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
+        self.resolved = self.planner.settled()
+        if self.planner.measure and not self.elastic:  # (after the period settled)
+            self.watcher = self._link_watcher()
+            self.trial = self._plan_trial()
+        elif self.config.link_watch not in (None, False):  # asked for: say why not
+            rank0_once(link_watch_idle(self.config, self.planner.measure,
+                                       self.resolved.sparse, elastic=self.elastic,
+                                       tape=self.is_tape),
+                       UserWarning, key="hvd_dgc.link_watch_idle")
+
+    def _create_state(self, variables, sliced):
+        """The step, the epoch, the statistics, the memory, the compressor's slots, the
+        guard and the paths."""
+        # rank 0's step, when an elastic reset gave it before this build
+        self.step = tf.Variable(self._first_step, dtype=tf.int64, trainable=False,
+                                name="step")
+        self.epoch = tf.Variable(self._epoch, dtype=tf.float32, trainable=False,
+                                 name="epoch")
+        self.statistics = Statistics(self, min_compress_size=self.config.min_compress_size)
+        # elastic: the next step first agrees on step and epoch (scratch, see _agree)
+        object.__setattr__(self, "agreeing", tf.Variable(
+            self.elastic, dtype=tf.bool, trainable=False, name="agreeing"))
+        self.memory = DGCMemory(self._held(), self.momentum,
+                                self.nesterov, self.config.momentum_masking,
+                                snapshots=self.may_skip,
+                                no_residual=sliced, preconditioner=None
+                                if self.adam is None else self.adam.bind(
+                                    self, variables, sliced))
+        # a compressor's per-tensor state (PowerSGD's Q), tracked: checkpoints keep it
+        slots = ExchangePath.slots(self.compression, self.planner)
+        if slots is not None:
+            self.slots = slots
+        self.guard = NonFiniteGuard(self.memory, self.statistics, self.step)
+        self.paths = ExchangePaths(PathContext(
+            self.wire, self.compression, self.memory, self.statistics, self.tensors,
+            slots, masking_density_limit(self.config.momentum_masking, self.momentum),
+            self.dense_fp16, self.config.clip_norm), self.planner,
+            fusion_threshold(self.config.fusion_threshold))
+
+    def _create_delayed(self, variables):
+        """Delayed averaging's queue, and what a checkpoint keeps of it."""
+        config = self.resolved.config
+        self.dga = DelayedAveraging(self.paths, config.fixed_delay, variables,
+                                    self.period, config.auto_delay)
+        # tracked: a checkpoint between exchanges carries this rank's own steps
+        self.own_steps = OwnStepsInCheckpoint(self.dga)
+        if self.dga.auto is not None:
+            # delay="auto"'s D, tracked: a checkpoint goes on from the D it had
+            self.auto_delay = tf.Variable(self.dga.auto.delay, dtype=tf.int64,
+                                          trainable=False, name="auto_delay")
+            self.dga.keep_delay_in(self.auto_delay)
+            if self._first_delay is not None:
+                self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
 
     def _host_peers(self):
         """The global ranks sharing this rank's host, sorted, where hierarchical DGC may

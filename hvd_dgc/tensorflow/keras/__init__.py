@@ -676,43 +676,61 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         return _outer_optimizer(optimizer, name, outer, config, process_set,
                                 backward_passes_per_step)
     is_sgd = type(optimizer).__name__ == "SGD"
-    is_adam = type(optimizer).__name__ in ADAM_CLASSES
     keras_config = optimizer.get_config()
     check_clipping_under_lagging(config, type(optimizer).__name__, {
         option: keras_config[option] for option in ("clipnorm", "clipvalue", "global_clipnorm")
         if keras_config.get(option)})
-    momentum, nesterov = 0.0, False
-    if is_sgd and keras_config.get("momentum"):
-        momentum = float(keras_config["momentum"])
-        nesterov = bool(keras_config.get("nesterov", False))
-        keras_config.update(momentum=0.0, nesterov=False)
+    momentum, nesterov = _momentum_taken_over(is_sgd, keras_config)
     exchange = GradientExchange(  # resolves and checks every option and argument, once
         compression=compression, momentum=momentum, nesterov=nesterov, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         process_set=process_set, config=config,
-        optimizer=(is_sgd, type(optimizer).__name__, is_adam),
+        optimizer=(is_sgd, type(optimizer).__name__,
+                   type(optimizer).__name__ in ADAM_CLASSES),
         backward_passes_per_step=backward_passes_per_step, groups=groups)
-    adam = None
+    adam, adam_methods = None, {}
     if exchange.resolved.freeze is not None:  # Adam/AdamW taken over (tensorflow/adam.py)
         check_adam(type(optimizer).__name__, keras_config)
         kind, adam_methods = _adam_methods(optimizer)
         adam = AdamTakeOver(keras_config, exchange.resolved.freeze, kind,
-                                 exchange.resolved.refresh)
+                            exchange.resolved.refresh)
         exchange.momentum = adam.beta1  # the memory's, once frozen
+    methods = _dgc_methods(optimizer, (momentum, nesterov) if momentum else None, adam,
+                           _Accumulation(backward_passes_per_step,
+                                         average_aggregated_gradients, sparse_as_dense)
+                           if backward_passes_per_step > 1 else None,
+                           scale_local_gradients)
+    methods.update(adam_methods)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    if name is not None:
+        keras_config["name"] = name
+    return _joined(cls.from_config(keras_config), exchange, adam)
+
+
+def _momentum_taken_over(is_sgd, keras_config):
+    """SGD's momentum and nesterov, which DGC's memory takes over: read from the Keras
+    config, and set to none there."""
+    if not (is_sgd and keras_config.get("momentum")):
+        return 0.0, False
+    momentum = float(keras_config["momentum"])
+    nesterov = bool(keras_config.get("nesterov", False))
+    keras_config.update(momentum=0.0, nesterov=False)
+    return momentum, nesterov
+
+
+def _dgc_methods(optimizer, local_momentum, adam, passes, scale_local_gradients):
+    """What the wrapped class adds to the user's optimizer class: hvd_dgc's methods,
+    Horovod's names, and the apply step of its Keras version."""
     methods = {"compression_stats": _compression_stats, "set_epoch": _set_epoch,
                "register_local_var": _register_local_var,
                "_hvd_dgc_scale_local": bool(scale_local_gradients),
-               "_hvd_dgc_local_momentum": (momentum, nesterov) if momentum else None,
+               "_hvd_dgc_local_momentum": local_momentum,
                "dgc_state": property(_dgc_state), "flush": _flush,
                "in_flight": property(_in_flight), "_hvd_dgc_keras3": is_keras3(optimizer),
-               "_hvd_dgc_passes": _Accumulation(
-                   backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
-               if backward_passes_per_step > 1 else None,
+               "_hvd_dgc_passes": passes,
                "_agg_helper": property(lambda self: self._hvd_dgc_passes),  # Horovod's name
                "_hvd_dgc_adam": adam}
-    if adam is not None:
-        methods.update(adam_methods)
-    if momentum and not is_keras3(optimizer) and not is_legacy(optimizer):
+    if local_momentum and not is_keras3(optimizer) and not is_legacy(optimizer):
         methods["update_step"] = _momentum_free_step(optimizer.__class__)
     if is_keras3(optimizer):
         methods["apply"] = _apply
@@ -720,15 +738,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         methods["apply_gradients"] = _apply_gradients
         if not is_legacy(optimizer):  # (OptimizerV2's own minimize calls its own)
             methods["_compute_gradients"] = _compute_gradients
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    if name is not None:
-        keras_config["name"] = name
-    new = cls.from_config(keras_config)
+    return methods
+
+
+def _joined(new, exchange, adam):
+    """The new optimizer and its exchange, joined."""
     if adam is not None:
         adam.optimizer = new
         object.__setattr__(exchange, "adam", adam)
     object.__setattr__(exchange, "step_size", lambda variables: _step_size(new, variables))
-    if is_keras3(optimizer):
+    if new._hvd_dgc_keras3:
         object.__setattr__(new, "_hvd_dgc", exchange)  # keep it out of Keras 3's tracker
     else:
         new._hvd_dgc = exchange  # tracked: tf.train.Checkpoint saves the memory
