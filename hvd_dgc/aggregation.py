@@ -56,8 +56,8 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 __all__ = ["slices", "chunk_rows", "region_of", "regions", "quota", "RegionReduce",
-           "region_reduce_reference", "bytes_per_worker", "dense_bytes", "allgather_bytes", "region_bytes",
-           "hierarchical_bytes", "slice_k", "METHODS"]
+           "region_reduce_reference", "bytes_per_worker", "dense_bytes", "allgather_bytes",
+           "region_bytes", "hierarchical_bytes", "slice_k", "METHODS"]
 
 METHODS = ("dense", "allgather", "region")
 

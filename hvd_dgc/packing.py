@@ -10,7 +10,7 @@ import math
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_chunk_bytes",
            "sign_reduce_bytes", "SIGN_COLLECTIVES", "check_sign_collective", "sign_reduces",
-           "exchange_bytes",
+           "reduces_signs", "exchange_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
@@ -80,10 +80,16 @@ def sign_reduces(collective, world):
         collective in ("allreduce", "auto")
 
 
+def reduces_signs(compressor, world):
+    """Does ``compressor`` send its tensors as the sign's compressed allreduce on ``world``
+    ranks (``sign_reduces`` of its ``collective``; a compressor without one never)?"""
+    return sign_reduces(getattr(compressor, "collective", None), world)
+
+
 def exchange_bytes(compressor, n, world):
     """``(sent, received)`` bytes of one rank for a tensor of ``n`` elements that a payload
     compressor (sign, QSGD, bf16: ``payload_bytes``) exchanges on ``world`` ranks."""
-    if sign_reduces(getattr(compressor, "collective", None), world):
+    if reduces_signs(compressor, world):
         return sign_reduce_bytes(n, world)
     payload = compressor.payload_bytes(n)
     return payload, (world - 1) * payload

@@ -26,7 +26,7 @@ from hvd_dgc.costmodel import CostModel
 from hvd_dgc.overlap import Candidate, choose_paths
 from hvd_dgc.paths import PathKind
 from hvd_dgc.packing import exchange_bytes, fold_index_bytes, gather_record_bytes, \
-    gather_value_bytes, sign_chunk_bytes, sign_reduces
+    gather_value_bytes, reduces_signs, sign_chunk_bytes
 from hvd_dgc.schedule import DensitySchedule, num_selected
 
 __all__ = ["Planner", "TensorInfo", "stage_densities", "fusion_threshold", "BUCKET_LATENCIES",
@@ -238,7 +238,7 @@ class Planner:
         of ``launches`` Horovod operations. Hierarchical tensors count their records'
         transfer between hosts only."""
         model = model or self.cost_model
-        seconds = launches * 2 * (self.world_size - 1) * model.alpha
+        seconds = launches * model.launch_seconds(PathKind.DENSE, self.world_size)
         for tensor in self.tensors:
             path = self.path(tensor, density, step)
             wire = self.wire_bytes(tensor, path, density)
@@ -270,8 +270,8 @@ class Planner:
 
     def exchange_collective(self):
         """How a payload compressor's tensors travel on this world, in words."""
-        return "compressed allreduce" if sign_reduces(
-            getattr(self.compressor, "collective", None), self.world_size) else "allgather"
+        return "compressed allreduce" if reduces_signs(self.compressor, self.world_size) \
+            else "allgather"
 
     def exchange_dense(self):
         """The large tensors a compressor of its own collectives leaves dense because its
@@ -434,8 +434,8 @@ class Planner:
         chosen = self._paths.get(key)
         if chosen is None:
             world = self.world_size
-            chunk = sign_chunk_bytes(tensor.numel, world) if sign_reduces(
-                getattr(self.compressor, "collective", None), world) else None
+            chunk = sign_chunk_bytes(tensor.numel, world) \
+                if reduces_signs(self.compressor, world) else None
             chosen = self.cost_model.choose_exchange(
                 tensor.numel, payload_bytes(tensor.numel), world, self.dense_value_bytes,
                 chunk_bytes=chunk)
