@@ -140,8 +140,8 @@ class SignCompressor(GatherCompressor):
         if slot is None or not sign_reduces(self.collective, world):
             return super().exchange(v, shape, slot, comm, at)
         n, rank = int(v.shape[0]), comm.rank()
-        (lo, hi), length = slices(n, world)[rank], max(1, -(-n // world))
-        gather, scatter, lengths = _chunk_layout(n, world)
+        lo, hi = slices(n, world)[rank]
+        length, gather, scatter, lengths = _chunk_layout(n, world)
         payloads, arrived = _sign_rows(tf.gather(tf.concat([v, tf.zeros([1])], 0), gather),
                                        lengths)
         sent = tf.gather(tf.reshape(arrived, [-1]), scatter)
@@ -170,9 +170,10 @@ class _ErrorSlot(tf.Module):
 
 
 def _chunk_layout(n, world):
-    """hvd_dgc.aggregation.chunk_rows as constants: ``(gather, scatter, lengths)``."""
-    _, gather, scatter, lengths = chunk_rows(n, world)
-    return (tf.constant(gather, tf.int32), tf.constant(scatter, tf.int32),
+    """hvd_dgc.aggregation.chunk_rows, its arrays as constants: ``(length, gather,
+    scatter, lengths)``."""
+    length, gather, scatter, lengths = chunk_rows(n, world)
+    return (length, tf.constant(gather, tf.int32), tf.constant(scatter, tf.int32),
             tf.constant(lengths, tf.float64))
 
 
