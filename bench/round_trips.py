@@ -53,7 +53,7 @@ SETTINGS = {
     "dense": ["--method", "dense"],
     "per-tensor": ["--method", "dgc", "--fusion-threshold", "0"],
     # 5 us of latency: too little to fold; buckets close after a few tensors' bytes
-    # (plan.BUCKET_LATENCIES; with none at all every tensor would leave alone)
+    # (fusion.BUCKET_LATENCIES; with none at all every tensor would leave alone)
     "buckets-unfolded": ["--method", "dgc", "--cost-alpha", "5e-6"],
     "buckets": ["--method", "dgc"],
 }

@@ -54,7 +54,7 @@ def _dgc(planner, tensors, world):
     from hvd_dgc.aggregation import dense_bytes, region_bytes
     from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
     from hvd_dgc.paths import PathKind
-    from hvd_dgc.plan import fusion_threshold
+    from hvd_dgc.fusion import fusion_threshold
     from hvd_dgc.torch.memory import aligned_size
     density = planner.resolved.final_density()
     path = {t.key: planner.path(t, density) for t in tensors}
@@ -73,7 +73,7 @@ def _dgc(planner, tensors, world):
         members = [by_key[k] for k in launch]
         gathered = [t for t in members if path[t.key] == PathKind.ALLGATHER]
         dense = [t for t in members if path[t.key] == PathKind.DENSE]
-        folded = bool(gathered and dense) and planner.folds(sum(t.numel for t in dense)) \
+        folded = bool(gathered and dense) and planner.prices.folds(sum(t.numel for t in dense)) \
             and folds_values(bits, planner.resolved.dense_fp16)
         block = 0.0
         if gathered:
@@ -91,7 +91,7 @@ def _dgc(planner, tensors, world):
                 ring = dense_bytes(t.numel, world, dense_value)
                 sent, received = sent + ring, received + ring
             elif path[t.key] == PathKind.REGION:
-                region = region_bytes(planner.k(t, density), world, planner.record_bytes)
+                region = region_bytes(planner.k(t, density), world, planner.prices.record_bytes)
                 sent, received = sent + region, received + region
     return sent, received, paths
 

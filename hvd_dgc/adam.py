@@ -67,14 +67,20 @@ One previous gradient per parameter is kept for it (in the optimizer's state:
 checkpoints carry it). A non-finite entry of the average (a rank's overflow step)
 takes the tensor's mean.
 
-This module holds what both frameworks share: the options, the phases and the schedule.
-tests/reference.py states the maths in NumPy.
+This module holds what both frameworks share: the options, the phases, the schedule and
+where the take-over starts on this link (``plan_take_over``). tests/reference.py states
+the maths in NumPy.
 """
 
+import math
+from typing import NamedTuple, Optional
+
+from hvd_dgc.paths import PathKind
 from hvd_dgc.schedule import DEFAULT_SENDS, DensitySchedule
 
 __all__ = ["VARIANCE_FLOOR", "DEFAULT_FREEZE", "FROZEN_ONCE_FREEZE", "ZERO_ONE_PERIOD",
-           "FrozenAdamSchedule",
+           "ADAM_SPARSE_SHARE", "AdamPlan", "FrozenAdamSchedule", "plan_take_over",
+           "settle", "sparse_share",
            "check_freeze_variance", "check_refresh_variance", "freeze_steps",
            "observed_weights", "refresh_count",
            "refreshes_at", "resolve_refresh"]
@@ -110,7 +116,15 @@ FROZEN_ONCE_FREEZE = 200
 #: (``period=1``: 1-bit Adam, every step).
 ZERO_ONE_PERIOD = 4
 
-#: The freeze step of a take-over that is declined (plan.py ``adam_freeze``: nothing is
+#: Adam is taken over (its variance frozen: ``plan_take_over``) only from a density
+#: stage in which the tensors that leave sparse hold at least this share of the
+#: gradient's elements. The frozen variance costs accuracy and buys only bytes: on
+#: Horovod's digits example over loopback only the 1,280-weight classifier (0.8% of the
+#: model) went sparse, and the take-over lost 0.5 points for no byte saved
+#: (bench/results/one_line_accuracy.md). Below it every tensor goes dense, Adam exact.
+ADAM_SPARSE_SHARE = 0.1
+
+#: The freeze step of a take-over that is declined (``plan_take_over``: nothing is
 #: ever compressed on this link): a step never reached.
 NEVER = 2 ** 62
 
@@ -222,7 +236,7 @@ class FrozenAdamSchedule:
 
     def describe(self, frozen_at=None):
         """In words; ``frozen_at``: where the take-over freezes, if later than the density
-        schedule's start (plan.py ``adam_freeze``: every tensor dense before it)."""
+        schedule's start (``plan_take_over``: every tensor dense before it)."""
         at = self.freeze if frozen_at is None else frozen_at
         inner = self.inner.describe() if hasattr(self.inner, "describe") else \
             "a callable schedule"
@@ -244,3 +258,69 @@ class FrozenAdamSchedule:
     def __repr__(self):
         return f"FrozenAdamSchedule(freeze={self.freeze}, inner={self.inner!r}, " \
                f"refresh={self.refresh!r})"
+
+
+class AdamPlan(NamedTuple):
+    """Where Adam's take-over starts on this link (``plan_take_over``), decided once at
+    wrap time: a relink (linkwatch.py) keeps it."""
+
+    freeze: Optional[int] = None  # the step its variance freezes (None: declined)
+    declined: bool = False        # Adam left exact: every tensor dense throughout
+    dense: frozenset = frozenset()  # densities before the take-over's stage: there every
+    #                                 tensor goes dense (Adam still exact)
+    share: float = 0.0  # the largest share of the gradient a stage sends sparse
+
+
+def sparse_share(planner, density):
+    """The share of the gradient's elements in large tensors that leave other than
+    dense at ``density`` on ``planner``'s paths (0 where there are none)."""
+    total = sum(t.numel for t in planner.tensors)
+    sparse = sum(t.numel for t in planner.tensors
+                 if planner.large(t) and planner.path(t, density) != PathKind.DENSE)
+    return sparse / total if total else 0.0
+
+
+def plan_take_over(planner, lagging):
+    """``AdamPlan``: the step at which Adam/AdamW's take-over freezes its variance is the
+    schedule's freeze, or later, at the start of the first density stage in which the
+    large tensors that leave other than dense on ``planner``'s link hold
+    ``ADAM_SPARSE_SHARE`` of the gradient's elements (before it every tensor goes dense,
+    so Adam is exact and the few bytes a small tensor would have saved are spent);
+    declined where no stage does (exact Adam throughout, every tensor dense), also where
+    a compressor of its own collectives would send every large tensor dense
+    (``Planner.exchange_dense``). The schedule's freeze as it is with ``delay`` or
+    ``period`` (``lagging``: they need the linear update from it), a compressor of its
+    own collectives otherwise (no density stages), a callable schedule, or no tensor
+    large enough to compress (``min_compress_size``: the script's choice)."""
+    r = planner.resolved
+    inner = getattr(r.schedule, "inner", None)
+    if r.freeze is not None and not lagging and planner.exchange_idle():
+        return AdamPlan(declined=True)
+    if r.freeze is None or lagging or r.kind == "exchange" or \
+            not isinstance(inner, DensitySchedule) or \
+            not any(planner.large(t) for t in planner.tensors):
+        return AdamPlan(freeze=r.freeze)
+    warm = inner.warmup > 0
+    stages = list(zip((0.0,) + inner.boundaries if warm else (0.0,),
+                      tuple(inner.warmup_densities if warm else ()) + (inner.density,)))
+    if warm and inner.unit != "step":  # stages in epochs: only the final one judged,
+        stages = [(0.0, inner.density)]   # and the freeze stays where it was planned
+    most = 0.0
+    for start, density in stages:
+        share = sparse_share(planner, density)
+        most = max(most, share)
+        if share >= ADAM_SPARSE_SHARE:
+            dense = frozenset(d for s, d in stages if s < start) - \
+                {d for s, d in stages if s >= start}
+            return AdamPlan(r.freeze + int(math.ceil(start)), False, dense, most)
+    return AdamPlan(declined=True, share=most)
+
+
+def settle(resolved, adam):
+    """The resolved options to build the step from, once ``adam`` (an ``AdamPlan``) is
+    decided: 0/1 Adam's default period (config.py ``Resolved.zero_one``) runs only where
+    Adam is taken over; where it is declined (the compressor saves nothing on this link)
+    the step is Horovod's, every step."""
+    if resolved.zero_one and adam.declined and resolved.config.period > 1:
+        return resolved.every_step()
+    return resolved

@@ -37,7 +37,8 @@ faster.
 
 from typing import NamedTuple
 
-__all__ = ["Candidate", "BackwardProfile", "OverlapPlan", "choose_paths", "exchange_ends",
+__all__ = ["Candidate", "BackwardProfile", "OverlapPlan", "Timeline", "choose_paths",
+           "exchange_ends",
            "ProfileRecorder", "profile_from", "PlanTrial", "SETTLE_STEPS", "PROFILE_STEPS",
            "TRIAL_STEPS", "TRIAL_MARGIN", "DECIDED_BY_STEP"]
 
@@ -88,6 +89,42 @@ class OverlapPlan(NamedTuple):
 
     paths: dict
     exposed: float
+
+
+class Timeline:
+    """The agreed ``BackwardProfile`` and the paths the framework launches at synchronize
+    (``at_end``): each step's ``OverlapPlan`` on a planner's tensors (``plan``), kept by
+    density until the planner's basis moves (``afresh``)."""
+
+    def __init__(self, profile, at_end=()):
+        self.profile, self.at_end = profile, frozenset(at_end)
+        self._plans = {}
+
+    def afresh(self):
+        """The same profile, every plan to be made again (another world or link)."""
+        return Timeline(self.profile, self.at_end)
+
+    def plan(self, planner, density):
+        """``OverlapPlan`` of the step at ``density``: every tensor of ``planner`` in the
+        order its gradient was ready (the profile's ``h``, largest first), small,
+        sparse-gradient and hierarchical ones on their fixed path, the others choosing
+        among the flat paths, priced by the planner's cost model (its transfers and DGC's
+        work, without ``dense_preference``)."""
+        plan = self._plans.get(density)
+        if plan is not None:
+            return plan
+        hide = self.profile.hide
+        order, candidates = [], {}
+        for tensor in sorted(planner.tensors, key=lambda t: -hide.get(t.key, 0.0)):
+            if tensor.sliced:
+                continue
+            seconds = planner.prices.seconds(tensor.numel, planner.k(tensor, density),
+                                             planner.allowed(tensor, density))
+            order.append((tensor.key, hide.get(tensor.key, 0.0)))
+            candidates[tensor.key] = [Candidate(path, comm, local, path in self.at_end)
+                                      for path, (comm, local) in seconds.items()]
+        plan = self._plans[density] = choose_paths(order, candidates)
+        return plan
 
 
 def _place(work, link, hide, c):

@@ -10,15 +10,21 @@ through it, and the texts are hvd_dgc/switch.py's.
     words.sync_line(world)                     an elastic sync's new link
 """
 
-from hvd_dgc.packing import gather_value_bits
+from hvd_dgc.adam import ADAM_SPARSE_SHARE
+from hvd_dgc.packing import gather_value_bits, reduces_signs
 from hvd_dgc.paths import SUMS, PathKind
-from hvd_dgc.plan import ADAM_SPARSE_SHARE
 from hvd_dgc.schedule import DensitySchedule
 from hvd_dgc.say import rank0_once, say, verbose
 from hvd_dgc.switch import (CHANGE_LIMIT, adam_idle_warning, brief, change_line,
                             gather_idle_warning, idle_warning, percent, summary)
 
-__all__ = ["PlanWords"]
+__all__ = ["PlanWords", "exchange_collective"]
+
+
+def exchange_collective(plan):
+    """How a payload compressor's tensors travel on ``plan``'s world, in words."""
+    return "compressed allreduce" if reduces_signs(plan.compressor, plan.world_size) \
+        else "allgather"
 
 
 class PlanWords:
@@ -88,7 +94,7 @@ class PlanWords:
             large = sum(plan.large(t) for t in plan.tensors)
             work = " and its work" if plan.local is not None else ""
             words.append(f"dense where {plan.compressor.name}'s "
-                         f"{plan.exchange_collective()}{work} at "
+                         f"{exchange_collective(plan)}{work} at "
                          f"{plan.world_size} ranks would cost more than the allreduce: "
                          f"{len(priced)} of {large} large tensors")
         return "; ".join(words)
@@ -126,9 +132,9 @@ class PlanWords:
             return None
         if plan.exchange_idle():
             return gather_idle_warning(self.kind_name(), plan.world_size,
-                                       plan.link is not None, plan.exchange_collective())
-        if plan.adam_declined and plan.adam_share:
-            return adam_idle_warning(plan.adam_share, ADAM_SPARSE_SHARE, plan.link is not None)
+                                       plan.link is not None, exchange_collective(plan))
+        if plan.adam.declined and plan.adam.share:
+            return adam_idle_warning(plan.adam.share, ADAM_SPARSE_SHARE, plan.link is not None)
         final, _ = self._final(density_now)
         large = any(plan.large(t) for t in plan.tensors)
         sums = self._sums(final)
@@ -162,11 +168,11 @@ class PlanWords:
         final, _ = self._final(density_now)
         inner = getattr(r.schedule, "inner", r.schedule)  # (FrozenAdamSchedule's)
         freeze = None
-        if r.freeze is not None and not plan.adam_declined:
-            freeze = plan.adam_frozen_at if plan.adam_frozen_at is not None else r.freeze
+        if r.freeze is not None and not plan.adam.declined:
+            freeze = plan.adam.freeze if plan.adam.freeze is not None else r.freeze
         start, until, unit = final, None, "step"
         if r.sparse and isinstance(inner, DensitySchedule) and inner.warmup > 0:
-            stages = [d for d in inner.warmup_densities if d not in plan.adam_dense]
+            stages = [d for d in inner.warmup_densities if d not in plan.adam.dense]
             start, until, unit = (stages or [final])[0], inner.warmup, inner.unit
             if r.freeze is not None and unit == "step":  # counted from the freeze
                 until += r.freeze
@@ -183,7 +189,7 @@ class PlanWords:
         return brief(framework, self.kind_name(), final, start=start, until=until, unit=unit,
                      sparse=compressed(final), sparse_start=compressed(start),
                      total=len(plan.tensors), name=r.taken_over.name, freeze=freeze,
-                     declined=plan.adam_declined, zero_one=r.zero_one and period > 1,
+                     declined=plan.adam.declined, zero_one=r.zero_one and period > 1,
                      chosen=r.chosen, delay=delay, period=period,
                      schedule_callable=callable_schedule, large=len(large),
                      min_compress_size=plan.min_compress_size)
@@ -194,14 +200,14 @@ class PlanWords:
         plan = self.plan
         final, warm = self._final(density_now)
         taken_over = plan.resolved.taken_over.said
-        if plan.adam_frozen_at not in (None, plan.resolved.freeze):
-            warm = plan.resolved.schedule.describe(plan.adam_frozen_at)
+        if plan.adam.freeze not in (None, plan.resolved.freeze):
+            warm = plan.resolved.schedule.describe(plan.adam.freeze)
         if plan.exact_adam(0):  # Adam taken over by a compressor of its own collectives
             taken_over = plan.resolved.schedule.describe()
-        if plan.adam_declined:
+        if plan.adam.declined:
             warm = ""
-            little = "every tensor goes dense on this link" if not plan.adam_share else \
-                f"{plan.adam_share:.1%} of the gradient would go sparse on this link (under " \
+            little = "every tensor goes dense on this link" if not plan.adam.share else \
+                f"{plan.adam.share:.1%} of the gradient would go sparse on this link (under " \
                 f"{ADAM_SPARSE_SHARE:.0%}: every tensor goes dense)"
             taken_over = f"Adam not taken over: {little}, so exact Adam runs throughout " \
                          f"(adam.py)"

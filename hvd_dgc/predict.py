@@ -423,7 +423,7 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     hvd_dgc/torch/optimizer.py builds it: resolve, Planner, the hosts, the link and
     DGC's local work, Adam's freeze, the settled options."""
     from hvd_dgc.config import HorovodArguments
-    from hvd_dgc.plan import Planner
+    from hvd_dgc.plan import Planner, hierarchical_hosts
     framework, ops = _framework(kind)
     try:
         resolved = config.replace(cost_model="measure").resolve(
@@ -436,7 +436,7 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     if kind == "keras" and resolved.freeze is not None:
         unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
     try:
-        several = planner.hierarchical_hosts(slots, hosts, True, False, unsupported)
+        several = hierarchical_hosts(resolved, slots, hosts, True, False, unsupported)
     except ValueError as e:
         p.error(f"argument --aggregation: {e}")
     planner.replan(world, local_size=slots if several else 0)
@@ -480,7 +480,7 @@ def _stages(planner):
     r = planner.resolved
     schedule = r.schedule
     inner = getattr(schedule, "inner", schedule)
-    freeze = r.freeze if r.freeze is not None and not planner.adam_declined else None
+    freeze = r.freeze if r.freeze is not None and not planner.adam.declined else None
     out = []
     if freeze:
         out.append(("exact Adam", 0, freeze, "step", schedule(0, 0), 0))
@@ -515,8 +515,8 @@ def _why(planner, tensor, path, density, step, note=""):
         return f"dense (< {planner.min_compress_size} elements)"
     if planner.resolved.kind == "dense":
         return "dense (density 1: dense averaging)"
-    if note == "exact Adam" or planner.exact_adam(step) or planner.adam_declined or \
-            density in planner.adam_dense:
+    if note == "exact Adam" or planner.exact_adam(step) or planner.adam.declined or \
+            density in planner.adam.dense:
         return "dense (exact Adam)"
     if density >= 1:
         return "dense (everything selected)"
@@ -582,7 +582,7 @@ def _stage(planner, tensors, stage, threshold, compute, horovod_step, hiding, pe
 
 def predict(args, p):
     """The whole prediction as a dict (what --json prints)."""
-    from hvd_dgc.plan import fusion_threshold
+    from hvd_dgc.fusion import fusion_threshold
     from hvd_dgc.plan_words import PlanWords
     world, hosts, slots, host_text = _world(args, p)
     rate, rtt, alpha, gather = _link(args, p)
@@ -630,7 +630,7 @@ def predict(args, p):
         "resolved": {"compressor": PlanWords(planner).kind_name(),
                      "delay": "auto" if auto else delay,
                      "period": period, "freeze": planner.resolved.freeze,
-                     "adam_declined": planner.adam_declined},
+                     "adam_declined": planner.adam.declined},
         "compute_seconds": compute, "compute_how": how,
         "horovod": {"bytes_per_step": dense_total, "launches": fused,
                     "exchange_seconds": horovod_exchange, "step_seconds": horovod_step},

@@ -127,7 +127,7 @@ def idle_warning(kind, min_compress_size, large, sparse_at_final, density, world
 def adam_idle_warning(share, threshold, measured=False):
     """Why an Adam-family optimizer is left exact with every tensor dense: the tensors
     that would go sparse hold only ``share`` of the gradient, under ``threshold``
-    (plan.py ``ADAM_SPARSE_SHARE``): too little to pay for a frozen variance."""
+    (adam.py ``ADAM_SPARSE_SHARE``): too little to pay for a frozen variance."""
     link = "the link measured between the ranks" if measured else "this link"
     return (f"hvd_dgc: on {link} only {share:.1%} of the gradient would go sparse (under "
             f"{threshold:.0%}), too little to be worth freezing Adam's variance, so every "

@@ -109,7 +109,7 @@ def test_a_plain_adamw_user_hears_nothing_of_a_compressor_they_did_not_choose():
     script that asked for the sign is told."""
     cost = CostModel(encode_element_seconds=1e-6)
     planner, line = _line(optimizer=ADAMW, cost_model=cost)
-    assert planner.adam_declined and PlanWords(planner).idle_warning() is None
+    assert planner.adam.declined and PlanWords(planner).idle_warning() is None
     assert "sign" not in line and "exact" in line, line
     chosen, _ = _line(compression="sign", cost_model=cost)
     assert "sign does nothing" in PlanWords(chosen).idle_warning()

@@ -140,7 +140,7 @@ def test_the_profile_replaces_the_dense_preference():
     # fc's transfer ends at -16.4 ms; conv's work (2.1 ms), its allgather, then the
     # bias's allreduce (ready at the end, after conv in the planner's order)
     bias = model.dense_seconds(BIAS.numel, 2, 4)
-    assert planner.overlap_plan(0.25).exposed == pytest.approx(work + gather + bias)
+    assert planner.timeline.plan(planner, 0.25).exposed == pytest.approx(work + gather + bias)
 
 
 def test_a_profile_keeps_forced_paths_and_follows_a_new_link():
@@ -158,7 +158,7 @@ def test_a_profile_keeps_forced_paths_and_follows_a_new_link():
     slow = dataclasses.replace(planner.cost_model, bandwidth=1.25e6)
     planner.cost_model = slow
     planner.replan(2)
-    assert planner.profile is not None and planner.path(FC, 0.01) == SPARSE
+    assert planner.timeline is not None and planner.path(FC, 0.01) == SPARSE
     planner.use_timeline(False)  # the sums' plan back (the trial's verdict)
     assert planner.path(FC, 0.01) == planner.summed_path(FC, 0.01)
 

@@ -5,10 +5,11 @@ import pytest
 
 from hvd_dgc import CostModel
 from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.fusion import BUCKET_LATENCIES
 from hvd_dgc.packing import gather_record_bytes
 from hvd_dgc.paths import PathKind
-from hvd_dgc.plan import BUCKET_LATENCIES, Planner, TensorInfo
-from hvd_dgc.plan_words import PlanWords
+from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts
+from hvd_dgc.plan_words import PlanWords, exchange_collective
 from hvd_dgc.schedule import num_selected
 from hvd_dgc.torch.compression import Compression
 from hvd_dgc.torch.optimizer import TORCH
@@ -128,18 +129,19 @@ def test_an_exchange_compressor_starts_when_it_says():
 
 def test_hierarchical_where_it_can_run_and_refused_where_forced_and_it_cannot():
     auto = _planner(world=8, local_size=4, density=0.001, warmup=0)
-    assert auto.hierarchical_hosts(4, 2, True, False)
-    assert not auto.hierarchical_hosts(1, 8, True, False)  # one rank per host: flat
+    assert hierarchical_hosts(auto.resolved, 4, 2, True, False)
+    assert not hierarchical_hosts(auto.resolved, 1, 8, True, False)  # one rank per host: flat
     forced = _planner(density=0.001, warmup=0, aggregation="hierarchical")
     with pytest.raises(ValueError, match="several hosts of several ranks"):
-        forced.hierarchical_hosts(1, 8, True, False)
+        hierarchical_hosts(forced.resolved, 1, 8, True, False)
     with pytest.raises(ValueError, match="does not run with period=2"):
-        _planner(density=0.001, warmup=0, aggregation="hierarchical",
-                 period=2).hierarchical_hosts(4, 2, True, False)
+        hierarchical_hosts(_planner(density=0.001, warmup=0, aggregation="hierarchical",
+                                    period=2).resolved, 4, 2, True, False)
     # what a framework cannot run yet: flat under "auto", refused with why where forced
-    assert not auto.hierarchical_hosts(4, 2, True, False, "in TensorFlow it does not yet")
+    assert not hierarchical_hosts(auto.resolved, 4, 2, True, False,
+                                  "in TensorFlow it does not yet")
     with pytest.raises(ValueError, match="in TensorFlow it does not yet. Use aggregation='auto'"):
-        forced.hierarchical_hosts(4, 2, True, False, "in TensorFlow it does not yet")
+        hierarchical_hosts(forced.resolved, 4, 2, True, False, "in TensorFlow it does not yet")
     # before the hosts are known (the wrap-time check refuses such a job): dense
     assert forced.path(TENSORS[2], 0.001) == PathKind.DENSE
     forced.replan(8, local_size=4)
@@ -176,7 +178,7 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
     delay, or with stages in epochs (only the final density judged: sparse keeps 20,
     dense declines)."""
     from horovod.torch.mpi_ops import Adasum, Average, Sum
-    from hvd_dgc.plan import ADAM_SPARSE_SHARE
+    from hvd_dgc.adam import ADAM_SPARSE_SHARE, sparse_share
     tensors = [TensorInfo(i, f"t{i}", n, (n,))
                for i, n in enumerate((16384, 256, 65536, 256, 2560, 10))]
 
@@ -192,7 +194,7 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
 
     def freeze(record_seconds, lagging="", **options):
         planner, at = planned(record_seconds, lagging, **options)
-        return at, planner.adam_declined
+        return at, planner.adam.declined
 
     # the default stages from step 20: 0.25 to 180, 0.0625 to 660, 0.0156 to 2520,
     # 0.004 to 10020, then 0.001
@@ -204,18 +206,18 @@ def test_adams_freeze_waits_for_the_first_stage_that_goes_sparse():
     # until then the small one goes dense as well (Adam exact)
     planner, at = planned(1e-5)
     small, big = tensors[4], tensors[2]
-    assert at == 10020 and not planner.adam_declined
+    assert at == 10020 and not planner.adam.declined
     fresh = Planner(planner.resolved, tensors, 2)  # (the paths before the decision)
-    assert round(fresh.sparse_share(0.004), 3) == 0.03
-    assert round(fresh.sparse_share(0.001), 3) == 0.994
-    assert planner.adam_dense == {0.25, 0.0625, 0.015625, 0.004}
+    assert round(sparse_share(fresh, 0.004), 3) == 0.03
+    assert round(sparse_share(fresh, 0.001), 3) == 0.994
+    assert planner.adam.dense == {0.25, 0.0625, 0.015625, 0.004}
     assert planner.path(small, 0.004) == PathKind.DENSE
     assert planner.path(small, 0.001) == planner.path(big, 0.001) == PathKind.ALLGATHER
     assert freeze(1e-3) == (None, True)
     # at a final 0.004 (no warm-up) only the small tensor is ever sparse: declined, and
     # it goes dense at every density; the line says why
     planner, at = planned(1e-5, density=0.004, warmup=0)
-    assert at is None and planner.adam_declined and planner.adam_share == 2560 / 85002
+    assert at is None and planner.adam.declined and planner.adam.share == 2560 / 85002
     assert {planner.path(t, d) for t in tensors for d in (0.004, 1.0)} == {PathKind.DENSE}
     line = PlanWords(planner).summary("torch", 0)
     assert "Adam not taken over: 3.0% of the gradient would go sparse on this link " \
@@ -243,7 +245,7 @@ def test_adam_stays_exact_where_a_payload_compressor_would_send_everything_dense
                                                       (Average, Sum, Adasum)),
             (False, "AdamW", True))
         planner = Planner(resolved, tensors, world)
-        return planner.adam_freeze(lagging), planner.adam_declined
+        return planner.adam_freeze(lagging), planner.adam.declined
 
     assert freeze(2) == (20, False)
     assert freeze(8) == (None, True)
@@ -317,7 +319,7 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
         assert planner.wire_bytes(fc, PathKind.EXCHANGE, 1.0) == (
             sign_payload_bytes(fc.numel) if world == 2 else
             2 * (world - 1) * sign_chunk_bytes(fc.numel, world))
-    assert planner.exchange_collective() == "compressed allreduce"
+    assert exchange_collective(planner) == "compressed allreduce"
     reduced = _planner(world=3, compression=Compression.sign, cost_model=CostModel(
         alpha=20e-6, bandwidth=1.25e9))
     reduced.measured(None, PayloadCost(1e-8, 2e-8))
@@ -379,7 +381,7 @@ def test_adam_with_no_option_resolves_to_zero_one_adam_and_keeps_its_period_wher
         planner = Planner(resolved(cost_model=model), tensors, 2)
         at = planner.adam_freeze(planner.resolved.chosen_lagging)
         settled = planner.settled()
-        assert (at is None, planner.adam_declined) == (declined, declined), model
+        assert (at is None, planner.adam.declined) == (declined, declined), model
         assert settled.config.period == planner.config.period == period, model
         line = PlanWords(planner).summary("torch", 0, settled.config.period)
         assert ("0/1 Adam (Lu et al.), Adam's default where no option is given" in line) \

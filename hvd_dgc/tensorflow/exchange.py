@@ -51,7 +51,8 @@ from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
-from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold, stage_densities
+from hvd_dgc.fusion import fusion_threshold
+from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts, stage_densities
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once
 from hvd_dgc.schedule import check_steps, epoch_check_steps, stuck_epoch_message
@@ -297,15 +298,15 @@ class GradientExchange(tf.Module):
 
     def _host_peers(self):
         """The global ranks sharing this rank's host, sorted, where hierarchical DGC may
-        run (Planner.hierarchical_hosts says where; forced where it cannot, refused with
+        run (plan.py hierarchical_hosts says where; forced where it cannot, refused with
         why); else (). One allgather at wrap time, after the config check (every rank
         gets here alike). Not with Adam taken over in TensorFlow yet: its memory holds
         the host's sum of a slice, which no rank's preconditioner scales."""
         unsupported = None
         if self.adam is not None:
             unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
-        if not self.planner.hierarchical_hosts(
-                _hvd.local_size(), _hvd.cross_size(),
+        if not hierarchical_hosts(
+                self.resolved, _hvd.local_size(), _hvd.cross_size(),
                 self.process_set.process_set_id == global_process_set.process_set_id,
                 self.elastic, unsupported):
             return ()

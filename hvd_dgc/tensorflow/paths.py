@@ -687,7 +687,7 @@ class ExchangePaths:
         for s in range(stages):
             dense = [i for i, paths in enumerate(self.stages) if paths[s] == PathKind.DENSE]
             if dense and any(paths[s] in GATHERS for paths in self.stages) and \
-                    planner.folds(sum(ctx.numel(i) for i in dense)):
+                    planner.prices.folds(sum(ctx.numel(i) for i in dense)):
                 for i in dense:
                     folds.setdefault(i, [False] * stages)[s] = True
         return {i: tuple(f) for i, f in folds.items()}

@@ -43,7 +43,8 @@ from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle, relinked_words
 from hvd_dgc.outer import check_outer
-from hvd_dgc.plan import Planner, TensorInfo, fusion_threshold
+from hvd_dgc.fusion import fusion_threshold
+from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once, rank0_warn
 from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
@@ -625,10 +626,10 @@ def _backward_profiler(config, resolved, planner, process_set, scheduler, takeov
 
 def _host_peers(planner, collectives):
     """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
-    (Planner.hierarchical_hosts says where); else (). One allgather at wrap time, after
+    (plan.py hierarchical_hosts says where); else (). One allgather at wrap time, after
     the config check (every rank gets here alike)."""
-    if not planner.hierarchical_hosts(
-            _hvd.local_size(), _hvd.cross_size(),
+    if not hierarchical_hosts(
+            planner.resolved, _hvd.local_size(), _hvd.cross_size(),
             collectives.process_set.process_set_id == global_process_set.process_set_id,
             os.environ.get("HOROVOD_ELASTIC") == "1"):
         return ()

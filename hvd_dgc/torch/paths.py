@@ -302,7 +302,7 @@ class AllgatherPath(_Path):
         dense, mine = parts.get(PathKind.DENSE), parts.get(self.kind)
         if dense is None or mine is None or \
                 not folds_values(self._bits(mine), self.ctx.dense_fp16) or \
-                not planner.folds(sum(dense.numels)):
+                not planner.prices.folds(sum(dense.numels)):
             return parts
         parts = dict(parts)
         parts[self.kind] = mine._replace(folded=parts.pop(PathKind.DENSE))

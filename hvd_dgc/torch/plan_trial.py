@@ -74,7 +74,7 @@ class BackwardProfiler:
                 self._decide(agreed, step, density)
                 return
         trial = self.trial
-        if planner.profile is None or trial.phase == "decided" or step + 1 < self.not_before:
+        if planner.timeline is None or trial.phase == "decided" or step + 1 < self.not_before:
             return
         action = trial.end_step(seconds, density, lambda: planner.timeline_differs(density))
         if action in ("timeline", "sums"):
@@ -103,8 +103,8 @@ class BackwardProfiler:
                       flush=True)
         elif _hvd.rank() == 0:
             sums, timeline = trial.means
-            plan = planner.overlap_plan(trial.density)
-            print(f"hvd_dgc: from step {step + 1}, {planner.profile.words()}; where the "
+            plan = planner.timeline.plan(planner, trial.density)
+            print(f"hvd_dgc: from step {step + 1}, {planner.timeline.profile.words()}; where the "
                   f"step's timeline (a transfer the backward pass hides costing nothing) "
                   f"sends tensors otherwise than the cost model's sums, both were tried at "
                   f"density {trial.density:g}: {timeline * 1e3:.1f} ms a step on the "
@@ -122,8 +122,8 @@ class BackwardProfiler:
         trial = self.trial
         out = {"timeline": {"sums": None, "timeline": None, "kept": None,
                             "from": self.decided_at}}
-        if self.planner.profile is not None:
-            out["backward_seconds"] = self.planner.profile.backward
+        if self.planner.timeline is not None:
+            out["backward_seconds"] = self.planner.timeline.profile.backward
         if trial.means is not None:
             out["timeline"].update(sums=trial.means[0], timeline=trial.means[1],
                                    kept="timeline" if trial.verdict else "sums")

@@ -344,17 +344,18 @@ def _overlap(kind):
             torch.nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,),
                                                                       generator=gen)).backward()
             opt.step()
-            timeline.append(planner.timeline)
+            timeline.append(planner.on_timeline)
     names = {t.key: t.name for t in planner.tensors}
     return {"line": line.getvalue(), "timeline": timeline,
             "stats": {k: v for k, v in opt.compression_stats().items()
                       if k in ("timeline", "backward_seconds")},
-            "hide": {names[k]: h for k, h in planner.profile.hide.items()},
-            "backward": planner.profile.backward,
+            "hide": {names[k]: h for k, h in planner.timeline.profile.hide.items()},
+            "backward": planner.timeline.profile.backward,
             "paths": {t.name: str(planner.path(t, 0.01)) for t in planner.tensors},
             "summed": {t.name: str(planner.summed_path(t, 0.01)) for t in planner.tensors
                        if planner.large(t)},
-            "planned": {names[k]: str(p) for k, p in planner.overlap_plan(0.01).paths.items()},
+            "planned": {names[k]: str(p)
+                        for k, p in planner.timeline.plan(planner, 0.01).paths.items()},
             "identical": ranks_identical(model, f"overlap.{kind}")}
 
 

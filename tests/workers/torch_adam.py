@@ -300,7 +300,7 @@ def declined_on_a_fast_link():
            "few": {"diff": float((flat_params(ref) - flat_params(few)).abs().max()),
                    "phase": opt_few.compression_stats()["adam_phase"],
                    "paths": opt_few.compression_stats()["paths"],
-                   "share": opt_few._planner.adam_share, "line": few_line.getvalue()}}
+                   "share": opt_few._planner.adam.share, "line": few_line.getvalue()}}
     # the first stage (0.5, steps 4 to 9) goes dense on a link where selecting a record
     # costs 1 us, the final 0.01 sparse: exact Adam, Horovod's, until the freeze moves
     # to step 10, where the sparse stage starts

@@ -286,10 +286,11 @@ def trial_syncs(steps=24, warm=2):
         _, seen = _count_syncs(lambda: step(i))
         ours.append(sum(w.startswith("torch/") for w in seen))
         where.update(seen)
-        timeline.append(opt._planner.timeline)
+        timeline.append(opt._planner.on_timeline)
     stats, planner = opt.compression_stats(), opt._planner
     return {"profiled": opt._profiler is not None, "ours": ours, "where": dict(where),
-            "at_end": sorted(map(str, planner.at_end)), "flat": sorted(map(str, planner.flat)),
+            "at_end": sorted(map(str, planner.timeline.at_end if planner.timeline else ())),
+            "flat": sorted(map(str, planner.flat)),
             "differs": planner.timeline_differs(0.01),
             "timeline": timeline, "trial": stats.get("timeline"),
             "identical": ranks_identical(m, "trial_syncs"),

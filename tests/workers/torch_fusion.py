@@ -68,7 +68,7 @@ def bundled_equals_per_tensor():
     out["passes"] = _pair("fzb", [None, 0], passes=2)
     out["region"] = _pair("fzr", [None, 0], aggregation="region")
     # little latency in the cost model (16 us; the records' collectives at 28% of the
-    # allreduce's rate): the step's bytes take less than plan.BUCKET_LATENCIES of it, so
+    # allreduce's rate): the step's bytes take less than fusion.BUCKET_LATENCIES of it, so
     # one bucket, but the dense tensors keep their allreduce (costmodel.folds: their 453
     # values in the allgather, 52 us, cost more than it, 46 us)
     out["unfolded"] = _pair("fzn", [None, 0], cost_model=hvd.CostModel(
