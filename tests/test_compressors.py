@@ -192,7 +192,7 @@ def test_options_and_identity():
 
 # -- 2 ranks under horovodrun --gloo, in hvd_dgc's optimizer (one launch) -----------------
 SCENARIOS = ["powersgd_vs_torch", "consistency", "delay_and_errors", "priced_dense",
-             "convergence"]
+             "convergence", "users_compressor"]
 NAMES = ["powersgd", "sign", "terngrad", "qsgd", "bf16"]
 
 
@@ -200,6 +200,23 @@ NAMES = ["powersgd", "sign", "terngrad", "qsgd", "bf16"]
 def two_ranks():
     return run("tests.workers.torch_compressors:suite", np=2, controller="gloo",
                kwargs={"names": SCENARIOS}, timeout=600)
+
+
+def assert_users_compressor(outs):
+    """A user's top-k by sorting, registered on Compression (docs/extending.md's recipe):
+    the same run as Compression.topk's, bit for bit, through its own select, ranks
+    identical (tests/test_tf.py holds TensorFlow's to it too)."""
+    for out in outs:
+        users, topk = out["users"], out["topk"]
+        assert out["calls"] > 0, out["calls"]
+        assert users["paths"]["sparse"] > 0 and users["paths"] == topk["paths"], out
+        assert users["weights"] == topk["weights"]
+        assert users["identical"] and topk["identical"]
+        assert "sorted_topk" in out["repr"]
+
+
+def test_a_users_own_compressor_follows_the_recipe(two_ranks):
+    assert_users_compressor(_checked(two_ranks, "users_compressor"))
 
 
 def test_powersgd_two_ranks_matches_torch_hook(two_ranks):

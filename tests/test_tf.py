@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from harness.hvdrun import run
+from tests.test_compressors import assert_users_compressor
 from tests.test_torch_dga import assert_auto_delay_trace
 from tests.test_torch_optimizer import _checked
 
@@ -23,7 +24,7 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
         "tf_dga.period_bad_inputs", "tf_dga.auto_delay_matches_reference",
-        "tf_dga.auto_delay_checkpoint"]
+        "tf_dga.auto_delay_checkpoint", "tape_users_compressor"]
 # Keras 2: Horovod's dense and DGC; Keras 3: DGC, DGC with delayed averaging, EF-SignSGD,
 # held to Keras 2's dense Horovod (the same model, data and seed)
 FIT2 = {"keras_fit_digits": {}}
@@ -93,6 +94,12 @@ def _assert_resumed(outs):
     for out in outs:
         assert out["restored"] == 0.0, out  # bit-identical to the uninterrupted run
         assert out["without_dgc_state"] > 1e-4, out  # the memory is what made it so
+
+
+def test_a_users_own_compressor_follows_the_recipe(tape):
+    """tests/test_compressors.py's twin: a user's top-k by sorting, registered on
+    TensorFlow's Compression, equals Compression.topk's run bit for bit."""
+    assert_users_compressor(_checked(tape, "tape_users_compressor"))
 
 
 def test_tape_dense_fp16_beyond_its_range_matches_the_reference(tape):

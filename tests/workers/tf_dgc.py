@@ -72,6 +72,45 @@ def tape_dense_equivalence(steps=10):
     return {"max_diff": diff, "moved": moved, "identical": _identical(tf, hvd, ours, "t.id")}
 
 
+def tape_users_compressor(steps=10):
+    """docs/extending.md's compressor recipe followed from outside the package, as
+    tests/workers/torch_compressors.py ``users_compressor``: a user's top-k by sorting
+    (ours uses tf.math.top_k), registered on ``Compression`` and named there by the tape;
+    its run equals ``Compression.topk``'s bit for bit, through its own ``select``."""
+    tf = _tf()
+    import hvd_dgc.tensorflow as hvd
+    from hvd_dgc.tensorflow.compression import SparseCompressor
+
+    class SortedTopK(SparseCompressor):
+        name = "sorted_topk"
+        calls = 0
+
+        def select(self, flat, k, seed):
+            type(self).calls += 1
+            return tf.argsort(tf.abs(flat), direction="DESCENDING")[:k]
+
+    hvd.Compression.sorted_topk = SortedTopK()
+    rank, out = hvd.rank(), {}
+    for tag, comp in (("users", hvd.Compression.sorted_topk), ("topk", hvd.Compression.topk)):
+        variables = _vars(tf, seed=5, width=96)
+        bufs = [tf.Variable(tf.zeros_like(v)) for v in variables]
+        for step in range(steps):
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, variables, *_batch(step, rank))
+            grads = hvd.DistributedGradientTape(
+                tape, compression=comp, density=0.02, warmup=0,
+                aggregation="allgather").gradient(loss, variables)
+            _sgd_momentum_step(tf, variables, grads, bufs)
+        stats = hvd.compression_stats()  # (every exchange of the process: this one last)
+        out[tag] = {"weights": _flat(tf, variables).numpy().tolist(),
+                    "identical": _identical(tf, hvd, variables, f"user.{tag}"),
+                    "paths": (stats[-1] if isinstance(stats, list) else stats)["paths"]}
+    out["calls"] = SortedTopK.calls
+    out["repr"] = repr(hvd.Compression.sorted_topk(seed=1))
+    del hvd.Compression.sorted_topk
+    return out
+
+
 def tape_sparse_in_tf_function(steps=8):
     """DGC 1% inside tf.function: ranks identical after every step, counts in the window."""
     tf = _tf()

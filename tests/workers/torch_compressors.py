@@ -295,6 +295,45 @@ def convergence(epochs=8, batch=32, lr=0.05):
     return out
 
 
+# -- a user's own compressor, by docs/extending.md's recipe ----------------------------
+def users_compressor(steps=12):
+    """docs/extending.md's compressor recipe followed from outside the package: a sparse
+    compressor of a user's (top-k by sorting, where ours uses torch.topk), with its
+    ``name`` and ``_options()``, registered on ``Compression`` and named there by the
+    optimizer. Its selection is top-k's, so its run must equal ``Compression.topk``'s
+    bit for bit; its ``select`` is what ran."""
+    from hvd_dgc.torch.compression import SparseCompressor
+
+    class SortedTopK(SparseCompressor):
+        name = "sorted_topk"
+        calls = 0
+
+        def select(self, flat, k, rank=0, block_max=None):
+            type(self).calls += 1
+            return torch.argsort(flat.abs(), descending=True)[:k]
+
+    hvd.Compression.sorted_topk = SortedTopK()
+    rank, out = hvd.rank(), {}
+    for tag, comp in (("users", hvd.Compression.sorted_topk), ("topk", hvd.Compression.topk)):
+        model = wide_mlp(3)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=[(f"user.{tag}.{n}", p) for n, p in model.named_parameters()],
+            compression=comp, density=0.02, warmup=0, aggregation="allgather")
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, step, rank, features=64, classes=10).backward()
+            opt.step()
+        out[tag] = {"weights": torch.cat([p.detach().reshape(-1)
+                                          for p in model.parameters()]).tolist(),
+                    "identical": ranks_identical(model, f"user.{tag}"),
+                    "paths": opt.compression_stats()["paths"]}
+    out["calls"] = SortedTopK.calls
+    out["repr"] = repr(hvd.Compression.sorted_topk(seed=1))
+    del hvd.Compression.sorted_topk
+    return out
+
+
 def suite(names):
     hvd.init()
     return _run(names, __import__(__name__, fromlist=["_"]))
