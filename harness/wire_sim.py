@@ -66,7 +66,7 @@ def _dgc(planner, tensors, world):
     bits = gather_value_bits(planner.compressor)
     value = bits / 8
     scale = SCALE_BYTES if bits == 8 else 0
-    dense_value = planner.dense_value_bytes
+    dense_value = planner.prices.dense_value_bytes
     sent = received = 0.0
     paths = {}
     for launch in launches:
@@ -114,7 +114,7 @@ def _adam(planner, tensors, world):
             out, got = exchange_bytes(planner.compressor, t.numel, world)
             sent, received = sent + out, received + got
         else:
-            ring = dense_bytes(t.numel, world, planner.dense_value_bytes)
+            ring = dense_bytes(t.numel, world, planner.prices.dense_value_bytes)
             sent, received = sent + ring, received + ring
     return sent / period, received / period, paths
 

@@ -236,14 +236,11 @@ class Planner:
             self.timeline = self.timeline.afresh()
 
     def _prices(self, model):
+        """``Prices`` by ``model`` on this world, dense values in fp16 or fp32."""
         return Prices(model, self.compressor, self.world_size, self.local_size,
-                      self.dense_value_bytes)
+                      2 if self.resolved.dense_fp16 else 4)
 
     # -- per tensor ----------------------------------------------------------------
-    @property
-    def dense_value_bytes(self):
-        return 2 if self.resolved.dense_fp16 else 4
-
     def k(self, tensor, density):
         """Records a sparse path sends of ``tensor`` at ``density``."""
         return num_selected(tensor.numel, density)
