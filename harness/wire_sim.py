@@ -99,23 +99,30 @@ def _dgc(planner, tensors, world):
 def _adam(planner, tensors, world):
     """AdamW's default once its variance is frozen: each tensor's path (the sign's
     allgather, from 3 ranks its compressed allreduce, or dense), an exchange every
-    ``period`` steps."""
+    ``period`` steps. The compressed allreduce carries a step's tensors together (one
+    launch: hvd_dgc/torch/scheduler.py), its scales and padding once."""
     from hvd_dgc.aggregation import dense_bytes
-    from hvd_dgc.packing import exchange_bytes
+    from hvd_dgc.packing import exchange_bytes, reduces_signs, sign_reduce_bytes
     from hvd_dgc.paths import PathKind
     from hvd_dgc.predict import NEVER
     period = planner.config.period
     sent = received = 0.0
-    paths = {}
+    paths, signs = {}, []
+    together = reduces_signs(planner.compressor, world)
     for t in tensors:
         path = planner.path(t, 1.0, NEVER)
         paths[path.value] = paths.get(path.value, 0) + 1
-        if path == PathKind.EXCHANGE:
+        if path == PathKind.EXCHANGE and together:
+            signs.append(t.numel)
+        elif path == PathKind.EXCHANGE:
             out, got = exchange_bytes(planner.compressor, t.numel, world)
             sent, received = sent + out, received + got
         else:
             ring = dense_bytes(t.numel, world, planner.prices.dense_value_bytes)
             sent, received = sent + ring, received + ring
+    if signs:
+        out, got = sign_reduce_bytes(tuple(signs), world)
+        sent, received = sent + out, received + got
     return sent / period, received / period, paths
 
 

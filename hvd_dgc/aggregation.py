@@ -55,7 +55,7 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-__all__ = ["slices", "chunk_rows", "region_of", "regions", "quota", "RegionReduce",
+__all__ = ["slices", "SignRows", "chunk_spans", "sign_rows", "region_of", "regions", "quota", "RegionReduce",
            "region_reduce_reference", "bytes_per_worker", "dense_bytes", "allgather_bytes",
            "region_bytes", "hierarchical_bytes", "slice_k", "METHODS"]
 
@@ -83,21 +83,68 @@ def slices(n, world):
     return out
 
 
-def chunk_rows(n, world):
-    """A tensor of ``n`` elements in ``world`` chunks (``slices``) as rows of the longest
-    chunk's length (the sign's compressed allreduce, packing.sign_chunk_bytes): ``(length,
-    gather, scatter, lengths)``, ``gather`` [world, length] picking each row's elements
-    out of the tensor with one zero appended (position n: the padding), ``scatter`` each
-    element's place in the flattened rows, ``lengths`` each chunk's."""
-    bounds = slices(n, world)
-    length = max(1, -(-int(n) // int(world)))
+class SignRows(NamedTuple):
+    """The sign's compressed allreduce of a group of tensors (a launch's, or a step's),
+    laid out as rows (packing.sign_chunk_bytes): the tensors' elements one after the
+    other, in ``world`` chunks (``slices`` of the whole), chunk c a row of the longest
+    chunk's ``length`` for rank c to average. A chunk's part of one tensor is a
+    *segment*, with a scale of its own (mean |x|), so each tensor keeps its magnitude
+    while the scales a rank receives stay about 2 (N + T) for T tensors, not 2 N T."""
+
+    length: int                # elements of the longest chunk: every row's length
+    gather: np.ndarray         # [world, length] positions in the tensors' concatenation,
+    #                            its total (one zero appended) where a row is padding
+    scatter: np.ndarray        # [total] each element's place in the flattened rows
+    lengths: np.ndarray        # [world] elements of each chunk
+    segment: np.ndarray        # [world, length] each row element's segment, 0..S-1
+    #                            (padding: its row's last segment; it adds zeros)
+    segment_lengths: np.ndarray  # [world, S] elements of each segment (0: none)
+    spans: tuple               # per chunk, its segments as (tensor, start, stop), in the
+    #                            tensor's own positions
+
+
+def chunk_spans(numels, world):
+    """Per chunk of the tensors' concatenation (``slices`` of the whole), its segments:
+    ``(tensor, start, stop)`` in that tensor's positions, in order."""
+    numels = [int(n) for n in numels]
+    starts = np.cumsum([0] + numels)
+    out = []
+    for lo, hi in slices(int(starts[-1]), world):
+        spans = []
+        t = int(np.searchsorted(starts, lo, side="right")) - 1
+        while lo < hi:
+            while starts[t + 1] <= lo:  # (empty tensors)
+                t += 1
+            stop = min(hi, int(starts[t + 1]))
+            spans.append((t, lo - int(starts[t]), stop - int(starts[t])))
+            lo = stop
+        out.append(tuple(spans))
+    return tuple(out)
+
+
+def sign_rows(numels, world):
+    """``SignRows`` of tensors of ``numels`` elements on ``world`` ranks."""
+    total = int(sum(int(n) for n in numels))
+    bounds = slices(total, world)
+    length = max(1, -(-total // int(world)))
     column = np.arange(length)
     starts = np.array([lo for lo, _ in bounds], np.int64)
     lengths = np.array([hi - lo for lo, hi in bounds], np.int64)
-    gather = np.where(column < lengths[:, None], starts[:, None] + column, n)
+    gather = np.where(column < lengths[:, None], starts[:, None] + column, total)
     scatter = np.concatenate([c * length + np.arange(hi - lo)
                               for c, (lo, hi) in enumerate(bounds)]).astype(np.int64)
-    return length, gather, scatter, lengths
+    spans = chunk_spans(numels, world)
+    width = max(1, max(len(s) for s in spans))
+    segment = np.zeros((int(world), length), np.int64)
+    segment_lengths = np.zeros((int(world), width), np.int64)
+    for c, chunk in enumerate(spans):
+        at = 0
+        for j, (_, lo, hi) in enumerate(chunk):
+            segment[c, at:at + hi - lo] = j
+            segment_lengths[c, j] = hi - lo
+            at += hi - lo
+        segment[c, at:] = max(0, len(chunk) - 1)
+    return SignRows(length, gather, scatter, lengths, segment, segment_lengths, spans)
 
 
 def region_of(indices, n, world, k):

@@ -8,9 +8,9 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 
 import math
 
-__all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_chunk_bytes",
-           "sign_reduce_bytes", "SIGN_COLLECTIVES", "check_sign_collective", "sign_reduces",
-           "reduces_signs", "exchange_bytes",
+__all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_segments",
+           "sign_chunk_bytes", "sign_reduce_bytes", "sign_shares", "SIGN_COLLECTIVES",
+           "check_sign_collective", "sign_reduces", "reduces_signs", "exchange_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
@@ -38,24 +38,50 @@ def sign_payload_bytes(n):
     return plane_bytes(n, 1) + SCALE_BYTES
 
 
-def sign_chunk_bytes(n, world):
-    """The sign's compressed allreduce (1-bit Adam's, with per-chunk scales): a tensor of
-    ``n`` elements in ``world`` chunks (hvd_dgc.aggregation.slices: contiguous, the first
-    n % N one longer), each chunk on the wire as its float32 scale and its signs, one bit
-    each, padded to the longest chunk's ceil(n / N): the same size for every chunk."""
-    return SCALE_BYTES + plane_bytes(-(-n // world) if world else n, 1)
+def sign_segments(numels, world):
+    """Scales in each chunk of the sign's compressed allreduce of tensors of ``numels``
+    elements (an int: one tensor): the most segments any chunk holds
+    (hvd_dgc.aggregation.sign_rows), at least one."""
+    if isinstance(numels, int):
+        return 1
+    from hvd_dgc.aggregation import chunk_spans
+    return max(1, max(len(spans) for spans in chunk_spans(numels, max(1, world))))
 
 
-def sign_reduce_bytes(n, world):
-    """``(sent, received)`` bytes of one rank in the sign's compressed allreduce of a
-    tensor of ``n`` elements: its chunks to their owners (an alltoall), then its own
-    chunk's average re-signed to every rank (an allgather). What a rank receives,
-    2 (N-1) chunks, is about 2 (N-1)/N n/8 bytes: flat in N, where the allgather of every
-    rank's signs receives (N-1) n/8."""
+def sign_chunk_bytes(numels, world):
+    """The sign's compressed allreduce (1-bit Adam's, with a scale per segment): tensors
+    of ``numels`` elements (an int: one tensor) one after the other, in ``world`` chunks
+    (hvd_dgc.aggregation.sign_rows: contiguous, the first total % N one longer), each
+    chunk on the wire as its float32 scales (one per tensor it holds part of, as many as
+    the chunk that holds most) and its signs, one bit each, padded to the longest
+    chunk's ceil(total / N): the same size for every chunk."""
+    total = numels if isinstance(numels, int) else sum(int(n) for n in numels)
+    return SCALE_BYTES * sign_segments(numels, world) + \
+        plane_bytes(-(-total // world) if world else total, 1)
+
+
+def sign_reduce_bytes(numels, world):
+    """``(sent, received)`` bytes of one rank in the sign's compressed allreduce of
+    tensors of ``numels`` elements (an int: one tensor): its chunks to their owners (an
+    alltoall), then its own chunk's average re-signed to every rank (an allgather). What
+    a rank receives, 2 (N-1) chunks, is about 2 (N-1)/N n/8 bytes: flat in N, where the
+    allgather of every rank's signs receives (N-1) n/8."""
     if world < 2:
-        return sign_payload_bytes(n), 0
-    chunk = sign_chunk_bytes(n, world)
+        total = numels if isinstance(numels, int) else sum(int(n) for n in numels)
+        return sign_payload_bytes(total), 0
+    chunk = sign_chunk_bytes(numels, world)
     return world * chunk, 2 * (world - 1) * chunk
+
+
+def sign_shares(numels, world):
+    """A group's ``sign_reduce_bytes(numels, world)[0]`` as each tensor's share (in
+    proportion to its elements, the remainder to the last): what the statistics count
+    for each."""
+    numels = [int(n) for n in numels]
+    sent, total = sign_reduce_bytes(numels, world)[0], max(1, sum(numels))
+    shares = [sent * n // total for n in numels]
+    shares[-1] += sent - sum(shares)
+    return shares
 
 
 #: the sign compressor's ``collective`` option: "allgather" (every rank's signs to every

@@ -669,37 +669,55 @@ def decode_positions(blob, n, k, code=None):
 
 
 # -- the sign's compressed allreduce (1-bit Adam's; hvd_dgc/packing.py sign_chunk_bytes) --
-def sign_chunk(x, length):
-    """One chunk as the compressed allreduce sends it: its scale, mean |x| (summed in
-    float64, then float32; 0 for an empty chunk), and its signs (x >= 0: 1), one bit
-    each, least significant first, padded with 1 bits to ``length``. Returns ``(payload
-    bytes, the chunk as it arrives: scale where the bit is 1, -scale where 0)``."""
+def sign_chunk(x, length, segments=None, width=1):
+    """One chunk as the compressed allreduce sends it: a scale per segment (``segments``:
+    their lengths, in order; None: one), mean |x| over it (summed in float64, then
+    float32; 0 where empty), as ``width`` float32s (zeros past the segments), then its
+    signs (x >= 0: 1), one bit each, least significant first, padded with 1 bits to
+    ``length``. Returns ``(payload bytes, the chunk as it arrives: its segment's scale
+    where the bit is 1, minus it where 0)``."""
     x = f32(x)
-    scale = np.float32(np.abs(x).astype(np.float64).sum() / x.size) if x.size else F32(0)
+    segments = [x.size] if segments is None else list(segments)
+    scales, each, at = np.zeros(width, np.float32), [], 0
+    for j, n in enumerate(segments):
+        part = x[at:at + n]
+        scales[j] = np.float32(np.abs(part).astype(np.float64).sum() / n) if n else F32(0)
+        each.append(np.full(n, scales[j], np.float32))
+        at += n
+    each = np.concatenate(each) if each else np.zeros(0, np.float32)
     bits = np.ones(length, np.uint8)
     bits[:x.size] = x >= 0
-    payload = np.concatenate([np.array([scale], np.float32).view(np.uint8),
-                              np.packbits(bits, bitorder="little")])
-    return payload, np.where(x >= 0, scale, -scale).astype(np.float32)
+    payload = np.concatenate([scales.view(np.uint8), np.packbits(bits, bitorder="little")])
+    return payload, np.where(x >= 0, each, -each).astype(np.float32)
 
 
 def sign_reduce(inputs, server_errors=None):
-    """The compressed allreduce of one tensor, every rank's part at once: rank i's
-    ``inputs[i]`` (its memory, error feedback included) in N chunks
-    (hvd_dgc.aggregation.slices), chunk c signed and sent to rank c; rank c averages the
-    N chunks it got (summed in float64 in rank order, divided by N, then float32), adds
+    """The compressed allreduce of one group of tensors, every rank's part at once: rank
+    i's ``inputs[i]`` (its memories, error feedback included: a list of arrays, or one
+    array) one after the other in N chunks (hvd_dgc.aggregation.slices of the whole),
+    chunk c signed with a scale per tensor it holds part of (every chunk as many as the
+    chunk holding most: ``chunk_spans``) and sent to rank c; rank c averages the N
+    chunks it got (summed in float64 in rank order, divided by N, then float32), adds
     its ``server_errors[c]`` (None: zeros), signs the result again and sends it to every
     rank, keeping what that lost as its new server error. Returns ``(average, sent,
-    server_errors, payloads)``: the average every rank decodes, what each rank's own
-    chunks decoded to (its error feedback takes it out of its memory), the new server
-    errors, and ``payloads[i]``: rank i's bytes to each owner, then its re-signed chunk."""
-    from hvd_dgc.aggregation import slices
-    world, n = len(inputs), len(inputs[0])
-    bounds = slices(n, world)
-    length = -(-n // world)
+    server_errors, payloads)``, flat over the group: the average every rank decodes,
+    what each rank's own chunks decoded to (its error feedback takes it out of its
+    memory), the new server errors (per owner, over its chunk), and ``payloads[i]``:
+    rank i's bytes to each owner, then its re-signed chunk."""
+    from hvd_dgc.aggregation import chunk_spans, slices
+    group = [[f32(t) for t in x] if isinstance(x, (list, tuple)) else [f32(x)]
+             for x in inputs]
+    world, numels = len(inputs), [t.size for t in group[0]]
+    flats = [np.concatenate(g) for g in group]
+    n = int(sum(numels))
+    bounds, spans = slices(n, world), chunk_spans(numels, world)
+    width = max(1, max(len(s) for s in spans))
+    length = max(1, -(-n // world))
+    segments = [[hi - lo for _, lo, hi in chunk] for chunk in spans]
     errors = [np.zeros(hi - lo, np.float32) for lo, hi in bounds] if server_errors is None \
         else [f32(e) for e in server_errors]
-    coded = [[sign_chunk(f32(x)[lo:hi], length) for lo, hi in bounds] for x in inputs]
+    coded = [[sign_chunk(x[lo:hi], length, segments[c], width)
+              for c, (lo, hi) in enumerate(bounds)] for x in flats]
     sent = [np.concatenate([d for _, d in row]) for row in coded]
     average, new_errors, payloads = [], [], []
     for c, (lo, hi) in enumerate(bounds):
@@ -707,7 +725,7 @@ def sign_reduce(inputs, server_errors=None):
         for i in range(world):
             total += coded[i][c][1]
         w = (total / world).astype(np.float32) + errors[c]
-        payload, arrived = sign_chunk(w, length)
+        payload, arrived = sign_chunk(w, length, segments[c], width)
         average.append(arrived)
         new_errors.append((w - arrived).astype(np.float32))
         payloads.append(payload)

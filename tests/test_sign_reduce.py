@@ -1,13 +1,16 @@
 """The sign's compressed allreduce (1-bit Adam's; hvd_dgc/torch/quantize.py) against its
-NumPy reference (tests/reference.py ``sign_reduce``): a hand-derived vector, what is
-conserved, the bytes on the wire, and real ranks under horovodrun at 2, 3 and 4 (uneven
-chunks, empty ones), step after step with the server errors carried."""
+NumPy reference (tests/reference.py ``sign_reduce``): hand-derived vectors (one tensor;
+a group whose chunk holds parts of two), what is conserved, the bytes on the wire, and
+real ranks under horovodrun at 2, 3 and 4 (uneven chunks, empty ones, a step's tensors
+in one exchange), step after step with the server errors carried."""
 
 import numpy as np
 import pytest
 
 from harness.hvdrun import run
-from hvd_dgc.packing import exchange_bytes, sign_chunk_bytes, sign_reduce_bytes, sign_reduces
+from hvd_dgc.aggregation import chunk_spans, slices
+from hvd_dgc.packing import exchange_bytes, sign_chunk_bytes, sign_reduce_bytes, sign_reduces, \
+    sign_shares
 from tests.reference import SIGN_NUMELS as NUMELS, SIGN_STEPS as STEPS, sign_inputs as inputs, \
     sign_reduce
 
@@ -36,6 +39,28 @@ def test_hand_derived_vector():
     assert sign_chunk_bytes(5, 2) == 5 and sign_reduce_bytes(5, 2) == (10, 10)
 
 
+def test_hand_derived_group():
+    # 2 ranks, tensors of 2 and 3 elements one after the other: chunk 0 holds the first
+    # and the start of the second (two scales), chunk 1 the rest of the second (one,
+    # and a zero: every chunk as many scales as the one holding most)
+    r0, r1 = [F([1, -2]), F([3, -4, 5])], [F([-1, -1]), F([1, 1, 0])]
+    average, sent, errors, payloads = sign_reduce([r0, r1])
+    np.testing.assert_array_equal(sent[0], F([1.5, -1.5, 3, -4.5, 4.5]))
+    np.testing.assert_array_equal(sent[1], F([-1, -1, 1, 0.5, 0.5]))
+    # owner 0: ([1.5,-1.5,3] + [-1,-1,1]) / 2 = [0.25,-1.25,2]: scales 0.75 and 2;
+    # owner 1: ([-4.5,4.5] + [0.5,0.5]) / 2 = [-2,2.5]: scale 2.25
+    np.testing.assert_array_equal(average, F([0.75, -0.75, 2, -2.25, 2.25]))
+    np.testing.assert_array_equal(errors[0], F([-0.5, -0.5, 0]))
+    np.testing.assert_array_equal(errors[1], F([0.25, 0.25]))
+    to_owners, resigned = payloads[0]
+    assert bytes(to_owners[0]) == F([1.5, 3]).tobytes() + bytes([0b101])
+    assert bytes(to_owners[1]) == F([4.5, 0]).tobytes() + bytes([0b110])
+    assert bytes(resigned) == F([0.75, 2]).tobytes() + bytes([0b101])
+    assert chunk_spans((2, 3), 2) == (((0, 0, 2), (1, 0, 1)), ((1, 1, 3),))
+    assert sign_chunk_bytes((2, 3), 2) == 9 and sign_reduce_bytes((2, 3), 2) == (18, 18)
+    assert sign_shares((2, 3), 2) == [7, 11]
+
+
 @pytest.mark.parametrize("world,n", [(2, 5), (3, 1001), (4, 37), (4, 2), (8, 64)])
 def test_what_is_conserved(world, n):
     """Each rank's memory = what it sent + its residual; each owner's average of what was
@@ -62,6 +87,14 @@ def test_bytes_flat_in_n():
     assert received[1024] / received[8] < 1.2  # 1.16: the 1,023 chunks' scales
     assert received[1024] < 2 * n / 8 + 2 * 4 * 1024 + 2 * 1024
     assert gathered[1024] / received[1024] > 400
+    # a step's tensors in one exchange (11 of an LM's, 0.5M elements): the scales and the
+    # padding once, not once a tensor: 1.29x from 8 to 1,024 ranks (1.14x of it the
+    # ring's own 2 (N-1)/N), where tensor by tensor made 1.97x
+    lm = (65536, 32768, 32768, 32768, 32768, 65536, 65536, 16384, 16384, 65536, 65536)
+    group = {w: sign_reduce_bytes(lm, w)[1] for w in (8, 1024)}
+    alone = {w: sum(sign_reduce_bytes(n, w)[1] for n in lm) for w in (8, 1024)}
+    assert group[1024] / group[8] < 1.3 and alone[1024] / alone[8] > 1.9
+    assert group[1024] < 2 * sum(lm) / 8 + 2 * 4 * 2 * 1024 + 2 * 1024
     assert not sign_reduces("auto", 2) and sign_reduces("auto", 3)
     assert sign_reduces("allreduce", 2) and not sign_reduces("allgather", 1024)
 
@@ -87,36 +120,55 @@ def ranks(request):
 
 
 def _reference(world):
-    """The reference's run of the workers' steps: ``(step, tensor, memories, average,
-    sent, server errors)`` of each exchange, every rank's memory keeping what it did not
-    send."""
-    errors = [None] * len(NUMELS)
+    """The reference's run of the workers' steps, the tensors in one exchange a step:
+    ``(step, memories, averages, sent, server errors)`` per step (each rank's, per
+    tensor; the errors ``{tensor: (start, error)}`` of each owner's chunk), every rank's
+    memory keeping what it did not send."""
+    errors = None
     left = [[np.zeros(n, F) for n in NUMELS] for _ in range(world)]
+    cuts = np.cumsum(NUMELS)[:-1]
+    spans, bounds = chunk_spans(NUMELS, world), slices(sum(NUMELS), world)
     for step in range(STEPS):
         xs = inputs(world, step)
-        for t in range(len(NUMELS)):
-            memories = [left[r][t] + xs[r][t] for r in range(world)]
-            average, sent, errors[t], _ = sign_reduce(memories, errors[t])
-            yield step, t, memories, average, sent, errors[t]
-            for r in range(world):
-                left[r][t] = memories[r] - sent[r]
+        memories = [[left[r][t] + xs[r][t] for t in range(len(NUMELS))] for r in range(world)]
+        average, sent, errors, _ = sign_reduce(memories, errors)
+        sent = [np.split(s, cuts) for s in sent]
+        kept = []
+        for c in range(world):
+            pieces, at = {}, 0
+            for t, lo, hi in spans[c]:
+                pieces[t] = (lo, errors[c][at:at + hi - lo])
+                at += hi - lo
+            kept.append(pieces)
+        yield step, memories, np.split(average, cuts), sent, kept
+        for r in range(world):
+            left[r] = [m - s for m, s in zip(memories[r], sent[r])]
+    assert bounds[-1][1] == sum(NUMELS)
+
+
+def _same_errors(got, expected):
+    assert sorted(got) == sorted(expected)
+    for t, (lo, error) in expected.items():
+        assert got[t][0] == lo
+        np.testing.assert_array_equal(got[t][1], error)
 
 
 def test_real_ranks_equal_the_reference(ranks):
     world, results = ranks
-    last = {}
-    for step, t, memories, average, sent, errors in _reference(world):
+    shares = sign_shares(NUMELS, world)
+    for step, memories, average, sent, errors in _reference(world):
         for rank, out in enumerate(results):
             got = out["steps"][step]
-            np.testing.assert_array_equal(got["before"][t], memories[rank])
-            np.testing.assert_array_equal(got["averages"][t], average)
-            np.testing.assert_array_equal(got["residuals"][t], memories[rank] - sent[rank])
-            assert got["wire"][t] == sign_reduce_bytes(NUMELS[t], world)[0]
-            np.testing.assert_array_equal(got["errors"][t], errors[rank])
-        last[t] = errors
+            for t in range(len(NUMELS)):
+                np.testing.assert_array_equal(got["before"][t], memories[rank][t])
+                np.testing.assert_array_equal(got["averages"][t], average[t])
+                np.testing.assert_array_equal(got["residuals"][t],
+                                              memories[rank][t] - sent[rank][t])
+            assert got["wire"] == shares
+            _same_errors(got["errors"], errors[rank])
+        last = errors
     for rank, out in enumerate(results):  # the checkpoint's round trip
-        for t in range(len(NUMELS)):
-            np.testing.assert_array_equal(out["reloaded"][t], last[t][rank])
+        _same_errors(out["reloaded"], last[rank])
         assert out["other_rank"] == 0
 
 
@@ -136,7 +188,9 @@ def test_adamw_with_no_option_on_three_ranks_sends_the_compressed_allreduce():
         assert out["exchanges"] == [23, 27, 31]
         # wide_mlp: 3 weights by sign at 3 exchanges, the 3 biases dense beside them
         assert out["paths"] == {"dense": 6 * 20 + 3 * 3, "sign": 3 * 3}, out["paths"]
-        assert out["bytes"] == {n: sign_reduce_bytes(n, 3)[0] for n in (2560, 16384, 65536)}
+        # the three in one exchange (parameter order), each counted at its share
+        assert out["bytes"] == dict(zip((16384, 65536, 2560),
+                                        sign_shares((16384, 65536, 2560), 3)))
         assert out["gathered_bytes"] == {n: sign_payload_bytes(n) for n in (2560, 16384, 65536)}
         assert out["identical"] and out["bad_identical"] and out["finite"]
         assert out["resumed"] < 1e-7 and out["no_errors"] > 1e-3, out
@@ -158,10 +212,35 @@ def test_tensorflow_equals_the_same_reference_on_three_ranks():
     results = run("tests.workers.tf_sign_reduce:steps", np=world, controller="gloo")
     assert [out["collectives"] for out in results] == [["allgather", "auto"]] * world
     results = [out["steps"] for out in results]
-    for step, t, _, average, sent, errors in _reference(world):
+    shares = sign_shares(NUMELS, world)
+    for step, _, average, sent, errors in _reference(world):
         for rank, out in enumerate(results):
             got = out[step]
-            np.testing.assert_array_equal(got["averages"][t], average)
-            np.testing.assert_array_equal(got["sent"][t], sent[rank])
-            np.testing.assert_array_equal(got["errors"][t], errors[rank])
-            assert got["bytes"][t] == sign_reduce_bytes(NUMELS[t], world)[0]
+            for t in range(len(NUMELS)):
+                np.testing.assert_array_equal(got["averages"][t], average[t])
+                np.testing.assert_array_equal(got["sent"][t], sent[rank][t])
+            _same_errors(got["errors"], errors[rank])
+            assert got["bytes"] == shares
+
+
+def test_a_tape_step_sends_its_signs_in_one_exchange():
+    """TensorFlow's synchronous step (a tape, 2 ranks, ``collective="allreduce"``): the
+    two weights' signs leave in one compressed allreduce a step, equal to the NumPy
+    reference of the two together, error feedback carried from step to step; the bias
+    dense beside them; the bytes the group's."""
+    results = run("tests.workers.tf_sign_reduce:tape_group", np=2, controller="gloo")
+    numels = (20000, 5000)
+    cuts, errors = [numels[0]], None
+    for step in range(3):
+        vs = [results[r]["steps"][step]["v"] for r in range(2)]
+        average, sent, errors, _ = sign_reduce(vs, errors)
+        for r, out in enumerate(results):
+            got = out["steps"][step]
+            mine = np.split(sent[r], cuts)
+            for j in range(2):
+                np.testing.assert_array_equal(got["avg"][j], np.split(average, cuts)[j])
+                np.testing.assert_array_equal(got["residual"][j], vs[r][j] - mine[j])
+    for out in results:
+        assert out["paths"] == {"exchange": 2 * 3, "dense": 3}, out["paths"]
+        dense = 8 * 4 * 3  # the bias: 8 fp32 a step
+        assert out["bytes"] == 3 * sign_reduce_bytes(numels, 2)[0] + dense, out["bytes"]

@@ -36,6 +36,7 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
+from hvd_dgc.packing import reduces_signs
 from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.stats import RECORDS
 from hvd_dgc.tensorflow.collective import Comm
@@ -565,6 +566,23 @@ class ExchangePath(_Path):
         ctx.statistics.count(self.kind, numel, numel, res.bytes)
         return ctx.wire.result(res.mean)
 
+    def synchronous_group(self, members, vs, at, name, poison=None):
+        """The sign's compressed allreduce of tensors ``members`` (their memories ``vs``)
+        at once: one alltoall and one allgather for all of them, as PyTorch's launch
+        (quantize.py ``exchange_group``)."""
+        ctx = self.ctx
+        sends = [v if poison is None else poisoned(v, poison) for v in vs]
+        steps = ctx.compressor.exchange_group(
+            sends, [ctx.tensors[i].shape for i in members], [ctx.slots[i] for i in members],
+            Comm(ctx.wire.process_set, name), at)
+        out = []
+        for i, v, res in zip(members, vs, steps):
+            ctx.memory.keep(i, v - res.sent)  # error feedback
+            numel = ctx.numel(i)
+            ctx.statistics.count(self.kind, numel, numel, res.bytes)
+            out.append(ctx.wire.result(res.mean))
+        return out
+
     def take_own(self, i, v, k, at):
         """A one-round compressor (``sent_at_launch``): its payload and what it stands for."""
         ctx, numel = self.ctx, self.ctx.numel(i)
@@ -660,6 +678,9 @@ class ExchangePaths:
                    for t, paths in zip(planner.tensors, self.stages)]
         self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
         self.shortcuts = self._shortcuts()
+        # the sign's compressed allreduce: a stage's tensors on it leave together
+        self.signs_together = self.ctx.slots is not None and \
+            reduces_signs(self.ctx.compressor, planner.world_size)
         self.ctx.memory.unsettle()  # (eager) a tensor that goes dense may hold a residual
         # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
         # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)
@@ -768,7 +789,7 @@ class ExchangePaths:
         a bucket's tensors in one grouped collective: one Horovod negotiation for all
         of them, as PyTorch's buckets (hvd_dgc/torch/scheduler.py). A ``tf.switch_case``
         on the stage, which every rank takes alike, where the buckets differ by stage."""
-        if not any(self.buckets):
+        if not any(self.buckets) and not self.signs_together:
             return [self.synchronous(i, g, at, poison) for i, g in enumerate(grads)]
         out = [self.synchronous(i, g, at, poison) if isinstance(g, tf.IndexedSlices)
                else None for i, g in enumerate(grads)]  # sparse already: no stage
@@ -785,13 +806,16 @@ class ExchangePaths:
 
     def _bucketed(self, grads, members, s, at, poison):
         """The averages of tensors ``members`` at stage ``s`` (a Python int): by bucket
-        where the plan has one, else alone on the stage's path."""
-        plan, averages = self.buckets[s], {}
+        where the plan has one, the sign's compressed allreduce's all together, else
+        alone on the stage's path."""
+        plan, averages, signs = self.buckets[s], {}, {}
         for i in members:
             if i in averages:
                 continue
             bucket = plan.get(i)
-            if bucket is None and i in self.shortcuts:
+            if self.signs_together and self.stages[i][s] == PathKind.EXCHANGE:
+                signs[i] = self.accumulate(i, grads[i], poison)
+            elif bucket is None and i in self.shortcuts:
                 averages[i] = self.synchronous(i, grads[i], at, poison)
             elif bucket is None:
                 path, k = self.by_kind[self.stages[i][s]], self.ks[i][s]
@@ -799,6 +823,9 @@ class ExchangePaths:
                                                poison)
             else:
                 averages.update(zip(bucket, self._bucket(bucket, grads, s, at, poison)))
+        if signs:
+            averages.update(zip(signs, self.by_kind[PathKind.EXCHANGE].synchronous_group(
+                tuple(signs), tuple(signs.values()), at, f"hvd_dgc.s{s}.signs", poison)))
         return [tf.reshape(averages[i], [-1]) for i in members]
 
     def _bucket(self, bucket, grads, s, at, poison):

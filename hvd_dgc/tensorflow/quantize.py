@@ -12,10 +12,9 @@ included with the Keras SGD.
 
 import tensorflow as tf
 
-from hvd_dgc.aggregation import chunk_rows, slices
+from hvd_dgc.aggregation import sign_rows
 from hvd_dgc.packing import SCALE_BYTES, check_qsgd, check_sign_collective, level_bits, \
-    num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduce_bytes, \
-    sign_reduces
+    num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduces, sign_shares
 from hvd_dgc.tensorflow.collective import ExchangeCompressor, Step
 
 __all__ = ["GatherCompressor", "SignCompressor", "QSGDCompressor", "BF16Compressor",
@@ -133,32 +132,50 @@ class SignCompressor(GatherCompressor):
                                       name="sign_server_error"))
 
     def exchange(self, v, shape, slot, comm, at):
-        """The compressed allreduce where ``sign_reduces``: this rank's chunks signed to
-        their owners (an alltoall), its own chunk's average plus its server error signed
-        again to every rank (an allgather); else the allgather of every rank's signs."""
+        """The compressed allreduce where ``sign_reduces`` (``exchange_group`` of this
+        tensor alone); else the allgather of every rank's signs."""
         world = comm.size()
         if slot is None or not sign_reduces(self.collective, world):
             return super().exchange(v, shape, slot, comm, at)
-        n, rank = int(v.shape[0]), comm.rank()
-        lo, hi = slices(n, world)[rank]
-        length, gather, scatter, lengths = _chunk_layout(n, world)
-        payloads, arrived = _sign_rows(tf.gather(tf.concat([v, tf.zeros([1])], 0), gather),
-                                       lengths)
-        sent = tf.gather(tf.reshape(arrived, [-1]), scatter)
+        return self.exchange_group([v], [shape], [slot], comm, at)[0]
+
+    def exchange_group(self, vs, shapes, slots, comm, at):
+        """The compressed allreduce of a step's tensors (flat ``vs``) at once
+        (aggregation.sign_rows, as PyTorch's launch): their chunks signed to their
+        owners (an alltoall), this rank's chunk averaged, its server error (its part of
+        each tensor's slot) added, signed again to every rank (an allgather). A
+        ``Step`` per tensor, its bytes its share of the group's."""
+        world, rank = comm.size(), comm.rank()
+        numels = [int(v.shape[0]) for v in vs]
+        rows = sign_rows(numels, world)
+        segment = tf.constant(rows.segment, tf.int32)
+        payloads, arrived = _sign_rows(tf.gather(tf.concat(list(vs) + [tf.zeros([1])], 0),
+                                                 rows.gather), segment, rows.segment_lengths)
+        sent = tf.split(tf.gather(tf.reshape(arrived, [-1]), rows.scatter), numels)
         width = int(payloads.shape[1])
         got = tf.reshape(comm.alltoall(tf.reshape(payloads, [-1]), [width] * world, "owners"),
                          [world, width])
-        total = tf.reduce_sum(tf.cast(_unsign_rows(got, length), tf.float64), 0)
-        average = tf.cast(total / world, tf.float32)[:hi - lo] + slot.error[lo:hi]
-        mine, resigned = _sign_rows(tf.pad(average, [[0, length - (hi - lo)]])[None],
-                                    lengths[rank:rank + 1])
+        mine_segment = tf.tile(segment[rank:rank + 1], [world, 1])
+        total = tf.reduce_sum(tf.cast(_unsign_rows(got, rows.length, mine_segment),
+                                      tf.float64), 0)
+        count, spans = int(rows.lengths[rank]), rows.spans[rank]
+        error = tf.concat([slots[t].error[lo:hi] for t, lo, hi in spans] + [tf.zeros([0])], 0)
+        average = tf.cast(total / world, tf.float32)[:count] + error
+        mine, resigned = _sign_rows(tf.pad(average, [[0, rows.length - count]])[None],
+                                    segment[rank:rank + 1], rows.segment_lengths[rank:rank + 1])
         everyone = tf.reshape(comm.allgather(tf.reshape(mine, [-1]), "gather"), [world, width])
-        mean = tf.gather(tf.reshape(_unsign_rows(everyone, length), [-1]), scatter)
-        error = average - resigned[0, :hi - lo]
-        # a step whose average is not finite (the guard skips it) keeps the error it had
-        slot.error[lo:hi].assign(tf.where(tf.reduce_all(tf.math.is_finite(mean)), error,
-                                          slot.error[lo:hi]))
-        return Step(mean, sent, tf.constant(sign_reduce_bytes(n, world)[0], tf.int64))
+        means = tf.split(tf.gather(tf.reshape(_unsign_rows(everyone, rows.length, segment),
+                                              [-1]), rows.scatter), numels)
+        kept = average - resigned[0, :count]
+        # a step whose average is not finite (the guard skips it) keeps the errors it had
+        finite = tf.reduce_all(tf.math.is_finite(tf.concat(means, 0)))
+        at_ = 0
+        for t, lo, hi in spans:
+            slots[t].error[lo:hi].assign(tf.where(finite, kept[at_:at_ + hi - lo],
+                                                  slots[t].error[lo:hi]))
+            at_ += hi - lo
+        return [Step(mean, own, tf.constant(share, tf.int64))
+                for mean, own, share in zip(means, sent, sign_shares(numels, world))]
 
 
 class _ErrorSlot(tf.Module):
@@ -169,39 +186,43 @@ class _ErrorSlot(tf.Module):
         self.error = error
 
 
-def _chunk_layout(n, world):
-    """hvd_dgc.aggregation.chunk_rows, its arrays as constants: ``(length, gather,
-    scatter, lengths)``."""
-    length, gather, scatter, lengths = chunk_rows(n, world)
-    return (length, tf.constant(gather, tf.int32), tf.constant(scatter, tf.int32),
-            tf.constant(lengths, tf.float64))
-
-
-def _sign_rows(rows, lengths):
+def _sign_rows(rows, segment, segment_lengths):
     """Rows of chunks (zero past each one's length) as packing.sign_chunk_bytes lays them
-    out: ``(payloads [rows, 4 + ceil(length / 8)] uint8, the rows as they arrive)``; a
-    chunk's scale is its mean |x|, summed in float64 (PyTorch's ``_sign_rows``)."""
+    out: ``(payloads [rows, 4 S + ceil(length / 8)] uint8, the rows as they arrive)``;
+    ``segment`` [rows, length] each element's segment, ``segment_lengths`` [rows, S]
+    (NumPy) their lengths. A segment's scale is its mean |x|, summed in float64
+    (PyTorch's ``_sign_rows``)."""
     count, length = int(rows.shape[0]), int(rows.shape[1])
-    scale = tf.cast(tf.reduce_sum(tf.cast(tf.abs(rows), tf.float64), 1)
-                    / tf.maximum(lengths, 1.0), tf.float32)
+    width_s = int(segment_lengths.shape[1])
+    ids = segment + width_s * tf.range(count)[:, None]
+    sums = tf.math.unsorted_segment_sum(tf.reshape(tf.cast(tf.abs(rows), tf.float64), [-1]),
+                                        tf.reshape(ids, [-1]), count * width_s)
+    scale = tf.cast(tf.reshape(sums, [count, width_s])
+                    / tf.maximum(tf.constant(segment_lengths, tf.float64), 1.0), tf.float32)
     positive = rows >= 0  # (the padding too: 1 bits)
     width = plane_bytes(length)
     bits = tf.concat([tf.cast(positive, tf.int32),
                       tf.ones([count, width * 8 - length], tf.int32)], 1)
     packed = tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [count, width, 8]),
                                                  _shifts()), 2)
-    scales = tf.reshape(tf.bitcast(tf.reshape(scale, [-1, 1]), tf.uint8), [count, SCALE_BYTES])
+    scales = tf.reshape(tf.bitcast(scale, tf.uint8), [count, SCALE_BYTES * width_s])
     payloads = tf.concat([scales, tf.cast(packed, tf.uint8)], 1)
-    return payloads, tf.where(positive, scale[:, None], -scale[:, None])
+    each = tf.gather(scale, segment, batch_dims=1)
+    return payloads, tf.where(positive, each, -each)
 
 
-def _unsign_rows(payloads, length):
-    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads."""
-    scale = tf.bitcast(payloads[:, :SCALE_BYTES], tf.float32)  # [rows]
+def _unsign_rows(payloads, length, segment):
+    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads
+    (``segment``: each row element's segment, as the rows were signed)."""
+    count = tf.shape(payloads)[0]
+    scale_bytes = int(payloads.shape[1]) - plane_bytes(length)
+    scale = tf.bitcast(tf.reshape(payloads[:, :scale_bytes], [count, -1, SCALE_BYTES]),
+                       tf.float32)  # [rows, S]
     bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
-        tf.cast(payloads[:, SCALE_BYTES:], tf.int32)[:, :, None], _shifts()), 1)
-    positive = tf.reshape(bits, [tf.shape(payloads)[0], -1])[:, :length] > 0
-    return tf.where(positive, scale[:, None], -scale[:, None])
+        tf.cast(payloads[:, scale_bytes:], tf.int32)[:, :, None], _shifts()), 1)
+    positive = tf.reshape(bits, [count, -1])[:, :length] > 0
+    each = tf.gather(scale, segment, batch_dims=1)
+    return tf.where(positive, each, -each)
 
 
 class QSGDCompressor(GatherCompressor):

@@ -113,6 +113,12 @@ class ExchangeCompressor(Options, Compressor):
         ``world`` ranks."""
         raise NotImplementedError
 
+    def wire_shares(self, shapes, world=1):
+        """``wire_bytes`` of tensors of ``shapes`` that leave in one launch, each
+        tensor's share (a compressor whose payload covers several tensors at once
+        splits it: the sign's compressed allreduce)."""
+        return [self.wire_bytes(shape, world) for shape in shapes]
+
     def launch(self, residuals, keys, name, comm):
         raise NotImplementedError
 

@@ -709,9 +709,9 @@ class ExchangePath(_Path):
         if launch.poison is not None:  # inf through the compressor from a non-finite rank
             for j, r in enumerate(residuals):
                 r.copy_(torch.where(launch.poison[part.index[j]], float("inf"), r))
-        for m in part.members:
-            ctx.stats.record(m.name, comp.name, m.numel, m.numel,
-                             comp.wire_bytes(m.shape, ctx.wire.world()), launch.density)
+        shares = comp.wire_shares([m.shape for m in part.members], ctx.wire.world())
+        for m, sent in zip(part.members, shares):
+            ctx.stats.record(m.name, comp.name, m.numel, m.numel, sent, launch.density)
         ex = comp.launch(residuals, [m.name for m in part.members], launch.name + ".x",
                          HorovodComm(ctx.wire.process_set))
         if part.own is not None:  # one-round compressors know what they sent at launch

@@ -19,9 +19,10 @@ from typing import NamedTuple
 
 import torch
 
-from hvd_dgc.aggregation import chunk_rows
+from hvd_dgc.aggregation import sign_rows
 from hvd_dgc.packing import SCALE_BYTES, check_qsgd, check_sign_collective, exchange_bytes, \
-    level_bits, num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduces
+    level_bits, num_buckets, plane_bytes, qsgd_payload_bytes, sign_payload_bytes, sign_reduces, \
+    sign_shares
 from hvd_dgc.torch.collective import Exchange, ExchangeCompressor, GatherCompressor, Max, Sum
 
 __all__ = ["SignCompressor", "TernGradCompressor", "QSGDCompressor", "BF16Compressor",
@@ -73,13 +74,15 @@ class SignCompressor(GatherCompressor):
     - "allgather": every rank's packed bits and scale to every rank, each rank decoding
       and averaging them all (no majority vote: that would drop the scales, which error
       feedback needs). A rank receives (N-1) n/8 bytes: it grows with N.
-    - "allreduce": the compressed allreduce of 1-bit Adam (Tang et al., ICML 2021): the
-      tensor in N chunks, each with its own scale, chunk c to rank c (an alltoall); rank
-      c averages the N chunks it got, adds its server error (what its earlier averages
-      lost), signs the sum again and sends it to every rank (an allgather), keeping what
-      that lost as its new server error. A rank receives about 2 (N-1)/N n/8 bytes,
-      whatever N. The server errors are this rank's state (``state_dict``); on another
-      world they start afresh.
+    - "allreduce": the compressed allreduce of 1-bit Adam (Tang et al., ICML 2021): a
+      step's tensors one after the other in N chunks, as DeepSpeed's flat buffer, each
+      chunk with a scale per tensor it holds part of (hvd_dgc.aggregation.sign_rows),
+      chunk c to rank c (an alltoall); rank c averages the N chunks it got, adds its
+      server error (what its earlier averages lost), signs the sum again and sends it
+      to every rank (an allgather), keeping what that lost as its new server error. A
+      rank receives about 2 (N-1)/N n/8 bytes, whatever N. The server errors are this
+      rank's state (``state_dict``); on another world, or where a tensor's part of
+      this rank's chunk moved, they start afresh.
     - "auto" (the default): the allreduce from 3 ranks, the allgather below.
     """
 
@@ -88,8 +91,9 @@ class SignCompressor(GatherCompressor):
     def __init__(self, seed=0, collective="auto"):
         self.seed = int(seed)
         self.collective = check_sign_collective(collective)
-        self._errors, self._errors_of = {}, None  # key -> server error, for (world, rank)
-        self._chunks = {}  # (n, world, device) -> _Chunks
+        self._errors, self._errors_of = {}, None  # key -> (start, server error), for
+        #                                           (world, rank)
+        self._chunks = {}  # (numels, world, device) -> _RowsOn
 
     def _options(self):
         return {"seed": self.seed, "collective": self.collective}
@@ -99,6 +103,13 @@ class SignCompressor(GatherCompressor):
 
     def wire_bytes(self, shape, world=1):
         return exchange_bytes(self, math.prod(shape), world)[0]
+
+    def wire_shares(self, shapes, world=1):
+        """The compressed allreduce's bytes of a launch's tensors (one payload for all
+        of them), each tensor's share; the allgather's, tensor by tensor."""
+        if not sign_reduces(self.collective, world):
+            return super().wire_shares(shapes, world)
+        return sign_shares([math.prod(shape) for shape in shapes], world)
 
     @property
     def stateful(self):
@@ -116,121 +127,144 @@ class SignCompressor(GatherCompressor):
 
     # -- the compressed allreduce ----------------------------------------------------
     def launch(self, residuals, keys, name, comm):
-        """Round 1: every chunk signed, chunk c to rank c."""
+        """Round 1: the tensors one after the other in N chunks (aggregation.sign_rows),
+        each chunk signed with a scale per tensor it holds part of, chunk c to rank c."""
         world = comm.size()
         if not sign_reduces(self.collective, world):
             return super().launch(residuals, keys, name, comm)
         if self._errors_of != (world, comm.rank()):  # another world: other chunks
             self._errors, self._errors_of = {}, (world, comm.rank())
         ex = Exchange(comm, name, residuals, keys)
-        ex.chunks = [self._chunks_of(v.numel(), world, v.device) for v in residuals]
-        coded = [_sign_rows(torch.cat([v.reshape(-1).float(), v.new_zeros(1, dtype=torch.float32)])
-                            [c.gather], c.lengths) for v, c in zip(residuals, ex.chunks)]
-        ex.sent = [rows.reshape(-1)[c.scatter].to(v.dtype)
-                   for (_, rows), c, v in zip(coded, ex.chunks, residuals)]
+        numels = [v.numel() for v in residuals]
+        ex.rows = rows = self._rows_of(tuple(numels), world, residuals[0].device)
+        flat = torch.cat([v.reshape(-1).float() for v in residuals]
+                         + [residuals[0].new_zeros(1, dtype=torch.float32)])
+        payloads, arrived = _sign_rows(flat[rows.gather], rows.segment, rows.segment_lengths)
+        ex.sent = [piece.to(v.dtype) for piece, v in
+                   zip(arrived.reshape(-1)[rows.scatter].split(numels), residuals)]
         self.keep_residual(ex)
-        payloads = torch.cat([payload for payload, _ in coded], dim=1)  # [N, P]
-        ex.widths = [payload.shape[1] for payload, _ in coded]
-        ex.handle = comm.alltoall_async(payloads.reshape(-1), [payloads.shape[1]] * world,
+        ex.width = payloads.shape[1]
+        ex.handle = comm.alltoall_async(payloads.reshape(-1), [ex.width] * world,
                                         name + ".owners")
         return ex
 
     def advance(self, ex):
-        """Round 2: this rank's chunk of each tensor averaged, its server error added,
-        signed again and sent to every rank."""
-        if not hasattr(ex, "chunks") or ex.round != 1:
+        """Round 2: this rank's chunk averaged, its server error added, signed again and
+        sent to every rank."""
+        if not hasattr(ex, "rows") or ex.round != 1:
             return
-        world, rank = ex.comm.size(), ex.comm.rank()
+        world, rank, rows = ex.comm.size(), ex.comm.rank(), ex.rows
         got = ex.comm.wait(ex.handle)[0].view(world, -1)
-        mine, offset = [], 0
-        for key, chunks, width in zip(ex.keys, ex.chunks, ex.widths):
-            rows = _unsign_rows(got[:, offset:offset + width], chunks.length)
-            offset += width
-            count = chunks.counts[rank]
-            average = (rows.double().sum(0) / world).float()[:count]
-            error = self._errors.get(key)
-            if error is not None:
-                average += error
-            padded = torch.zeros(1, chunks.length, device=average.device)
-            padded[0, :count] = average
-            payload, arrived = _sign_rows(padded, chunks.lengths[rank:rank + 1])
-            self._errors[key] = average - arrived[0, :count]
-            mine.append(payload)
-        ex.handle = ex.comm.allgather_async(torch.cat(mine, dim=1).reshape(-1),
-                                            ex.name + ".gather")
+        count = rows.counts[rank]
+        segment = rows.segment[rank:rank + 1]
+        arrived = _unsign_rows(got, rows.length, segment.expand(world, -1))
+        average = (arrived.double().sum(0) / world).float()[:count]
+        average += self._server_error(ex.keys, rows.spans[rank], average)
+        padded = average.new_zeros(1, rows.length)
+        padded[0, :count] = average
+        payload, resigned = _sign_rows(padded, segment, rows.segment_lengths[rank:rank + 1])
+        self._keep_server_error(ex.keys, rows.spans[rank], average - resigned[0, :count])
+        ex.handle = ex.comm.allgather_async(payload.reshape(-1), ex.name + ".gather")
         ex.round = 2
 
     def collect(self, ex):
-        if not hasattr(ex, "chunks"):
+        if not hasattr(ex, "rows"):
             return super().collect(ex)
         self.advance(ex)
-        world = ex.comm.size()
+        world, rows = ex.comm.size(), ex.rows
         gathered = ex.comm.wait(ex.handle).view(world, -1)
-        averages, offset = [], 0
-        for v, chunks, width in zip(ex.residuals, ex.chunks, ex.widths):
-            rows = _unsign_rows(gathered[:, offset:offset + width], chunks.length)
-            offset += width
-            averages.append(rows.reshape(-1)[chunks.scatter].to(v.dtype))
-        return averages
+        flat = _unsign_rows(gathered, rows.length, rows.segment).reshape(-1)[rows.scatter]
+        return [piece.to(v.dtype) for piece, v in
+                zip(flat.split([v.numel() for v in ex.residuals]), ex.residuals)]
 
-    def _chunks_of(self, n, world, device):
-        key = (n, world, str(device))
-        chunks = self._chunks.get(key)
-        if chunks is None:
-            chunks = self._chunks[key] = _chunk_layout(n, world, device)
-        return chunks
+    def _rows_of(self, numels, world, device):
+        key = (numels, world, str(device))
+        rows = self._chunks.get(key)
+        if rows is None:
+            rows = self._chunks[key] = _rows_on(numels, world, device)
+        return rows
+
+    def _server_error(self, keys, spans, like):
+        """This rank's chunk's server error: each segment's, where this rank kept one for
+        that part of that tensor (the group or the world may have moved: else zeros)."""
+        out = torch.zeros_like(like)
+        at = 0
+        for t, lo, hi in spans:
+            kept = self._errors.get(keys[t])
+            if kept is not None and kept[0] == lo and kept[1].numel() == hi - lo:
+                out[at:at + hi - lo] = kept[1].to(out.device)
+            at += hi - lo
+        return out
+
+    def _keep_server_error(self, keys, spans, error):
+        at = 0
+        for t, lo, hi in spans:
+            self._errors[keys[t]] = (lo, error[at:at + hi - lo].clone())
+            at += hi - lo
 
     # -- checkpoint: the server errors, this rank's -----------------------------------
     def state_dict(self):
-        return {"server_errors": {k: e.clone() for k, e in self._errors.items()},
+        """``{"server_errors": {tensor: (start, error)}, "of": (world, rank)}``: the part
+        of each tensor this rank averages, from ``start``, and what its sign lost."""
+        return {"server_errors": {k: (lo, e.clone()) for k, (lo, e) in self._errors.items()},
                 "of": self._errors_of}
 
     def load_state_dict(self, state, rank=0):
-        self._errors = {k: e.clone() for k, e in state.get("server_errors", {}).items()}
+        self._errors = {k: (int(kept[0]), kept[1].clone())
+                        for k, kept in state.get("server_errors", {}).items()
+                        if isinstance(kept, tuple)}  # (an older layout's: dropped)
         self._errors_of = state.get("of")
         if self._errors_of is not None and self._errors_of[1] != rank:
             self._errors, self._errors_of = {}, None  # another rank's chunks
 
 
-class _Chunks(NamedTuple):
-    """hvd_dgc.aggregation.chunk_rows on the device (``counts``: the lengths on the
-    host)."""
+class _RowsOn(NamedTuple):
+    """hvd_dgc.aggregation.SignRows on the device (``counts``: the chunks' lengths, and
+    ``spans``, on the host)."""
 
     length: int
     gather: torch.Tensor
     scatter: torch.Tensor
-    lengths: torch.Tensor
-    counts: tuple  # ``lengths`` on the host
+    segment: torch.Tensor
+    segment_lengths: torch.Tensor
+    counts: tuple
+    spans: tuple
 
 
-def _chunk_layout(n, world, device):
-    length, gather, scatter, lengths = chunk_rows(n, world)
-    return _Chunks(length, torch.from_numpy(gather).to(device),
-                   torch.from_numpy(scatter).to(device), torch.from_numpy(lengths).to(device),
-                   tuple(lengths.tolist()))
+def _rows_on(numels, world, device):
+    rows = sign_rows(numels, world)
+    on = [torch.from_numpy(a).to(device) for a in
+          (rows.gather, rows.scatter, rows.segment, rows.segment_lengths)]
+    return _RowsOn(rows.length, *on, tuple(rows.lengths.tolist()), rows.spans)
 
 
-def _sign_rows(rows, lengths):
+def _sign_rows(rows, segment, segment_lengths):
     """Rows of chunks (zero past each one's length) signed as packing.sign_chunk_bytes
-    lays them out: ``(payloads [rows, 4 + ceil(length / 8)] uint8, the rows as they
-    arrive)``. A chunk's scale is its mean |x|, summed in float64."""
-    scale = (rows.abs().double().sum(1) / lengths.clamp(min=1)).float()
+    lays them out: ``(payloads [rows, 4 S + ceil(length / 8)] uint8, the rows as they
+    arrive)``. A segment's scale is its mean |x|, summed in float64."""
+    sums = torch.zeros(segment_lengths.shape, dtype=torch.float64, device=rows.device)
+    sums.scatter_add_(1, segment, rows.abs().double())
+    scale = (sums / segment_lengths.clamp(min=1)).float()  # [rows, S]
     positive = rows >= 0  # (the padding too: 1 bits)
     width = plane_bytes(rows.shape[1])
     bits = torch.ones(rows.shape[0], width * 8, dtype=torch.uint8, device=rows.device)
     bits[:, :rows.shape[1]] = positive
     packed = (bits.view(rows.shape[0], width, 8) << _SHIFTS.to(rows.device)).sum(
         2, dtype=torch.uint8)
-    payloads = torch.cat([scale.reshape(-1, 1).view(torch.uint8), packed], dim=1)
-    return payloads, torch.where(positive, scale[:, None], -scale[:, None])
+    payloads = torch.cat([scale.view(torch.uint8), packed], dim=1)
+    each = scale.gather(1, segment)
+    return payloads, torch.where(positive, each, -each)
 
 
-def _unsign_rows(payloads, length):
-    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads."""
-    scale = payloads[:, :SCALE_BYTES].contiguous().view(torch.float32)  # [rows, 1]
-    bits = (payloads[:, SCALE_BYTES:].unsqueeze(2) >> _SHIFTS.to(payloads.device)) & 1
+def _unsign_rows(payloads, length, segment):
+    """Inverse of ``_sign_rows``: the rows as they arrive, from their payloads
+    (``segment``: each row element's segment, as the rows were signed)."""
+    scales = payloads.shape[1] - plane_bytes(length)  # bytes: S float32s
+    scale = payloads[:, :scales].contiguous().view(torch.float32)  # [rows, S]
+    bits = (payloads[:, scales:].unsqueeze(2) >> _SHIFTS.to(payloads.device)) & 1
     positive = bits.reshape(payloads.shape[0], -1)[:, :length].bool()
-    return torch.where(positive, scale, -scale)
+    each = scale.gather(1, segment)
+    return torch.where(positive, each, -each)
 
 
 class QSGDCompressor(GatherCompressor):

@@ -21,6 +21,8 @@ fired (unused this step, or fewer backward passes) still join every collective, 
 launches are the same on every rank.
 """
 
+from hvd_dgc.packing import reduces_signs
+from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.paths import CLASSES
 
 __all__ = ["LaunchScheduler"]
@@ -118,14 +120,18 @@ class LaunchScheduler:
 
     def _batched(self, p):
         """Launch ``p`` with the others, in synchronize, rather than from its hook? The
-        launch's members, order and name are the same on every rank (by index)."""
+        launch's members, order and name are the same on every rank (by index). The
+        sign's compressed allreduce carries all of a step's tensors in one alltoall and
+        one allgather (packing.sign_chunk_bytes: the scales and the padding once)."""
         if self._groups:
             return False
         if self._batch_all:
             return True
-        if not self._may_batch or self._sparse_grad(p):
+        signs = reduces_signs(self.planner.compressor, self.planner.world_size)
+        if not (self._may_batch or signs) or self._sparse_grad(p):
             return False
-        return CLASSES[self.planner.path(self.infos[p], self._density(), self._step())].batched
+        path = self.planner.path(self.infos[p], self._density(), self._step())
+        return CLASSES[path].batched or (signs and path == PathKind.EXCHANGE)
 
     def _bucket_of(self, p):
         """The bucket ``p`` leaves with (a tuple of parameters), or None (alone)."""

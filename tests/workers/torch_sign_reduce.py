@@ -20,8 +20,8 @@ from tests.reference import SIGN_NUMELS as NUMELS, SIGN_STEPS as STEPS, sign_inp
 def steps(collective="allreduce"):
     """STEPS exchanges of NUMELS' tensors in one launch; each step's residuals are the
     step's inputs plus what the last left. Returns, per step, the averages, this rank's
-    residuals after, its bytes on the wire and its server errors, and a checkpoint's
-    round trip."""
+    residuals after, each tensor's share of the bytes on the wire and its server errors
+    (``{tensor: (start, error)}``), and a checkpoint's round trip."""
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     comp = Compression.sign(collective=collective)
@@ -37,15 +37,15 @@ def steps(collective="allreduce"):
         averages = comp.collect(ex)
         out.append({"before": before, "averages": [a.numpy() for a in averages],
                     "residuals": [v.clone().numpy() for v in residuals],
-                    "wire": [comp.wire_bytes((n,), world) for n in NUMELS],
-                    "errors": {k: e.numpy() for k, e in
+                    "wire": comp.wire_shares([(n,) for n in NUMELS], world),
+                    "errors": {k: (lo, e.numpy()) for k, (lo, e) in
                                comp.state_dict()["server_errors"].items()}})
     state = comp.state_dict()
     fresh = Compression.sign(collective=collective)
     fresh.load_state_dict(state, rank)
     other = Compression.sign(collective=collective)
     other.load_state_dict(state, rank + 1)  # another rank's chunks: not taken
-    return {"steps": out, "reloaded": {k: e.numpy() for k, e in
+    return {"steps": out, "reloaded": {k: (lo, e.numpy()) for k, (lo, e) in
                                        fresh.state_dict()["server_errors"].items()},
             "other_rank": len(other.state_dict()["server_errors"])}
 
@@ -84,7 +84,7 @@ def adamw_default(collective=None):
             **options)
 
     def errors(opt):
-        return {k: e.clone() for k, e in
+        return {k: (lo, e.clone()) for k, (lo, e) in
                 opt._resolved.compressor.state_dict()["server_errors"].items()}
 
     model, opt = make("a")
@@ -152,7 +152,8 @@ def adamw_default(collective=None):
     bopt.flush()
     out["skipped"] = bopt.compression_stats()["nonfinite_steps"]
     out["errors_kept"] = sorted(before) == sorted(after) and len(before) > 0 and all(
-        torch.equal(before[k], after[k]) for k in before)
+        before[k][0] == after[k][0] and torch.equal(before[k][1], after[k][1])
+        for k in before)
     out["finite"] = bool(torch.isfinite(flat_params(bad)).all())
     out["bad_identical"] = ranks_identical(bad, "sr.c.flushed")
     return out
