@@ -77,6 +77,9 @@ class DelayedAveraging(LagQueue):
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self.gives_back = paths.gives_back()
         self._pool = ThreadPoolExecutor(3 * self._slots, thread_name_prefix="hvd_dgc_dga")
+        # a path whose exchanges read what the last one left (the sign's server errors)
+        # runs them one after another, in launch order
+        self._serial = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_dga_serial")
         self._functions = {}  # (name, path, members) -> tf.function of its collectives
         self._step_ended = None  # delay="auto": when the last step's wait ended
         self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
@@ -252,8 +255,9 @@ class DelayedAveraging(LagQueue):
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
             name = f"hvd_dgc.dga{((step + 1) // self.period) % self._slots}"
-            work = [self._pool.submit(self._run, path, name, members, ks, arrays)
-                    for path, members, ks in self.paths.groups(stage)]
+            work = [(self._serial if getattr(path, "serial", False) else self._pool).submit(
+                self._run, path, name, members, ks, arrays)
+                for path, members, ks in self.paths.groups(stage)]
         else:
             work = [_OwnSteps({i: Correction(NO_RECORDS, -own, NO_RECORDS)
                                for i, own in enumerate(arrays[count:]) if own.size})]
@@ -372,6 +376,9 @@ class DelayedAveraging(LagQueue):
             self.auto.reset_window()
         old, self._pool = self._pool, ThreadPoolExecutor(3 * self._slots,
                                                          thread_name_prefix="hvd_dgc_dga")
+        old.shutdown(wait=False, cancel_futures=True)
+        old, self._serial = self._serial, ThreadPoolExecutor(
+            1, thread_name_prefix="hvd_dgc_dga_serial")
         old.shutdown(wait=False, cancel_futures=True)
         self._functions = {}
 

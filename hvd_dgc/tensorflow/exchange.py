@@ -98,12 +98,6 @@ class GradientExchange(tf.Module):
         self.resolved = config.resolve(TENSORFLOW, compression, HorovodArguments(
             op, gradient_predivide_factor, backward_passes_per_step, groups, HOROVOD_OPS),
             optimizer)
-        comp = self.resolved.compressor
-        if self.resolved.config.lagging and \
-                getattr(comp, "collective", "allgather") != "allgather":
-            # delay's and period's threads allgather a payload (delayed.py): the sign's
-            # compressed allreduce runs in the synchronous step only, here as in its price
-            self.resolved = self.resolved._replace(compressor=comp(collective="allgather"))
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
         self.sparse_as_dense = sparse_as_dense
         self.passes = backward_passes_per_step  # (summed by the Keras optimizer)

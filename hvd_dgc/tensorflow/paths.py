@@ -34,9 +34,9 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Average
 
-from hvd_dgc.aggregation import slice_k, slices
+from hvd_dgc.aggregation import chunk_spans, slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
-from hvd_dgc.packing import reduces_signs
+from hvd_dgc.packing import reduces_signs, sign_shares
 from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.stats import RECORDS
 from hvd_dgc.tensorflow.collective import Comm
@@ -544,6 +544,15 @@ class ExchangePath(_Path):
     bf16); the memory keeps what it did not send (error feedback)."""
 
     kind = PathKind.EXCHANGE
+    #: per stage, the tensors whose signs leave together in one compressed allreduce
+    #: (ExchangePaths.replan), or None where the compressor does not reduce signs
+    signs_at = None
+
+    @property
+    def serial(self):
+        """Do its delayed launches run one after another (delayed.py)? The compressed
+        allreduce's owners read and write their server errors at each exchange."""
+        return self.signs_at is not None
 
     @staticmethod
     def slots(compressor, planner):
@@ -584,34 +593,91 @@ class ExchangePath(_Path):
         return out
 
     def take_own(self, i, v, k, at):
-        """A one-round compressor (``sent_at_launch``): its payload and what it stands for."""
+        """A one-round compressor (``sent_at_launch``): its payload and what it stands for.
+        The sign's compressed allreduce (``signs_at``): tensor i's part of its group's
+        rows, signed, each segment with its own scale (what the threads send as the
+        group's first round: ``launch``), and its share of the group's bytes."""
         ctx, numel = self.ctx, self.ctx.numel(i)
+        if self.signs_at is not None:
+            own = self._by_stage(i, at, lambda members: self._signed(i, v, members))
+            ctx.memory.keep(i, v - own)  # error feedback
+            sent = self._by_stage(i, at, lambda members: tf.constant(
+                sign_shares([ctx.numel(j) for j in members], ctx.wire.world())[
+                    members.index(i)], tf.int64))
+            ctx.statistics.count(self.kind, numel, numel, sent)
+            return Sent(own, own)
         payload, own = ctx.compressor.launch(v, at)
         ctx.memory.keep(i, v - own)  # error feedback
         ctx.statistics.count(self.kind, numel, numel, ctx.compressor.payload_bytes(numel))
         return Sent(payload, own)
 
+    def _by_stage(self, i, at, make):
+        """``make(members)`` for tensor i's group at this step's stage (a
+        ``tf.switch_case`` where its group differs by stage)."""
+        groups = list(dict.fromkeys(m for m in self.signs_at if i in m))
+        if len(groups) == 1:
+            return make(groups[0])
+        codes = [groups.index(m) if i in m else 0 for m in self.signs_at]
+        return tf.switch_case(tf.gather(tf.constant(codes, tf.int32), at.stage),
+                              [lambda m=m: make(m) for m in groups])
+
+    def _signed(self, i, v, members):
+        """Tensor i's signs, each of its segments in the group ``members``' chunks
+        (aggregation.chunk_spans) times its mean |v|: as the rows arrive."""
+        world, t = self.ctx.wire.world(), members.index(i)
+        lengths = [hi - lo for chunk in chunk_spans([self.ctx.numel(j) for j in members],
+                                                    world)
+                   for owner, lo, hi in chunk if owner == t]
+        if not lengths:
+            return tf.zeros([0])
+        ids = np.repeat(np.arange(len(lengths)), lengths)
+        sums = tf.math.unsorted_segment_sum(tf.cast(tf.abs(v), tf.float64), ids, len(lengths))
+        each = tf.gather(tf.cast(sums / np.asarray(lengths, np.float64), tf.float32), ids)
+        return tf.where(v >= 0, each, -each)
+
     def nothing(self, i, at):
         zero = tf.zeros([self.ctx.numel(i)])
+        if self.signs_at is not None:
+            return Sent(zero, zero)
         return Sent(self.ctx.compressor.launch(zero, at)[0], zero)
 
     def to_words(self, payload):
-        """A uint8 payload as int32 words (zero-padded)."""
+        """A uint8 payload as int32 words (zero-padded); the sign's signed part as its
+        float32 bits."""
+        if self.signs_at is not None:
+            return tf.bitcast(payload, tf.int32)
         pad = -int(payload.shape[0]) % 4
         return tf.bitcast(tf.reshape(tf.pad(payload, [[0, pad]]), [-1, 4]), tf.int32)
 
     def from_words(self, words, i):
+        if self.signs_at is not None:
+            return words.view(np.float32)
         return words.view(np.uint8)[:self.ctx.compressor.payload_bytes(self.ctx.numel(i))]
 
     def spec(self, i):
+        if self.signs_at is not None:
+            return tf.TensorSpec([self.ctx.numel(i)], tf.float32)
         return tf.TensorSpec([None], tf.uint8)
 
     def launch(self, part):
+        """Delayed averaging's threads: the payloads allgathered; the sign's group as one
+        compressed allreduce (its parts signed already: they sign to themselves)."""
+        ctx = self.ctx
+        if self.signs_at is not None:
+            return ctx.compressor.exchange_group(
+                list(part.payloads), [ctx.tensors[i].shape for i in part.members],
+                [ctx.slots[i] for i in part.members], Comm(ctx.wire.process_set, part.name),
+                None)
         return _collective(_hvd.allgather, _hvd.grouped_allgather, part.payloads,
-                           name=part.tag("exchange"), process_set=self.ctx.wire.process_set)
+                           name=part.tag("exchange"), process_set=ctx.wire.process_set)
 
     def correction(self, part, got):
-        """Every rank decodes the payloads in rank order; own: this rank's, decoded."""
+        """Every rank decodes the payloads in rank order; own: this rank's, decoded. The
+        sign's group: each tensor's mean, less what this rank sent."""
+        if self.signs_at is not None:
+            return {i: Correction(NO_RECORDS, np.asarray(self.ctx.wire.result(step.mean))
+                                  - own, NO_RECORDS)
+                    for i, own, step in zip(part.members, part.payloads, got)}
         comp, world = self.ctx.compressor, self.ctx.wire.world()
         out = {}
         for i, own, everyone in zip(part.members, part.payloads, got):
@@ -681,6 +747,9 @@ class ExchangePaths:
         # the sign's compressed allreduce: a stage's tensors on it leave together
         self.signs_together = self.ctx.slots is not None and \
             reduces_signs(self.ctx.compressor, planner.world_size)
+        self.by_kind[PathKind.EXCHANGE].signs_at = [
+            tuple(i for i, paths in enumerate(self.stages) if paths[s] == PathKind.EXCHANGE)
+            for s in range(len(densities))] if self.signs_together else None
         self.ctx.memory.unsettle()  # (eager) a tensor that goes dense may hold a residual
         # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
         # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)

@@ -94,9 +94,9 @@ class SignCompressor(GatherCompressor):
 
     ``collective`` as PyTorch's (hvd_dgc/torch/quantize.py): "auto" (the default) sends
     it from 3 ranks as 1-bit Adam's compressed allreduce (``exchange``), byte for byte
-    PyTorch's; "allgather" or "allreduce" forces one. With ``delay`` or ``period`` the
-    exchange runs on delayed averaging's threads, which allgather (``launch``,
-    ``finish``; exchange.py gives such a run ``collective="allgather"``)."""
+    PyTorch's; "allgather" or "allreduce" forces one. A step's tensors go in one
+    exchange (``exchange_group``): in the synchronous step's graph, or with ``delay`` or
+    ``period`` on delayed averaging's threads (paths.py ``ExchangePath``)."""
 
     name = "sign"
 

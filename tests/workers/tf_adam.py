@@ -460,6 +460,7 @@ def zero_one_fit(epochs=4):
     acc = float(np.mean(np.argmax(model.predict(xt, verbose=0), 1) == yt))
     stats = opt.compression_stats()
     return {"seen": seen, "accuracy": acc, "paths": stats["paths"], "step": stats["step"],
+            "bytes": stats["bytes_sent"], "collective": opt._hvd_dgc.compression.collective,
             "phase": stats.get("adam_phase"), "period": opt._hvd_dgc.period,
             "in_flight": opt._hvd_dgc.in_flight,
             "identical": _identical(tf, hvd, model.trainable_variables, "adam.zo.end")}

@@ -45,12 +45,13 @@ def steps(collective="allreduce"):
     return {"steps": out, "collectives": collectives}
 
 
-def tape_group(steps=3, shapes=((200, 100), (100, 50))):
+def tape_group(steps=3, shapes=((200, 100), (100, 50)), delay=0):
     """A tape's step with ``Compression.sign(collective="allreduce")`` (eager, no
     momentum) on every rank: its weights' signs in one compressed allreduce a step
-    (tensorflow/paths.py ``ExchangePaths``), a small bias dense beside them. Per step
-    each weight's v (residual + gradient), its residual after, and its average; the
-    paths and bytes counted."""
+    (tensorflow/paths.py ``ExchangePaths``; with ``delay``, on delayed averaging's
+    threads), a small bias dense beside them. Per step each weight's v (residual +
+    gradient), its residual after, and what the tape returned (the average; with a
+    delay, this rank's own plus a correction); the paths and bytes counted."""
     import tensorflow as tf
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow.tape_exchanges import EXCHANGES
@@ -66,7 +67,7 @@ def tape_group(steps=3, shapes=((200, 100), (100, 50))):
               for j, shape in enumerate(shapes)]
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(w * g) for w, g in zip(ws, gs)]) + tf.reduce_sum(b)
-        tape = hvd.DistributedGradientTape(tape, compression=comp,
+        tape = hvd.DistributedGradientTape(tape, compression=comp, delay=delay,
                                            cost_model=hvd.CostModel())
         before = [exchange.memory.v[j].numpy() for j in range(len(ws))] if exchange \
             else [np.zeros(int(np.prod(s)), np.float32) for s in shapes]
@@ -80,3 +81,12 @@ def tape_group(steps=3, shapes=((200, 100), (100, 50))):
             w.assign_sub(0.1 * a)
     stats = exchange.stats()
     return {"steps": rows, "paths": stats["paths"], "bytes": stats["bytes_sent"]}
+
+
+def keras_adamw_default():
+    """tests/workers/tf_adam.py ``zero_one_fit`` (Keras' AdamW with no option in
+    model.fit) on its own launch."""
+    import hvd_dgc.tensorflow.keras as hvd
+    from tests.workers.tf_adam import zero_one_fit
+    hvd.init()
+    return zero_one_fit()
