@@ -55,9 +55,9 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-__all__ = ["slices", "SignRows", "chunk_spans", "sign_rows", "region_of", "regions", "quota", "RegionReduce",
-           "region_reduce_reference", "bytes_per_worker", "dense_bytes", "allgather_bytes",
-           "region_bytes", "hierarchical_bytes", "slice_k", "METHODS"]
+__all__ = ["slices", "SignRows", "chunk_spans", "sign_rows", "region_of", "regions", "quota",
+           "RegionReduce", "region_reduce_reference", "bytes_per_worker", "dense_bytes",
+           "allgather_bytes", "region_bytes", "hierarchical_bytes", "slice_k", "METHODS"]
 
 METHODS = ("dense", "allgather", "region")
 

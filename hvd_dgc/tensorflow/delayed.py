@@ -255,7 +255,7 @@ class DelayedAveraging(LagQueue):
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
             name = f"hvd_dgc.dga{((step + 1) // self.period) % self._slots}"
-            work = [(self._serial if getattr(path, "serial", False) else self._pool).submit(
+            work = [(self._serial if path.serial else self._pool).submit(
                 self._run, path, name, members, ks, arrays)
                 for path, members, ks in self.paths.groups(stage)]
         else:

@@ -46,7 +46,7 @@ from hvd_dgc.tensorflow.region import share_kept, to_owners
 
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
            "DensePath", "AllgatherPath", "RegionPath", "HierarchicalPath", "ExchangePath",
-           "SparseGradPath", "host_slice", "later_positions"]
+           "SignGroupPath", "SparseGradPath", "host_slice", "later_positions"]
 
 
 def later_positions(compressor, later_bytes):
@@ -188,6 +188,8 @@ class _Path:
     gives_back = False
     #: it takes the tensor's gradient, not the memory's ``v`` (it accumulates itself)
     reads_gradient = False
+    #: delayed averaging runs its launches one after another, in launch order
+    serial = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -544,15 +546,6 @@ class ExchangePath(_Path):
     bf16); the memory keeps what it did not send (error feedback)."""
 
     kind = PathKind.EXCHANGE
-    #: per stage, the tensors whose signs leave together in one compressed allreduce
-    #: (ExchangePaths.replan), or None where the compressor does not reduce signs
-    signs_at = None
-
-    @property
-    def serial(self):
-        """Do its delayed launches run one after another (delayed.py)? The compressed
-        allreduce's owners read and write their server errors at each exchange."""
-        return self.signs_at is not None
 
     @staticmethod
     def slots(compressor, planner):
@@ -575,6 +568,60 @@ class ExchangePath(_Path):
         ctx.statistics.count(self.kind, numel, numel, res.bytes)
         return ctx.wire.result(res.mean)
 
+    def take_own(self, i, v, k, at):
+        """A one-round compressor (``sent_at_launch``): its payload and what it stands for."""
+        ctx, numel = self.ctx, self.ctx.numel(i)
+        payload, own = ctx.compressor.launch(v, at)
+        ctx.memory.keep(i, v - own)  # error feedback
+        ctx.statistics.count(self.kind, numel, numel, ctx.compressor.payload_bytes(numel))
+        return Sent(payload, own)
+
+    def nothing(self, i, at):
+        zero = tf.zeros([self.ctx.numel(i)])
+        return Sent(self.ctx.compressor.launch(zero, at)[0], zero)
+
+    def to_words(self, payload):
+        """A uint8 payload as int32 words (zero-padded)."""
+        pad = -int(payload.shape[0]) % 4
+        return tf.bitcast(tf.reshape(tf.pad(payload, [[0, pad]]), [-1, 4]), tf.int32)
+
+    def from_words(self, words, i):
+        return words.view(np.uint8)[:self.ctx.compressor.payload_bytes(self.ctx.numel(i))]
+
+    def spec(self, i):
+        return tf.TensorSpec([None], tf.uint8)
+
+    def launch(self, part):
+        return _collective(_hvd.allgather, _hvd.grouped_allgather, part.payloads,
+                           name=part.tag("exchange"), process_set=self.ctx.wire.process_set)
+
+    def correction(self, part, got):
+        """Every rank decodes the payloads in rank order; own: this rank's, decoded."""
+        comp, world = self.ctx.compressor, self.ctx.wire.world()
+        out = {}
+        for i, own, everyone in zip(part.members, part.payloads, got):
+            n = self.ctx.numel(i)
+            mean = self.ctx.wire.result(comp.finish(everyone, n, world))
+            out[i] = Correction(NO_RECORDS, (mean - comp.decode(tf.constant(own), n)).numpy(),
+                                NO_RECORDS)
+        return out
+
+
+class SignGroupPath(ExchangePath):
+    """The sign's compressed allreduce (packing.sign_reduces), a stage's tensors on it in
+    one exchange (quantize.py ``exchange_group``: one alltoall and one allgather for all
+    of them, as PyTorch's launch): in the synchronous step's graph
+    (``synchronous_group``), or on delayed averaging's threads, one exchange after
+    another (``serial``: the owners read and write their server errors at each). There
+    the graph signs each tensor's part of the group's rows (``take_own``: what the
+    threads send; signed already, it signs to itself)."""
+
+    serial = True
+
+    def __init__(self, ctx, signs_at):
+        super().__init__(ctx)
+        self.signs_at = signs_at  # per stage, the tensors whose signs leave together
+
     def synchronous_group(self, members, vs, at, name, poison=None):
         """The sign's compressed allreduce of tensors ``members`` (their memories ``vs``)
         at once: one alltoall and one allgather for all of them, as PyTorch's launch
@@ -593,23 +640,16 @@ class ExchangePath(_Path):
         return out
 
     def take_own(self, i, v, k, at):
-        """A one-round compressor (``sent_at_launch``): its payload and what it stands for.
-        The sign's compressed allreduce (``signs_at``): tensor i's part of its group's
-        rows, signed, each segment with its own scale (what the threads send as the
-        group's first round: ``launch``), and its share of the group's bytes."""
+        """Tensor i's part of its group's rows, signed, each segment with its own scale,
+        and its share of the group's bytes."""
         ctx, numel = self.ctx, self.ctx.numel(i)
-        if self.signs_at is not None:
-            own = self._by_stage(i, at, lambda members: self._signed(i, v, members))
-            ctx.memory.keep(i, v - own)  # error feedback
-            sent = self._by_stage(i, at, lambda members: tf.constant(
-                sign_shares([ctx.numel(j) for j in members], ctx.wire.world())[
-                    members.index(i)], tf.int64))
-            ctx.statistics.count(self.kind, numel, numel, sent)
-            return Sent(own, own)
-        payload, own = ctx.compressor.launch(v, at)
+        own = self._by_stage(i, at, lambda members: self._signed(i, v, members))
         ctx.memory.keep(i, v - own)  # error feedback
-        ctx.statistics.count(self.kind, numel, numel, ctx.compressor.payload_bytes(numel))
-        return Sent(payload, own)
+        sent = self._by_stage(i, at, lambda members: tf.constant(
+            sign_shares([ctx.numel(j) for j in members], ctx.wire.world())[
+                members.index(i)], tf.int64))
+        ctx.statistics.count(self.kind, numel, numel, sent)
+        return Sent(own, own)
 
     def _by_stage(self, i, at, make):
         """``make(members)`` for tensor i's group at this step's stage (a
@@ -637,55 +677,31 @@ class ExchangePath(_Path):
 
     def nothing(self, i, at):
         zero = tf.zeros([self.ctx.numel(i)])
-        if self.signs_at is not None:
-            return Sent(zero, zero)
-        return Sent(self.ctx.compressor.launch(zero, at)[0], zero)
+        return Sent(zero, zero)
 
     def to_words(self, payload):
-        """A uint8 payload as int32 words (zero-padded); the sign's signed part as its
-        float32 bits."""
-        if self.signs_at is not None:
-            return tf.bitcast(payload, tf.int32)
-        pad = -int(payload.shape[0]) % 4
-        return tf.bitcast(tf.reshape(tf.pad(payload, [[0, pad]]), [-1, 4]), tf.int32)
+        """The signed part as its float32 bits."""
+        return tf.bitcast(payload, tf.int32)
 
     def from_words(self, words, i):
-        if self.signs_at is not None:
-            return words.view(np.float32)
-        return words.view(np.uint8)[:self.ctx.compressor.payload_bytes(self.ctx.numel(i))]
+        return words.view(np.float32)
 
     def spec(self, i):
-        if self.signs_at is not None:
-            return tf.TensorSpec([self.ctx.numel(i)], tf.float32)
-        return tf.TensorSpec([None], tf.uint8)
+        return tf.TensorSpec([self.ctx.numel(i)], tf.float32)
 
     def launch(self, part):
-        """Delayed averaging's threads: the payloads allgathered; the sign's group as one
-        compressed allreduce (its parts signed already: they sign to themselves)."""
+        """The threads: the group as one compressed allreduce."""
         ctx = self.ctx
-        if self.signs_at is not None:
-            return ctx.compressor.exchange_group(
-                list(part.payloads), [ctx.tensors[i].shape for i in part.members],
-                [ctx.slots[i] for i in part.members], Comm(ctx.wire.process_set, part.name),
-                None)
-        return _collective(_hvd.allgather, _hvd.grouped_allgather, part.payloads,
-                           name=part.tag("exchange"), process_set=ctx.wire.process_set)
+        return ctx.compressor.exchange_group(
+            list(part.payloads), [ctx.tensors[i].shape for i in part.members],
+            [ctx.slots[i] for i in part.members], Comm(ctx.wire.process_set, part.name),
+            None)
 
     def correction(self, part, got):
-        """Every rank decodes the payloads in rank order; own: this rank's, decoded. The
-        sign's group: each tensor's mean, less what this rank sent."""
-        if self.signs_at is not None:
-            return {i: Correction(NO_RECORDS, np.asarray(self.ctx.wire.result(step.mean))
-                                  - own, NO_RECORDS)
-                    for i, own, step in zip(part.members, part.payloads, got)}
-        comp, world = self.ctx.compressor, self.ctx.wire.world()
-        out = {}
-        for i, own, everyone in zip(part.members, part.payloads, got):
-            n = self.ctx.numel(i)
-            mean = self.ctx.wire.result(comp.finish(everyone, n, world))
-            out[i] = Correction(NO_RECORDS, (mean - comp.decode(tf.constant(own), n)).numpy(),
-                                NO_RECORDS)
-        return out
+        """Each tensor's mean, less what this rank sent."""
+        return {i: Correction(NO_RECORDS, np.asarray(self.ctx.wire.result(step.mean)) - own,
+                              NO_RECORDS)
+                for i, own, step in zip(part.members, part.payloads, got)}
 
 
 class SparseGradPath(_Path):
@@ -747,9 +763,10 @@ class ExchangePaths:
         # the sign's compressed allreduce: a stage's tensors on it leave together
         self.signs_together = self.ctx.slots is not None and \
             reduces_signs(self.ctx.compressor, planner.world_size)
-        self.by_kind[PathKind.EXCHANGE].signs_at = [
+        self.by_kind[PathKind.EXCHANGE] = SignGroupPath(self.ctx, [
             tuple(i for i, paths in enumerate(self.stages) if paths[s] == PathKind.EXCHANGE)
-            for s in range(len(densities))] if self.signs_together else None
+            for s in range(len(densities))]) if self.signs_together else \
+            ExchangePath(self.ctx)
         self.ctx.memory.unsettle()  # (eager) a tensor that goes dense may hold a residual
         # per stage, {tensor: its bucket} (Planner.buckets, PyTorch's rule: consecutive
         # tensors in backward order, dense or by allgather, up to fusion_threshold bytes)
