@@ -10,11 +10,11 @@ delayed averaging (Zhu et al., NeurIPS 2021) and temporally sparse updates.
 This class is Horovod's API only. The work is done by parts that each own their
 state, and the gradient travels between them as an argument:
 
-    backward hook -> scheduler.ready(p)            when tensors leave (scheduler.py)
-      -> exchange.launch(params)                   clip, accumulate, select, pack,
+    backward hook -> scheduler.ready(p, place)     which tensors leave now (scheduler.py)
+      -> exchange.launch(params, place)            clip, accumulate, select, pack,
                                                    communicate (exchange.py, paths.py)
     step() -> synchronize():
-      scheduler.finish()                           what has not left yet
+      scheduler.finish(place)                      what has not left yet, launched
       exchange.advance(launches)                   second rounds
       delay 0, period 1: exchange.collect(launch)  the average -> p.grad
                          guard.settle(...)         a non-finite step undone (guard.py)
@@ -96,6 +96,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._average_after_step = False
         self._sparse_grads = set()
         self._views = []  # this step's ViewUpdates (update.py), for the take-over's step
+        self._place = None  # this step's StepPlace, made at its first launch
+        self._launches = []  # this step's launches, in launch order
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
@@ -136,8 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._scheduler = LaunchScheduler(
             trainable, self._param_index, infos, groups, backward_passes_per_step,
             self._planner, fusion_threshold(self._config.fusion_threshold), on_accelerator,
-            sparse_as_dense, self._launch, self._progress.density,
-            lambda: self._progress.step)
+            sparse_as_dense)
         self._profiler = _backward_profiler(self._config, resolved, self._planner,
                                             process_set, self._scheduler, self._takeover)
         # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
@@ -163,11 +164,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return peers
 
     def _ready(self, p):
-        """``p``'s hook: the scheduler's, timed while the backward pass is profiled."""
+        """``p``'s hook, timed while the backward pass is profiled."""
         if self._profiler is None:
-            self._scheduler.ready(p)
+            self._leave_now(p)
         else:
-            self._profiler.hook(self._param_index[p], self._scheduler.ready, p)
+            self._profiler.hook(self._param_index[p], self._leave_now, p)
+
+    def _leave_now(self, p):
+        """What the scheduler says leaves now that ``p`` is ready, launched."""
+        place = self._step_place()
+        for members in self._scheduler.ready(p, place):
+            self._launches += self._launch(members, place)
 
     def _measure(self, collectives, trainable, peers=()):
         """The link (inside the host too, where ``peers`` are several) and the
@@ -233,23 +240,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         PlanWords(self._planner).announce("torch", self._delayed.describe_delay(),
                                self._delayed.period, self._progress.density())
 
-    # -- one launch at this step's place -------------------------------------------------
-    def _launch(self, params):
-        """The exchange's launch of ``params`` at this step (called by the scheduler)."""
-        step = self._progress.step
-        self._guard.begin(self._delayed.keeps_own)
-        world = self.process_set.size()
-        if world != self._planner.world_size:  # an elastic reset: plan for this world
-            self._planner.replan(world)
-        scale = None
-        if self._guard.scaling():
-            scale = _loss_scale(self._grad_scaler)
-        self._takeover.observe(params, scale, world)
-        at = StepPlace(step, self._progress.density(), _hvd.rank(),
-                       self._delayed.exchanges_now(step), self._delayed.keeps_own, scale,
-                       self._delayed.name_suffix(step))
+    # -- launches at this step's place ---------------------------------------------------
+    def _step_place(self):
+        """This step's place (exchange.py ``StepPlace``: its step, density, loss scale,
+        whether it exchanges), made once, at its first launch: what the scheduler and
+        the exchange decide by. An elastic reset's new world is planned for first."""
+        if self._place is None:
+            step = self._progress.step
+            world = self.process_set.size()
+            if world != self._planner.world_size:
+                self._planner.replan(world)
+            self._guard.begin(self._delayed.keeps_own)
+            scale = _loss_scale(self._grad_scaler) if self._guard.scaling() else None
+            self._place = StepPlace(step, self._progress.density(), _hvd.rank(),
+                                    self._delayed.exchanges_now(step),
+                                    self._delayed.keeps_own, scale,
+                                    self._delayed.name_suffix(step))
+        return self._place
+
+    def _launch(self, params, place):
+        """The exchange's launch of ``params`` at ``place``: its ``Launch``es."""
+        self._takeover.observe(params, place.scale, self.process_set.size())
         name = "hvd_dgc." + self._exchange.members[params[0]].name
-        return self._exchange.launch(params, at, name)
+        return self._exchange.launch(params, place, name)
 
     # -- Horovod's optimizer API ---------------------------------------------------------
     def synchronize(self, flush=False):
@@ -273,7 +286,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         self._guard.begin(self._delayed.keeps_own)
-        launches = self._scheduler.finish()
+        place = self._step_place()
+        for members in self._scheduler.finish(place):
+            self._launches += self._launch(members, place)
+        launches, self._launches, self._place = self._launches, [], None
         self._exchange.advance(launches)
         step = self._progress.step
         if not self._delayed.keeps_own:
@@ -540,6 +556,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dgc_state = state_dict.pop(STATE_KEY, None)
         self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
+        self._launches, self._place = [], None
         self._exchange.memory.commit()  # a step cut short has nothing to undo
         self._guard.reset()
         self._skip_step = False

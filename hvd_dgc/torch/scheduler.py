@@ -16,9 +16,14 @@ times. Then, in this order:
                            per bucket, which costs round trips on a slow link
     alone                  otherwise, from its own hook
 
-``finish`` (synchronize) launches what has not left: parameters whose hook has not
-fired (unused this step, or fewer backward passes) still join every collective, so the
+``finish`` (synchronize) says what has not left: parameters whose hook has not fired
+(unused this step, or fewer backward passes) still join every collective, so the
 launches are the same on every rank.
+
+The scheduler decides and returns; it starts nothing. ``ready`` and ``finish`` return
+the groups of parameters that leave now, and the optimizer launches them at this step's
+place (exchange.py ``StepPlace``, made once a step: its density and step are what the
+buckets and the batching are decided by, here as in the exchange).
 """
 
 from hvd_dgc.packing import reduces_signs
@@ -29,22 +34,19 @@ __all__ = ["LaunchScheduler"]
 
 
 class LaunchScheduler:
-    """Counts and pending launches of one optimizer's step.
-
-    ``launch(params)`` starts a launch (the optimizer's: the exchange at this step's
-    place) and returns its ``Launch``es; ``density()`` is this step's density."""
+    """Counts of one optimizer's step, and which parameters leave together when."""
 
     def __init__(self, params, index, infos, groups, passes, planner, fusion_threshold,
-                 on_accelerator, sparse_as_dense, launch, density, step):
+                 on_accelerator, sparse_as_dense):
         self.params = list(params)             # trainable, in parameter order
         self.index, self.infos = index, infos  # param -> int, param -> plan.TensorInfo
         self.passes = passes
         self.planner, self.fusion_threshold = planner, fusion_threshold
-        self._launch, self._density, self._step = launch, density, step
         self.sparse = planner.resolved.sparse
         self._by_key = {index[p]: p for p in self.params}
         self._left = {p: passes for p in self.params}   # backward passes still to come
-        self._pending = {}      # p or tuple(params) -> [Launch], or None while counting
+        self._seen = set()      # parameters whose hook fired since the last finish
+        self._gone = set()      # parameters that left this step
         self._group_of, self._group_counts = {}, {}
         self._groups = groups is not None
         if groups is not None:
@@ -81,44 +83,45 @@ class LaunchScheduler:
         return self._batch_all
 
     # -- the hook ------------------------------------------------------------------------
-    def ready(self, p):
-        """``p``'s hook fired (its gradient accumulated)."""
+    def ready(self, p, place):
+        """``p``'s hook fired (its gradient accumulated) at this step's ``place``: the
+        groups of parameters that leave now (none, one, or two where a sparse gradient
+        leaves alone and completes its bucket)."""
         if self._left[p] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times "
                 "before call to step(). Increase backward_passes_per_step to "
                 "accumulate gradients locally.")
         self._left[p] -= 1
+        self._seen.add(p)
         if self._left[p] > 0:
-            self._pending[p] = None
-            return
+            return []
         group = self._group_of.get(p)
         if group is not None:
             self._group_counts[group] += 1
-            if self._group_counts[group] == len(group):
-                self._group_counts[group] = 0
-                for gp in group:
-                    self._pending.pop(gp, None)
-                self._pending[group] = self._launch(group)
-            else:
-                self._pending[p] = None
-            return
-        if self._batched(p):  # launched with the others in synchronize
-            self._pending[p] = None
-            return
-        bucket = self._bucket_of(p)
-        alone = bucket is None or self._sparse_grad(p)
-        self._pending[p] = self._launch((p,)) if alone else None
+            if self._group_counts[group] < len(group):
+                return []
+            self._group_counts[group] = 0
+            return [self._leave(group)]
+        if self._batched(p, place):  # leaves with the others, in synchronize
+            return []
+        bucket = self._bucket_of(p, place)
+        out = [self._leave((p,))] if bucket is None or self._sparse_grad(p) else []
         if bucket is not None:
             ready = self._bucket_ready.setdefault(id(bucket), set())
             ready.add(p)
             if len(ready) == len(bucket):
-                self._launch_bucket(bucket)
+                out += self._bucket_leaves(bucket)
+        return out
+
+    def _leave(self, members):
+        self._gone.update(members)
+        return members
 
     def _sparse_grad(self, p):
         return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense
 
-    def _batched(self, p):
+    def _batched(self, p, place):
         """Launch ``p`` with the others, in synchronize, rather than from its hook? The
         launch's members, order and name are the same on every rank (by index). The
         sign's compressed allreduce carries all of a step's tensors in one alltoall and
@@ -130,14 +133,14 @@ class LaunchScheduler:
         signs = reduces_signs(self.planner.compressor, self.planner.world_size)
         if not (self._may_batch or signs) or self._sparse_grad(p):
             return False
-        path = self.planner.path(self.infos[p], self._density(), self._step())
+        path = self.planner.path(self.infos[p], place.density, place.step)
         return CLASSES[path].batched or (signs and path == PathKind.EXCHANGE)
 
-    def _bucket_of(self, p):
+    def _bucket_of(self, p, place):
         """The bucket ``p`` leaves with (a tuple of parameters), or None (alone)."""
         if self._groups:
             return None
-        plan = self.planner.buckets(self._density(), self._order, self.fusion_threshold)
+        plan = self.planner.buckets(place.density, self._order, self.fusion_threshold)
         keys = plan.get(self.index[p])
         if keys is None:
             return None
@@ -150,48 +153,35 @@ class LaunchScheduler:
             bucket = self._bucket_params[keys] = tuple(self._by_key[k] for k in keys)
         return bucket
 
-    def _launch_bucket(self, bucket):
-        """One launch for the bucket's parameters not launched yet this step (a sparse
-        gradient, nn.Embedding(sparse=True), leaves alone from its hook)."""
+    def _bucket_leaves(self, bucket):
+        """The bucket's parameters that have not left this step (a sparse gradient,
+        nn.Embedding(sparse=True), leaves alone from its hook), as one group, or none."""
         self._bucket_ready.pop(id(bucket), None)
-        members = tuple(p for p in bucket if self._pending.get(p) is None)
-        for p in members:
-            self._pending.pop(p, None)
-        if members:
-            self._pending[members] = self._launch(members)
-        return members
+        members = tuple(p for p in bucket if p not in self._gone)
+        return [self._leave(members)] if members else []
 
     # -- synchronize ---------------------------------------------------------------------
-    def finish(self):
-        """Launch what has not left; every launch of the step, in launch order."""
-        launched = set()
-        for key, pending in self._pending.items():
-            if pending is not None:
-                launched.update(key if isinstance(key, tuple) else (key,))
-        rest = [p for p in self.params if p not in launched]
-        for p in rest:
-            self._pending.pop(p, None)
-        together = tuple(p for p in rest if self._batched(p))
+    def finish(self, place):
+        """The groups that have not left this step, in launch order; the step's counts
+        of what left start afresh."""
+        rest = [p for p in self.params if p not in self._gone]
+        out = []
+        together = tuple(p for p in rest if self._batched(p, place))
         if together:
-            self._pending[together] = self._launch(together)
-        done = set(together)
+            out.append(self._leave(together))
         for p in rest:
-            if p in done:  # launched with its bucket just now
+            if p in self._gone:  # left with its bucket just now
                 continue
-            bucket = self._bucket_of(p)
-            if bucket is None:
-                self._pending[(p,)] = self._launch((p,))
-            else:
-                done.update(self._launch_bucket(bucket))
-        launches = [launch for pending in self._pending.values() if pending is not None
-                    for launch in pending]
-        self._pending.clear()
-        return launches
+            bucket = self._bucket_of(p, place)
+            out += [self._leave((p,))] if bucket is None else self._bucket_leaves(bucket)
+        self._gone.clear()
+        self._seen.clear()
+        return out
 
     @property
     def pending(self):
         """Whether a backward pass has run since the last synchronize."""
-        return bool(self._pending)
+        return bool(self._seen)
 
     def restart(self, passes=None):
         """What the hooks count within a step, back to its start: backward passes left,
@@ -205,5 +195,6 @@ class LaunchScheduler:
         self._bucket_ready.clear()
 
     def clear(self):
-        self._pending = {}
+        self._gone.clear()
+        self._seen.clear()
         self.restart()
