@@ -7,6 +7,9 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 """
 
 import math
+from functools import lru_cache
+
+from hvd_dgc.aggregation import chunk_spans
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_segments",
            "sign_chunk_bytes", "sign_reduce_bytes", "sign_shares", "SIGN_COLLECTIVES",
@@ -38,14 +41,25 @@ def sign_payload_bytes(n):
     return plane_bytes(n, 1) + SCALE_BYTES
 
 
+def _total(numels):
+    """Elements of tensors of ``numels`` elements (an int: one tensor)."""
+    return numels if isinstance(numels, int) else sum(int(n) for n in numels)
+
+
 def sign_segments(numels, world):
     """Scales in each chunk of the sign's compressed allreduce of tensors of ``numels``
     elements (an int: one tensor): the most segments any chunk holds
     (hvd_dgc.aggregation.sign_rows), at least one."""
     if isinstance(numels, int):
         return 1
-    from hvd_dgc.aggregation import chunk_spans
-    return max(1, max(len(spans) for spans in chunk_spans(numels, max(1, world))))
+    return _segments(tuple(int(n) for n in numels), max(1, world))
+
+
+@lru_cache(maxsize=64)
+def _segments(numels, world):
+    """``sign_segments`` of a group (a tuple): asked at every launch for its bytes, and
+    O(N) to count, so kept for the few groups a run has."""
+    return max(1, max(len(spans) for spans in chunk_spans(numels, world)))
 
 
 def sign_chunk_bytes(numels, world):
@@ -55,7 +69,7 @@ def sign_chunk_bytes(numels, world):
     chunk on the wire as its float32 scales (one per tensor it holds part of, as many as
     the chunk that holds most) and its signs, one bit each, padded to the longest
     chunk's ceil(total / N): the same size for every chunk."""
-    total = numels if isinstance(numels, int) else sum(int(n) for n in numels)
+    total = _total(numels)
     return SCALE_BYTES * sign_segments(numels, world) + \
         plane_bytes(-(-total // world) if world else total, 1)
 
@@ -67,8 +81,7 @@ def sign_reduce_bytes(numels, world):
     a rank receives, 2 (N-1) chunks, is about 2 (N-1)/N n/8 bytes: flat in N, where the
     allgather of every rank's signs receives (N-1) n/8."""
     if world < 2:
-        total = numels if isinstance(numels, int) else sum(int(n) for n in numels)
-        return sign_payload_bytes(total), 0
+        return sign_payload_bytes(_total(numels)), 0
     chunk = sign_chunk_bytes(numels, world)
     return world * chunk, 2 * (world - 1) * chunk
 

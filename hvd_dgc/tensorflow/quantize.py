@@ -96,7 +96,7 @@ class SignCompressor(GatherCompressor):
     it from 3 ranks as 1-bit Adam's compressed allreduce (``exchange``), byte for byte
     PyTorch's; "allgather" or "allreduce" forces one. A step's tensors go in one
     exchange (``exchange_group``): in the synchronous step's graph, or with ``delay`` or
-    ``period`` on delayed averaging's threads (paths.py ``ExchangePath``)."""
+    ``period`` on delayed averaging's threads (paths.py ``SignGroupPath``)."""
 
     name = "sign"
 

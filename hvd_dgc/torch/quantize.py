@@ -93,7 +93,7 @@ class SignCompressor(GatherCompressor):
         self.collective = check_sign_collective(collective)
         self._errors, self._errors_of = {}, None  # key -> (start, server error), for
         #                                           (world, rank)
-        self._chunks = {}  # (numels, world, device) -> _RowsOn
+        self._rows = {}  # (numels, world, device) -> _RowsOn
 
     def _options(self):
         return {"seed": self.seed, "collective": self.collective}
@@ -179,9 +179,9 @@ class SignCompressor(GatherCompressor):
 
     def _rows_of(self, numels, world, device):
         key = (numels, world, str(device))
-        rows = self._chunks.get(key)
+        rows = self._rows.get(key)
         if rows is None:
-            rows = self._chunks[key] = _rows_on(numels, world, device)
+            rows = self._rows[key] = _rows_on(numels, world, device)
         return rows
 
     def _server_error(self, keys, spans, like):
