@@ -53,7 +53,7 @@ class _DistributedGradientTape(tf.GradientTape):
         """As in Horovod: this variable's gradient stays local (no exchange)."""
         self._local_sources.add(variable_ref(source))
 
-    @tf.autograph.experimental.do_not_convert  # as the optimizer's (keras/__init__.py)
+    @tf.autograph.experimental.do_not_convert  # as the optimizer's (optimizer.py)
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         flat = tf.nest.flatten(sources)
         gradients = super(self.__class__, self).gradient(target, flat, output_gradients)

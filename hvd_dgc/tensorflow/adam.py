@@ -1,7 +1,7 @@
 """Keras' Adam and AdamW taken over (hvd_dgc/adam.py has the maths and the papers; the
 PyTorch side is hvd_dgc/torch/adam.py).
 
-The rebuilt optimizer (keras/__init__.py) is a subclass of the user's, so Keras keeps
+The rebuilt optimizer (tensorflow/optimizer.py) is a subclass of the user's, so Keras keeps
 doing what it does around the update: learning-rate schedules, AdamW's decoupled decay
 (``_apply_weight_decay``, with its exclusions), constraints, ``iterations``. Two of its
 methods change:

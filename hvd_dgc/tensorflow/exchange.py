@@ -118,13 +118,7 @@ class GradientExchange(tf.Module):
         self.flushed, self.fit_callback = False, False
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
-        # Keras' Adam taken over (tensorflow/adam.py AdamTakeOver), set by the Keras
-        # optimizer; kept out of tf.Module's tracking (it refers to the optimizer)
-        object.__setattr__(self, "adam", None)
-        # the Keras optimizer's step size (delayed.py ``step``'s ``size``): what it
-        # multiplies this step's update by, and the decoupled decays before it; None with
-        # a tape, whose optimizer is the script's (own steps taken back as they come)
-        object.__setattr__(self, "step_size", None)
+        self.adam = None  # Keras' Adam taken over (tensorflow/adam.py): take_over_adam
         self._epoch = 0.0
         self._first_step = 0  # rank 0's, for a build after an elastic reset
         self._first_delay = None  # and the D its delay="auto" had reached
@@ -548,9 +542,19 @@ class GradientExchange(tf.Module):
         with ``delay=D``, this rank's own update corrected by the average of step i-D."""
         return self.exchange(grads)[0]
 
-    def exchange(self, grads):
+    def take_over_adam(self, adam):
+        """Keras' Adam or AdamW taken over (tensorflow/adam.py ``AdamTakeOver``): its
+        first moment is the memory's momentum once its variance is frozen."""
+        self.adam = adam
+        self.momentum = adam.beta1
+
+    def exchange(self, grads, size=None):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
-        a non-finite gradient on some rank made every rank skip this step."""
+        a non-finite gradient on some rank made every rank skip this step. ``size``:
+        the Keras optimizer's ``(rate, decays)`` for this step (delayed.py ``step``:
+        what it multiplies the update by, and the decoupled decays before it), where
+        delayed averaging takes own steps back; None with a tape, whose optimizer is
+        the script's."""
         checked = tf.group() if self.traced_once else self._check_world()
         if self.elastic:
             with tf.control_dependencies([checked]):
@@ -569,11 +573,11 @@ class GradientExchange(tf.Module):
         if self.dense_fp16:
             clipped_before = self.statistics.fp16_clipped.read_value()
             with tf.control_dependencies([clipped_before]):
-                out, bad = self._guarded(grads, at)
+                out, bad = self._guarded(grads, at, size)
             with tf.control_dependencies([values(a) for a in out]):
                 self._warn_fp16(clipped_before)
         else:
-            out, bad = self._guarded(grads, at)
+            out, bad = self._guarded(grads, at, size)
         # Python calls in the step are traced on every rank alike, and rank 0 alone speaks:
         # a call in rank 0's graph only left a 2-rank Keras fit with a lagging Adam
         # take-over waiting for good (tests/workers/tf_adam.py fit_digits).
@@ -690,21 +694,21 @@ class GradientExchange(tf.Module):
         under delayed averaging the rank that has it drops it instead."""
         return self.skip_nonfinite and (not self.lags or self.adam is not None)
 
-    def _guarded(self, grads, at):
+    def _guarded(self, grads, at, size):
         """skip_nonfinite: a NaN/Inf gradient never enters the memory (guard.py)."""
         if not self.skip_nonfinite:
-            return self._step(grads, at), tf.constant(False)
+            return self._step(grads, at, size), tf.constant(False)
         if not self.lags:
             return self._skipping(grads, at)
         if self.adam is None:
-            return self._delayed(grads, at, self.guard.drop(grads)), tf.constant(False)
+            return self._delayed(grads, at, self.guard.drop(grads), size), tf.constant(False)
 
         def warm_up():  # Adam's exact steps: synchronous, skipped as such
             out, bad = self._skipping(grads, at)
             return out + [bad]
 
         def frozen():
-            return self._delayed(grads, at, self.guard.drop(grads)) + [tf.constant(False)]
+            return self._delayed(grads, at, self.guard.drop(grads), size) + [tf.constant(False)]
         *out, bad = tf.cond(self.adam.frozen(), frozen, warm_up)
         return out, bad
 
@@ -717,7 +721,7 @@ class GradientExchange(tf.Module):
     def _synchronous(self, grads, at):
         return self.paths.finish(self.paths.step(grads, at))
 
-    def _step(self, grads, at):
+    def _step(self, grads, at, size):
         """A step without the guard: synchronous, or delayed averaging; with Adam taken
         over, delayed from its freeze on (its exact warm-up is not linear in the
         gradient, so nothing of it may be replaced later: every rank takes the same
@@ -725,23 +729,19 @@ class GradientExchange(tf.Module):
         if not self.lags:
             out = self._synchronous(grads, at)
         elif self.adam is None:
-            out = self.dga.step(grads, at, size=self._size())
+            out = self.dga.step(grads, at, size=size)
         else:
             out = tf.cond(self.adam.frozen(),
-                          lambda: self.dga.step(grads, at, size=self._size()),
+                          lambda: self.dga.step(grads, at, size=size),
                           lambda: self._synchronous(grads, at))
         self.step.assign_add(1)
         return out
 
-    def _delayed(self, grads, at, dropped):
+    def _delayed(self, grads, at, dropped, size):
         """A delayed step, this rank's non-finite tensors ``dropped`` (guard.py)."""
-        out = self.dga.step(grads, at, dropped, self._size())
+        out = self.dga.step(grads, at, dropped, size)
         self.step.assign_add(1)
         return out
-
-    def _size(self):
-        """This step's ``(rate, decays)`` (delayed.py ``step``), or None (a tape)."""
-        return None if self.step_size is None else self.step_size(self.dga.variables)
 
     def _local_grad(self, i, grad):
         """The gradient as it will travel: dense, or IndexedSlices (Horovod's way)."""

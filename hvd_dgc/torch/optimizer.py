@@ -685,18 +685,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     error feedback through the same memory. Rank 0 prints one line at wrap time saying
     what runs.
 
-    hvd_dgc's options are keyword only, the same for TensorFlow and Keras (density,
-    warmup, momentum_masking, clip_norm, cost_model, aggregation, delay, period,
-    fusion_threshold, skip_nonfinite, ...; docs/options.md, made from
-    ``hvd_dgc.config.DGCConfig``); an unknown one is refused with the closest name.
-    Two more are PyTorch's: ``dense_compression`` (``Compression.none`` or ``fp16`` on
-    the dense path; fp16's rounding error stays in the residual; default fp16 with
-    ``compression=Compression.fp16``, else none) and ``grad_scaler`` (the
-    ``torch.amp.GradScaler`` in use, so the memory holds unscaled gradients and
-    overflowed steps never enter it). ``outer=hvd_dgc.OuterLoop(steps=H, lr=0.7,
-    momentum=0.9)``: an outer loop instead (DiLoCo; hvd_dgc/outer.py): ``optimizer``
-    steps locally and every H-th step the weights' change is averaged (whole, or at
-    ``density`` with error feedback) and applied by outer Nesterov momentum.
+    hvd_dgc's options are keyword only, the same for TensorFlow and Keras
+    (docs/options.md, made from ``hvd_dgc.config.DGCConfig``); an unknown one is
+    refused with the closest name. PyTorch's own: ``dense_compression`` (``none`` or
+    ``fp16`` on the dense path, its rounding error kept in the residual) and
+    ``grad_scaler`` (the ``torch.amp.GradScaler`` in use: the memory holds unscaled
+    gradients). ``outer=hvd_dgc.OuterLoop(steps=H)``: an outer loop instead (DiLoCo;
+    hvd_dgc/outer.py): ``optimizer`` steps locally and every H-th step the weights'
+    change is averaged and applied by outer Nesterov momentum.
 
     With ``torch.optim.SGD`` the memory applies SGD's momentum (momentum correction)
     and weight decay, and the base step runs with both switched off. Sparse gradients
