@@ -6,7 +6,7 @@ whichever is smaller) with values in 32, 16, 8, 4 or 2 bits. Tensors under
 ``min_compress_size`` (1,024) travel dense, in fp32, every step, as now; the last rows
 fold them into one tensor selected at the same density instead. Bytes come from
 the formats' own size formulas, k = ceil(n * density) records a tensor (DGC's threshold
-selection sends within 0.8-1.3 k of it); tests/test_wire_code.py holds the formulas to the
+selection sends within 0.8-1.3 k of it); tests/core/test_wire_code.py holds the formulas to the
 NumPy reference's encoding, ResNet-50's tensors among them.
 
     python bench/record_sizes.py                 # the table, density 0.001

@@ -4,7 +4,7 @@ more seeds than the test affords: per seed, paired gap, mean and its standard er
     python bench/region_accuracy.py                     # seeds 0-7, Horovod's defaults
     python bench/region_accuracy.py --seeds 0 1 2 3 --deterministic   # the test's setting
 
-The workload is the test's (tests/workers/torch_aggregation.py ``digits``): an MLP on
+The workload is the test's (tests/torch/torch_aggregation.py ``digits``): an MLP on
 scikit-learn's digits, 4 ranks (Gloo), DGC 1% after a 3-epoch warm-up, 30 epochs, both
 aggregations trained on the same data, seeds and batches in one launch. With Horovod's
 fusion on (its default) a fused buffer's layout, and so the ring's order of sums,
@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 
 # One launch runs both aggregations for every seed: the test worker's function, by name
 # (not imported: benchmarks do not import the tests), after each rank's hvd.init().
-WORKER = "tests.workers.torch_aggregation:digits"
+WORKER = "tests.torch.torch_aggregation:digits"
 INIT = {"HVD_DGC_RANK_SETUP": "hvd_dgc.torch:init"}  # harness/hvdrun_worker.py calls it first
 
 

@@ -2,7 +2,7 @@
 each of ``--compressors`` (sign, qsgd, bf16 by default), 2 ranks, one run of each,
 side by side: final test accuracy, the bytes ratio against dense fp32, and whether the
 ranks end with identical weights. The training is the test suite's
-(tests/workers/tf_dgc.py ``keras_fit_digits``: a small CNN, SGD momentum 0.9).
+(tests/tensorflow/tf_dgc.py ``keras_fit_digits``: a small CNN, SGD momentum 0.9).
 
     python bench/tf_compressors_accuracy.py [--epochs 30] [--compressors sign qsgd bf16]
 """
@@ -22,7 +22,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--compressors", nargs="*", default=["sign", "qsgd", "bf16"])
     args = parser.parse_args()
-    outs = run("tests.workers.tf_dgc:suite", np=2, timeout=1800,
+    outs = run("tests.tensorflow.tf_dgc:suite", np=2, timeout=1800,
                env={"TF_USE_LEGACY_KERAS": "0"},
                kwargs={"names": ["keras_fit_digits"], "kwargs": {"keras_fit_digits": {
                    "epochs": args.epochs, "compressors": args.compressors}}})

@@ -8,7 +8,7 @@ LM's parameter shapes, at 2 to 1,024 ranks, and real runs to check the simulatio
 
 The simulation (harness/wire_sim.py) takes the planner's own choices (paths, buckets, the
 dense tensors riding in an allgather) with the cost model's assumed 1 Gbit/s link, and
-the wire formats' sizes, which the encoders write (tests/test_wire_code.py); no rank
+the wire formats' sizes, which the encoders write (tests/core/test_wire_code.py); no rank
 runs. ``--real`` runs each mode under ``horovodrun --gloo`` on this host (harness/wire.py,
 synthetic gradients, DGC at 0.001 from the first step): a rank's bytes sent are hvd_dgc's
 own count (``compression_stats()["last_step"]``), received are priced from each tensor's

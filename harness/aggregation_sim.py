@@ -5,7 +5,7 @@ Framework-free: k per tensor as the optimizer computes it
 (hvd_dgc.schedule.num_selected), tensors under min_compress_size dense in every method
 (as in the optimizer), and the formulas of hvd_dgc/aggregation.py (bytes, balanced
 expectation) and hvd_dgc/costmodel.py (alpha-beta time). The tests check the formulas
-with it (tests/test_aggregation.py); bench/sparse_aggregation_sim.py tabulates and plots
+with it (tests/core/test_aggregation.py); bench/sparse_aggregation_sim.py tabulates and plots
 it for ResNet-50, bench/sparse_aggregation.py sets it beside measured bytes.
 """
 

@@ -1,6 +1,6 @@
 """Run a function on N real Horovod ranks under ``horovodrun`` and collect each rank's result.
 
-    results = run("tests.workers.smoke:torch_collectives", np=2, controller="gloo")
+    results = run("tests.product.smoke:torch_collectives", np=2, controller="gloo")
     results[0], results[1]   # whatever the function returned on rank 0 and rank 1
 
 The function is imported by name in every rank (so it lives in a module, not

@@ -2,7 +2,7 @@
 standard library's sources (of the interpreter that runs this; read at run time,
 nothing downloaded or committed) and a byte-level transformer LM.
 
-bench/adam_lm.py trains it for thousands of steps; tests/test_adam_lm.py a few hundred.
+bench/adam_lm.py trains it for thousands of steps; tests/torch/test_adam_lm.py a few hundred.
 """
 
 import glob

@@ -2,7 +2,7 @@
 rank run. The planner decides as in a run (each tensor's path at the final density,
 PyTorch's buckets, which dense tensors ride in a bucket's allgather); the bytes are the
 wire formats' own sizes (hvd_dgc/packing.py, which the encoders write:
-tests/test_wire_code.py). bench/wire.py checks it against real runs at 2 and 4 ranks.
+tests/core/test_wire_code.py). bench/wire.py checks it against real runs at 2 and 4 ranks.
 
 Modes (a user's defaults, or one option): SGD with DGC at its final density 0.001, and
 with ``aggregation="region"`` (region reduce, whatever the cost model says); AdamW

@@ -169,7 +169,7 @@ def region_of(indices, n, world, k):
 #: owners together keep KEEP * k records (quota = ceil(KEEP k / R)). Ok-Topk keeps k, one
 #: rank's worth, while allgather applies the union of the N ranks' selections (up to
 #: N k). Measured through the optimizer (digits MLP, N = 4, DGC 1%, 4 seeds, 330 steps;
-#: tests/test_torch_aggregation.py): allgather 96.8%; region keeping k 95.7% (one seed
+#: tests/torch/test_aggregation.py): allgather 96.8%; region keeping k 95.7% (one seed
 #: 92.8%); keeping 2k 95.7-96.5% over six runs (mean 96.2), 96.39% in the test's
 #: bit-reproducible setting (fusion off). Bytes stay flat in N: ~3k(N-1)/N per worker,
 #: 3/N of allgather's (0.375 at N = 8).

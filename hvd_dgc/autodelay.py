@@ -24,7 +24,7 @@ read one window later, when it has long arrived, so agreeing costs no wait. Ever
 then computes the same D' from the same numbers and switches at the same step.
 
 Framework-free: the torch optimizer holds an ``AutoDelayState`` and calls
-``observe``/``decide``; the maths is tested alone (tests/test_core.py).
+``observe``/``decide``; the maths is tested alone (tests/torch/test_single_process.py).
 """
 
 import math

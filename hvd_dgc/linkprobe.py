@@ -51,7 +51,7 @@ not shared memory's 5 us.
 
 The bandwidth is the effective rate of the largest message timed: on a long round trip
 TCP's window grows over several trips, so the 64-300 KB that fit in the budget at 20 ms
-see a tenth to a third of a 100 Mbit/s link's rate (tests/test_linkprobe.py); the model
+see a tenth to a third of a 100 Mbit/s link's rate (tests/core/test_linkprobe.py); the model
 then leans to sparse, the right side on such a link. On several hosts the allreduce's
 ring crosses the link between them, its slowest hop: that is the link it measures.
 """

@@ -12,7 +12,7 @@ The pseudo-gradient travels as DGC sends a gradient (SparseLoCo, 2025, sends it 
 error-feedback top-k at 1-3%): ``density`` of its largest coordinates, what is not sent
 kept in this rank's residual and sent in a later round, nothing lost; ``density=1.0``
 sends it whole (an allreduce). With momentum 0, lr 1 and H = 1 the outer step is
-synchronous training exactly (tests/test_outer.py).
+synchronous training exactly (tests/torch/test_outer.py).
 
 ``overlap=True`` (Streaming DiLoCo, DiLoCoX): a round's exchange runs while the next
 round's inner steps do, and its average is applied one round late, as delayed gradient

@@ -10,6 +10,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HVD_DGC_RANK_SETUP", "tests.rank_setup:prepare")
 # The suite asserts paths, bytes and values: every test wraps with the assumed link
 # (CostModel(), the same paths on every run) unless it names its own cost model; the
-# default, the link measured, is tested where it is set (tests/test_linkprobe.py passes
+# default, the link measured, is tested where it is set (tests/core/test_linkprobe.py passes
 # HVD_DGC_COST_MODEL="" to its ranks).
 os.environ.setdefault("HVD_DGC_COST_MODEL", "assumed")

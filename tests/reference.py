@@ -3,7 +3,7 @@
 Why: hvd_dgc implements the same maths twice (hvd_dgc/torch/memory.py and
 hvd_dgc/tensorflow/memory.py, plus a C++ kernel); checking each against the other
 would let a shared mistake through. This module states the maths once, as the
-papers write it, in plain float32 NumPy, and tests/test_reference.py checks it
+papers write it, in plain float32 NumPy, and tests/core/test_reference.py checks it
 against hand-derived vectors and then each framework against it.
 
 Papers:
@@ -427,7 +427,7 @@ def outer_targets(step, rank):
     return rng.randn(40, 50).astype(np.float32), rng.randn(30).astype(np.float32)
 
 
-#: The quadratic runs both frameworks' workers make and tests/test_outer.py replays, by
+#: The quadratic runs both frameworks' workers make and tests/torch/test_outer.py replays, by
 #: name: (inner SGD steps at lr 0.1, ``OuterLoop(steps=3, lr=0.7, momentum=0.9,
 #: nesterov=True)``'s fields changed, the wrapper's options, each tensor's k for the
 #: replay: None when the change is sent whole).
@@ -734,7 +734,7 @@ def sign_reduce(inputs, server_errors=None):
             [(to_owners[i], payloads[i]) for i in range(world)])
 
 
-#: the tensors of tests/test_sign_reduce.py's runs, one launch: uneven chunks on 3 and 4
+#: the tensors of tests/core/test_sign_reduce.py's runs, one launch: uneven chunks on 3 and 4
 #: ranks, a tensor with fewer elements than ranks (empty chunks)
 SIGN_NUMELS = (1001, 37, 2, 64)
 SIGN_STEPS = 3

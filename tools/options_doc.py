@@ -14,7 +14,7 @@ TensorFlow is imported):
   The condition under which each entry refuses is a lambda; its source is read
   with ``ast`` to print it (the entries themselves come from the imported tuple).
 
-tests/test_docs.py checks that docs/options.md equals this script's output.
+tests/product/test_docs.py checks that docs/options.md equals this script's output.
 """
 
 import argparse
@@ -172,7 +172,7 @@ def render():
         "docstring, and `hvd_dgc.config._TORCH_ONLY` (what TensorFlow and Keras refuse, "
         f"and what to pass instead). Do not edit it by hand: change the code, then run "
         f"`{COMMAND}` (or `python tools/options_doc.py > docs/options.md`). "
-        "`tests/test_docs.py` fails while the page differs from what the script writes.",
+        "`tests/product/test_docs.py` fails while the page differs from what the script writes.",
         "",
     ]
     out += ["## How the options are taken (hvd_dgc/config.py)", ""]

@@ -12,7 +12,7 @@ export PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 OMPI_ALLOW_RUN_AS_ROOT=1 \
        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONDONTWRITEBYTECODE=1
 cd "$REPO"
 set +e
-# The whole suite unless test files are named (tools/test.sh tests/test_tf.py -x).
+# The whole suite unless test files are named (tools/test.sh tests/tensorflow/test_tf.py -x).
 targets=(tests)
 for arg in "$@"; do
   case "$arg" in tests/*|tests) targets=() ;; esac

@@ -580,7 +580,7 @@ class GradientExchange(tf.Module):
             out, bad = self._guarded(grads, at, size)
         # Python calls in the step are traced on every rank alike, and rank 0 alone speaks:
         # a call in rank 0's graph only left a 2-rank Keras fit with a lagging Adam
-        # take-over waiting for good (tests/workers/tf_adam.py fit_digits).
+        # take-over waiting for good (tests/tensorflow/tf_adam.py fit_digits).
         if self.config.log_every:
             with tf.control_dependencies([values(a) for a in out]):
                 tf.py_function(self._log, [self.step.read_value()], [])

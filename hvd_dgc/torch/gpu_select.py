@@ -31,7 +31,7 @@ nothing at the receiver, and the memory zeroes a coordinate that is sent anyway.
 If candidates ever overflow the buffer, the tensors at its end send fewer
 records that step (again kept in the memory, never lost).
 
-The same code runs on CPU tensors (tests/test_core.py checks it against an exact
+The same code runs on CPU tensors (tests/torch/test_single_process.py checks it against an exact
 top-k there); on CPUs the optimizer uses the adaptive selection in
 compression.py instead, which reads its counts back and sends no padding.
 """
@@ -373,7 +373,7 @@ def slot_starts(offsets, ks, device):
 
 def upload(host, device):
     """A host tensor on ``device`` without the host waiting: a copy from pageable memory
-    waits for the device (a host synchronisation, counted in tests/test_cuda.py), one
+    waits for the device (a host synchronisation, counted in tests/torch/test_cuda.py), one
     from pinned memory is queued. On the CPU, ``host`` itself."""
     if torch.device(device).type == "cpu":
         return host

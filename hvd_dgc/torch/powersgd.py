@@ -15,7 +15,7 @@ the *average* approximation this rank's input did not contain. A tensor is
 compressed only where (n + m) * r * min_rate < n * m (1-D tensors never),
 and only from step ``start_iter`` on (dense allreduce before: early
 training is sensitive to compression). Same numbers as torch's hook for the
-same gradients, rank and initial Q (tests/test_compressors.py).
+same gradients, rank and initial Q (tests/torch/test_compressors.py).
 """
 
 import zlib
