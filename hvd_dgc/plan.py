@@ -325,14 +325,17 @@ class Planner:
     def exchange_path(self, tensor):
         """EXCHANGE or DENSE for a tensor the compressor of its own collectives takes:
         a payload allgathered from every rank (sign, QSGD, bf16) grows with the world and
-        is priced against the dense allreduce (costmodel.choose_exchange); PowerSGD's and
-        TernGrad's allreduces are not. A tensor that turns dense loses nothing: the dense
-        path sends the memory whole, what the compressor had left in it too."""
-        key = ("exchange", tensor.numel)
-        chosen = self._paths.get(key)
-        if chosen is None:
-            chosen = self._paths[key] = self.prices.exchange(tensor.numel)
-        return chosen
+        is priced against the dense allreduce (costmodel.choose_exchange), the sign's
+        compressed allreduce as the group a step sends together (prices.py
+        ``sign_group``); PowerSGD's and TernGrad's allreduces are not. A tensor that
+        turns dense loses nothing: the dense path sends the memory whole, what the
+        compressor had left in it too."""
+        group = self._paths.get("sign group")
+        if group is None:  # (one price for every tensor the compressor may take)
+            takes = [t for t in self.tensors if self.large(t)]
+            group = self._paths["sign group"] = frozenset(
+                takes[i].key for i in self.prices.sign_group([t.numel for t in takes]))
+        return PathKind.EXCHANGE if tensor.key in group else PathKind.DENSE
 
     def hierarchical(self, tensor):
         """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC

@@ -65,6 +65,38 @@ class Prices:
         return self.cost_model.choose_exchange(numel, payload_bytes(numel), world,
                                                self.dense_value_bytes, chunk_bytes=chunk)
 
+    def sign_group(self, numels):
+        """Which of ``numels`` (the tensors a step's compressed allreduce of the sign may
+        carry, in launch order) it carries, the others going dense: positions, sorted.
+        Where the sign is not reduced on this world, each tensor as ``exchange`` prices it
+        alone. Else a tensor that pays alone stays; one that does not (the scales and
+        the padding of N chunks, the latency, all its own) stays while what it adds to
+        the group (its marginal seconds: the group's ``reduce_seconds`` with it less
+        without it), weighed by ``dense_preference``, costs no more than its dense
+        allreduce; the dearest is dropped first and the rest priced again, as each
+        departure moves the others' share of the scales and the padding."""
+        alone = [self.exchange(n) == PathKind.EXCHANGE for n in numels]
+        world = self.world_size
+        if not reduces_signs(self.compressor, world):
+            return [i for i, pays in enumerate(alone) if pays]
+        model, keep = self.cost_model, list(range(len(numels)))
+
+        def seconds(group):
+            sizes = [numels[i] for i in group]
+            return model.reduce_seconds(sum(sizes), sign_chunk_bytes(sizes, world), world) \
+                if sizes else 0.0
+        while True:
+            total, worst, excess = seconds(keep), None, 0.0
+            for i in (i for i in keep if not alone[i]):
+                over = (total - seconds([j for j in keep if j != i])) * \
+                    model.dense_preference - model.dense_seconds(
+                        numels[i], world, self.dense_value_bytes)
+                if over > excess:
+                    worst, excess = i, over
+            if worst is None:
+                return keep
+            keep.remove(worst)
+
     def dense_wire(self, path):
         """Does ``path`` move dense values (the allreduce's rate), not records?"""
         return path not in (PathKind.ALLGATHER, PathKind.REGION, PathKind.HIERARCHICAL) and \

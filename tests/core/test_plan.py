@@ -454,3 +454,49 @@ def test_the_step_chooses_between_the_allgather_and_region_reduce():
                                cost_model=CostModel()).resolve(
         TORCH, Compression.dgc, ARGS, (True, "SGD")), tensors, 1024)
     assert {forced.path(t, 0.001) for t in tensors if forced.large(t)} == {PathKind.ALLGATHER}
+
+
+def test_the_signs_compressed_allreduce_is_priced_as_the_group_a_step_sends():
+    """AdamW's default at 1,024 ranks on ResNet-50's shapes: the sign's compressed
+    allreduce carries a step's tensors together, so a tensor too small to pay alone
+    (N chunks' scales and padding, two rounds of latency, all its own) joins where what
+    it adds to the group costs less than its dense allreduce. Every tensor that pays
+    alone is in the group; each of the others is where its marginal seconds, worked
+    here from packing's sizes and the cost model's reduce_seconds, are within its
+    dense seconds, and out where they are not; on 2 ranks (the sign allgathered) the
+    group is what pays alone."""
+    from horovod.torch.mpi_ops import Adasum, Average, Sum
+    from harness.shapes import numel, resnet50_shapes
+    from hvd_dgc.packing import sign_chunk_bytes
+    tensors = [TensorInfo(i, name, numel(shape), shape)
+               for i, (name, shape) in enumerate(resnet50_shapes())]
+    resolved = DGCConfig.from_options({}, "torch", "DistributedOptimizer").resolve(
+        TORCH, None, HorovodArguments(Average, 1.0, 1, None, (Average, Sum, Adasum)),
+        (False, "AdamW", True))
+
+    def plan(world):
+        planner = Planner(resolved, tensors, world)
+        large = [t for t in tensors if planner.large(t)]
+        group = [t for t in large if planner.exchange_path(t) == PathKind.EXCHANGE]
+        alone = [t for t in large if planner.prices.exchange(t.numel) == PathKind.EXCHANGE]
+        return planner.prices.cost_model, large, group, alone
+
+    model, large, group, alone = plan(1024)
+    assert set(alone) < set(group), "nothing gained from the group: the test shows nothing"
+    joined = set(group) - set(alone)
+    assert len(joined) == 14
+
+    def seconds(members):
+        sizes = [t.numel for t in members]
+        return model.reduce_seconds(sum(sizes), sign_chunk_bytes(sizes, 1024), 1024)
+    total = seconds(group)
+    for t in large:
+        dense = model.dense_seconds(t.numel, 1024, 4)
+        if t in joined:
+            marginal = total - seconds([u for u in group if u is not t])
+            assert marginal * model.dense_preference <= dense, t
+        elif t not in group:  # it would cost more in the group than dense
+            marginal = seconds(group + [t]) - total
+            assert marginal * model.dense_preference > dense, t
+    _, _, group2, alone2 = plan(2)
+    assert group2 == alone2
