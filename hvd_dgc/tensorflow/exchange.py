@@ -37,7 +37,6 @@ checkpoints have always had: hvd_dgc/tensorflow/statistics.py.
 """
 
 import os
-import sys
 
 import numpy as np
 import tensorflow as tf
@@ -46,7 +45,6 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process
 
 from hvd_dgc.consistency import check_consistent
 from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
-from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
@@ -55,7 +53,7 @@ from hvd_dgc.fusion import fusion_threshold
 from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts, stage_densities
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once
-from hvd_dgc.schedule import check_steps, epoch_check_steps, stuck_epoch_message
+from hvd_dgc.script_calls import ScriptCalls
 from hvd_dgc.seam import host_peers
 from hvd_dgc.tensorflow.collective import ExchangeCompressor
 from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
@@ -76,6 +74,12 @@ __all__ = ["GradientExchange", "TENSORFLOW", "HOROVOD_OPS"]
 TENSORFLOW = Framework("tensorflow", Compression, (SparseCompressor, ExchangeCompressor))
 #: Horovod's (Average, Sum, Adasum) for TensorFlow.
 HOROVOD_OPS = (Average, Sum, Adasum)
+#: How a script sets the epoch, by whether it has a tape (the words of the fix).
+_EPOCH_FIX = {True: "Call hvd.set_epoch(epoch) at the start of each epoch",
+              False: "Pass hvd.callbacks.DGCCallback() to model.fit (or any of hvd_dgc's "
+                     "Keras callbacks: its BroadcastGlobalVariablesCallback advances the "
+                     "epoch too), or call optimizer.set_epoch(epoch) at each epoch of your "
+                     "own loop"}
 
 
 class GradientExchange(tf.Module):
@@ -111,11 +115,9 @@ class GradientExchange(tf.Module):
                 f"hvd.callbacks.DGCCallback() for a watched link, or drop link_watch.")
         self.traced_once = False  # (build: a tape under elastic Horovod)
         self.densities = stage_densities(self.resolved.schedule)
-        # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
-        self.epoch_check, self.epoch_set = epoch_check_steps(self.resolved.schedule), False
-        # what the script did by that step: flushed (flush), or passed one of hvd_dgc's
-        # Keras callbacks that flush and time the steps (keras/callbacks.py)
-        self.flushed, self.fit_callback = False, False
+        # the calls this set-up needs of the script (set_epoch; in Keras flush, and a
+        # callback of hvd_dgc's timing fit's steps: keras/callbacks.py), judged at a step
+        self.calls = ScriptCalls(self.resolved.schedule, _EPOCH_FIX[self.is_tape])
         self.memory = None
         self.dga = None  # DelayedAveraging, with delay > 0
         self.adam = None  # Keras' Adam taken over (tensorflow/adam.py): take_over_adam
@@ -151,7 +153,7 @@ class GradientExchange(tf.Module):
     def set_epoch(self, epoch):
         """Epoch-based warm-up: call at the start of each epoch on every rank."""
         self._epoch = float(epoch)
-        self.epoch_set = True
+        self.calls.epoch_set = True
         if self.memory is not None:
             self.epoch.assign(self._epoch)
 
@@ -185,10 +187,10 @@ class GradientExchange(tf.Module):
         grads = list(grads) if grads is not None else [None] * len(names)
         sliced = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads]
         if any(sliced) and self.resolved.zero_one and self.lags:
-            self._drop_default_period(names[sliced.index(True)])
+            self.resolved = _every_step(self.resolved, names[sliced.index(True)])
         for name, is_sliced in zip(names, sliced):
             if is_sliced:
-                self._check_slices_allowed(name)
+                _check_slices_allowed(self.resolved.config, name)
         return sliced
 
     def _plan(self):
@@ -202,7 +204,7 @@ class GradientExchange(tf.Module):
         # level): its graph must hold for every world size (traced_once).
         self.traced_once = self.elastic and self.is_tape
         if self.traced_once:
-            self._check_traced_once()
+            _check_traced_once(self.resolved, self.compression)
             self.wire = self.wire._replace(agnostic=True)
         self.planner = Planner(self.resolved, self.tensors, self._planning_world())
         if self.traced_once:
@@ -226,7 +228,7 @@ class GradientExchange(tf.Module):
                 self.planner.unmeasured = ("link assumed (1 Gbit/s, 50 us per "
                                            "message) until the elastic state's sync")
         elif self.planner.measure:  # every rank agreed to probe (the default)
-            self.planner.measured(*self._probe())
+            self.planner.measured(*self._probed())
         if self.adam is not None:  # later, or never, where all goes dense before
             self.adam.freeze_at(self.planner.adam_freeze(self.resolved.chosen_lagging))
         # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
@@ -319,36 +321,15 @@ class GradientExchange(tf.Module):
         world = self.world_size()
         return max(2, world) if self.traced_once else world
 
-    def _check_traced_once(self):
-        """What a step traced once for every world size cannot hold, refused with the
-        fix: its structure or its bounds would be the world's at the first trace."""
-        r = self.resolved
-        problem = None
-        if r.config.lagging:
-            problem = (f"{r.config.lagging} keeps collectives in flight across steps",
-                       r.config.undo_lagging)
-        elif r.kind == "exchange":
-            problem = (f"compression {type(self.compression).__name__} decodes a payload "
-                       f"per rank", "leave compression at Compression.dgc (the default)")
-        elif r.dense_fp16:
-            problem = ("fp16 values bound what each rank sends by the number of ranks",
-                       "pass compression=hvd.Compression.none (fp32 values)")
-        elif PathKind.REGION in r.aggregations and PathKind.ALLGATHER not in r.aggregations:
-            problem = ("region reduce splits indices into one region per rank",
-                       "pass aggregation='allgather' or 'auto'")
-        if problem:
-            raise ValueError(
-                f"hvd_dgc: DistributedGradientTape under elastic Horovod: {problem[0]}, and "
-                f"the tape's step (your tf.function) is traced once for every world size. "
-                f"Either {problem[1]}, or train with hvd_dgc.tensorflow.keras's "
-                f"DistributedOptimizer and its hvd.elastic.KerasState (model.fit traces "
-                f"its step again after a reset).")
-
     def _planned(self):
         """After a plan for this world: the statistics' fields for its paths, the world
         the traced step is made for, and the words at wrap time."""
         self.statistics.cover(self.paths.kinds())
         self.built_world = self.world_size()
+        keras = not self.is_tape
+        self.calls.lagging = self.config.lagging if keras and self.lags else ""
+        self.calls.link_watch = self.config.link_watch \
+            if keras and self.watcher is not None else None
         # rank 0 only: one line (the full plan with verbose), each warning once
         delay = self.dga.describe_delay() if self.dga is not None else self.delay
         PlanWords(self.planner).announce("tensorflow", delay, self.period)
@@ -396,7 +377,7 @@ class GradientExchange(tf.Module):
         if self.resolved.cost_model != "measure" or self.traced_once:
             return False  # (a step traced once keeps the paths it was traced with)
         with tf.init_scope():
-            link, local = self._measured_at_sync = self._probe()
+            link, local = self._measured_at_sync = self._probed()
         if self.memory is None:
             return False
         before = [tuple(stages) for stages in self.paths.stages]
@@ -469,20 +450,8 @@ class GradientExchange(tf.Module):
         whether they changed: the step holds them, so ``fit`` must trace it again."""
         return self._replanned(lambda: self.planner.relink(link))
 
-    def _probe(self):
-        """``(LinkMeasurement, LocalCost or PayloadCost)`` of this world, agreed by every
-        rank of the process set (each calls it at the same point): the link, and the
-        compressor's own work on this device, DGC's selection where it is sparse, the
-        encoding and decoding where it allgathers payloads (linkprobe.py, localcost.py)."""
-        collectives = HorovodCollectives(self.process_set)
-        link = probe_link(collectives, self.wire.peers)
-        local = None
-        if link is not None and self.resolved.sparse:
-            local = measure_local(self.compression, collectives,
-                                  self.resolved.final_density() or 0.001)
-        elif link is not None and hasattr(self.compression, "payload_bytes"):
-            local = measure_payload(self.compression, collectives)
-        return link, local
+    def _probed(self):
+        return _probe(self.process_set, self.wire.peers, self.compression, self.resolved)
 
     def abandon(self):
         """An elastic restore or reset: drop the steps in flight (delay, period)."""
@@ -575,7 +544,7 @@ class GradientExchange(tf.Module):
             with tf.control_dependencies([clipped_before]):
                 out, bad = self._guarded(grads, at, size)
             with tf.control_dependencies([values(a) for a in out]):
-                self._warn_fp16(clipped_before)
+                self.statistics.warn_fp16(clipped_before, self.step, self.wire.fp16_bound())
         else:
             out, bad = self._guarded(grads, at, size)
         # Python calls in the step are traced on every rank alike, and rank 0 alone speaks:
@@ -584,55 +553,21 @@ class GradientExchange(tf.Module):
         if self.config.log_every:
             with tf.control_dependencies([values(a) for a in out]):
                 tf.py_function(self._log, [self.step.read_value()], [])
-        at_step = check_steps() if self._needs_a_call() else 0
+        at_step = self.calls.at_step()
         if at_step:
             with tf.control_dependencies([values(a) for a in out]):
                 self._trace_check(at_step)
         return out, bad
 
-    def _needs_a_call(self):
-        """Whether this set-up works only if the script makes a call it may never make:
-        ``set_epoch`` for an epoch-counted warm-up; in Keras, ``flush`` for a lagging
-        optimizer, and a callback timing ``fit``'s steps for a link watch it asked for
-        (``set_epoch`` and ``flush`` set the flags, and keras/callbacks.py's
-        ``follow_epoch`` and ``_in_fit``)."""
-        return bool(self.epoch_check) or (not self.is_tape and (
-            self.lags or (self.watcher is not None and self.config.link_watch is not None)))
-
     def _trace_check(self, at_step):
         """At step ``at_step``, rank 0 says once what the script has not done by then
-        (``_said_at``): a Python call each step, on every rank, that compares two numbers.
-        (Not a ``tf.cond``: a functional If beside the step's collectives left a
-        2-rank run with 2 inter-op threads waiting for good.)"""
-        tf.py_function(lambda step, epoch: self._said_at(step, epoch, at_step),
-                       [self.step.read_value(), self.epoch.read_value()], [])
-
-    def _said_at(self, step, epoch, at_step):
-        step = int(step)
-        if step != at_step:
-            return
-        if self.lags and not self.is_tape and not self.flushed and not self.fit_callback:
-            rank0_once(f"hvd_dgc: with {self.config.lagging} each rank's weights differ "
-                       f"from the others' until optimizer.flush(), and nothing has flushed "
-                       f"by step {step}. In model.fit pass "
-                       f"hvd.callbacks.BroadcastGlobalVariablesCallback(0) or DGCCallback() "
-                       f"(they flush before each evaluation, at each epoch's end and at the "
-                       f"end); in your own loop call optimizer.flush() before evaluating or "
-                       f"saving.", UserWarning, key="hvd_dgc.never_flushed")
-        if self.watcher is not None and self.config.link_watch is not None and \
-                not self.is_tape and not self.fit_callback:
-            rank0_once(f"hvd_dgc: link_watch={self.config.link_watch!r} has timed no step by "
-                       f"step {step}: it needs model.fit with "
-                       f"hvd.callbacks.BroadcastGlobalVariablesCallback(0) or DGCCallback(), "
-                       f"which time the steps.", UserWarning, key="hvd_dgc.link_watch_idle")
-        if not self.epoch_check or self.epoch_set:
-            return
-        fix = ("Call hvd.set_epoch(epoch) at the start of each epoch" if self.is_tape else
-               "Pass hvd.callbacks.DGCCallback() to model.fit (or any of hvd_dgc's Keras "
-               "callbacks: its BroadcastGlobalVariablesCallback advances the epoch too), or "
-               "call optimizer.set_epoch(epoch) at each epoch of your own loop")
-        rank0_once(stuck_epoch_message(self.resolved.schedule, step, float(epoch), fix),
-                   UserWarning, key="hvd_dgc.epoch_never_set")
+        (script_calls.py): a Python call each step, on every rank, that compares two
+        numbers. (Not a ``tf.cond``: a functional If beside the step's collectives left
+        a 2-rank run with 2 inter-op threads waiting for good.)"""
+        def judge(step, epoch):
+            if int(step) == at_step:
+                self.calls.judge(int(step), float(epoch))
+        tf.py_function(judge, [self.step.read_value(), self.epoch.read_value()], [])
 
     def _log(self, step):
         """``log_every``: rank 0 prints the statistics after every N-th step, as PyTorch's
@@ -673,19 +608,6 @@ class GradientExchange(tf.Module):
                                           self.agreeing.assign(False)]):
                 return tf.constant(True)
         return tf.cond(self.agreeing, agree, lambda: tf.constant(False))
-
-    def _warn_fp16(self, before):
-        """The first step that sends dense fp16 values clipped says so (as the PyTorch
-        side's warning, printed from the graph); later ones are counted in stats()."""
-        template = clip_warning("tensorflow", "{}", "{}", self.wire.fp16_bound()) + \
-            " Later ones are counted in stats()['fp16_clipped']."
-        now = self.statistics.fp16_clipped.read_value()
-
-        def say():
-            tf.print(tf.strings.format(template, [self.step, now - before]),
-                     output_stream=sys.stderr)
-            return tf.constant(0)
-        tf.cond(tf.logical_and(tf.equal(before, 0), now > 0), say, lambda: tf.constant(0))
 
     @property
     def may_skip(self):
@@ -755,7 +677,7 @@ class GradientExchange(tf.Module):
         if isinstance(grad, tf.IndexedSlices):
             if self.sparse_as_dense:
                 return tf.convert_to_tensor(grad)
-            self._check_slices_allowed(tensor.name)
+            _check_slices_allowed(self.resolved.config, tensor.name)
             return grad
         if tensor.sliced:
             raise ValueError(
@@ -764,28 +686,6 @@ class GradientExchange(tf.Module):
                 f"residual slot. Pass sparse_as_dense=True to hvd_dgc's "
                 f"DistributedGradientTape / DistributedOptimizer.")
         return grad
-
-    def _drop_default_period(self, name):
-        """0/1 Adam's period is Adam's default, not the script's: where a variable has
-        IndexedSlices gradients (an Embedding), which no rank's own step can be taken
-        back from, the sign goes every step instead (1-bit Adam), said once, on rank 0."""
-        r = self.resolved
-        self.resolved = r.every_step()
-        rank0_once(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
-                   f"embedding lookup?), so Adam's default local steps between exchanges "
-                   f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "
-                   f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
-                   UserWarning)
-
-    def _check_slices_allowed(self, name):
-        if self.lags:
-            config = self.resolved.config
-            raise ValueError(
-                f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
-                f"embedding lookup?) and {config.lagging}: a rank's own steps replaced by "
-                f"the average later need dense gradients. Pass sparse_as_dense=True to "
-                f"hvd_dgc's DistributedGradientTape / DistributedOptimizer, or "
-                f"{config.undo_lagging}.")
 
     # -- delayed averaging's end, statistics -------------------------------------
     @property
@@ -804,7 +704,7 @@ class GradientExchange(tf.Module):
         exchange: each rank replaced its own steps in its own rounding). ``rate``: what
         ``apply`` multiplies the corrections by (each is taken back at its own step's
         size: hvd_dgc/lagging.py; below 0: unknown)."""
-        self.flushed = True
+        self.calls.flushed = True
         if self.dga is None:
             return False
         corrections = self.dga.drain(float(rate))
@@ -860,3 +760,66 @@ def _after_check(grad):
     return tf.identity(grad)
 
 
+def _check_traced_once(r, compression):
+    """What a tape's step traced once for every world size (elastic Horovod) cannot
+    hold under the resolved options ``r``, refused with the fix: its structure or its
+    bounds would be the world's at the first trace."""
+    problem = None
+    if r.config.lagging:
+        problem = (f"{r.config.lagging} keeps collectives in flight across steps",
+                   r.config.undo_lagging)
+    elif r.kind == "exchange":
+        problem = (f"compression {type(compression).__name__} decodes a payload "
+                   f"per rank", "leave compression at Compression.dgc (the default)")
+    elif r.dense_fp16:
+        problem = ("fp16 values bound what each rank sends by the number of ranks",
+                   "pass compression=hvd.Compression.none (fp32 values)")
+    elif PathKind.REGION in r.aggregations and PathKind.ALLGATHER not in r.aggregations:
+        problem = ("region reduce splits indices into one region per rank",
+                   "pass aggregation='allgather' or 'auto'")
+    if problem:
+        raise ValueError(
+            f"hvd_dgc: DistributedGradientTape under elastic Horovod: {problem[0]}, and "
+            f"the tape's step (your tf.function) is traced once for every world size. "
+            f"Either {problem[1]}, or train with hvd_dgc.tensorflow.keras's "
+            f"DistributedOptimizer and its hvd.elastic.KerasState (model.fit traces "
+            f"its step again after a reset).")
+
+
+def _every_step(r, name):
+    """0/1 Adam's period is Adam's default, not the script's: where a variable has
+    IndexedSlices gradients (an Embedding), which no rank's own step can be taken
+    back from, the sign goes every step instead (1-bit Adam), said once, on rank 0:
+    the resolved options ``r`` so changed."""
+    rank0_once(f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
+               f"embedding lookup?), so Adam's default local steps between exchanges "
+               f"(0/1 Adam, period={r.config.period}) cannot run: the sign is sent at "
+               f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
+               UserWarning)
+    return r.every_step()
+
+
+def _check_slices_allowed(config, name):
+    """A variable with IndexedSlices gradients cannot lag (``config.lagging``)."""
+    if config.lagging:
+        raise ValueError(
+            f"hvd_dgc: variable '{name}' has a sparse (IndexedSlices) gradient (an "
+            f"embedding lookup?) and {config.lagging}: a rank's own steps replaced by "
+            f"the average later need dense gradients. Pass sparse_as_dense=True to "
+            f"hvd_dgc's DistributedGradientTape / DistributedOptimizer, or "
+            f"{config.undo_lagging}.")
+
+
+def _probe(process_set, peers, compression, resolved):
+    """``(LinkMeasurement, LocalCost or PayloadCost)`` of this world, agreed by every
+    rank of the process set (each calls it at the same point): the link, and the
+    compressor's own work on this device, DGC's selection where it is sparse, the
+    encoding and decoding where it allgathers payloads (linkprobe.py, localcost.py)."""
+    collectives = HorovodCollectives(process_set)
+    link = probe_link(collectives, peers)
+    local = None
+    if link is not None and resolved.sparse:
+        local = measure_local(compression, collectives, resolved.final_density() or 0.001)
+    elif link is not None and hasattr(compression, "payload_bytes"):
+        local = measure_payload(compression, collectives)
+    return link, local

@@ -21,8 +21,11 @@ Where each field lives is said once, in ``_WHERE``; everything else counts by na
     statistics.add(bytes_sent=..., cause="records", positions=..., returned_elements=...)
 """
 
+import sys
+
 import tensorflow as tf
 
+from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.paths import PathKind
 from hvd_dgc.stats import CAUSES, RECORDS, CompressionStats, cause_of
 
@@ -125,6 +128,20 @@ class Statistics:
 
     def add_fp16_clipped(self, count):
         self.fp16_clipped.assign_add(count)
+
+    def warn_fp16(self, before, step, bound):
+        """The first step that sends dense fp16 values clipped at ``bound`` says so (as
+        the PyTorch side's warning, printed from the graph); ``before``: the count
+        before this step. Later ones are counted in ``fp16_clipped``."""
+        template = clip_warning("tensorflow", "{}", "{}", bound) + \
+            " Later ones are counted in stats()['fp16_clipped']."
+        now = self.fp16_clipped.read_value()
+
+        def say():
+            tf.print(tf.strings.format(template, [step, now - before]),
+                     output_stream=sys.stderr)
+            return tf.constant(0)
+        tf.cond(tf.logical_and(tf.equal(before, 0), now > 0), say, lambda: tf.constant(0))
 
     # -- a step undone (skip_nonfinite) -------------------------------------------------
     def save(self):

@@ -47,7 +47,7 @@ from hvd_dgc.fusion import fusion_threshold
 from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once, rank0_warn
-from hvd_dgc.schedule import epoch_check_steps, stuck_epoch_message
+from hvd_dgc.script_calls import ScriptCalls
 from hvd_dgc.seam import host_peers
 from hvd_dgc.stats import REFRESH
 from hvd_dgc.torch.adam import AdamTakeOver, check_adam
@@ -109,8 +109,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for p in every}
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every,
                                   self._config.min_compress_size)
-        # an epoch-counted warm-up whose epoch is never set: said at this step (schedule.py)
-        self._epoch_check, self._epoch_set = epoch_check_steps(resolved.schedule), False
+        # the calls this set-up needs of the script (set_epoch for an epoch-counted
+        # warm-up), judged at a step (script_calls.py)
+        self._calls = ScriptCalls(resolved.schedule, "Call optimizer.set_epoch(epoch) at the "
+                                  "start of each epoch (as DistributedSampler.set_epoch)")
         self._takeover = self._take_over(process_set.included())
         self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
                                      resolved.compressor, _hvd.rank())
@@ -393,8 +395,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._average_after_step:
             self._average_parameters()
         self._progress.step += 1
-        if self._epoch_check and self._progress.step >= self._epoch_check:
-            self._check_epoch_set()
+        if self._calls.epoch_check and self._progress.step >= self._calls.epoch_check:
+            self._calls.judge(self._progress.step, self._progress.epoch)
+            self._calls.epoch_check = 0  # (judged once)
         self._progress.maybe_log(_hvd.rank())
         return loss
 
@@ -426,17 +429,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Drive an epoch-based warm-up (call at the start of each epoch, on every rank,
         as ``DistributedSampler.set_epoch``: 0 first)."""
         self._progress.epoch = float(epoch)
-        self._epoch_set = True
-
-    def _check_epoch_set(self):
-        """Once: rank 0 says that an epoch-counted warm-up never moved (set_epoch never
-        called; hvd_dgc/schedule.py ``CHECK_STEPS``)."""
-        self._epoch_check = 0
-        if not self._epoch_set:
-            rank0_once(stuck_epoch_message(
-                self._resolved.schedule, self._progress.step, self._progress.epoch,
-                "Call optimizer.set_epoch(epoch) at the start of each epoch (as "
-                "DistributedSampler.set_epoch)"), UserWarning, key="hvd_dgc.epoch_never_set")
+        self._calls.epoch_set = True
 
     def flush(self):
         """Drain delayed averaging: wait for every step still in flight, apply its

@@ -110,10 +110,11 @@ def follow_epoch(model, epoch):
 def _in_fit(model):
     """Tell the hvd_dgc optimizer that a callback which flushes it and times its steps
     is in this ``fit`` (BroadcastGlobalVariablesCallback, DGCCallback): it then does not
-    warn that nothing flushes or times them (exchange.py ``_said_at``)."""
+    warn that nothing flushes or times them (hvd_dgc/script_calls.py)."""
     optimizer = _dgc_optimizer(model)
-    if optimizer is not None:
-        optimizer._hvd_dgc.fit_callback = True
+    calls = getattr(getattr(optimizer, "_hvd_dgc", None), "calls", None)
+    if calls is not None:  # (the outer loop's rounds need no call)
+        calls.fit_callback = True
 
 
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
