@@ -376,15 +376,8 @@ class DGCConfig:
                 framework, namespace.sign, horovod, optimizer,
                 dense_compression=namespace.fp16 if choice.fp16 else dense_compression,
                 grad_scaler=grad_scaler)._replace(zero_one=zero_one, chosen=False)
-        compressor = choice.compressor
-        if choice.fp16:  # Horovod's Compression.fp16: fp16 records (and dense path)
-            compressor = compressor(fp16_values=True)
         namespace = framework.compression
-        if dense_compression is not None and dense_compression not in (namespace.none,
-                                                                       namespace.fp16):
-            raise ValueError(f"dense_compression must be Compression.none or Compression.fp16, "
-                             f"got {dense_compression!r}")
-        dense_fp16 = choice.fp16 or dense_compression is namespace.fp16
+        compressor, dense_fp16 = _compressor_values(choice, namespace, dense_compression)
         kind = compressor_kind(compressor)
         aggregations = aggregation_choices(self.aggregation, kind == "sparse",
                                            repr(compressor), framework.sparse_default)
@@ -575,6 +568,20 @@ class Resolved(NamedTuple):
         if not self.sparse:
             return 1.0
         return getattr(self.schedule, "density", None)
+
+
+def _compressor_values(choice, namespace, dense_compression):
+    """``(compressor, dense_fp16)``: the compressor ``choice`` names, with fp16 records
+    where Horovod's ``Compression.fp16`` asked for them, and whether the dense path's
+    values travel in fp16 (that, or ``dense_compression=Compression.fp16``)."""
+    compressor = choice.compressor
+    if choice.fp16:  # Horovod's Compression.fp16: fp16 records (and dense path)
+        compressor = compressor(fp16_values=True)
+    if dense_compression is not None and dense_compression not in (namespace.none,
+                                                                   namespace.fp16):
+        raise ValueError(f"dense_compression must be Compression.none or Compression.fp16, "
+                         f"got {dense_compression!r}")
+    return compressor, choice.fp16 or dense_compression is namespace.fp16
 
 
 def describe(compression):

@@ -580,6 +580,17 @@ def _stage(planner, tensors, stage, threshold, compute, horovod_step, hiding, pe
         "speedup": horovod_step / step_seconds if step_seconds > 0 else 1.0}
 
 
+def _compute(model, kind, args, p):
+    """``(seconds, how)``: a step's forward and backward, as given (``--step-ms``) or
+    measured here on a batch of ``--batch-size``."""
+    if args.step_ms is not None:
+        return args.step_ms / 1000, "given"
+    shape = _input_shape(model, kind, args, p)
+    return _compute_seconds(model, kind, shape, args.batch_size), (
+        f"measured here: forward and backward of a batch of {args.batch_size} x "
+        f"{shape}, median of {TIMED_STEPS}")
+
+
 def predict(args, p):
     """The whole prediction as a dict (what --json prints)."""
     from hvd_dgc.fusion import fusion_threshold
@@ -595,13 +606,7 @@ def predict(args, p):
     tensors = _tensors(model, kind)
     if not tensors:
         p.error(f"argument --model: {args.model} has no trainable parameters")
-    if args.step_ms is not None:
-        compute, how = args.step_ms / 1000, "given"
-    else:
-        shape = _input_shape(model, kind, args, p)
-        compute = _compute_seconds(model, kind, shape, args.batch_size)
-        how = (f"measured here: forward and backward of a batch of {args.batch_size} x "
-               f"{shape}, median of {TIMED_STEPS}")
+    compute, how = _compute(model, kind, args, p)
     link = link_measurement(rate, alpha, gather)
     planner, local, unmeasured = _planner(config, args.optimizer, kind, tensors, world,
                                           hosts, slots, link, args.local_cost, p)

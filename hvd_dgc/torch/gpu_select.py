@@ -75,6 +75,29 @@ class Selection(NamedTuple):
         return list(zip(self.indices.split(self.ks), self.values.split(self.ks)))
 
 
+def _sample(n, k, sample_ratio, min_sample):
+    """A tensor of ``n`` elements' sample for its threshold (``k`` to select):
+    ``(positions, start range, step, kth)``: every element where the sample would be all
+    of it or the tensor is small, else runs of RUN consecutive elements (one cache line) at a prime stride, so
+    the runs walk through every residue of the inner dimensions; each step's draw starts
+    the runs within ``start range`` and moves them by ``step``; ``kth``: the sample's
+    order statistic that estimates the threshold."""
+    aim = AIM * k
+    hits = math.ceil(MIN_HITS * n / aim)
+    wanted = min(n, max(min_sample, math.ceil(n * sample_ratio), hits))
+    if wanted >= n or n < 8 * RUN:
+        pos, start_range, step = torch.arange(n), 1, 0
+    else:
+        runs = n // RUN
+        stride = prime_at_least(runs * RUN // wanted)
+        count = max(1, runs // stride)
+        start_range = max(1, min(stride, runs - (count - 1) * stride))
+        pos = (torch.arange(count)[:, None] * (stride * RUN)
+               + torch.arange(RUN)[None, :]).reshape(-1)
+        step = RUN
+    return pos, start_range, step, min(pos.numel(), max(1, math.ceil(pos.numel() * aim / n))) - 1
+
+
 class _Plan:
     """What a group's selection keeps from step to step: it depends only on the tensors'
     sizes, their k and the sampling options, so it is built once per warm-up stage.
@@ -98,25 +121,11 @@ class _Plan:
         self.offsets = tuple(offsets[:-1])
         positions, ranges, steps, kth = [], [], [], []
         for i, (n, k) in enumerate(zip(sizes, ks)):
-            aim = AIM * k
-            hits = math.ceil(MIN_HITS * n / aim)
-            wanted = min(n, max(min_sample, math.ceil(n * sample_ratio), hits))
-            if wanted >= n or n < 8 * RUN:
-                pos, start_range, step = torch.arange(n), 1, 0
-            else:
-                # Runs of RUN consecutive elements (one cache line) at a prime stride, so
-                # the runs walk through every residue of the inner dimensions.
-                runs = n // RUN
-                stride = prime_at_least(runs * RUN // wanted)
-                count = max(1, runs // stride)
-                start_range = max(1, min(stride, runs - (count - 1) * stride))
-                pos = (torch.arange(count)[:, None] * (stride * RUN)
-                       + torch.arange(RUN)[None, :]).reshape(-1)
-                step = RUN
+            pos, start_range, step, kth_i = _sample(n, k, sample_ratio, min_sample)
             positions.append(pos + offsets[i])
             ranges.append(start_range)
             steps.append(step)
-            kth.append(min(pos.numel(), max(1, math.ceil(pos.numel() * aim / n))) - 1)
+            kth.append(kth_i)
         width = max(p.numel() for p in positions)
         pad = torch.zeros(len(sizes), width, dtype=torch.long)
         used = torch.zeros(len(sizes), width, dtype=torch.bool)

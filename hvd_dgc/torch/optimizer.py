@@ -91,13 +91,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._resolved, self._config = resolved, resolved.config
         self._should_synchronize = True
-        self._synchronized = False
-        self._skip_step = False
         self._average_after_step = False
-        self._sparse_grads = set()
-        self._views = []  # this step's ViewUpdates (update.py), for the take-over's step
-        self._place = None  # this step's StepPlace, made at its first launch
-        self._launches = []  # this step's launches, in launch order
+        self._fresh_step()
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
@@ -109,8 +104,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for p in every}
         self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every,
                                   self._config.min_compress_size)
-        # the calls this set-up needs of the script (set_epoch for an epoch-counted
-        # warm-up), judged at a step (script_calls.py)
+        # the calls this set-up needs of the script, judged at a step (script_calls.py)
         self._calls = ScriptCalls(resolved.schedule, "Call optimizer.set_epoch(epoch) at the "
                                   "start of each epoch (as DistributedSampler.set_epoch)")
         self._takeover = self._take_over(process_set.included())
@@ -146,6 +140,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
         self._hooks = [p.register_post_accumulate_grad_hook(lambda *_, p=p: self._ready(p))
                        for p in trainable] if process_set.included() else []
+
+    def _fresh_step(self):
+        """Nothing of a step yet: synchronized, skipped, its sparse gradients, its
+        ViewUpdates (update.py, for the take-over's step), its StepPlace (made at its
+        first launch) and its launches, in launch order."""
+        self._synchronized = self._skip_step = False
+        self._sparse_grads, self._views = set(), []
+        self._place, self._launches = None, []
 
     def _agree(self, process_set, trainable, resolved):
         """With the other ranks: the same configuration, the hosts' ranks (hierarchical
@@ -549,11 +551,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dgc_state = state_dict.pop(STATE_KEY, None)
         self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
-        self._launches, self._place = [], None
+        self._fresh_step()
         self._exchange.memory.commit()  # a step cut short has nothing to undo
         self._guard.reset()
-        self._skip_step = False
-        self._synchronized = False
         self._should_synchronize = True
         super(self.__class__, self).load_state_dict(state_dict)
         if dgc_state is None:
@@ -665,18 +665,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     """Wrap a torch optimizer so it averages gradients with DGC over Horovod.
 
     Horovod's arguments keep their meaning (see horovod.torch.DistributedOptimizer).
-    ``compression`` not given means DGC. Horovod's ``Compression.none`` /
-    ``Compression.fp16``, which Horovod's example scripts pass explicitly, keep their
-    meaning of how values travel: DGC with fp32 / fp16 values (hvd_dgc/switch.py); a
-    compressor's name ("dgc", "topk", ...) works too. With ``torch.optim.Adam`` or
-    ``AdamW`` and no option of DGC's top-k (``config.TOPK_OPTIONS``), those three send
-    the scaled sign after the freeze (1-bit Adam), and with no ``delay`` or ``period``
-    an exchange every 4th step: 0/1 Adam (hvd_dgc/adam.py ``ZERO_ONE_PERIOD``). Dense
-    averaging is asked for explicitly with ``density=1.0`` (through the memory, so the
-    maths is unchanged at any world size). ``Compression.powersgd``, ``sign``,
-    ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives (collective.py), with
-    error feedback through the same memory. Rank 0 prints one line at wrap time saying
-    what runs.
+    ``compression`` not given, or Horovod's ``Compression.none`` / ``fp16`` (which its
+    example scripts pass), mean DGC with fp32 / fp16 values (hvd_dgc/switch.py). With
+    ``torch.optim.Adam`` or ``AdamW`` and no option of DGC's top-k, those three send the
+    scaled sign after the freeze, an exchange every 4th step (0/1 Adam, hvd_dgc/adam.py).
+    ``density=1.0``: dense averaging, through the memory. ``Compression.powersgd``,
+    ``sign``, ``terngrad``, ``qsgd`` and ``bf16`` run their own collectives
+    (collective.py), with error feedback through the same memory. Rank 0 prints one
+    line at wrap time saying what runs.
 
     hvd_dgc's options are keyword only, the same for TensorFlow and Keras
     (docs/options.md, made from ``hvd_dgc.config.DGCConfig``); an unknown one is
