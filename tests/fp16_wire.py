@@ -1,6 +1,7 @@
 """fp16 on the dense wire with a gradient beyond fp16's range (hvd_dgc/fp16wire.py), the
 same steps through the PyTorch optimizer and the TF tape, 2 ranks: every step's weights
-go back to the test, which compares them with the NumPy reference (tests/test_fp16_wire.py).
+go back to the test, which compares them with the NumPy reference
+(tests/torch/test_optimizer.py, tests/tensorflow/test_tf.py).
 """
 
 import warnings

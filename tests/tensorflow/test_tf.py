@@ -18,8 +18,8 @@ TAPE = ["tape_dense_equivalence", "tape_sparse_in_tf_function", "tape_bad_inputs
         "tf_dga.nonfinite_skips_the_step", "tf_dga.keras_nonfinite_skips_the_step",
         "tf_dga.delayed_nonfinite_is_dropped_on_its_rank",
         "tf_dga.keras_delayed_nonfinite_is_dropped_on_its_rank", "tape_horovod_patterns",
-        "tape_keras3_model", "fp16_wire.tf_outlier", "keras_backward_passes",
-        "fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
+        "tape_keras3_model", "tests.fp16_wire.tf_outlier", "keras_backward_passes",
+        "tests.fp16_wire.tf_sparse_records", "tape_quantizers", "tape_quantizers_delayed",
         "tape_priced_dense", "tape_fixed_records",
         "tape_world_guard", "tf_local.keras_local_vars", "tf_keras_api.keras_passes",
         "tf_dga.keras_passes_with_delay", "tf_dga.period_matches_reference",
@@ -108,7 +108,7 @@ def test_tape_dense_fp16_beyond_its_range_matches_the_reference(tape):
     PyTorch's; TF kept no fp16 rounding in its residual before, and lost the step."""
     from tests.fp16_wire import reference
     weights, clipped = reference()
-    for rank, out in enumerate(_checked(tape, "fp16_wire.tf_outlier")):
+    for rank, out in enumerate(_checked(tape, "tests.fp16_wire.tf_outlier")):
         assert out["skipped"] == 0
         np.testing.assert_array_equal(out["weights"], weights)
         assert out["clipped"] == clipped[rank] > 0
@@ -117,7 +117,7 @@ def test_tape_dense_fp16_beyond_its_range_matches_the_reference(tape):
 def test_tape_fp16_records_match_the_reference(tape):
     from tests.fp16_wire import record_reference
     expected = record_reference()
-    for out in _checked(tape, "fp16_wire.tf_sparse_records"):
+    for out in _checked(tape, "tests.fp16_wire.tf_sparse_records"):
         # every step's average: the float32 sum of everyone's fp16 values, bit for bit
         np.testing.assert_array_equal(out["averages"], expected)
         assert out["record_bytes"] == out["delayed_record_bytes"] == 6.0  # as PyTorch's

@@ -583,15 +583,17 @@ def tape_log_every(steps=5):
 
 
 def suite(names, kwargs=None):
-    """Run the named test bodies in one launch (here, or "module.name": ``name`` in
-    tests/tensorflow/module.py); ``kwargs`` maps a name to its keyword arguments."""
+    """Run the named test bodies in one launch (here; "module.name": ``name`` in
+    tests/tensorflow/module.py; "tests.module.name": in that module); ``kwargs`` maps a
+    name to its keyword arguments."""
     import hvd_dgc.tensorflow as hvd
     hvd.init()
     results = {}
     for name in names:
         try:
             module, _, func = name.rpartition(".")  # "tf_dga.x": tests/tensorflow/tf_dga.py
-            body = getattr(importlib.import_module("tests.tensorflow." + module), func) \
+            path = module if module.startswith("tests.") else "tests.tensorflow." + module
+            body = getattr(importlib.import_module(path), func) \
                 if module else globals()[name]
             results[name] = body(**(kwargs or {}).get(name, {}))
         except Exception:
