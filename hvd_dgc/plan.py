@@ -231,6 +231,7 @@ class Planner:
         self._paths = {}         # (numel, k, allowed) -> PathKind, the cost model's choice
         self._flat = {}          # density -> the flat paths the step allows (flat_at)
         self._hierarchical = {}  # numel -> bool, decided once per tensor
+        self._exchanged = None   # the keys a compressor of its own collectives takes
         self._buckets = {}       # the latest (density, world) -> {key: bucket}
         if self.timeline is not None:
             self.timeline = self.timeline.afresh()
@@ -330,12 +331,11 @@ class Planner:
         ``sign_group``); PowerSGD's and TernGrad's allreduces are not. A tensor that
         turns dense loses nothing: the dense path sends the memory whole, what the
         compressor had left in it too."""
-        group = self._paths.get("sign group")
-        if group is None:  # (one price for every tensor the compressor may take)
+        if self._exchanged is None:  # (one price for every tensor the compressor takes)
             takes = [t for t in self.tensors if self.large(t)]
-            group = self._paths["sign group"] = frozenset(
+            self._exchanged = frozenset(
                 takes[i].key for i in self.prices.sign_group([t.numel for t in takes]))
-        return PathKind.EXCHANGE if tensor.key in group else PathKind.DENSE
+        return PathKind.EXCHANGE if tensor.key in self._exchanged else PathKind.DENSE
 
     def hierarchical(self, tensor):
         """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC

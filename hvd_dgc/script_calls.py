@@ -9,7 +9,7 @@ says once when it has not made them by a step (schedule.py ``check_steps``).
 
 The framework reports what the script did (``epoch_set``, ``flushed``,
 ``fit_callback``) and asks at each step whether this is the step to judge
-(``at_step``); ``judge`` then says what is missing.
+(``at_step``, or ``due`` in Python); ``judge`` then says what is missing.
 """
 
 from hvd_dgc.say import rank0_once
@@ -30,6 +30,7 @@ class ScriptCalls:
         self.lagging, self.link_watch = lagging, link_watch
         self.epoch_check = epoch_check_steps(schedule)
         self.epoch_set = self.flushed = self.fit_callback = False
+        self._judged = False
 
     def needed(self):
         """Whether any call is needed at all (else nothing is judged)."""
@@ -38,6 +39,15 @@ class ScriptCalls:
     def at_step(self):
         """The step at which the calls are judged (0: never)."""
         return check_steps() if self.needed() else 0
+
+    def due(self, step):
+        """For a framework that judges in Python after each step: whether ``step`` is the
+        first at or past ``at_step`` (then never again)."""
+        at = self.at_step()
+        if not at or self._judged or step < at:
+            return False
+        self._judged = True
+        return True
 
     def judge(self, step, epoch):
         """Rank 0 says, once each, what the script has not done by ``step``."""

@@ -397,9 +397,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._average_after_step:
             self._average_parameters()
         self._progress.step += 1
-        if self._calls.epoch_check and self._progress.step >= self._calls.epoch_check:
+        if self._calls.due(self._progress.step):
             self._calls.judge(self._progress.step, self._progress.epoch)
-            self._calls.epoch_check = 0  # (judged once)
         self._progress.maybe_log(_hvd.rank())
         return loss
 
