@@ -5,9 +5,10 @@ optimizer returned is rebuilt from ``optimizer.get_config()`` as an instance of 
 made for it: the user's optimizer class under hvd_dgc's mixins, joined in one place
 (``_join``). The mixins, by concern:
 
-- ``DGCOptimizer``: what every version has: hvd_dgc's methods (``compression_stats``,
-  ``flush``, ``dgc_state``, ``register_local_var``, ...), the exchange of one call's
-  gradients and the step that applies them;
+- ``HvdDgcMethods``: what every optimizer of hvd_dgc's shows a script
+  (``compression_stats``, ``dgc_state``, ``set_epoch``, ``in_flight``);
+- ``DGCOptimizer``: what every version has beside (``flush``, ``register_local_var``),
+  the exchange of one call's gradients and the step that applies them;
 - where the gradients meet the optimizer, by Keras version: ``Keras3Step`` (``apply``),
   ``Keras2Step`` (tf_keras: ``apply_gradients`` and Horovod's ``_compute_gradients``),
   ``LegacyStep`` (tf_keras' OptimizerV2: ``apply_gradients``);
@@ -146,20 +147,13 @@ def _no_grad_loss(grad_loss):
                          "instead.")
 
 
-class DGCOptimizer:
-    """hvd_dgc's part of every Keras version's optimizer. Set by the join (``_join``):
-    ``_hvd_dgc_adam`` (an AdamTakeOver, or None), ``_hvd_dgc_passes`` (an Accumulation,
-    or None: one pass a step), ``_hvd_dgc_local_momentum`` (SGD's ``(momentum,
-    nesterov)`` that the memory took over, or None), ``_hvd_dgc_scale_local``
-    (Horovod's ``scale_local_gradients``); per instance ``_hvd_dgc`` (the
-    GradientExchange) and ``_hvd_dgc_local`` (``register_local_var``'s)."""
+class HvdDgcMethods:
+    """What every optimizer of hvd_dgc's shows a script, DGC's and the outer loop's
+    alike; their state is ``_hvd_dgc`` (the GradientExchange, or the OuterRounds), the
+    passes summed ``_hvd_dgc_passes`` (an Accumulation, or None: one pass a step)."""
 
-    _hvd_dgc_adam = None
     _hvd_dgc_passes = None
-    _hvd_dgc_local_momentum = None
-    _hvd_dgc_scale_local = True
 
-    # -- hvd_dgc's methods --------------------------------------------------------------
     def compression_stats(self):
         """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
         return self._hvd_dgc.stats()
@@ -171,15 +165,16 @@ class DGCOptimizer:
 
     @property
     def dgc_state(self):
-        """The DGC memory, step and epoch as a tf.Module for tf.train.Checkpoint
-        (``tf.train.Checkpoint(model=model, dgc=opt.dgc_state)``; one file per rank).
-        Keras 2 also saves it with the optimizer; Keras 3's ``model.save`` does not."""
+        """hvd_dgc's state (DGC's memory, step and epoch, or the outer loop's) as a
+        tf.Module for tf.train.Checkpoint (``tf.train.Checkpoint(model=model,
+        dgc=opt.dgc_state)``; one file per rank). Keras 2 also saves it with the
+        optimizer; Keras 3's ``model.save`` does not."""
         return self._hvd_dgc
 
     @property
     def in_flight(self):
         """Steps whose averages have not been applied yet (delay > 0, or period > 1
-        between exchanges)."""
+        between exchanges; the outer loop's exchange under ``overlap``)."""
         return self._hvd_dgc.in_flight
 
     @property
@@ -187,6 +182,20 @@ class DGCOptimizer:
         """Horovod's name for the passes summed (``backward_passes_per_step``)."""
         return self._hvd_dgc_passes
 
+
+class DGCOptimizer(HvdDgcMethods):
+    """hvd_dgc's part of every Keras version's optimizer. Set by the join (``_join``):
+    ``_hvd_dgc_adam`` (an AdamTakeOver, or None), ``_hvd_dgc_passes`` (an Accumulation,
+    or None: one pass a step), ``_hvd_dgc_local_momentum`` (SGD's ``(momentum,
+    nesterov)`` that the memory took over, or None), ``_hvd_dgc_scale_local``
+    (Horovod's ``scale_local_gradients``); per instance ``_hvd_dgc`` (the
+    GradientExchange) and ``_hvd_dgc_local`` (``register_local_var``'s)."""
+
+    _hvd_dgc_adam = None
+    _hvd_dgc_local_momentum = None
+    _hvd_dgc_scale_local = True
+
+    # -- hvd_dgc's methods --------------------------------------------------------------
     def register_local_var(self, var):
         """As Horovod's: ``var``'s gradient stays on this rank, never exchanged (divided by
         the number of ranks with ``scale_local_gradients=True``, Horovod's default). Call
@@ -544,28 +553,9 @@ class AdamLegacy(DGCOptimizer):
 
 
 # -- the outer loop (outer=hvd_dgc.OuterLoop(...), hvd_dgc/tensorflow/outer.py) ----------
-class OuterOptimizer:
+class OuterOptimizer(HvdDgcMethods):
     """The user's optimizer steps on this rank's own gradients; every H-th step ends a
-    round (``_hvd_dgc``: the OuterRounds)."""
-
-    _hvd_dgc_passes = None
-    _agg_helper = None  # (Horovod's, with one pass a step)
-
-    def compression_stats(self):
-        """Bytes sent vs dense fp32, density and path counts (this rank), as a dict."""
-        return self._hvd_dgc.stats()
-
-    def set_epoch(self, epoch):
-        self._hvd_dgc.set_epoch(epoch)
-
-    @property
-    def dgc_state(self):
-        """The outer loop's state as a tf.Module for tf.train.Checkpoint."""
-        return self._hvd_dgc
-
-    @property
-    def in_flight(self):
-        return self._hvd_dgc.in_flight
+    round (``_hvd_dgc``: the OuterRounds; one pass a step)."""
 
     @_as_written
     def flush(self):
