@@ -422,7 +422,7 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     """The optimizer's planner for these tensors, built and measured in the order
     hvd_dgc/torch/optimizer.py builds it: resolve, Planner, the hosts, the link and
     DGC's local work, Adam's freeze, the settled options."""
-    from hvd_dgc.config import HorovodArguments
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.plan import Planner, hierarchical_hosts
     framework, ops = _framework(kind)
     try:
@@ -459,7 +459,8 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
 
 def _horovod_planner(kind, tensors, world, link):
     """Horovod's step: dense averaging (``density=1.0``), priced by the same model."""
-    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.plan import Planner
     framework, ops = _framework(kind)
     resolved = DGCConfig(density=1.0).resolve(

@@ -28,7 +28,8 @@ from horovod.tensorflow import *  # noqa: F401,F403  (the one-line switch)
 from horovod.tensorflow import Average, global_process_set
 import tensorflow as tf
 
-from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import HorovodArguments
 from hvd_dgc.autodelay import AutoDelay  # noqa: F401 (delay=hvd.AutoDelay(...))
 from hvd_dgc.costmodel import CostModel  # noqa: F401
 from hvd_dgc.schedule import DensitySchedule  # noqa: F401

@@ -44,7 +44,8 @@ import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Adasum, Average, Max, Sum, global_process_set
 
 from hvd_dgc.consistency import check_consistent
-from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import Framework, HorovodArguments
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.masking import masking_density_limit
@@ -82,82 +83,11 @@ _EPOCH_FIX = {True: "Call hvd.set_epoch(epoch) at the start of each epoch",
                      "own loop"}
 
 
-class GradientExchange(tf.Module):
-    """DGC state and the per-step exchange for one set of variables."""
+class ExchangeSetUp:
+    """The exchange's set-up at its first step (eager, once): the plan every rank agrees on,
+    then its variables, memory, guard, paths and delayed averaging. A part of
+    ``GradientExchange``: what it sets here, the step and the plan's changes read."""
 
-    def __init__(self, compression=None, momentum=0.0, nesterov=False, op=Average,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False,
-                 process_set=global_process_set, name="hvd_dgc", config=None, optimizer=None,
-                 backward_passes_per_step=1, groups=None, **options):
-        """``config``: a ``hvd_dgc.config.DGCConfig``, or hvd_dgc's options by keyword;
-        ``optimizer``: ``(is_sgd, class name)`` of the Keras optimizer wrapped, None for a
-        tape (delayed averaging needs SGD; another optimizer's default warm-up is
-        longer); Horovod's arguments as the wrapper got them, checked here."""
-        super().__init__(name=name)
-        if config is None:
-            config = DGCConfig.from_options(options, "tensorflow", "GradientExchange")
-        elif options:
-            raise TypeError(f"GradientExchange: pass hvd_dgc's options in config= or by "
-                            f"keyword, not both (got {sorted(options)})")
-        self.resolved = config.resolve(TENSORFLOW, compression, HorovodArguments(
-            op, gradient_predivide_factor, backward_passes_per_step, groups, HOROVOD_OPS),
-            optimizer)
-        self.momentum, self.nesterov = float(momentum), bool(nesterov)
-        self.sparse_as_dense = sparse_as_dense
-        self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
-        self.wire = Wire(process_set, op, gradient_predivide_factor)
-        self.is_tape = optimizer is None  # (a Keras optimizer's step is traced again)
-        if self.is_tape and isinstance(config.link_watch, LinkWatch):
-            raise ValueError(
-                f"link_watch={config.link_watch!r}: DistributedGradientTape's step is "
-                f"traced into your tf.function, where its paths cannot follow a link that "
-                f"changes (the link is measured at wrap time); use Keras' model.fit with "
-                f"hvd.callbacks.DGCCallback() for a watched link, or drop link_watch.")
-        self.traced_once = False  # (build: a tape under elastic Horovod)
-        self.densities = stage_densities(self.resolved.schedule)
-        # the calls this set-up needs of the script (set_epoch; in Keras flush, and a
-        # callback of hvd_dgc's timing fit's steps: keras/callbacks.py), judged at a step
-        self.calls = ScriptCalls(self.resolved.schedule, _EPOCH_FIX[self.is_tape])
-        self.memory = None
-        self.dga = None  # DelayedAveraging, with delay > 0
-        self.adam = None  # Keras' Adam taken over (tensorflow/adam.py): take_over_adam
-        self._epoch = 0.0
-        self._first_step = 0  # rank 0's, for a build after an elastic reset
-        self._first_delay = None  # and the D its delay="auto" had reached
-        self._measured_at_sync = None  # elastic: (link, local cost) of the last sync
-        self.watcher = None  # Keras, the link measured: its watch (keras/callbacks.py
-        #                      _StepTimer drives it); claimed by a DGCCallback in its fit:
-        self.watch_claimed = False
-        self.trial = None  # Keras, the link measured: the plans tried by the step's time
-        self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
-
-    # what the options resolved to
-    config = property(lambda self: self.resolved.config)
-    compression = property(lambda self: self.resolved.compressor)
-    schedule = property(lambda self: self.resolved.schedule)
-    dense_fp16 = property(lambda self: self.resolved.dense_fp16)
-    delay = property(lambda self: self.resolved.config.delay)
-    period = property(lambda self: self.resolved.config.period)
-    # a rank steps with its own contribution before the average comes (delay, period)
-    lags = property(lambda self: bool(self.resolved.config.lagging))
-    skip_nonfinite = property(lambda self: self.resolved.config.skip_nonfinite)
-    op = property(lambda self: self.wire.op)
-    process_set = property(lambda self: self.wire.process_set)
-    # what the first step built, by variable
-    names = property(lambda self: [t.name for t in self.tensors])
-    numels = property(lambda self: [t.numel for t in self.tensors])
-
-    def world_size(self):
-        return self.process_set.size()
-
-    def set_epoch(self, epoch):
-        """Epoch-based warm-up: call at the start of each epoch on every rank."""
-        self._epoch = float(epoch)
-        self.calls.epoch_set = True
-        if self.memory is not None:
-            self.epoch.assign(self._epoch)
-
-    # -- set-up (eager, once) ---------------------------------------------------
     def build(self, variables, grads=None):
         """Create the memory and check every rank agrees; runs outside any trace.
         ``grads`` (this step's, optional) tell which variables have IndexedSlices
@@ -334,23 +264,11 @@ class GradientExchange(tf.Module):
         delay = self.dga.describe_delay() if self.dga is not None else self.delay
         PlanWords(self.planner).announce("tensorflow", delay, self.period)
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        """A SavedModel (Keras 2's ``model.save`` in TF's format) leaves the own steps out:
-        their tensors come from Python at the moment a checkpoint is written."""
-        children = super()._trackable_children(save_type, **kwargs)
-        if save_type != "checkpoint":
-            children.pop("own_steps", None)
-        return children
 
-    # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
-    def elastic_refusal(self):
-        """Why these settings cannot run under elastic Horovod (None: they can). Delayed
-        averaging and ``period`` can: every commit flushes first (elastic.py), so a
-        restore goes back to weights every rank agrees on, and what was in flight since
-        is dropped (``abandon``) with the steps that are done again. So can
-        ``backward_passes_per_step``: the commit keeps the passes' sums and count, and
-        the first calls after a reset agree on the count (keras ``_Accumulation``)."""
-        return None
+class ExchangePlanChanges:
+    """Where the plan changes after the set-up (eager, between steps): an elastic reset's
+    world, the link measured at an elastic sync or found changed by the link watch, and
+    the plan trial's all-dense steps. A part of ``GradientExchange``."""
 
     def replan(self):
         """After an elastic reset (Horovod re-initialised, no collective yet): each
@@ -453,42 +371,12 @@ class GradientExchange(tf.Module):
     def _probed(self):
         return _probe(self.process_set, self.wire.peers, self.compression, self.resolved)
 
-    def abandon(self):
-        """An elastic restore or reset: drop the steps in flight (delay, period)."""
-        if self.dga is not None:
-            self.dga.abandon()
 
-    def shared_state(self):
-        """What decides every rank's density and path, so every rank must hold rank 0's
-        after an elastic reset: (step, epoch, the D delay="auto" has reached or None);
-        None before the first step."""
-        if self.memory is None:
-            return None
-        auto = self.dga.auto if self.dga is not None else None
-        return (int(self.step.numpy()), float(self.epoch.numpy()),
-                None if auto is None else int(auto.delay))
+class ExchangeStep:
+    """One step of the exchange, traced into the step's graph or run eagerly: the warm-up
+    stage, the checks before any collective, the guard, the paths, delayed averaging. A
+    part of ``GradientExchange``."""
 
-    def load_shared_state(self, state):
-        """Rank 0's ``shared_state()``; kept for the build when this rank has not stepped
-        yet (a worker that joined: its residuals start empty, its step is rank 0's)."""
-        if state is None:
-            return
-        step, epoch, delay = state
-        self._epoch = float(epoch)
-        if self.memory is None:
-            self._first_step, self._first_delay = int(step), delay
-        else:
-            self.step.assign(step)
-            self.epoch.assign(epoch)
-            self.memory.unsettle()
-            if delay is not None and self.dga is not None and self.dga.auto is not None:
-                self.dga.resume_delay(int(delay))
-
-    def current_epoch(self):
-        """The epoch the warm-up reads (before the first step: the one it will read)."""
-        return float(self.epoch.numpy()) if self.memory is not None else self._epoch
-
-    # -- per step ---------------------------------------------------------------
     def stage(self):
         """This step's index into the densities (the schedule, hvd_dgc.schedule.
         DensitySchedule.__call__, in TF ops): k and the path are looked up by it, so
@@ -505,17 +393,6 @@ class GradientExchange(tf.Module):
         """The density at ``stage`` (default: this step's)."""
         stage = self.stage() if stage is None else stage
         return tf.gather(tf.constant(self.densities, tf.float64), stage)
-
-    def __call__(self, grads):
-        """Averaged gradients for this step's local ``grads`` (one per built variable);
-        with ``delay=D``, this rank's own update corrected by the average of step i-D."""
-        return self.exchange(grads)[0]
-
-    def take_over_adam(self, adam):
-        """Keras' Adam or AdamW taken over (tensorflow/adam.py ``AdamTakeOver``): its
-        first moment is the memory's momentum once its variance is frozen."""
-        self.adam = adam
-        self.momentum = adam.beta1
 
     def exchange(self, grads, size=None):
         """``(averaged gradients, skipped)``; ``skipped`` is a boolean tensor, True when
@@ -686,6 +563,148 @@ class GradientExchange(tf.Module):
                 f"residual slot. Pass sparse_as_dense=True to hvd_dgc's "
                 f"DistributedGradientTape / DistributedOptimizer.")
         return grad
+
+
+class GradientExchange(ExchangeSetUp, ExchangePlanChanges, ExchangeStep, tf.Module):
+    """DGC state and the per-step exchange for one set of variables: the options and the
+    state (checkpoints, elastic Horovod, the flush, the statistics) here, its set-up,
+    the plan's changes and its step in the three classes above, by concern."""
+
+    def __init__(self, compression=None, momentum=0.0, nesterov=False, op=Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False,
+                 process_set=global_process_set, name="hvd_dgc", config=None, optimizer=None,
+                 backward_passes_per_step=1, groups=None, **options):
+        """``config``: a ``hvd_dgc.config.DGCConfig``, or hvd_dgc's options by keyword;
+        ``optimizer``: ``(is_sgd, class name)`` of the Keras optimizer wrapped, None for a
+        tape (delayed averaging needs SGD; another optimizer's default warm-up is
+        longer); Horovod's arguments as the wrapper got them, checked here."""
+        super().__init__(name=name)
+        if config is None:
+            config = DGCConfig.from_options(options, "tensorflow", "GradientExchange")
+        elif options:
+            raise TypeError(f"GradientExchange: pass hvd_dgc's options in config= or by "
+                            f"keyword, not both (got {sorted(options)})")
+        self.resolved = config.resolve(TENSORFLOW, compression, HorovodArguments(
+            op, gradient_predivide_factor, backward_passes_per_step, groups, HOROVOD_OPS),
+            optimizer)
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+        self.sparse_as_dense = sparse_as_dense
+        self.passes = backward_passes_per_step  # (summed by the Keras optimizer)
+        self.wire = Wire(process_set, op, gradient_predivide_factor)
+        self.is_tape = optimizer is None  # (a Keras optimizer's step is traced again)
+        if self.is_tape and isinstance(config.link_watch, LinkWatch):
+            raise ValueError(
+                f"link_watch={config.link_watch!r}: DistributedGradientTape's step is "
+                f"traced into your tf.function, where its paths cannot follow a link that "
+                f"changes (the link is measured at wrap time); use Keras' model.fit with "
+                f"hvd.callbacks.DGCCallback() for a watched link, or drop link_watch.")
+        self.traced_once = False  # (build: a tape under elastic Horovod)
+        self.densities = stage_densities(self.resolved.schedule)
+        # the calls this set-up needs of the script (set_epoch; in Keras flush, and a
+        # callback of hvd_dgc's timing fit's steps: keras/callbacks.py), judged at a step
+        self.calls = ScriptCalls(self.resolved.schedule, _EPOCH_FIX[self.is_tape])
+        self.memory = None
+        self.dga = None  # DelayedAveraging, with delay > 0
+        self.adam = None  # Keras' Adam taken over (tensorflow/adam.py): take_over_adam
+        self._epoch = 0.0
+        self._first_step = 0  # rank 0's, for a build after an elastic reset
+        self._first_delay = None  # and the D its delay="auto" had reached
+        self._measured_at_sync = None  # elastic: (link, local cost) of the last sync
+        self.watcher = None  # Keras, the link measured: its watch (keras/callbacks.py
+        #                      _StepTimer drives it); claimed by a DGCCallback in its fit:
+        self.watch_claimed = False
+        self.trial = None  # Keras, the link measured: the plans tried by the step's time
+        self.resuming = False  # an elastic reset happened; DGCCallback reads and clears it
+
+    # what the options resolved to
+    config = property(lambda self: self.resolved.config)
+    compression = property(lambda self: self.resolved.compressor)
+    schedule = property(lambda self: self.resolved.schedule)
+    dense_fp16 = property(lambda self: self.resolved.dense_fp16)
+    delay = property(lambda self: self.resolved.config.delay)
+    period = property(lambda self: self.resolved.config.period)
+    # a rank steps with its own contribution before the average comes (delay, period)
+    lags = property(lambda self: bool(self.resolved.config.lagging))
+    skip_nonfinite = property(lambda self: self.resolved.config.skip_nonfinite)
+    op = property(lambda self: self.wire.op)
+    process_set = property(lambda self: self.wire.process_set)
+    # what the first step built, by variable
+    names = property(lambda self: [t.name for t in self.tensors])
+    numels = property(lambda self: [t.numel for t in self.tensors])
+
+    def world_size(self):
+        return self.process_set.size()
+
+    def set_epoch(self, epoch):
+        """Epoch-based warm-up: call at the start of each epoch on every rank."""
+        self._epoch = float(epoch)
+        self.calls.epoch_set = True
+        if self.memory is not None:
+            self.epoch.assign(self._epoch)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """A SavedModel (Keras 2's ``model.save`` in TF's format) leaves the own steps out:
+        their tensors come from Python at the moment a checkpoint is written."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type != "checkpoint":
+            children.pop("own_steps", None)
+        return children
+
+    # -- elastic Horovod (hvd_dgc/tensorflow/elastic.py) --------------------------
+    def elastic_refusal(self):
+        """Why these settings cannot run under elastic Horovod (None: they can). Delayed
+        averaging and ``period`` can: every commit flushes first (elastic.py), so a
+        restore goes back to weights every rank agrees on, and what was in flight since
+        is dropped (``abandon``) with the steps that are done again. So can
+        ``backward_passes_per_step``: the commit keeps the passes' sums and count, and
+        the first calls after a reset agree on the count (keras ``_Accumulation``)."""
+        return None
+
+    def abandon(self):
+        """An elastic restore or reset: drop the steps in flight (delay, period)."""
+        if self.dga is not None:
+            self.dga.abandon()
+
+    def shared_state(self):
+        """What decides every rank's density and path, so every rank must hold rank 0's
+        after an elastic reset: (step, epoch, the D delay="auto" has reached or None);
+        None before the first step."""
+        if self.memory is None:
+            return None
+        auto = self.dga.auto if self.dga is not None else None
+        return (int(self.step.numpy()), float(self.epoch.numpy()),
+                None if auto is None else int(auto.delay))
+
+    def load_shared_state(self, state):
+        """Rank 0's ``shared_state()``; kept for the build when this rank has not stepped
+        yet (a worker that joined: its residuals start empty, its step is rank 0's)."""
+        if state is None:
+            return
+        step, epoch, delay = state
+        self._epoch = float(epoch)
+        if self.memory is None:
+            self._first_step, self._first_delay = int(step), delay
+        else:
+            self.step.assign(step)
+            self.epoch.assign(epoch)
+            self.memory.unsettle()
+            if delay is not None and self.dga is not None and self.dga.auto is not None:
+                self.dga.resume_delay(int(delay))
+
+    def current_epoch(self):
+        """The epoch the warm-up reads (before the first step: the one it will read)."""
+        return float(self.epoch.numpy()) if self.memory is not None else self._epoch
+
+    def __call__(self, grads):
+        """Averaged gradients for this step's local ``grads`` (one per built variable);
+        with ``delay=D``, this rank's own update corrected by the average of step i-D."""
+        return self.exchange(grads)[0]
+
+    def take_over_adam(self, adam):
+        """Keras' Adam or AdamW taken over (tensorflow/adam.py ``AdamTakeOver``): its
+        first moment is the memory's momentum once its variance is frozen."""
+        self.adam = adam
+        self.momentum = adam.beta1
 
     # -- delayed averaging's end, statistics -------------------------------------
     @property

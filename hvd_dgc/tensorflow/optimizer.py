@@ -30,7 +30,8 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 import horovod.tensorflow as _hvd
 
-from hvd_dgc.config import DGCConfig, check_clipping_under_lagging
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import check_clipping_under_lagging
 from hvd_dgc.outer import check_outer
 from hvd_dgc.tensorflow.adam import ADAM_CLASSES, PREVIOUS_NAME, SCALE_NAME, \
     AdamTakeOver, check_adam

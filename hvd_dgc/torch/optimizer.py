@@ -37,7 +37,8 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
-from hvd_dgc.config import DGCConfig, Framework, HorovodArguments
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import Framework, HorovodArguments
 from hvd_dgc.consistency import check_consistent
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkprobe import probe_link

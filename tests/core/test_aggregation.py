@@ -14,7 +14,7 @@ from hvd_dgc import CostModel
 from hvd_dgc.aggregation import (KEEP, allgather_bytes, bytes_per_worker, hierarchical_bytes,
                                  slice_k, quota, region_of, region_reduce_reference,
                                  regions, slices)
-from hvd_dgc.config import aggregation_choices
+from hvd_dgc.resolve import aggregation_choices
 from hvd_dgc.paths import AGGREGATION_OPTIONS, PathKind
 
 DENSE, HIERARCHICAL, REGION, SPARSE = (PathKind.DENSE, PathKind.HIERARCHICAL, PathKind.REGION,

@@ -321,7 +321,7 @@ def test_the_default_freeze_is_early_and_refreshed_a_chosen_one_frozen_once():
 
     def torch_adam(**options):  # DistributedOptimizer's resolution, without Horovod's init
         from horovod.torch.mpi_ops import Adasum, Average, Sum
-        from hvd_dgc.config import HorovodArguments
+        from hvd_dgc.resolve import HorovodArguments
         from hvd_dgc.torch.optimizer import TORCH
         return DGCConfig.from_options(options, "torch", "DistributedOptimizer").resolve(
             TORCH, TorchCompression.dgc, HorovodArguments(Average, 1.0, 1, None,

@@ -679,7 +679,7 @@ def test_the_default_is_measure_unless_the_environment_says_assumed():
 def _resolved(config, environ):
     import os
     from unittest import mock
-    from hvd_dgc.config import HorovodArguments
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.torch.compression import Compression
     from hvd_dgc.torch.optimizer import TORCH
     args = HorovodArguments("average", 1.0, 1, None, ("average", "sum", "adasum"))

@@ -10,7 +10,8 @@ import warnings
 import pytest
 
 from hvd_dgc import CostModel, DensitySchedule, say
-from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import HorovodArguments
 from hvd_dgc.plan import Planner, TensorInfo
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.stats import CompressionStats
@@ -225,7 +226,7 @@ def test_warnings_and_lines_rank_0_once(monkeypatch, capsys):
 def test_adam_with_averages_sixteen_steps_late_is_warned_once(monkeypatch):
     """The model zoo saw Adam/AdamW taken over diverge at period=8, delay=8 (a GPT-style
     LM, every seed) where period=4, delay=4 held: rank 0 says so once, at wrap time."""
-    from hvd_dgc.config import ADAM_LAG_LIMIT, warn_known_losses
+    from hvd_dgc.resolve import ADAM_LAG_LIMIT, warn_known_losses
     say.reset()
     for module in ("horovod.torch", "horovod.tensorflow"):
         monkeypatch.delitem(sys.modules, module, raising=False)

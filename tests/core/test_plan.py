@@ -4,7 +4,8 @@ PyTorch and TensorFlow. No Horovod job needed: it is framework-free."""
 import pytest
 
 from hvd_dgc import CostModel
-from hvd_dgc.config import DGCConfig, HorovodArguments
+from hvd_dgc.config import DGCConfig
+from hvd_dgc.resolve import HorovodArguments
 from hvd_dgc.fusion import BUCKET_LATENCIES
 from hvd_dgc.packing import gather_record_bytes
 from hvd_dgc.paths import PathKind

@@ -202,7 +202,8 @@ def test_freeze_variance_with_an_optimizer_that_has_no_variance_is_said():
     AdamW it is used and nothing is said."""
     pytest.importorskip("torch")
     from horovod.torch.mpi_ops import Adasum, Average, Sum
-    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.torch.compression import Compression
     from hvd_dgc.torch.optimizer import TORCH
 
@@ -248,7 +249,8 @@ def test_adam_takes_the_warmup_densities_it_is_given():
     freeze are those, by steps, not the default ones."""
     pytest.importorskip("torch")
     from horovod.torch.mpi_ops import Adasum, Average, Sum
-    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.torch.compression import Compression
     from hvd_dgc.torch.optimizer import TORCH
     resolved = DGCConfig(warmup_densities=(0.5, 0.05)).resolve(
