@@ -8,7 +8,9 @@ per-tensor choice among dense allreduce, sparse allgather and region reduce;
 delayed averaging (Zhu et al., NeurIPS 2021) and temporally sparse updates.
 
 This class is Horovod's API only. The work is done by parts that each own their
-state, and the gradient travels between them as an argument:
+state, assembled at wrap time (torch/parts.py), and a step runs them (torch/step.py
+``ExchangeStep``, with the step's own fields); the gradient travels between them as an
+argument:
 
     backward hook -> scheduler.ready(p, place)     which tensors leave now (scheduler.py)
       -> exchange.launch(params, place)            clip, accumulate, select, pack,
@@ -25,11 +27,9 @@ state, and the gradient travels between them as an argument:
                                                    once its variance is frozen (adam.py)
 
 The planner (hvd_dgc/plan.py, shared with TensorFlow) decides each tensor's path; the
-options were resolved and checked once (hvd_dgc/config.py ``DGCConfig.resolve``).
+options were resolved and checked once (hvd_dgc/resolve.py, ``DGCConfig.resolve``).
 """
 
-import os
-import time
 import warnings
 from contextlib import contextmanager
 
@@ -39,35 +39,21 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc.config import DGCConfig
 from hvd_dgc.resolve import Framework, HorovodArguments
-from hvd_dgc.consistency import check_consistent
-from hvd_dgc.fp16wire import clip_warning
-from hvd_dgc.linkprobe import probe_link
-from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle, relinked_words
 from hvd_dgc.outer import check_outer
-from hvd_dgc.fusion import fusion_threshold
-from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts
+from hvd_dgc.plan import TensorInfo
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once, rank0_warn
-from hvd_dgc.script_calls import ScriptCalls
-from hvd_dgc.seam import host_peers
-from hvd_dgc.stats import REFRESH
-from hvd_dgc.torch.adam import AdamTakeOver, check_adam
+from hvd_dgc.torch.adam import check_adam
 from hvd_dgc.torch.at_exit import settle_at_exit
-from hvd_dgc.torch.plan_trial import BackwardProfiler
 from hvd_dgc.torch.collective import ExchangeCompressor
-from hvd_dgc.torch.compression import Compression, SparseCompressor, on_accelerator
-from hvd_dgc.torch.delayed import DelayedAveraging
-from hvd_dgc.torch.exchange import GradientExchange, Member, StepPlace, memory_order
-from hvd_dgc.torch.guard import NonFiniteGuard
-from hvd_dgc.torch.link import measure_local, measure_payload
+from hvd_dgc.torch.compression import Compression, SparseCompressor
 from hvd_dgc.torch.names import check_dtypes, tensor_names
 from hvd_dgc.torch.outer import outer_optimizer
-from hvd_dgc.torch.paths import CLASSES, Wire
-from hvd_dgc.torch.scheduler import LaunchScheduler
+from hvd_dgc.torch.parts import Wrapped, assemble, average_in_place, measure
+from hvd_dgc.torch.paths import CLASSES
 from hvd_dgc.torch.seam import HorovodCollectives
-from hvd_dgc.torch.sgd import SGDTakeOver
-from hvd_dgc.torch.statistics import STATE_KEY, Progress, checkpoint, restore
-from hvd_dgc.torch.update import ViewUpdate
+from hvd_dgc.torch.statistics import STATE_KEY, checkpoint, restore
+from hvd_dgc.torch.step import ExchangeStep
 
 __all__ = ["DistributedOptimizer"]
 
@@ -90,184 +76,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self._resolved, self._config = resolved, resolved.config
         self._should_synchronize = True
-        self._average_after_step = False
-        self._fresh_step()
 
         every = [p for g in self.param_groups for p in g["params"]]
         self._param_index = {p: i for i, p in enumerate(every)}
         # parameter -> name, Horovod's own attribute (its tests read it)
         self._parameter_names = names = tensor_names(named_parameters, self.param_groups)
         check_dtypes(every, names)
-        trainable = [p for p in every if p.requires_grad]
         infos = {p: TensorInfo(self._param_index[p], names[p], p.numel(), tuple(p.shape))
                  for p in every}
-        self._progress = Progress(resolved.schedule, resolved.sparse, self._config.log_every,
-                                  self._config.min_compress_size)
-        # the calls this set-up needs of the script, judged at a step (script_calls.py)
-        self._calls = ScriptCalls(resolved.schedule, "Call optimizer.set_epoch(epoch) at the "
-                                  "start of each epoch (as DistributedSampler.set_epoch)")
-        self._takeover = self._take_over(process_set.included())
-        self._guard = NonFiniteGuard(self._config.skip_nonfinite, grad_scaler,
-                                     resolved.compressor, _hvd.rank())
-        self._grad_scaler = grad_scaler
-        self._planner = Planner(resolved, [infos[p] for p in trainable], process_set.size())
-        self._progress.stage_line = PlanWords(self._planner).stage_line  # a new stage's
-        #                                                                  paths, said
-        peers = self._agree(process_set, trainable, resolved) if process_set.included() \
-            else ()
-        # 0/1 Adam's default period dropped where Adam is not taken over (plan.py)
-        self._resolved = resolved = self._planner.settled()
-        self._config = resolved.config
-        self._delayed = DelayedAveraging(self._config, process_set, resolved.freeze or 0,
-                                         lambda: self._progress.step)
+        parts = assemble(Wrapped(self, op, gradient_predivide_factor, backward_passes_per_step,
+                                 groups, sparse_as_dense, process_set, resolved, grad_scaler,
+                                 self._param_index, infos))
+        (self._resolved, self._progress, self._calls, self._takeover, self._guard,
+         self._planner, self._delayed, self._watcher, self._wire, self._exchange,
+         self._scheduler, self._profiler) = parts
+        self._config = self._resolved.config
+        self._step = ExchangeStep(parts, process_set, grad_scaler, self._param_index)
         if self._config.lagging:  # a script that ends without flush() leaves its last
             #                         steps in flight (at_exit.py)
             settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._exchange))
-        self._watcher = _link_watcher(self._config, resolved, self._planner, process_set)
-        self._wire = Wire(process_set, op, gradient_predivide_factor, peers)
-        members = {p: Member(p, infos[p].key, infos[p].name, infos[p], order=memory_order(p))
-                   for p in every}
-        self._exchange = GradientExchange(
-            resolved, self._planner, self._wire, self._progress.stats, self._guard, members,
-            self._takeover.hyper, self._takeover.scale, sparse_as_dense, process_set.size)
-        self._scheduler = LaunchScheduler(
-            trainable, self._param_index, infos, groups, backward_passes_per_step,
-            self._planner, fusion_threshold(self._config.fusion_threshold), on_accelerator,
-            sparse_as_dense)
-        self._profiler = _backward_profiler(self._config, resolved, self._planner,
-                                            process_set, self._scheduler, self._takeover)
         # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda *_, p=p: self._ready(p))
-                       for p in trainable] if process_set.included() else []
-
-    def _fresh_step(self):
-        """Nothing of a step yet: synchronized, skipped, its sparse gradients, its
-        ViewUpdates (update.py, for the take-over's step), its StepPlace (made at its
-        first launch) and its launches, in launch order."""
-        self._synchronized = self._skip_step = False
-        self._sparse_grads, self._views = set(), []
-        self._place, self._launches = None, []
-
-    def _agree(self, process_set, trainable, resolved):
-        """With the other ranks: the same configuration, the hosts' ranks (hierarchical
-        DGC), the link and DGC's own work measured, Adam's freeze. Returns this host's
-        ranks. Elastic: a worker added later wraps its optimizer alone while the others
-        wait in a reset, so the collectives that would hang it run at each sync instead.
-        All run the same script."""
-        collectives = HorovodCollectives(process_set)
-        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
-        if not elastic:
-            check_consistent(collectives, self._planner.consistency(
-                **self._horovod_config()), "DistributedOptimizer")
-        peers = _host_peers(self._planner, collectives)
-        self._planner.replan(process_set.size(), local_size=len(peers))
-        if not elastic:
-            self._measure(collectives, trainable, peers)
-        self._takeover.freeze_at(self._planner.adam_freeze(resolved.chosen_lagging))
-        return peers
-
-    def _ready(self, p):
-        """``p``'s hook, timed while the backward pass is profiled."""
-        if self._profiler is None:
-            self._leave_now(p)
-        else:
-            self._profiler.hook(self._param_index[p], self._leave_now, p)
-
-    def _leave_now(self, p):
-        """What the scheduler says leaves now that ``p`` is ready, launched."""
-        place = self._step_place()
-        for members in self._scheduler.ready(p, place):
-            self._launches += self._launch(members, place)
-
-    def _measure(self, collectives, trainable, peers=()):
-        """The link (inside the host too, where ``peers`` are several) and the
-        compressor's own work on this device (DGC's selection, or a payload compressor's
-        encoding and decoding), measured (the default cost model: hvd_dgc/linkprobe.py,
-        hvd_dgc/localcost.py): every rank of the process set calls this at the same point
-        (the wrapper; elastic: each sync)."""
-        if not self._planner.measure:
-            return
-        resolved = self._resolved
-        link = probe_link(collectives, peers)
-        local = None
-        device = trainable[0].device if trainable else "cpu"
-        if link is not None and resolved.sparse:  # DGC's own work, this device
-            local = measure_local(resolved.compressor, collectives,
-                                  resolved.final_density() or 0.001, device)
-        elif link is not None and hasattr(resolved.compressor, "payload_bytes"):
-            local = measure_payload(resolved.compressor, collectives, device)
-        self._planner.measured(link, local)
-
-    def _take_over(self, included):
-        """What of the wrapped optimizer's update DGC's memory applies: SGD's momentum
-        and weight decay (sgd.py), Adam's first moment once its variance is frozen
-        (adam.py), or nothing."""
-        if included and self._resolved.freeze is not None:
-            return AdamTakeOver(self, self._resolved.freeze, lambda: self._progress.step,
-                                lambda p, u: self._exchange.seed_velocity(p, u),
-                                self._resolved.refresh,
-                                lambda p, ratio: self._exchange.rescale(p, ratio),
-                                self._average_variance)
-        return SGDTakeOver(self, isinstance(self, torch.optim.SGD) and included,
-                           plain=type(self).__bases__[0].step is torch.optim.SGD.step)
-
-    def _follow_link(self, relink, step):
-        """Where the link watch found a new link (linkwatch.py ``Relink``): every
-        tensor's path chosen afresh for it, and rank 0 says so (short unless verbose)."""
-        if relink is None:
-            return
-        planner = self._planner
-        was = planner.link
-        planner.relink(relink.link)
-        if _hvd.rank() == 0:
-            print(relinked_words(step, relink.link, was, relink.before, relink.after,
-                                 planner, self._progress.density()), flush=True)
-
-    def _average_variance(self, tensors):
-        """Adam's refresh (adam.py): the ranks' second moments averaged in place, one
-        dense exchange, counted in the bytes sent."""
-        if tensors and self.process_set.size() > 1:
-            _average_in_place(tensors, "hvd_dgc.adam_refresh", self.process_set)
-        self._progress.stats.add_bytes(REFRESH,
-                                       sum(t.numel() * t.element_size() for t in tensors))
-
-    def _horovod_config(self):
-        """Horovod's arguments, as every rank must have them alike."""
-        return {"op": repr(self.op), "backward_passes_per_step": self.backward_passes_per_step,
-                "gradient_predivide_factor": self.gradient_predivide_factor,
-                "fusion_threshold": fusion_threshold(self._config.fusion_threshold)}
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            lambda *_, p=p: self._step.ready(p)) for p in every if p.requires_grad] \
+            if process_set.included() else []
 
     def _announce(self):
         """Rank 0 only: what hvd_dgc does here in one line (the full plan with
         ``verbose``), and each warning once (hvd_dgc/plan_words.py ``PlanWords.announce``)."""
         PlanWords(self._planner).announce("torch", self._delayed.describe_delay(),
                                self._delayed.period, self._progress.density())
-
-    # -- launches at this step's place ---------------------------------------------------
-    def _step_place(self):
-        """This step's place (exchange.py ``StepPlace``: its step, density, loss scale,
-        whether it exchanges), made once, at its first launch: what the scheduler and
-        the exchange decide by. An elastic reset's new world is planned for first."""
-        if self._place is None:
-            step = self._progress.step
-            world = self.process_set.size()
-            if world != self._planner.world_size:
-                self._planner.replan(world)
-            self._guard.begin(self._delayed.keeps_own)
-            scale = _loss_scale(self._grad_scaler) if self._guard.scaling() else None
-            self._place = StepPlace(step, self._progress.density(), _hvd.rank(),
-                                    self._delayed.exchanges_now(step),
-                                    self._delayed.keeps_own, scale,
-                                    self._delayed.name_suffix(step))
-        return self._place
-
-    def _launch(self, params, place):
-        """The exchange's launch of ``params`` at ``place``: its ``Launch``es."""
-        self._takeover.observe(params, place.scale, self.process_set.size())
-        name = "hvd_dgc." + self._exchange.members[params[0]].name
-        return self._exchange.launch(params, place, name)
 
     # -- Horovod's optimizer API ---------------------------------------------------------
     def synchronize(self, flush=False):
@@ -279,94 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (end of training, before evaluation or a checkpoint). A flush between exchanges
         takes back this rank's own steps since the last one: its memory still holds
         them, and the next exchange sends them."""
-        self._synchronize(flush)
-
-    def _synchronize(self, flush=False, views=False):
-        """``views``: the step itself synchronizes, so nothing touches ``p.grad`` before
-        the step: the averages may become views of the exchange's buffers (update.py)."""
-        self._skip_step = False
-        self._views = []
-        self._sparse_grads = set()
-        if not self.process_set.included():
-            self._synchronized = True
-            return
-        self._guard.begin(self._delayed.keeps_own)
-        place = self._step_place()
-        for members in self._scheduler.finish(place):
-            self._launches += self._launch(members, place)
-        launches, self._launches, self._place = self._launches, [], None
-        self._exchange.advance(launches)
-        step = self._progress.step
-        if not self._delayed.keeps_own:
-            began = time.perf_counter()
-            self._collect(launches, views)
-            watcher = self._watcher  # the link, from this step's wait
-            if watcher is not None and not flush and \
-                    watcher.observe(time.perf_counter() - began):
-                self._follow_link(watcher.end_window(self._planner, self._progress.density(),
-                                                     len(launches), step), step)
-            if self._profiler is not None and not flush:  # the backward pass's overlap
-                self._profiler.end_step(step, self._progress.density())
-        else:
-            started = time.perf_counter()
-            sizes = self._takeover.step_sizes()  # (what this step applies its own at)
-            self._delayed.push(step, launches, sizes)
-            grads = self._delayed.gradients(self._exchange, launches,
-                                            self._delayed.due(step, flush), sizes)
-            if not flush:
-                self._delayed.tune(step, started, time.perf_counter() - started)
-            params = list(grads)
-            torch._foreach_copy_([p.grad for p in params],
-                                 [self._exchange.members[p].shaped(g)
-                                  for p, g in zip(params, grads.values())])
-            self._average_after_step = flush
-            self._guard.report_dropped(step, self._delayed.delay, self._delayed.period)
-        self._report_fp16()
-        self._scheduler.restart()
-        self._progress.stats.end_step()
-        self._synchronized = True
-
-    def _collect(self, launches, views):
-        """Delay 0, period 1: each launch's average becomes ``p.grad``; a guarded step
-        looks at every average once (one read-back) and is undone where any is not
-        finite."""
-        guarded, sums = self._guard.mode == "skip", []
-        for launch in launches:
-            out, sparse = self._exchange.collect(launch, into_grads=True, views=views)
-            if isinstance(out, ViewUpdate):
-                self._views.append(out)
-            layout = launch.layout
-            if guarded:
-                named = [(m.name, avg._values()) for m, avg in sparse]
-                total = out.check()
-                for _, values in named:
-                    total = total + values.sum()
-                sums.append((total, lambda layout=layout, named=named: [
-                    (layout.members[i].name, layout.members[i].param.grad)
-                    for i in layout.dense_grads] + named))
-            self._exchange.write(launch, out, launch.scale)
-            self._sparse_grads |= self._exchange.write_sparse(sparse, launch.scale)
-        if guarded:
-            self._skip_step = self._guard.settle(self._exchange.memory,
-                                                 self._guard.nonfinite(sums),
-                                                 self._progress.step)
-
-    def _report_fp16(self):
-        """Dense fp16 values this step sent clipped (hvd_dgc/fp16wire.py): counted in the
-        statistics, and a warning the first time (a skipped step's are dropped)."""
-        counters, stats = self._exchange.counters, self._progress.stats
-        counts, counters.fp16_clipped = counters.fp16_clipped, []
-        if not counts or self._skip_step:
-            return
-        count = int(torch.stack([c.to(counts[0].device) for c in counts]).sum())  # one read
-        if not count:
-            return
-        if not stats.fp16_clipped:
-            bound = self._wire.fp16_bound()
-            warnings.warn(clip_warning("torch", self._progress.step, count, bound)
-                          + " Later ones are counted in compression_stats()['fp16_clipped'].",
-                          RuntimeWarning)
-        stats.add_fp16_clipped(count)
+        self._step.synchronize(flush)
 
     @contextmanager
     def skip_synchronize(self):
@@ -381,21 +132,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._should_synchronize and self._delayed.keeps_own:
             self._warn_changed_gradients()
         if self._should_synchronize:
-            if self._synchronized:
+            if self._step.synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-            self._synchronize(views=True)
-        self._synchronized = False
-        if self._skip_step:  # a non-finite average: every rank skips (guard.py)
-            self._skip_step = False
+            self._step.synchronize(views=True)
+        self._step.synchronized = False
+        if self._step.skip:  # a non-finite average: every rank skips (guard.py)
+            self._step.skip = False
             return None
-        sparse, self._sparse_grads = self._sparse_grads, set()
-        views, self._views = self._views, []
+        sparse, views = self._step.taken()
         loss = self._takeover.step(super(self.__class__, self).step, closure, sparse, views)
-        if self._average_after_step:
+        if self._step.average_after:
             self._average_parameters()
         self._progress.step += 1
         if self._calls.due(self._progress.step):
@@ -468,10 +218,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _average_parameters(self):
         """Mathematically equal after a flush, the ranks' weights still differ in float
         rounding (each summed its corrections in its own order): average them once."""
-        self._average_after_step = False
+        self._step.average_after = False
         params = self._scheduler.params
         if params and self.process_set.size() > 1:
-            _average_in_place([p.data for p in params], "hvd_dgc.flush", self.process_set)
+            average_in_place([p.data for p in params], "hvd_dgc.flush", self.process_set)
 
     @property
     def in_flight(self):
@@ -551,7 +301,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dgc_state = state_dict.pop(STATE_KEY, None)
         self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
-        self._fresh_step()
+        self._step.fresh()
         self._exchange.memory.commit()  # a step cut short has nothing to undo
         self._guard.reset()
         self._should_synchronize = True
@@ -579,83 +329,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.process_set.included() and self._planner.measure:
             # every rank is in this sync: the link of this world measured afresh
             self._planner.replan(self.process_set.size())
-            self._measure(HorovodCollectives(self.process_set),
-                          [p for p in self._param_index if p.requires_grad])
+            measure(self._planner, HorovodCollectives(self.process_set),
+                    [p for p in self._param_index if p.requires_grad])
             line = PlanWords(self._planner).sync_line(self.process_set.size())
             if _hvd.rank() == 0 and line:  # (short; the full story with verbose)
                 print(line, flush=True)
 
 
 # -- wrap time -----------------------------------------------------------------------------
-def _loss_scale(grad_scaler):
-    """The GradScaler's scale as a tensor: ``get_scale()`` reads it back from the device,
-    which would wait for the device. A copy, as ``update()`` changes it in place."""
-    read = getattr(grad_scaler, "_get_scale_async", None)
-    scale = read() if read is not None else None
-    return grad_scaler.get_scale() if scale is None else scale.detach().clone()
-
-
-def _link_watcher(config, resolved, planner, process_set):
-    """The link watch (hvd_dgc/linkwatch.py) where it can act: the link was measured (a
-    multi-rank set, not elastic, where each sync measures it), DGC may choose its paths,
-    and each step waits for its own averages (delay and period change what a wait means;
-    ``delay="auto"`` answers a slower link with a longer delay instead)."""
-    watch = as_link_watch(config.link_watch)
-    if watch is None or not process_set.included():
-        return None
-    idle = link_watch_idle(config, planner.link is not None, resolved.sparse,
-                           os.environ.get("HOROVOD_ELASTIC") == "1")
-    if idle:
-        if config.link_watch is not None:  # the script asked for it: say why not (rank 0)
-            rank0_once(idle, UserWarning, key="hvd_dgc.link_watch_idle")
-        return None
-    watcher = LinkWatcher(watch, HorovodCollectives(process_set), in_flight=True)
-    # a job that ends at a window's end leaves its agreement in flight (at_exit.py)
-    settle_at_exit(watcher, LinkWatcher.settle)
-    return watcher
-
-
-def _backward_profiler(config, resolved, planner, process_set, scheduler, takeover):
-    """The backward pass profiled and the plans tried (hvd_dgc/overlap.py; ``timeline``)
-    where the paths may follow it: the measured cost model (a ``cost_model`` the script
-    passes keeps its own weighing), the link measured (several ranks, not elastic), DGC
-    choosing among several flat paths, and each step waiting for its own averages (with
-    ``delay`` and ``period`` a transfer hides behind whole steps). An Adam take-over's
-    trial waits for its freeze, and one that is declined (exact Adam: every tensor dense)
-    is not profiled."""
-    if config.timeline is False or not planner.measure or planner.link is None or \
-            not resolved.sparse or config.lagging or len(planner.flat) < 2 or \
-            not process_set.included() or os.environ.get("HOROVOD_ELASTIC") == "1" or \
-            getattr(takeover, "declined", False):
-        return None
-    at_end = set(planner.flat) if scheduler.batch_all else \
-        {kind for kind in planner.flat if CLASSES[kind].batched}
-    return BackwardProfiler(planner, process_set, [t.key for t in planner.tensors], at_end,
-                            not_before=getattr(takeover, "freeze", 0))
-
-
-def _host_peers(planner, collectives):
-    """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
-    (plan.py hierarchical_hosts says where); else (). One allgather at wrap time, after
-    the config check (every rank gets here alike)."""
-    if not hierarchical_hosts(
-            planner.resolved, _hvd.local_size(), _hvd.cross_size(),
-            collectives.process_set.process_set_id == global_process_set.process_set_id,
-            os.environ.get("HOROVOD_ELASTIC") == "1"):
-        return ()
-    return host_peers(collectives, _hvd.cross_rank())
-
-
-def _average_in_place(tensors, name, process_set):
-    """Horovod's grouped allreduce (Average), in place. Horovod 0.28.1 takes row-major
-    tensors only: one that is not (a channels_last weight, or its Adam moment) goes as a
-    row-major copy, then back."""
-    sent = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    _hvd.grouped_allreduce_(sent, name=name, op=Average, process_set=process_set)
-    for t, s in zip(tensors, sent):
-        if s is not t:
-            t.copy_(s)
-
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
