@@ -61,7 +61,7 @@ class NonFiniteGuard:
         layout = launch.layout
         if self.mode == "skip":
             if layout.block is not None:
-                memory.snapshot(layout.block)
+                memory.undo.snapshot(layout.block)
             launch.guarded = True
             self._save_rng(launch.g.device)
             return None
@@ -143,9 +143,9 @@ class NonFiniteGuard:
         optimizer's step is skipped."""
         saved, self._saved_rng = self._saved_rng, None
         if not bad:
-            memory.commit()
+            memory.undo.commit()
             return False
-        memory.rollback()
+        memory.undo.rollback()
         if saved is not None:
             self.compressor.load_state_dict(saved, self.rank)
         if self.scaling():

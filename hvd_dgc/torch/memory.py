@@ -178,6 +178,51 @@ class MemoryBlock:
         return self.u
 
 
+class StepUndo:
+    """A step that may be undone (skip_nonfinite, guard.py): the blocks it wrote beside
+    their old buffers, then kept (``commit``) or put back (``rollback``)."""
+
+    def __init__(self):
+        self._guarded = []    # blocks whose step may be undone (snapshot)
+        self._spare = {}      # id(block) -> (u, v) the next guarded step writes into
+
+    def forget(self, block):
+        """``block`` left the memory: its spare buffers go with it."""
+        self._spare.pop(id(block), None)
+
+    def snapshot(self, block):
+        """Keep ``block`` as it is, so a step that ends up skipped can be undone. Costs
+        no copy: the step's update is written beside the old buffers (into spare ones,
+        allocated once), ``commit`` keeps the new ones, ``rollback`` the old."""
+        if block.previous is not None:
+            return
+        block.previous = (block.u, block.v)
+        block.previous_stale, block.stale = block.stale, []
+        spare = self._spare.pop(id(block), None)
+        if spare is None:
+            spare = (None if block.u is None else torch.zeros_like(block.u),
+                     torch.zeros_like(block.v))
+        u, v = spare
+        if block.u is not None and u is None:
+            u = torch.zeros_like(block.u)
+        block.u, block.v = (u if block.u is not None else None), v
+        self._guarded.append(block)
+
+    def rollback(self):
+        """Undo every change since the snapshots (the step was skipped)."""
+        for block in self._guarded:
+            self._spare[id(block)] = (block.u, block.v)
+            block.u, block.v = block.previous
+            block.previous, block.stale, block.previous_stale = None, block.previous_stale, []
+        self._guarded = []
+
+    def commit(self):
+        for block in self._guarded:
+            self._spare[id(block)] = block.previous
+            block.previous, block.previous_stale = None, []
+        self._guarded = []
+
+
 class FlatMemory:
     """Momentum correction, momentum factor masking and error feedback, per launch block.
 
@@ -192,8 +237,7 @@ class FlatMemory:
         self.blocks = {}      # (keys, aligned) -> MemoryBlock
         self._where = {}      # key -> the block holding it
         self._loaded = {}     # key -> {"u", "v"} from a checkpoint, not placed in a block yet
-        self._guarded = []    # blocks whose step may be undone (snapshot)
-        self._spare = {}      # id(block) -> (u, v) the next guarded step writes into
+        self.undo = StepUndo()  # a guarded step's blocks, kept or put back (guard.py)
 
     # -- blocks ---------------------------------------------------------------------
     def block(self, keys, numels, aligned=0, device="cpu", dtype=torch.float32):
@@ -230,7 +274,7 @@ class FlatMemory:
         """A block none of whose keys is still in it goes."""
         if all(self._where.get(k) is not block for k in block.keys):
             self.blocks.pop((block.keys, block.aligned), None)
-            self._spare.pop(id(block), None)
+            self.undo.forget(block)
 
     # -- one step ---------------------------------------------------------------------
     def accumulate(self, block, g, runs, with_block_max=False, sources=None):
@@ -385,39 +429,6 @@ class FlatMemory:
         error feedback sends it later."""
         block.v.index_add_(0, positions, values.to(block.v.dtype))
 
-    # -- a step that may be undone (skip_nonfinite) -----------------------------------
-    def snapshot(self, block):
-        """Keep ``block`` as it is, so a step that ends up skipped can be undone. Costs
-        no copy: the step's update is written beside the old buffers (into spare ones,
-        allocated once), ``commit`` keeps the new ones, ``rollback`` the old."""
-        if block.previous is not None:
-            return
-        block.previous = (block.u, block.v)
-        block.previous_stale, block.stale = block.stale, []
-        spare = self._spare.pop(id(block), None)
-        if spare is None:
-            spare = (None if block.u is None else torch.zeros_like(block.u),
-                     torch.zeros_like(block.v))
-        u, v = spare
-        if block.u is not None and u is None:
-            u = torch.zeros_like(block.u)
-        block.u, block.v = (u if block.u is not None else None), v
-        self._guarded.append(block)
-
-    def rollback(self):
-        """Undo every change since the snapshots (the step was skipped)."""
-        for block in self._guarded:
-            self._spare[id(block)] = (block.u, block.v)
-            block.u, block.v = block.previous
-            block.previous, block.stale, block.previous_stale = None, block.previous_stale, []
-        self._guarded = []
-
-    def commit(self):
-        for block in self._guarded:
-            self._spare[id(block)] = block.previous
-            block.previous, block.previous_stale = None, []
-        self._guarded = []
-
     # -- per tensor: checkpoints, tests --------------------------------------------------
     def residual(self, key):
         """``key``'s residual ``v`` (a view), or None before its first step."""
@@ -473,7 +484,7 @@ class FlatMemory:
 
     def load_state_dict(self, state, device_of=None):
         """Per-tensor entries; each goes into its block when that is next used."""
-        self.blocks, self._where, self._guarded, self._spare = {}, {}, [], {}
+        self.blocks, self._where, self.undo = {}, {}, StepUndo()
         self._loaded = {}
         for key, s in state.items():
             device = None if device_of is None else device_of(key)

@@ -302,7 +302,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
         self._step.fresh()
-        self._exchange.memory.commit()  # a step cut short has nothing to undo
+        self._exchange.memory.undo.commit()  # a step cut short has nothing to undo
         self._guard.reset()
         self._should_synchronize = True
         super(self.__class__, self).load_state_dict(state_dict)

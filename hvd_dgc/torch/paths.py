@@ -654,7 +654,7 @@ class HierarchicalPath(_Path):
             n = hi - lo
             block = ctx.memory.block((m.key,), (n,), 1, host.device, host.dtype)
             if launch.guarded:  # a step that may be undone (guard.py)
-                ctx.memory.snapshot(block)
+                ctx.memory.undo.snapshot(block)
             g = host.new_zeros(block.total)
             g[:n] = host[start:start + n]
             start += n

@@ -432,9 +432,9 @@ def test_fused_memory_update_matches_eager(momentum, nesterov, n, direct):
         finally:
             M._fused_memory = saved
         mem_g, block_g = mems["guarded"]
-        mem_g.snapshot(block_g)
+        mem_g.undo.snapshot(block_g)
         v_g = mem_g.accumulate(block_g, g, runs, True)
-        mem_g.commit()
+        mem_g.undo.commit()
         # a few ulps of the values (|v| ~ 10): torch's vector kernels may use FMA
         torch.testing.assert_close(v_f, v_e, rtol=1e-5, atol=1e-5)
         assert torch.equal(v_g, v_f) and (momentum == 0 or torch.equal(block_g.u, block.u))
@@ -456,15 +456,15 @@ def test_a_skipped_step_leaves_the_memory_exactly_as_it_was():
     g = torch.randn(block.total)
     mem.accumulate(block, g, runs, True)
     before = (block.u.clone(), block.v.clone())
-    mem.snapshot(block)
+    mem.undo.snapshot(block)
     mem.accumulate(block, torch.full((block.total,), float("nan")), runs, True)
     mem.sent(block, torch.tensor([3, 5]), torch.tensor([3]))
     assert not bool(torch.isfinite(block.block_max).all())  # NaN shows in the maxima
-    mem.rollback()
+    mem.undo.rollback()
     assert torch.equal(block.u, before[0]) and torch.equal(block.v, before[1])
-    mem.snapshot(block)  # and a kept step goes on from the old buffers
+    mem.undo.snapshot(block)  # and a kept step goes on from the old buffers
     mem.accumulate(block, g, runs)
-    mem.commit()
+    mem.undo.commit()
     torch.testing.assert_close(block.u, 0.9 * before[0] + g, rtol=1e-6, atol=1e-6)
 
 
@@ -503,16 +503,16 @@ def test_a_v_sent_whole_in_place_reads_as_zeros_bit_for_bit(momentum, nesterov, 
         undo = guarded and step == 3
         for mem, block in mems.values():
             if guarded:
-                mem.snapshot(block)
+                mem.undo.snapshot(block)
             mem.accumulate(block, g, runs, True, sources=sources if direct else None)
         assert torch.equal(lb.v, eb.v) and torch.equal(lb.block_max, eb.block_max), step
         assert momentum == 0 or torch.equal(lb.u, eb.u)
         for mem, block in mems.values():
             if undo:
                 mem.sent(block, torch.tensor([1, 2]), torch.tensor([1]))
-                mem.rollback()
+                mem.undo.rollback()
             elif guarded:
-                mem.commit()
+                mem.undo.commit()
         if undo:  # back to the v of step 2, its part that went cleared by the update
             assert not lb.stale and torch.equal(lazy.residual("b"), torch.zeros(77))
             assert torch.equal(lazy.residual("a"), eager.residual("a"))
