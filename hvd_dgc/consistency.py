@@ -5,7 +5,7 @@ the comparison and the message live here."""
 
 import json
 
-__all__ = ["check_consistent", "check_same", "outer_consistency"]
+__all__ = ["check_consistent", "check_same", "optimizer_consistency", "outer_consistency"]
 
 
 def check_consistent(collectives, config, what):
@@ -16,6 +16,25 @@ def check_consistent(collectives, config, what):
     configs = [json.loads(b.decode()) for b in
                collectives.allgather_bytes(blob, "hvd_dgc.config")]
     check_same(configs, collectives.ranks, what)
+
+
+def optimizer_consistency(planner, **extra):
+    """What every rank's DGC optimizer must agree on (``check_consistent``'s ``config``):
+    the options, what they resolved to (``planner.resolved``), the cost model and the
+    tensors, with the framework's ``extra`` (Horovod's arguments, the momentum)."""
+    r = planner.resolved
+    config = r.config.to_dict(shared=True)
+    config.update({
+        "compression": repr(getattr(r.compressor, "config", lambda: r.compressor)()),
+        "dense_fp16": r.dense_fp16,
+        "density": repr(r.schedule.config()) if hasattr(r.schedule, "config")
+        else getattr(r.schedule, "__qualname__", repr(r.schedule)),
+        "cost_model": "measure" if planner.measure else repr(planner.cost_model.config()),
+        "tensors": [[t.name, list(t.shape)] for t in planner.tensors],
+        "sparse_gradients": [t.name for t in planner.tensors if t.sliced],
+    })
+    config.update(extra)
+    return config
 
 
 def outer_consistency(outer, density, min_compress_size, names, shapes):

@@ -32,15 +32,20 @@ decides (``PlanTrial``): at the first density where its plan differs from the on
 cost model's sums chose (weighed by ``dense_preference``, which stood in for the
 overlap), each plan runs ``TRIAL_STEPS`` steps, the ranks agree the slower rank's times
 (max), and the timeline's plan is kept only where it made the step ``TRIAL_MARGIN``
-faster.
+faster. Whether a trial has anything to try is asked of the planner's plan:
+``timeline_differs`` (the timeline's plan against the sums'), ``sums_send_sparse``
+(the sums' plan against all dense, Keras' trial by the step's own time).
 """
 
 from typing import NamedTuple
 
+from hvd_dgc.paths import PathKind
+
 __all__ = ["Candidate", "BackwardProfile", "OverlapPlan", "Timeline", "choose_paths",
            "exchange_ends",
            "ProfileRecorder", "profile_from", "PlanTrial", "SETTLE_STEPS", "PROFILE_STEPS",
-           "TRIAL_STEPS", "TRIAL_MARGIN", "DECIDED_BY_STEP"]
+           "TRIAL_STEPS", "TRIAL_MARGIN", "DECIDED_BY_STEP", "sums_send_sparse",
+           "timeline_differs"]
 
 #: Steps left out before the profile is measured (allocations, Horovod's first
 #: negotiations of each name), and steps measured.
@@ -267,3 +272,22 @@ class PlanTrial:
         self.verdict = self.means[1] < self.means[0] * (1 - self.margin)
         self.phase = "decided"
         return self.verdict
+
+
+def sums_send_sparse(planner, density):
+    """Does the cost model's sums' plan send some flat tensor sparse at ``density``?
+    (Only then is there a dense plan to try against it; a sparse ``aggregation`` the
+    script forced has none.)"""
+    return planner.resolved.sparse and PathKind.DENSE in planner.flat and any(
+        planner.summed_path(t, density) != PathKind.DENSE for t in planner.tensors
+        if planner.large(t) and not planner.hierarchical(t))
+
+
+def timeline_differs(planner, density):
+    """Would the step's timeline (``timeline.plan``) send some flat tensor another way
+    than the sums do, at ``density``? (Only then is there anything to try.)"""
+    if planner.timeline is None or not planner.resolved.sparse:
+        return False
+    plan = planner.timeline.plan(planner, density).paths
+    return any(plan[t.key] != planner.summed_path(t, density) for t in planner.tensors
+               if planner.large(t) and not t.sliced and not planner.hierarchical(t))

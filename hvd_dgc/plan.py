@@ -11,12 +11,12 @@ TensorFlow exchange asks per density stage when it builds its graph.
     planner.path(tensor, density, step)     PathKind: cost model, hierarchical, exchange
     planner.stage_paths(tensor)             TensorFlow: a PathKind per density stage
     planner.buckets(density, order)         PyTorch: which tensors leave together
-    planner.consistency(**extra)            what every rank compares at wrap time
     planner.adam_freeze(lagging)            where Adam's take-over starts (adam.py)
 
 What each path costs is ``planner.prices``' (hvd_dgc/prices.py), made afresh when the
 world or the link moves; the step's timeline is overlap.py's ``Timeline``; what rank 0
-says of the plan is hvd_dgc/plan_words.py's (``PlanWords(planner)``).
+says of the plan is hvd_dgc/plan_words.py's (``PlanWords(planner)``); what every rank
+compares at wrap time is hvd_dgc/consistency.py's (``optimizer_consistency(planner)``).
 """
 
 import dataclasses
@@ -157,14 +157,6 @@ class Planner:
             self._buckets = {}
             self.generation += 1
 
-    def sums_send_sparse(self, density):
-        """Does the cost model's sums' plan send some flat tensor sparse at ``density``?
-        (Only then is there a dense plan to try against it; a sparse ``aggregation`` the
-        script forced has none.)"""
-        return self.resolved.sparse and PathKind.DENSE in self.flat and any(
-            self.summed_path(t, density) != PathKind.DENSE for t in self.tensors
-            if self.large(t) and not self.hierarchical(t))
-
     def overlapped(self, profile, at_end=()):
         """The agreed ``BackwardProfile`` (overlap.py) and the paths the framework launches
         at synchronize (``at_end``): ``timeline`` can place each step from now on;
@@ -203,11 +195,6 @@ class Planner:
         for t in self.tensors:
             seconds += prices.wire_seconds(t.numel, self.k(t, density), self.path(t, density, step))
         return seconds
-
-    def wire_bytes(self, tensor, path, density):
-        """Bytes one rank receives for ``tensor`` on ``path`` at ``density`` in one
-        exchange (prices.py)."""
-        return self.prices.wire_bytes(tensor.numel, self.k(tensor, density), path)
 
     def exchange_dense(self):
         """The large tensors a compressor of its own collectives leaves dense because its
@@ -314,15 +301,6 @@ class Planner:
                                         kind in self.resolved.batched,
                                         fusion_threshold(self.config.fusion_threshold))
 
-    def timeline_differs(self, density):
-        """Would the step's timeline (``timeline.plan``) send some flat tensor another way
-        than the sums do, at ``density``? (Only then is there anything to try.)"""
-        if self.timeline is None or not self.resolved.sparse:
-            return False
-        plan = self.timeline.plan(self, density).paths
-        return any(plan[t.key] != self.summed_path(t, density) for t in self.tensors
-                   if self.large(t) and not t.sliced and not self.hierarchical(t))
-
     def exchange_path(self, tensor):
         """EXCHANGE or DENSE for a tensor the compressor of its own collectives takes:
         a payload allgathered from every rank (sign, QSGD, bf16) grows with the world and
@@ -410,20 +388,3 @@ class Planner:
         self.resolved = settle(self.resolved, self.adam)
         self.config = self.resolved.config
         return self.resolved
-
-    def consistency(self, **extra):
-        """What must agree on every rank (hvd_dgc/consistency.py compares it): the
-        options, what they resolved to, and the tensors."""
-        r = self.resolved
-        config = r.config.to_dict(shared=True)
-        config.update({
-            "compression": repr(getattr(r.compressor, "config", lambda: r.compressor)()),
-            "dense_fp16": r.dense_fp16,
-            "density": repr(r.schedule.config()) if hasattr(r.schedule, "config")
-            else getattr(r.schedule, "__qualname__", repr(r.schedule)),
-            "cost_model": "measure" if self.measure else repr(self.cost_model.config()),
-            "tensors": [[t.name, list(t.shape)] for t in self.tensors],
-            "sparse_gradients": [t.name for t in self.tensors if t.sliced],
-        })
-        config.update(extra)
-        return config

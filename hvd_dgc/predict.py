@@ -526,8 +526,8 @@ def _why(planner, tensor, path, density, step, note=""):
 
 def _wire_bytes(planner, tensor, path, density):
     """Bytes one rank receives for ``tensor`` on ``path`` in one exchange
-    (``Planner.wire_bytes``)."""
-    return planner.wire_bytes(tensor, path, density)
+    (prices.py ``Prices.wire_bytes``)."""
+    return planner.prices.wire_bytes(tensor.numel, planner.k(tensor, density), path)
 
 
 def _local_seconds(planner, tensor, path, density):

@@ -18,7 +18,7 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import global_process_set
 
-from hvd_dgc.consistency import check_consistent
+from hvd_dgc.consistency import check_consistent, optimizer_consistency
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import link_watch_idle
 from hvd_dgc.masking import masking_density_limit
@@ -99,9 +99,8 @@ class ExchangeSetUp:
             self.planner.exclude(PathKind.REGION)
         if not self.elastic:
             check_consistent(HorovodCollectives(self.process_set),
-                             self.planner.consistency(momentum=self.momentum,
-                                                      nesterov=self.nesterov,
-                                                      op=repr(self.op)),
+                             optimizer_consistency(self.planner, momentum=self.momentum,
+                                                   nesterov=self.nesterov, op=repr(self.op)),
                              "hvd_dgc.tensorflow")
         peers = self._host_peers()
         if peers:  # several hosts of several ranks: hierarchical DGC may run

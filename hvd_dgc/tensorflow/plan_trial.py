@@ -21,7 +21,7 @@ step, so ``fit`` traces it again (at most three times a density).
 
 import horovod.tensorflow as _hvd
 
-from hvd_dgc.overlap import TRIAL_MARGIN, TRIAL_STEPS, PlanTrial
+from hvd_dgc.overlap import TRIAL_MARGIN, TRIAL_STEPS, PlanTrial, sums_send_sparse
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.switch import change_line, percent
 from hvd_dgc.tensorflow.seam import HorovodCollectives
@@ -64,7 +64,7 @@ class DenseTrial:
         density, _ = self.exchange.priced_now()  # the next step's
         trial = self.trial
         action = trial.end_step(seconds, density, lambda: density not in self.decided and
-                                planner.sums_send_sparse(density))
+                                sums_send_sparse(planner, density))
         if action == "timeline":  # the sums' steps are done: all dense for as many
             self._sums_words = PlanWords(planner).sparse_words(trial.density)
             return self._force(trial.density, True)

@@ -27,7 +27,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from hvd_dgc.consistency import check_consistent
+from hvd_dgc.consistency import check_consistent, optimizer_consistency
 from hvd_dgc.fusion import fusion_threshold
 from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle
@@ -151,8 +151,8 @@ def _agree(w, planner, takeover, trainable):
     collectives = HorovodCollectives(w.process_set)
     elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
     if not elastic:
-        check_consistent(collectives, planner.consistency(
-            op=repr(w.op), backward_passes_per_step=w.backward_passes_per_step,
+        check_consistent(collectives, optimizer_consistency(
+            planner, op=repr(w.op), backward_passes_per_step=w.backward_passes_per_step,
             gradient_predivide_factor=w.gradient_predivide_factor,
             fusion_threshold=fusion_threshold(w.resolved.config.fusion_threshold)),
             "DistributedOptimizer")

@@ -8,7 +8,7 @@ import torch
 import horovod.torch as _hvd
 from horovod.torch.mpi_ops import Max, Sum
 
-from hvd_dgc.overlap import PlanTrial, ProfileRecorder, profile_from
+from hvd_dgc.overlap import PlanTrial, ProfileRecorder, profile_from, timeline_differs
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.switch import change_line
 from hvd_dgc.torch.at_exit import settle_at_exit
@@ -76,7 +76,7 @@ class BackwardProfiler:
         trial = self.trial
         if planner.timeline is None or trial.phase == "decided" or step + 1 < self.not_before:
             return
-        action = trial.end_step(seconds, density, lambda: planner.timeline_differs(density))
+        action = trial.end_step(seconds, density, lambda: timeline_differs(planner, density))
         if action in ("timeline", "sums"):
             planner.use_timeline(action == "timeline")
         elif action == "agree":

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvd_dgc.tensorflow.keras as hvd
+from hvd_dgc.overlap import sums_send_sparse
 from tests.tensorflow.tf_dgc import _identical
 
 DENSITY, BATCHES, SLEEP = 0.001, 20, 0.5
@@ -58,7 +59,7 @@ def fit(slow):
     return {"line": line.getvalue(), "trials": exchange.stats()["plan_trials"],
             "planned": planned, "forced": sorted(planner.forced_dense),
             "path": str(planner.path(weight, DENSITY)),
-            "sums_sparse": planner.sums_send_sparse(DENSITY),
+            "sums_sparse": sums_send_sparse(planner, DENSITY),
             "train_functions": len({id(f) for f in traced}),
             "identical": _identical(tf, hvd, model.trainable_variables, f"trial.{slow}")}
 

@@ -5,6 +5,8 @@ import pytest
 
 from hvd_dgc import CostModel
 from hvd_dgc.config import DGCConfig
+from hvd_dgc.consistency import optimizer_consistency
+from hvd_dgc.overlap import sums_send_sparse
 from hvd_dgc.resolve import HorovodArguments
 from hvd_dgc.fusion import BUCKET_LATENCIES
 from hvd_dgc.packing import gather_record_bytes
@@ -53,13 +55,13 @@ def test_a_trial_sends_every_flat_tensor_dense_at_its_density_alone():
     script forced is never tried."""
     planner = _planner(density=0.001, warmup=0)
     fc, emb = TENSORS[2], TENSORS[4]
-    assert planner.sums_send_sparse(0.001) and not planner.sums_send_sparse(1.0)
+    assert sums_send_sparse(planner, 0.001) and not sums_send_sparse(planner, 1.0)
     generation = planner.generation
     planner.force_dense(0.001, True)
     assert planner.path(fc, 0.001) == PathKind.DENSE
     assert planner.path(emb, 0.001) == PathKind.SPARSE_GRAD  # (Horovod's own slices)
     assert planner.path(fc, 0.0625) == planner.summed_path(fc, 0.0625) != PathKind.DENSE
-    assert planner.sums_send_sparse(0.001)  # (what the sums would do: still sparse)
+    assert sums_send_sparse(planner, 0.001)  # (what the sums would do: still sparse)
     assert planner.generation == generation + 1
     planner.force_dense(0.001, True)  # no change: the generation stays
     assert planner.generation == generation + 1
@@ -71,7 +73,7 @@ def test_a_trial_sends_every_flat_tensor_dense_at_its_density_alone():
     assert planner.forced_dense == frozenset() and planner.path(fc, 0.001) == \
         PathKind.ALLGATHER
     forced = _planner(density=0.001, warmup=0, aggregation="allgather")
-    assert not forced.sums_send_sparse(0.001)
+    assert not sums_send_sparse(forced, 0.001)
     forced.force_dense(0.001, True)  # (never asked for; held to the script's choice)
     assert forced.path(fc, 0.001) == PathKind.ALLGATHER
 
@@ -163,7 +165,7 @@ def test_the_words_and_the_dict_every_rank_compares():
     assert line.startswith("[hvd_dgc] torch: DGC at density 0.001, no warm-up: 2 of 5")
     assert "allgather" in line and "density=1.0" in line
     assert PlanWords(planner).idle_warning(0.001) is None
-    config = planner.consistency(op="average")
+    config = optimizer_consistency(planner, op="average")
     assert config["tensors"][2] == ["fc.weight", [1000, 512]]
     assert config["sparse_gradients"] == ["emb.weight"] and config["op"] == "average"
     tiny = Planner(planner.resolved, [TensorInfo(0, "b", 10, (10,))], 2)
@@ -317,7 +319,7 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     for world in (2, 3, 128, 1024):
         planner = _planner(world=world, compression=Compression.sign)
         assert planner.path(fc, 1.0, step=100) == PathKind.EXCHANGE, world
-        assert planner.wire_bytes(fc, PathKind.EXCHANGE, 1.0) == (
+        assert planner.prices.wire_bytes(fc.numel, planner.k(fc, 1.0), PathKind.EXCHANGE) == (
             sign_payload_bytes(fc.numel) if world == 2 else
             2 * (world - 1) * sign_chunk_bytes(fc.numel, world))
     assert exchange_collective(planner) == "compressed allreduce"

@@ -287,11 +287,12 @@ def trial_syncs(steps=24, warm=2):
         ours.append(sum(w.startswith("torch/") for w in seen))
         where.update(seen)
         timeline.append(opt._planner.on_timeline)
+    from hvd_dgc.overlap import timeline_differs
     stats, planner = opt.compression_stats(), opt._planner
     return {"profiled": opt._profiler is not None, "ours": ours, "where": dict(where),
             "at_end": sorted(map(str, planner.timeline.at_end if planner.timeline else ())),
             "flat": sorted(map(str, planner.flat)),
-            "differs": planner.timeline_differs(0.01),
+            "differs": timeline_differs(planner, 0.01),
             "timeline": timeline, "trial": stats.get("timeline"),
             "identical": ranks_identical(m, "trial_syncs"),
             "finite": bool(torch.isfinite(torch.cat([p.detach().reshape(-1)
