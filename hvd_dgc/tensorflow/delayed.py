@@ -19,7 +19,7 @@ it does for the PyTorch side's asynchronous handles: one thread in turn would
 pay every step's round trips one after another. The threads take the
 collectives in launch order, the same on every rank, so they always meet.
 Each runs as a small tf.function (eager Horovod ops cannot overlap: see
-``_function``), which needs a second inter-op thread: the step's graph holds
+``WorkerThreads``), which needs a second inter-op thread: the step's graph holds
 one while it waits (checked when the exchange is built).
 
 What a path gives back to this rank's residual (region reduce's owners: their unsent
@@ -47,7 +47,8 @@ from hvd_dgc.lagging import InFlight, LagQueue, StepSize
 from hvd_dgc.stats import RECORDS
 from hvd_dgc.tensorflow.paths import NO_DENSE, NO_RECORDS, Correction, Part, later_positions
 
-__all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "check_inter_op_threads"]
+__all__ = ["DelayedAveraging", "OwnStepsInCheckpoint", "WorkerThreads",
+           "check_inter_op_threads"]
 
 
 class DelayedAveraging(LagQueue):
@@ -76,11 +77,7 @@ class DelayedAveraging(LagQueue):
         self._slots = (self._fixed if auto is None else auto.max_delay) + 1
         self.variables = list(variables)  # for flush(); not tracked by any checkpoint
         self.gives_back = paths.gives_back()
-        self._pool = ThreadPoolExecutor(3 * self._slots, thread_name_prefix="hvd_dgc_dga")
-        # a path whose exchanges read what the last one left (the sign's server errors)
-        # runs them one after another, in launch order
-        self._serial = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_dga_serial")
-        self._functions = {}  # (name, path, members) -> tf.function of its collectives
+        self._threads = WorkerThreads(3 * self._slots, paths.ctx.wire.process_set)
         self._step_ended = None  # delay="auto": when the last step's wait ended
         self._agreeing = None    # delay="auto": a window's sums, being agreed on (Future)
         self._kept = None        # delay="auto": (its tf.Variable, the D last written)
@@ -134,7 +131,8 @@ class DelayedAveraging(LagQueue):
         total = [np.zeros([t.numel], np.float32) for t in self.paths.ctx.tensors]
         for entry in pending:
             for work in entry.launches:
-                for i, (t, c) in enumerate(zip(total, self._result(work))):
+                for i, (t, c) in enumerate(zip(total, _result(self.paths.ctx.tensors,
+                                                              work))):
                     _add_to(t, _scaled(c, self._factor(entry.size, last, i)))
         return total, (-1.0 if last is None else last[0].rate)
 
@@ -168,7 +166,7 @@ class DelayedAveraging(LagQueue):
     def _taken_back(self, entries, now):
         """Each entry's corrections per tensor, times its step's size over ``now``'s."""
         return [[_scaled(c, self._factor(entry.size, now, i))
-                 for i, c in enumerate(self._result(work))]
+                 for i, c in enumerate(_result(self.paths.ctx.tensors, work))]
                 for entry in entries for work in entry.launches]
 
     # -- delay="auto"'s D, in a checkpoint ----------------------------------------------
@@ -255,9 +253,8 @@ class DelayedAveraging(LagQueue):
         if bool(exchanging):
             # a name per slot: exchanges in flight at once are fewer than delay + 1
             name = f"hvd_dgc.dga{((step + 1) // self.period) % self._slots}"
-            work = [(self._serial if path.serial else self._pool).submit(
-                self._run, path, name, members, ks, arrays)
-                for path, members, ks in self.paths.groups(stage)]
+            work = [self._threads.exchange(path, name, members, ks, arrays)
+                    for path, members, ks in self.paths.groups(stage)]
         else:
             work = [_OwnSteps({i: Correction(NO_RECORDS, -own, NO_RECORDS)
                                for i, own in enumerate(arrays[count:]) if own.size})]
@@ -273,7 +270,8 @@ class DelayedAveraging(LagQueue):
         (this step's). The graph turns them into one tensor. Last: the bytes this rank
         sent in later rounds."""
         started = time.perf_counter()
-        parts = self._sum(self._taken_back(self.due(int(step)), self._sizes(rate)))
+        parts = _summed(self.paths.ctx.tensors,
+                        self._taken_back(self.due(int(step)), self._sizes(rate)))
         if self.auto is not None:
             self._tune(int(step), started, time.perf_counter() - started)
         return [x for c in parts for x in c[:3]] + [np.int64(sum(c.later_bytes for c in parts))]
@@ -295,72 +293,8 @@ class DelayedAveraging(LagQueue):
             agreeing, self._agreeing = self._agreeing, None
             auto.decide(tuple(agreeing.result()), step, self.period)
             self._write_delay()
-        self._agreeing = self._pool.submit(self._agree, sums)
+        self._agreeing = self._threads.agree_max(sums)
         self._step_ended = time.perf_counter()
-
-    def _agree(self, sums):
-        """The elementwise maximum of every rank's window sums (a small tf.function with
-        its own graph nodes, as the collectives': eager Horovod ops cannot overlap)."""
-        fn = self._functions.get("autodelay")
-        if fn is None:
-            process_set = self.paths.ctx.wire.process_set
-            fn = tf.function(lambda x: _hvd.allreduce(x, op=Max, name="hvd_dgc.autodelay",
-                                                      process_set=process_set),
-                             input_signature=[tf.TensorSpec([len(sums)], tf.float64)],
-                             autograph=False)
-            self._functions["autodelay"] = fn
-        return fn(tf.constant(sums, tf.float64)).numpy().tolist()
-
-    def _result(self, futures):
-        parts = [Correction(NO_RECORDS, NO_DENSE, NO_RECORDS)] * len(self.paths.ctx.tensors)
-        for future in futures:
-            for i, correction in future.result().items():
-                parts[i] = correction
-        return parts
-
-    def _sum(self, launches):
-        """One ``Correction`` per tensor for several launches due at once (a period's
-        steps): dense where more than one has something for the tensor."""
-        if len(launches) <= 1:
-            return launches[0] if launches else self._result([])
-        out = []
-        for i, t in enumerate(self.paths.ctx.tensors):
-            parts = [launch[i] for launch in launches]
-            given = [c for c in parts if c.records.size or c.dense.size]
-            if len(given) <= 1:
-                summed = given[0] if given else parts[0]
-                summed = summed._replace(returned=_joined([c.returned for c in parts]),
-                                         later_bytes=sum(c.later_bytes for c in parts))
-            else:
-                total = np.zeros([t.numel], np.float32)
-                for c in given:
-                    _add_to(total, c)
-                summed = Correction(NO_RECORDS, total, _joined([c.returned for c in parts]),
-                                    sum(c.later_bytes for c in parts))
-            out.append(summed)
-        return out
-
-    # -- the threads: one path's collectives of a launch, and only cheap work besides ---
-    def _run(self, path, name, members, ks, arrays):
-        payloads = tuple(path.from_words(arrays[i], i) for i in members)
-        got = self._function(path, name, members)(ks, *payloads)
-        return path.correction(Part(name, members, payloads, ks), got)
-
-    def _function(self, path, name, members):
-        """The path's collectives of ``members`` as a tf.function with its own graph
-        nodes. Eager Horovod ops are all named after their op type (TF's eager kernels
-        ignore ``name=``), so two eager allgathers in flight at once would collide."""
-        key = (name, path.kind, members)
-        fn = self._functions.get(key)
-        if fn is None:
-            def run(ks, *payloads):
-                handle = path.launch(Part(name, members, payloads, ks))
-                path.advance(handle)
-                return path.collect(handle)
-            fn = tf.function(run, input_signature=[tf.TensorSpec([len(members)], tf.int32)]
-                             + [path.spec(i) for i in members], autograph=False)
-            self._functions[key] = fn
-        return fn
 
     # -- elastic Horovod ----------------------------------------------------------------
     def abandon(self):
@@ -374,13 +308,7 @@ class DelayedAveraging(LagQueue):
         self._agreeing = self._step_ended = None
         if self.auto is not None:
             self.auto.reset_window()
-        old, self._pool = self._pool, ThreadPoolExecutor(3 * self._slots,
-                                                         thread_name_prefix="hvd_dgc_dga")
-        old.shutdown(wait=False, cancel_futures=True)
-        old, self._serial = self._serial, ThreadPoolExecutor(
-            1, thread_name_prefix="hvd_dgc_dga_serial")
-        old.shutdown(wait=False, cancel_futures=True)
-        self._functions = {}
+        self._threads.abandon()
 
     # -- end of training, evaluation, checkpoint ----------------------------------
     def drain(self, rate=-1.0):
@@ -404,6 +332,107 @@ class DelayedAveraging(LagQueue):
                                        positions=later_positions(ctx.compressor,
                                                                  c.later_bytes))
         return total
+
+
+class WorkerThreads:
+    """Where delayed averaging's collectives run while the next steps compute: a pool of
+    threads (one path's collectives of one launch each), a serial one for a path whose
+    exchanges read what the last one left (the sign's server errors: one after another,
+    in launch order), and each collective as a small tf.function with graph nodes of its
+    own. Eager Horovod ops are all named after their op type (TF's eager kernels ignore
+    ``name=``), so two eager allgathers in flight at once would collide."""
+
+    def __init__(self, workers, process_set):
+        self.workers, self.process_set = workers, process_set
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hvd_dgc_dga")
+        self._serial = ThreadPoolExecutor(1, thread_name_prefix="hvd_dgc_dga_serial")
+        self._functions = {}  # (name, path, members) -> tf.function of its collectives
+
+    def exchange(self, path, name, members, ks, arrays):
+        """A Future of ``path``'s corrections for ``members`` (``{index: Correction}``):
+        its collectives of their payloads (flat words, ``arrays``), and only cheap work
+        besides."""
+        return (self._serial if path.serial else self._pool).submit(
+            self._run, path, name, members, ks, arrays)
+
+    def agree_max(self, sums):
+        """A Future of the elementwise maximum of every rank's ``sums`` (delay="auto"'s
+        window, hvd_dgc/autodelay.py)."""
+        return self._pool.submit(self._agree, sums)
+
+    def abandon(self):
+        """An elastic restore or reset: the threads in flight are left to a Horovod
+        that shuts down, on pools of their own; the functions (traced for the old
+        world's scales) are made again."""
+        old, self._pool = self._pool, ThreadPoolExecutor(self.workers,
+                                                         thread_name_prefix="hvd_dgc_dga")
+        old.shutdown(wait=False, cancel_futures=True)
+        old, self._serial = self._serial, ThreadPoolExecutor(
+            1, thread_name_prefix="hvd_dgc_dga_serial")
+        old.shutdown(wait=False, cancel_futures=True)
+        self._functions = {}
+
+    def _run(self, path, name, members, ks, arrays):
+        payloads = tuple(path.from_words(arrays[i], i) for i in members)
+        got = self._function(path, name, members)(ks, *payloads)
+        return path.correction(Part(name, members, payloads, ks), got)
+
+    def _function(self, path, name, members):
+        """The path's collectives of ``members`` as a tf.function."""
+        key = (name, path.kind, members)
+        fn = self._functions.get(key)
+        if fn is None:
+            def run(ks, *payloads):
+                handle = path.launch(Part(name, members, payloads, ks))
+                path.advance(handle)
+                return path.collect(handle)
+            fn = tf.function(run, input_signature=[tf.TensorSpec([len(members)], tf.int32)]
+                             + [path.spec(i) for i in members], autograph=False)
+            self._functions[key] = fn
+        return fn
+
+    def _agree(self, sums):
+        fn = self._functions.get("autodelay")
+        if fn is None:
+            process_set = self.process_set
+            fn = tf.function(lambda x: _hvd.allreduce(x, op=Max, name="hvd_dgc.autodelay",
+                                                      process_set=process_set),
+                             input_signature=[tf.TensorSpec([len(sums)], tf.float64)],
+                             autograph=False)
+            self._functions["autodelay"] = fn
+        return fn(tf.constant(sums, tf.float64)).numpy().tolist()
+
+
+def _result(tensors, futures):
+    """One ``Correction`` per tensor from a launch's futures (empty where none has one)."""
+    parts = [Correction(NO_RECORDS, NO_DENSE, NO_RECORDS)] * len(tensors)
+    for future in futures:
+        for i, correction in future.result().items():
+            parts[i] = correction
+    return parts
+
+
+def _summed(tensors, launches):
+    """One ``Correction`` per tensor for several launches due at once (a period's
+    steps): dense where more than one has something for the tensor."""
+    if len(launches) <= 1:
+        return launches[0] if launches else _result(tensors, [])
+    out = []
+    for i, t in enumerate(tensors):
+        parts = [launch[i] for launch in launches]
+        given = [c for c in parts if c.records.size or c.dense.size]
+        if len(given) <= 1:
+            summed = given[0] if given else parts[0]
+            summed = summed._replace(returned=_joined([c.returned for c in parts]),
+                                     later_bytes=sum(c.later_bytes for c in parts))
+        else:
+            total = np.zeros([t.numel], np.float32)
+            for c in given:
+                _add_to(total, c)
+            summed = Correction(NO_RECORDS, total, _joined([c.returned for c in parts]),
+                                sum(c.later_bytes for c in parts))
+        out.append(summed)
+    return out
 
 
 class _OwnSteps(Future):
