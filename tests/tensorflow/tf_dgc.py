@@ -3,6 +3,7 @@
 import importlib
 import os
 import re
+import time
 import traceback
 
 import numpy as np
@@ -589,7 +590,9 @@ def suite(names, kwargs=None):
     import hvd_dgc.tensorflow as hvd
     hvd.init()
     results = {}
+    times = os.environ.get("HVD_DGC_SUITE_TIMES")  # a file: rank 0 appends each body's time
     for name in names:
+        started = time.perf_counter()
         try:
             module, _, func = name.rpartition(".")  # "tf_dga.x": tests/tensorflow/tf_dga.py
             path = module if module.startswith("tests.") else "tests.tensorflow." + module
@@ -598,6 +601,9 @@ def suite(names, kwargs=None):
             results[name] = body(**(kwargs or {}).get(name, {}))
         except Exception:
             results[name] = {"error": traceback.format_exc()}
+        if times and hvd.rank() == 0:
+            with open(times, "a") as f:
+                f.write(f"{time.perf_counter() - started:8.1f} s  {name}\n")
     return results
 
 
