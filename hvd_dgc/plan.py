@@ -79,6 +79,38 @@ class TensorInfo(NamedTuple):
     sliced: bool = False  # its gradient is sparse and travels as Horovod sends it
 
 
+class ExchangeGroup:
+    """EXCHANGE or DENSE for each large tensor a compressor of its own collectives takes:
+    a payload allgathered from every rank (sign, QSGD, bf16) grows with the world and is
+    priced against the dense allreduce (costmodel.choose_exchange), the sign's compressed
+    allreduce as the group a step sends together (prices.py ``sign_group``); PowerSGD's
+    and TernGrad's allreduces are not. A tensor that turns dense loses nothing: the dense
+    path sends the memory whole, what the compressor had left in it too. Made afresh
+    with the prices (``Planner.replan``)."""
+
+    def __init__(self, kind, large, prices):
+        self.kind, self.large, self.prices = kind, large, prices
+        self._keys = None  # (one price for every tensor the compressor takes, when asked)
+
+    def path(self, tensor):
+        if self._keys is None:
+            self._keys = frozenset(self.large[i].key for i in self.prices.sign_group(
+                [t.numel for t in self.large]))
+        return PathKind.EXCHANGE if tensor.key in self._keys else PathKind.DENSE
+
+    def dense(self):
+        """The large tensors the compressor leaves dense because its collectives would
+        cost more (none where the compressor is not one of its own collectives)."""
+        if self.kind != "exchange":
+            return []
+        return [t for t in self.large if self.path(t) == PathKind.DENSE]
+
+    def idle(self):
+        """Does the compressor leave every large tensor dense?"""
+        dense = self.dense()
+        return bool(dense) and len(dense) == len(self.large)
+
+
 class Planner:
     """Paths, buckets and the wrap-time words for one optimizer's tensors.
 
@@ -196,19 +228,6 @@ class Planner:
             seconds += prices.wire_seconds(t.numel, self.k(t, density), self.path(t, density, step))
         return seconds
 
-    def exchange_dense(self):
-        """The large tensors a compressor of its own collectives leaves dense because its
-        allgather would cost more (``exchange_path``)."""
-        if self.resolved.kind != "exchange":
-            return []
-        return [t for t in self.tensors if self.large(t)
-                and self.exchange_path(t) == PathKind.DENSE]
-
-    def exchange_idle(self):
-        """Does the compressor of its own collectives leave every large tensor dense?"""
-        priced = self.exchange_dense()
-        return bool(priced) and len(priced) == sum(self.large(t) for t in self.tensors)
-
     def replan(self, world_size, local_size=None):
         """Plan for another world (an elastic reset): every choice is made afresh."""
         self.world_size = int(world_size)
@@ -218,7 +237,9 @@ class Planner:
         self._paths = {}         # (numel, k, allowed) -> PathKind, the cost model's choice
         self._flat = {}          # density -> the flat paths the step allows (flat_at)
         self._hierarchical = {}  # numel -> bool, decided once per tensor
-        self._exchanged = None   # the keys a compressor of its own collectives takes
+        # what a compressor of its own collectives takes, priced by these prices
+        self.exchanged = ExchangeGroup(self.resolved.kind,
+                                       [t for t in self.tensors if self.large(t)], self.prices)
         self._buckets = {}       # the latest (density, world) -> {key: bucket}
         if self.timeline is not None:
             self.timeline = self.timeline.afresh()
@@ -248,7 +269,7 @@ class Planner:
         if r.kind == "exchange":
             if self.exact_adam(step) or not self.compressor.compressible(tensor.shape, step):
                 return PathKind.DENSE
-            return self.exchange_path(tensor)
+            return self.exchanged.path(tensor)
         if self.adam.declined or density in self.adam.dense:  # exact Adam: adam_freeze
             return PathKind.DENSE
         if self.hierarchical(tensor):
@@ -300,20 +321,6 @@ class Planner:
         return self.prices.step_seconds(tensors, flat, kind, allowed,
                                         kind in self.resolved.batched,
                                         fusion_threshold(self.config.fusion_threshold))
-
-    def exchange_path(self, tensor):
-        """EXCHANGE or DENSE for a tensor the compressor of its own collectives takes:
-        a payload allgathered from every rank (sign, QSGD, bf16) grows with the world and
-        is priced against the dense allreduce (costmodel.choose_exchange), the sign's
-        compressed allreduce as the group a step sends together (prices.py
-        ``sign_group``); PowerSGD's and TernGrad's allreduces are not. A tensor that
-        turns dense loses nothing: the dense path sends the memory whole, what the
-        compressor had left in it too."""
-        if self._exchanged is None:  # (one price for every tensor the compressor takes)
-            takes = [t for t in self.tensors if self.large(t)]
-            self._exchanged = frozenset(
-                takes[i].key for i in self.prices.sign_group([t.numel for t in takes]))
-        return PathKind.EXCHANGE if tensor.key in self._exchanged else PathKind.DENSE
 
     def hierarchical(self, tensor):
         """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC

@@ -89,7 +89,7 @@ class PlanWords:
         dense = [f"{n} of {len(large)} at density {d:g}" for d, n in dense if n]
         if words and dense:  # said once; the statistics count each step's paths
             words.append(f"dense where sparse would cost more: {', '.join(dense)}")
-        priced = plan.exchange_dense()
+        priced = plan.exchanged.dense()
         if priced:  # said with or without a measured link: it follows the world's size
             large = sum(plan.large(t) for t in plan.tensors)
             work = " and its work" if plan.local is not None else ""
@@ -128,9 +128,9 @@ class PlanWords:
         plan = self.plan
         if plan.resolved.kind == "dense":
             return None
-        if plan.exchange_idle() and not plan.resolved.chosen:
+        if plan.exchanged.idle() and not plan.resolved.chosen:
             return None
-        if plan.exchange_idle():
+        if plan.exchanged.idle():
             return gather_idle_warning(self.kind_name(), plan.world_size,
                                        plan.link is not None, exchange_collective(plan))
         if plan.adam.declined and plan.adam.share:
@@ -214,7 +214,7 @@ class PlanWords:
         large = [t for t in plan.tensors if plan.large(t)]
         if plan.resolved.sparse:  # those the cost model sends dense even at the final density
             large = [t for t in large if plan.path(t, final) != PathKind.DENSE]
-        large = len(large) - len(plan.exchange_dense())
+        large = len(large) - len(plan.exchanged.dense())
         sums = [p for p in SUMS if p in self._sums(final)]
         return summary(self.kind_name(), final, warm, plan.min_compress_size,
                        plan.resolved.dense_fp16, gather_value_bits(plan.compressor), delay,

@@ -292,10 +292,10 @@ def test_a_payload_compressors_allgather_is_priced_against_the_allreduce():
     # allreduce's two outweighs its bytes
     planner = _planner(world=2, compression=gathered)
     assert planner.path(fc, 1.0, step=100) == PathKind.EXCHANGE
-    assert planner.exchange_dense() == [] and PlanWords(planner).idle_warning() is None
+    assert planner.exchanged.dense() == [] and PlanWords(planner).idle_warning() is None
     assert "would cost more than the allreduce" not in PlanWords(planner).summary("torch", 0)
     planner.replan(128)
-    assert planner.exchange_dense() == [fc] and PlanWords(planner).idle_warning() is None
+    assert planner.exchanged.dense() == [fc] and PlanWords(planner).idle_warning() is None
     line = PlanWords(planner).summary("torch", 0)
     assert "compressor sign on 1 of 5 tensors" in line, line
     assert "dense where sign's allgather at 128 ranks would cost more than the allreduce: " \
@@ -480,7 +480,7 @@ def test_the_signs_compressed_allreduce_is_priced_as_the_group_a_step_sends():
     def plan(world):
         planner = Planner(resolved, tensors, world)
         large = [t for t in tensors if planner.large(t)]
-        group = [t for t in large if planner.exchange_path(t) == PathKind.EXCHANGE]
+        group = [t for t in large if planner.exchanged.path(t) == PathKind.EXCHANGE]
         alone = [t for t in large if planner.prices.exchange(t.numel) == PathKind.EXCHANGE]
         return planner.prices.cost_model, large, group, alone
 

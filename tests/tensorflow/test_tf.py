@@ -161,7 +161,7 @@ def test_tape_powersgd_sends_one_approximation_and_keeps_the_rest(tape):
 
 
 def test_tape_sign_priced_dense_averages_as_dense_averaging(tape):
-    """The planner's pricing of a payload compressor's allgather (plan.exchange_path)
+    """The planner's pricing of a payload compressor's allgather (plan.py ExchangeGroup)
     holds in TensorFlow as in PyTorch: where the allgather is the dearer, sign sends
     every tensor dense, bit for bit what density=1.0 sends, and keeps nothing."""
     for out in _checked(tape, "tape_priced_dense"):

@@ -338,7 +338,7 @@ def tape_quantizers(steps=3, shape=(60, 50)):
 
 def tape_priced_dense(steps=3, shape=(60, 50)):
     """sign through the tape where the cost model finds its allgather dearer than the
-    allreduce (plan.exchange_path): every tensor goes dense, each step's average and
+    allreduce (plan.py ExchangeGroup): every tensor goes dense, each step's average and
     the weights those of dense averaging (density=1.0), the memory empty after each."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd

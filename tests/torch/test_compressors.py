@@ -265,7 +265,7 @@ def test_delay_and_stock_optimizer_errors(two_ranks):
 
 
 def test_a_payload_compressor_priced_dense_trains_dense_and_loses_nothing(two_ranks):
-    """plan.exchange_path on 2 ranks: sign whose allgather the cost model finds dearer
+    """ExchangeGroup (plan.py) on 2 ranks: sign whose allgather the cost model finds dearer
     than the allreduce sends every tensor dense and trains as dense averaging
     (``density=1.0``) does, bit for bit; a tensor that turns dense after signed steps
     sends sign's residual with it (the memory's v empty after that step); AdamW whose

@@ -197,7 +197,7 @@ def delay_and_errors():
 
 
 def priced_dense():
-    """A payload compressor's allgather priced against the allreduce (plan.exchange_path):
+    """A payload compressor's allgather priced against the allreduce (plan.py ExchangeGroup):
     sign on a link whose allgather the cost model finds slow sends every weight dense,
     trained as hvd_dgc's dense averaging (``density=1.0``) trains; a weight that turns
     dense after signed steps (the world or the link changed) sends what sign had kept in
