@@ -50,28 +50,38 @@ def keras_default(epochs=2):
             "current": [s["current_density"] for s in dgc.history]}
 
 
-def torch_clip_under_delay(steps=4, options=None):
+def torch_clip_under_delay(steps=4, settings=({},)):
     """Horovod's clipping recipe (``synchronize()``, clip, ``skip_synchronize()``) in a
-    script switched by one line; returns this rank's hvd_dgc warnings."""
+    script switched by one line, once for each of ``settings`` (hvd_dgc's options) in
+    this process, rank 0's once-only words forgotten between; returns this rank's
+    hvd_dgc warnings for each."""
     import warnings
     import torch
+    import hvd_dgc.say
     import hvd_dgc.torch as hvd
     hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 10))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), **options)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            with opt.skip_synchronize():
-                opt.step()
-    return {"rank": hvd.rank(),
-            "warnings": [str(w.message) for w in caught if "hvd_dgc" in str(w.message)]}
+    out = []
+    for i, options in enumerate(settings):
+        hvd_dgc.say._said.clear()  # (each setting as a script of its own would hear it)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, 10))
+        named = [(f"clip{i}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                       momentum=0.9),
+                                       named_parameters=named, **options)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                with opt.skip_synchronize():
+                    opt.step()
+            opt.flush()
+        out.append({"rank": hvd.rank(), "warnings": [
+            str(w.message) for w in caught if "hvd_dgc" in str(w.message)]})
+    return out
