@@ -288,7 +288,7 @@ def plan_take_over(planner, lagging):
     so Adam is exact and the few bytes a small tensor would have saved are spent);
     declined where no stage does (exact Adam throughout, every tensor dense), also where
     a compressor of its own collectives would send every large tensor dense
-    (``Planner.exchanged``, plan.py ``ExchangeGroup.dense``). The schedule's freeze as it is with ``delay`` or
+    (plan.py ``ExchangeGroup``). The schedule's freeze as it is with ``delay`` or
     ``period`` (``lagging``: they need the linear update from it), a compressor of its
     own collectives otherwise (no density stages), a callable schedule, or no tensor
     large enough to compress (``min_compress_size``: the script's choice)."""

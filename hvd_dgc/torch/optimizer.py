@@ -92,14 +92,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
          self._planner, self._delayed, self._watcher, self._wire, self._exchange,
          self._scheduler, self._profiler) = parts
         self._config = self._resolved.config
-        self._step = ExchangeStep(parts, process_set, grad_scaler, self._param_index)
+        self._exchange_step = ExchangeStep(parts, process_set, grad_scaler, self._param_index)
         if self._config.lagging:  # a script that ends without flush() leaves its last
             #                         steps in flight (at_exit.py)
             settle_at_exit(self, lambda opt: opt._delayed.abandon(opt._exchange))
         # Unlike Horovod, hooks are registered at np=1 too: the same maths at any size.
+        trainable = [p for p in every if p.requires_grad] if process_set.included() else []
         self._hooks = [p.register_post_accumulate_grad_hook(
-            lambda *_, p=p: self._step.ready(p)) for p in every if p.requires_grad] \
-            if process_set.included() else []
+            lambda *_, p=p: self._exchange_step.ready(p)) for p in trainable]
 
     def _announce(self):
         """Rank 0 only: what hvd_dgc does here in one line (the full plan with
@@ -117,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (end of training, before evaluation or a checkpoint). A flush between exchanges
         takes back this rank's own steps since the last one: its memory still holds
         them, and the next exchange sends them."""
-        self._step.synchronize(flush)
+        self._exchange_step.synchronize(flush)
 
     @contextmanager
     def skip_synchronize(self):
@@ -132,20 +132,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._should_synchronize and self._delayed.keeps_own:
             self._warn_changed_gradients()
         if self._should_synchronize:
-            if self._step.synchronized:
+            if self._exchange_step.synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-            self._step.synchronize(views=True)
-        self._step.synchronized = False
-        if self._step.skip:  # a non-finite average: every rank skips (guard.py)
-            self._step.skip = False
+            self._exchange_step.synchronize(views=True)
+        self._exchange_step.synchronized = False
+        if self._exchange_step.skip:  # a non-finite average: every rank skips (guard.py)
+            self._exchange_step.skip = False
             return None
-        sparse, views = self._step.taken()
+        sparse, views = self._exchange_step.taken()
         loss = self._takeover.step(super(self.__class__, self).step, closure, sparse, views)
-        if self._step.average_after:
+        if self._exchange_step.average_after:
             self._average_parameters()
         self._progress.step += 1
         if self._calls.due(self._progress.step):
@@ -218,7 +218,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _average_parameters(self):
         """Mathematically equal after a flush, the ranks' weights still differ in float
         rounding (each summed its corrections in its own order): average them once."""
-        self._step.average_after = False
+        self._exchange_step.average_after = False
         params = self._scheduler.params
         if params and self.process_set.size() > 1:
             average_in_place([p.data for p in params], "hvd_dgc.flush", self.process_set)
@@ -301,7 +301,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dgc_state = state_dict.pop(STATE_KEY, None)
         self._delayed.abandon(self._exchange)
         self._scheduler.clear()  # a step cut short (elastic reset) starts counting afresh
-        self._step.fresh()
+        self._exchange_step.fresh()
         self._exchange.memory.undo.commit()  # a step cut short has nothing to undo
         self._guard.reset()
         self._should_synchronize = True
