@@ -13,6 +13,7 @@ joins ``ExchangeSetUp``; PyTorch assembles its parts at wrap time: torch/parts.p
 """
 
 import os
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
