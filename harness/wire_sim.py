@@ -37,7 +37,8 @@ def planner_for(mode, tensors, world):
     """The PyTorch optimizer's planner for ``mode`` on ``world`` ranks of one host, the
     cost model's assumed link (1 Gbit/s, 50 us)."""
     from horovod.torch.mpi_ops import Adasum, Average, Sum
-    from hvd_dgc.config import DGCConfig, HorovodArguments
+    from hvd_dgc.config import DGCConfig
+    from hvd_dgc.resolve import HorovodArguments
     from hvd_dgc.costmodel import CostModel
     from hvd_dgc.plan import Planner
     from hvd_dgc.torch.optimizer import TORCH

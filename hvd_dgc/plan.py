@@ -114,7 +114,7 @@ class ExchangeGroup:
 class Planner:
     """Paths, buckets and the wrap-time words for one optimizer's tensors.
 
-    ``resolved``: ``hvd_dgc.config.Resolved``; ``tensors``: ``TensorInfo``s;
+    ``resolved``: ``hvd_dgc.resolve.Resolved``; ``tensors``: ``TensorInfo``s;
     ``world_size`` and ``local_size`` (ranks sharing this rank's host, where
     hierarchical DGC may run; 0 where it may not) change with an elastic reset
     (``replan``)."""

@@ -294,7 +294,7 @@ def priced_as_one_gbit():
     numbers replaced by a 1 Gbit/s link's (50 us a message), with 2 ns of DGC's work an
     element, so that the plans are the same however the machine measured (a world of
     one keeps no link)."""
-    import hvd_dgc.torch.optimizer as wrapper
+    import hvd_dgc.torch.parts as wrapper  # (where the wrapper measures the link)
     from hvd_dgc.localcost import LocalCost
     probe = wrapper.probe_link
 
