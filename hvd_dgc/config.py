@@ -201,46 +201,7 @@ class DGCConfig:
     def __post_init__(self):
         if self.warmup_densities is not None:
             object.__setattr__(self, "warmup_densities", tuple(self.warmup_densities))
-        if self.warmup_unit not in ("epoch", "step"):  # checked even where unused
-            raise ValueError(f"warmup unit must be 'epoch' or 'step', got "
-                             f"{self.warmup_unit!r}")
-        as_schedule(self.density, self.warmup, self.warmup_unit, self.warmup_densities)
-        _check_int("min_compress_size", self.min_compress_size, 0,
-                   "tensors with fewer elements go dense")
-        check_masking(self.momentum_masking)
-        if self.clip_norm is not None and (isinstance(self.clip_norm, bool) or not isinstance(
-                self.clip_norm, (int, float)) or not self.clip_norm > 0):
-            raise ValueError(f"clip_norm must be a number > 0 (or None to disable), got "
-                             f"{self.clip_norm!r}")
-        if self.cost_model is not None and self.cost_model != "measure" and \
-                not isinstance(self.cost_model, CostModel):
-            raise TypeError(f"cost_model must be a hvd_dgc.CostModel(alpha=..., "
-                            f"bandwidth=...) or 'measure' (the link timed at wrap time), "
-                            f"got {self.cost_model!r}")
-        as_link_watch(self.link_watch)
-        if self.timeline not in (None, True, False):
-            raise ValueError(f"timeline must be None (the default: the backward pass timed "
-                             f"and the step's timeline tried against the cost model's "
-                             f"sums, PyTorch) or False (the sums' plan throughout), got "
-                             f"{self.timeline!r}")
-        as_auto_delay(self.delay)
-        _check_int("period", self.period, 1,
-                   "exchange every period-th step; 1 = every step")
-        if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"skip_nonfinite must be True or False, got "
-                             f"{self.skip_nonfinite!r}")
-        if not isinstance(self.aggregation, str) or self.aggregation not in AGGREGATION_OPTIONS:
-            raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
-                             f"{self.aggregation!r}")
-        if self.fusion_threshold is not None:
-            _check_int("fusion_threshold", self.fusion_threshold, 0,
-                       "bytes; 0: each tensor leaves from its own hook")
-        _check_int("log_every", self.log_every, 0, "steps between statistics; 0: never")
-        if not isinstance(self.verbose, bool):
-            raise ValueError(f"verbose must be True (the full plan on rank 0) or False (one "
-                             f"short line), got {self.verbose!r}")
-        check_freeze_variance(self.freeze_variance)
-        check_refresh_variance(self.refresh_variance)
+        check_options(self)
 
     @classmethod
     def names(cls):
@@ -398,6 +359,50 @@ LAGGING_OPTIONS = frozenset({"delay", "period"})
 #: What runs in hvd_dgc.torch only so far, and what to pass instead elsewhere:
 #: (option, used(config), instead).
 _TORCH_ONLY = ()
+
+
+def check_options(config):
+    """Each option's value checked, the message naming the option and the fix."""
+    if config.warmup_unit not in ("epoch", "step"):  # checked even where unused
+        raise ValueError(f"warmup unit must be 'epoch' or 'step', got "
+                         f"{config.warmup_unit!r}")
+    as_schedule(config.density, config.warmup, config.warmup_unit, config.warmup_densities)
+    _check_int("min_compress_size", config.min_compress_size, 0,
+               "tensors with fewer elements go dense")
+    check_masking(config.momentum_masking)
+    if config.clip_norm is not None and (isinstance(config.clip_norm, bool) or not isinstance(
+            config.clip_norm, (int, float)) or not config.clip_norm > 0):
+        raise ValueError(f"clip_norm must be a number > 0 (or None to disable), got "
+                         f"{config.clip_norm!r}")
+    if config.cost_model is not None and config.cost_model != "measure" and \
+            not isinstance(config.cost_model, CostModel):
+        raise TypeError(f"cost_model must be a hvd_dgc.CostModel(alpha=..., "
+                        f"bandwidth=...) or 'measure' (the link timed at wrap time), "
+                        f"got {config.cost_model!r}")
+    as_link_watch(config.link_watch)
+    if config.timeline not in (None, True, False):
+        raise ValueError(f"timeline must be None (the default: the backward pass timed "
+                         f"and the step's timeline tried against the cost model's "
+                         f"sums, PyTorch) or False (the sums' plan throughout), got "
+                         f"{config.timeline!r}")
+    as_auto_delay(config.delay)
+    _check_int("period", config.period, 1,
+               "exchange every period-th step; 1 = every step")
+    if not isinstance(config.skip_nonfinite, bool):
+        raise ValueError(f"skip_nonfinite must be True or False, got "
+                         f"{config.skip_nonfinite!r}")
+    if not isinstance(config.aggregation, str) or config.aggregation not in AGGREGATION_OPTIONS:
+        raise ValueError(f"aggregation must be one of {sorted(AGGREGATION_OPTIONS)}, got "
+                         f"{config.aggregation!r}")
+    if config.fusion_threshold is not None:
+        _check_int("fusion_threshold", config.fusion_threshold, 0,
+                   "bytes; 0: each tensor leaves from its own hook")
+    _check_int("log_every", config.log_every, 0, "steps between statistics; 0: never")
+    if not isinstance(config.verbose, bool):
+        raise ValueError(f"verbose must be True (the full plan on rank 0) or False (one "
+                         f"short line), got {config.verbose!r}")
+    check_freeze_variance(config.freeze_variance)
+    check_refresh_variance(config.refresh_variance)
 
 
 def unsupported_message(config, framework):

@@ -241,3 +241,21 @@ def probe_link(collectives, peers=()):
     return measure_link(allreduce, agree, collectives.size, allgather=allgather,
                         alltoall=alltoall if len(peers) > 1 else None,
                         local_size=len(peers))
+
+
+def probe_world(collectives, peers, compressor, resolved, timing, device=None):
+    """``(LinkMeasurement, LocalCost or PayloadCost)`` of a process set, agreed by its
+    ranks (each calls this at the same point): the link (``probe_link``), then the
+    compressor's own work on this rank's ``device``, DGC's selection where it is sparse,
+    the encoding and decoding where it allgathers payloads. ``timing`` is the framework's
+    link module (torch/link.py, tensorflow/link.py: ``measure_local``,
+    ``measure_payload``); (None, None) for one rank."""
+    link = probe_link(collectives, peers)
+    if link is None:
+        return None, None
+    if resolved.sparse:
+        return link, timing.measure_local(compressor, collectives,
+                                          resolved.final_density() or 0.001, device)
+    if hasattr(compressor, "payload_bytes"):
+        return link, timing.measure_payload(compressor, collectives, device)
+    return link, None

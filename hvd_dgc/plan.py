@@ -29,6 +29,7 @@ from hvd_dgc.overlap import Timeline
 from hvd_dgc.paths import PathKind
 from hvd_dgc.prices import Prices
 from hvd_dgc.schedule import num_selected
+from hvd_dgc.seam import host_peers
 
 __all__ = ["Planner", "TensorInfo", "hierarchical_hosts", "stage_densities"]
 
@@ -67,6 +68,19 @@ def hierarchical_hosts(resolved, local_size, cross_size, global_set, elastic, un
         raise ValueError(f"aggregation='hierarchical': {problem}. Use aggregation='auto' "
                          f"(hierarchical where it applies) or 'flat'.")
     return problem is None
+
+
+def hierarchical_peers(resolved, collectives, horovod, elastic, unsupported=None):
+    """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
+    (``hierarchical_hosts``; ``horovod``: the framework's Horovod module, for its host
+    counts); else (). One allgather at wrap time, after the config check (every rank
+    of the process set gets here alike)."""
+    global_set = collectives.process_set.process_set_id == \
+        horovod.global_process_set.process_set_id
+    if not hierarchical_hosts(resolved, horovod.local_size(), horovod.cross_size(),
+                              global_set, elastic, unsupported):
+        return ()
+    return host_peers(collectives, horovod.cross_rank())
 
 
 class TensorInfo(NamedTuple):

@@ -432,7 +432,7 @@ def _planner(config, optimizer, kind, tensors, world, hosts, slots, link, local_
     except (TypeError, ValueError) as e:
         p.error(f"hvd_dgc's options with --optimizer {optimizer}: {e}")
     planner = Planner(resolved, tensors, world)
-    unsupported = None  # (as hvd_dgc/tensorflow/exchange.py's _host_peers says it)
+    unsupported = None  # (as hvd_dgc/tensorflow/parts.py says it at set-up)
     if kind == "keras" and resolved.freeze is not None:
         unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
     try:

@@ -43,6 +43,7 @@ from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, global_process_set
 
 from hvd_dgc.config import DGCConfig
 from hvd_dgc.resolve import Framework, HorovodArguments
+from hvd_dgc.linkprobe import probe_world
 from hvd_dgc.linkwatch import LinkWatch, as_link_watch, link_watch_idle
 from hvd_dgc.plan import stage_densities
 from hvd_dgc.plan_words import PlanWords
@@ -53,7 +54,9 @@ from hvd_dgc.tensorflow.compression import Compression, SparseCompressor
 from hvd_dgc.tensorflow.link import LinkWatchInFit
 from hvd_dgc.tensorflow.paths import Wire
 from hvd_dgc.tensorflow.plan_trial import DenseTrial
-from hvd_dgc.tensorflow.parts import ExchangeSetUp, probe
+from hvd_dgc.tensorflow.seam import HorovodCollectives
+from hvd_dgc.tensorflow import link as timing
+from hvd_dgc.tensorflow.parts import ExchangeSetUp
 from hvd_dgc.tensorflow.step import ExchangeStep
 
 __all__ = ["GradientExchange", "TENSORFLOW", "HOROVOD_OPS"]
@@ -174,7 +177,8 @@ class ExchangePlanChanges:
         return self._replanned(lambda: self.planner.relink(link))
 
     def _probed(self):
-        return probe(self.process_set, self.wire.peers, self.compression, self.resolved)
+        return probe_world(HorovodCollectives(self.process_set), self.wire.peers,
+                           self.compression, self.resolved, timing)
 
 
 class GradientExchange(ExchangeSetUp, ExchangePlanChanges, ExchangeStep, tf.Module):

@@ -17,11 +17,12 @@ from hvd_dgc.tensorflow.seam import HorovodCollectives
 __all__ = ["measure_local", "measure_payload", "LinkWatchInFit"]
 
 
-def measure_local(compressor, collectives, density):
+def measure_local(compressor, collectives, density, device=None):
     """The ``LocalCost`` of a sparse ``compressor`` (``select``, ``pack``,
     ``scatter_sum``), agreed over ``collectives`` (hvd_dgc/seam.py: the slowest rank's):
     its selection over a synthetic memory, and the records taken out of the memory,
-    packed and summed, each in a ``tf.function`` (traced first)."""
+    packed and summed, each in a ``tf.function`` (traced first). ``device``: PyTorch's
+    signature (TensorFlow places the ops itself)."""
     v = tf.Variable(tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0]),
                     trainable=False)
     # what the step's memory becomes once cleared where selected (write_at: a write of
@@ -64,10 +65,10 @@ def _fastest(fn, *args, times=3):
     return best
 
 
-def measure_payload(compressor, collectives):
+def measure_payload(compressor, collectives, device=None):
     """The agreed ``PayloadCost`` of a payload ``compressor`` (sign, QSGD, bf16:
     ``encode``, ``decode``): one payload of a synthetic memory encoded, and decoded, in a
-    ``tf.function`` as a step runs them."""
+    ``tf.function`` as a step runs them (``device``: as ``measure_local``)."""
     v = tf.random.stateless_normal([CALIBRATION_NUMEL], seed=[0, 0])
     payload = compressor.encode(v, tf.constant([0, 0]))
 

@@ -17,21 +17,17 @@ import os
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as _hvd
-from horovod.tensorflow.mpi_ops import global_process_set
 
 from hvd_dgc.consistency import check_consistent, optimizer_consistency
-from hvd_dgc.linkprobe import probe_link
 from hvd_dgc.linkwatch import link_watch_idle
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.paths import PathKind
 from hvd_dgc.fusion import fusion_threshold
-from hvd_dgc.plan import Planner, TensorInfo, hierarchical_hosts
+from hvd_dgc.plan import Planner, TensorInfo, hierarchical_peers
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once
-from hvd_dgc.seam import host_peers
 from hvd_dgc.tensorflow.delayed import DelayedAveraging, OwnStepsInCheckpoint
 from hvd_dgc.tensorflow.guard import NonFiniteGuard
-from hvd_dgc.tensorflow.link import measure_local, measure_payload
 from hvd_dgc.tensorflow.memory import DGCMemory
 from hvd_dgc.tensorflow.names import tensor_names
 from hvd_dgc.tensorflow.paths import ExchangePath, ExchangePaths, PathContext, host_slice
@@ -39,7 +35,7 @@ from hvd_dgc.tensorflow.seam import HorovodCollectives
 from hvd_dgc.tensorflow.statistics import Statistics
 from hvd_dgc.tensorflow.step import check_slices_allowed
 
-__all__ = ["ExchangeSetUp", "probe"]
+__all__ = ["ExchangeSetUp"]
 
 
 class ExchangeSetUp:
@@ -103,7 +99,10 @@ class ExchangeSetUp:
                              optimizer_consistency(self.planner, momentum=self.momentum,
                                                    nesterov=self.nesterov, op=repr(self.op)),
                              "hvd_dgc.tensorflow")
-        peers = self._host_peers()
+        unsupported = None if self.adam is None else \
+            "in TensorFlow it does not run with Adam's variance taken over yet"
+        peers = hierarchical_peers(self.resolved, HorovodCollectives(self.process_set), _hvd,
+                                   self.elastic, unsupported)
         if peers:  # several hosts of several ranks: hierarchical DGC may run
             self.wire = self.wire._replace(peers=peers)
             self.planner.replan(self.world_size(), local_size=len(peers))
@@ -173,22 +172,6 @@ class ExchangeSetUp:
             self.dga.keep_delay_in(self.auto_delay)
             if self._first_delay is not None:
                 self.dga.resume_delay(int(self._first_delay))  # rank 0's (elastic)
-
-    def _host_peers(self):
-        """The global ranks sharing this rank's host, sorted, where hierarchical DGC may
-        run (plan.py hierarchical_hosts says where; forced where it cannot, refused with
-        why); else (). One allgather at wrap time, after the config check (every rank
-        gets here alike). Not with Adam taken over in TensorFlow yet: its memory holds
-        the host's sum of a slice, which no rank's preconditioner scales."""
-        unsupported = None
-        if self.adam is not None:
-            unsupported = "in TensorFlow it does not run with Adam's variance taken over yet"
-        if not hierarchical_hosts(
-                self.resolved, _hvd.local_size(), _hvd.cross_size(),
-                self.process_set.process_set_id == global_process_set.process_set_id,
-                self.elastic, unsupported):
-            return ()
-        return host_peers(HorovodCollectives(self.process_set), _hvd.cross_rank())
 
     def _held(self):
         """Elements of each tensor this rank's memory holds: all of it, or on
@@ -260,18 +243,3 @@ def _every_step(r, name):
                f"every step (1-bit Adam). Pass sparse_as_dense=True for them.",
                UserWarning)
     return r.every_step()
-
-
-def probe(process_set, peers, compression, resolved):
-    """``(LinkMeasurement, LocalCost or PayloadCost)`` of this world, agreed by every
-    rank of the process set (each calls it at the same point): the link, and the
-    compressor's own work on this device, DGC's selection where it is sparse, the
-    encoding and decoding where it allgathers payloads (linkprobe.py, localcost.py)."""
-    collectives = HorovodCollectives(process_set)
-    link = probe_link(collectives, peers)
-    local = None
-    if link is not None and resolved.sparse:
-        local = measure_local(compression, collectives, resolved.final_density() or 0.001)
-    elif link is not None and hasattr(compression, "payload_bytes"):
-        local = measure_payload(compression, collectives)
-    return link, local

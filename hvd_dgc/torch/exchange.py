@@ -4,6 +4,9 @@ and back.
 The path of one gradient, as the optimizer runs it (optimizer.py says when):
 
     launch(params)                    the tensors leaving together (scheduler.py)
+      (nothing of DGC's pending)      all dense, residual zero, nothing for the memory to
+                                      apply: Horovod's allreduce of p.grad in place, and
+                                      no more (paths.py InPlacePath)
       grads -> g                      one copy into a flat buffer (the launch's layout)
       g /= loss scale                 GradScaler: the memory holds unscaled gradients
       clip (N^-1/2), weight decay     memory.prepare_gradients, per tensor, in one pass
@@ -26,6 +29,7 @@ is the only part that holds the memory; a path is handed its launch's block.
 """
 
 from collections import OrderedDict
+from functools import cached_property
 from itertools import groupby
 from typing import NamedTuple
 
@@ -36,13 +40,14 @@ from hvd_dgc.torch.compression import coalesce_in_order
 from hvd_dgc.torch.gpu_select import on_device
 from hvd_dgc.torch.memory import BLOCK, FlatMemory, Run, aligned_size, buffer_dtype, \
     prepare_gradients
-from hvd_dgc.torch.paths import CLASSES, Part, PathContext, make_paths
-from hvd_dgc.torch.update import FlatUpdate, GradUpdate, ViewUpdate
+from hvd_dgc.torch.paths import CLASSES, InPlacePath, Part, PathContext, make_paths
+from hvd_dgc.torch.update import FlatUpdate, GradUpdate, InPlaceUpdate, ViewUpdate
 
 __all__ = ["GradientExchange", "Launch", "Member", "StepCounters"]
 
-#: a model's launches (buckets, groups) times a few path assignments, with room to spare
-_LAYOUTS_KEPT = 64
+#: layouts kept a parameter: a model's launches (up to one a tensor, where each leaves
+#: from its own hook) times a few path assignments, with room to spare
+_LAYOUTS_KEPT = 3
 
 
 class Member(NamedTuple):
@@ -142,16 +147,8 @@ class Layout:
         # guard's look at a tensor the block maxima do not cover)
         self.reads_gradient = any(c.reads_gradient or (c.checked and not c.aligned)
                                   for c in self.classes)
-        self.g = torch.zeros(self.total, dtype=dtype, device=device)
-        self.update = torch.empty(self.total, dtype=dtype, device=device)
+        self.device, self.dtype, self.flat = device, dtype, flat
         self.written = None  # where a ViewUpdate wrote it last (None: anywhere)
-        self._update_span = (self.update.data_ptr(),
-                             self.update.data_ptr() + self.total * self.update.element_size())
-        self.g_views = [self.members[i].shaped(self.g[offsets[i]:offsets[i]
-                                                      + self.members[i].numel])
-                        for i in self.dense_grads]
-        self.update_views = [m.shaped(self.update[o:o + m.numel]) if f else None
-                             for o, m, f in zip(self.offsets, self.members, flat)]
         self.params = [m.param for m in self.members]
         if self.block is not None and self.block.aligned:  # in block maxima (guard.py)
             blocks = [(self.block.offsets[i] // BLOCK,
@@ -187,9 +184,34 @@ class Layout:
                 runs.append(Run(lo, hi, m.momentum, m.nesterov))
         return runs
 
+    # the flat buffers, made at first use (a launch that goes in place needs none)
+    @cached_property
+    def g(self):
+        """The launch's gradients, flat: what the memory update reads."""
+        return torch.zeros(self.total, dtype=self.dtype, device=self.device)
+
+    @cached_property
+    def update(self):
+        """The launch's average, flat (update.py FlatUpdate, ViewUpdate)."""
+        return torch.empty(self.total, dtype=self.dtype, device=self.device)
+
+    @cached_property
+    def g_views(self):
+        return [self.members[i].shaped(self.g[self.offsets[i]:self.offsets[i]
+                                              + self.members[i].numel])
+                for i in self.dense_grads]
+
+    @cached_property
+    def update_views(self):
+        return [m.shaped(self.update[o:o + m.numel]) if f else None
+                for o, m, f in zip(self.offsets, self.members, self.flat)]
+
     def views(self, tensor):
         """Does ``tensor`` lie in this layout's update buffer?"""
-        return self._update_span[0] <= tensor.data_ptr() < self._update_span[1]
+        if "update" not in self.__dict__:
+            return False
+        start = self.update.data_ptr()
+        return start <= tensor.data_ptr() < start + self.total * self.update.element_size()
 
     def range_of(self, index):
         """The flat range the consecutive members at ``index`` cover (in the memory
@@ -211,7 +233,6 @@ class Launch:
     def __init__(self, layout, name, at):
         self.layout, self.name = layout, name
         self.block = layout.block
-        self.g = layout.g
         self.step, self.density, self.rank = at.step, at.density, at.rank
         self.guarded = False   # this step may be undone: memory written beside the old
         self.ks = ()
@@ -221,10 +242,15 @@ class Launch:
         self.own = None        # flat: what this rank sent (delay, period)
         self.started = []      # [(path, part, handle)] in launch order
         self.local = not at.exchanging
+        self.in_place = False  # Horovod's allreduce of the gradients (paths.InPlacePath.takes)
 
     @property
     def params(self):
         return tuple(m.param for m in self.layout.members)
+
+    @property
+    def g(self):
+        return self.layout.g
 
 
 class StepPlace(NamedTuple):
@@ -255,9 +281,10 @@ class GradientExchange:
         self.world = world                # callable: the world size now
         self.memory = FlatMemory(self.config.momentum_masking)
         self.counters = StepCounters()
-        self.paths = make_paths(PathContext(wire, self.compressor, self.memory, stats,
-                                            self.config.momentum_masking,
-                                            resolved.dense_fp16, self.counters))
+        ctx = PathContext(wire, self.compressor, self.memory, stats,
+                          self.config.momentum_masking, resolved.dense_fp16, self.counters)
+        self.paths = make_paths(ctx)
+        self.in_place = InPlacePath(ctx)
         self.stats = stats
         self._layouts = OrderedDict()  # the latest layouts (and their buffers), kept
         self._viewing = {}  # param -> the layout whose update buffer its grad views
@@ -280,6 +307,11 @@ class GradientExchange:
         layout = self._layout(members, kinds, params[0])
         launch = Launch(layout, name + at.name_suffix, at)
         launch.ks = tuple(self.planner.k(m.info, at.density) for m in layout.members)
+        if self.in_place.takes(layout, at, self.config.clip_norm, self.guard.mode,
+                               self.scale):
+            self.in_place.start(launch)
+            self.stats.add_launches(1)
+            return launch
         if layout.sparse_grads:
             self._sparse_payloads(launch, at)
         block = layout.block
@@ -336,7 +368,7 @@ class GradientExchange:
             layout = Layout(members, kinds, self.memory, first.device,
                             buffer_dtype(first.dtype))
             self._layouts[key] = layout
-            while len(self._layouts) > _LAYOUTS_KEPT:  # a hyper-parameter schedule...
+            while len(self._layouts) > _LAYOUTS_KEPT * len(self.members) + 8:  # (a schedule)
                 self._layouts.popitem(last=False)
         else:
             self._layouts.move_to_end(key)
@@ -416,7 +448,9 @@ class GradientExchange:
         launch's buffer, which is zeroed only where it was written."""
         layout = launch.layout
         self._check_views(layout)
-        if views and launch.scale is None and ViewUpdate.fits(layout):
+        if launch.in_place:
+            out = InPlaceUpdate(layout, self.guard.mode == "skip")
+        elif views and launch.scale is None and ViewUpdate.fits(layout):
             out = ViewUpdate(layout)
         elif into_grads and launch.scale is None and GradUpdate.fits(layout):
             out = GradUpdate(layout)
@@ -445,7 +479,7 @@ class GradientExchange:
         """``p.grad`` of the launch's parameters from the update ``out`` (a GradUpdate
         wrote them already), in their dtype (times GradScaler's ``scale``, the space
         ``unscale_`` expects): one copy for all of them."""
-        if isinstance(out, GradUpdate):
+        if isinstance(out, (GradUpdate, InPlaceUpdate)):
             return
         layout, flat = launch.layout, out.buffer
         if isinstance(out, ViewUpdate):

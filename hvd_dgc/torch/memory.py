@@ -137,6 +137,10 @@ class MemoryBlock:
         self.previous = None    # (u, v) before a step that may be undone (snapshot)
         self.stale = []         # ranges of v that mean zero, not cleared yet (clear_later)
         self.previous_stale = []
+        # the tensors (indices) whose v reads zero: never written, or sent whole since
+        # (the dense path); nothing of DGC's is pending for them
+        self.zero = set(range(len(self.keys)))
+        self.previous_zero = set()
 
     def clear_later(self, sent, lo, hi):
         """``v[lo:hi]`` (``sent``) left this worker whole, in place (the dense path): it
@@ -148,6 +152,12 @@ class MemoryBlock:
             self.stale.append((lo, hi))
         else:  # (not this v's: cleared now)
             sent.zero_()
+        self.zeroed(lo, hi)
+
+    def zeroed(self, lo, hi):
+        """``v[lo:hi]`` reads zero now: the tensors it covers whole join ``zero``."""
+        self.zero.update(i for i, (a, n) in enumerate(zip(self.offsets, self.numels))
+                         if lo <= a and a + n <= hi)
 
     def settle(self):
         """Clears what ``clear_later`` left: before ``v`` is read other than by
@@ -198,6 +208,7 @@ class StepUndo:
             return
         block.previous = (block.u, block.v)
         block.previous_stale, block.stale = block.stale, []
+        block.previous_zero = set(block.zero)
         spare = self._spare.pop(id(block), None)
         if spare is None:
             spare = (None if block.u is None else torch.zeros_like(block.u),
@@ -214,6 +225,7 @@ class StepUndo:
             self._spare[id(block)] = (block.u, block.v)
             block.u, block.v = block.previous
             block.previous, block.stale, block.previous_stale = None, block.previous_stale, []
+            block.zero = block.previous_zero
         self._guarded = []
 
     def commit(self):
@@ -267,6 +279,7 @@ class FlatMemory:
 
     def _place(self, block, i, v, u):
         block.slice_of(block.v, i).copy_(v.reshape(-1))
+        block.zero.discard(i)
         if u is not None:
             block.slice_of(block.momentum_buffer(), i).copy_(u.reshape(-1))
 
@@ -288,6 +301,7 @@ class FlatMemory:
         where they lie instead of ``g`` (the kernel: ``g_i = (grad_i + decay_i * p_i) *
         scale_i``, no copy into a flat buffer first; see ``direct``)."""
         src_u, src_v = block.previous if block.previous is not None else (block.u, block.v)
+        block.zero.clear()  # (the dense path's send marks its tensors again)
         src_v = self._stale_source(block, src_v, sources is not None or _fused(g))
         if sources is not None:
             return self._accumulate_from(block, sources, runs, with_block_max, src_u, src_v)
@@ -421,6 +435,7 @@ class FlatMemory:
         """Every coordinate of ``[lo, hi)`` left this worker (dense path): clear ``v``,
         keep ``u``."""
         block.v[lo:hi].zero_()
+        block.zeroed(lo, hi)
 
     @staticmethod
     def give_back(block, positions, values):
@@ -428,6 +443,7 @@ class FlatMemory:
         but did not deliver (region reduce's owner keeps what it did not send on), so
         error feedback sends it later."""
         block.v.index_add_(0, positions, values.to(block.v.dtype))
+        block.zero.clear()
 
     # -- per tensor: checkpoints, tests --------------------------------------------------
     def residual(self, key):
@@ -437,6 +453,7 @@ class FlatMemory:
             saved = self._loaded.get(key)
             return None if saved is None else saved["v"]
         block.settle()
+        block.zero.discard(block.index[key])  # (a view: whoever has it may write it)
         return block.slice_of(block.v, block.index[key])
 
     def velocity(self, key):

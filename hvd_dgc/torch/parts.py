@@ -25,17 +25,16 @@ from typing import Any, NamedTuple
 
 import torch
 import horovod.torch as _hvd
-from horovod.torch.mpi_ops import Average, global_process_set
+from horovod.torch.mpi_ops import Average
 
 from hvd_dgc.consistency import check_consistent, optimizer_consistency
 from hvd_dgc.fusion import fusion_threshold
-from hvd_dgc.linkprobe import probe_link
+from hvd_dgc.linkprobe import probe_world
 from hvd_dgc.linkwatch import LinkWatcher, as_link_watch, link_watch_idle
-from hvd_dgc.plan import Planner, hierarchical_hosts
+from hvd_dgc.plan import Planner, hierarchical_peers
 from hvd_dgc.plan_words import PlanWords
 from hvd_dgc.say import rank0_once
 from hvd_dgc.script_calls import ScriptCalls
-from hvd_dgc.seam import host_peers
 from hvd_dgc.stats import REFRESH
 from hvd_dgc.torch.adam import AdamTakeOver
 from hvd_dgc.torch.at_exit import settle_at_exit
@@ -43,7 +42,7 @@ from hvd_dgc.torch.compression import on_accelerator
 from hvd_dgc.torch.delayed import DelayedAveraging
 from hvd_dgc.torch.exchange import GradientExchange, Member, memory_order
 from hvd_dgc.torch.guard import NonFiniteGuard
-from hvd_dgc.torch.link import measure_local, measure_payload
+from hvd_dgc.torch import link as timing
 from hvd_dgc.torch.paths import CLASSES, Wire
 from hvd_dgc.torch.plan_trial import BackwardProfiler
 from hvd_dgc.torch.scheduler import LaunchScheduler
@@ -156,7 +155,8 @@ def _agree(w, planner, takeover, trainable):
             gradient_predivide_factor=w.gradient_predivide_factor,
             fusion_threshold=fusion_threshold(w.resolved.config.fusion_threshold)),
             "DistributedOptimizer")
-    peers = _host_peers(planner, collectives)
+    peers = hierarchical_peers(planner.resolved, collectives, _hvd,
+                               os.environ.get("HOROVOD_ELASTIC") == "1")
     planner.replan(w.process_set.size(), local_size=len(peers))
     if not elastic:
         measure(planner, collectives, trainable, peers)
@@ -172,15 +172,9 @@ def measure(planner, collectives, trainable, peers=()):
     (the wrapper; elastic: each sync)."""
     if not planner.measure:
         return
-    resolved = planner.resolved
-    link = probe_link(collectives, peers)
-    local = None
     device = trainable[0].device if trainable else "cpu"
-    if link is not None and resolved.sparse:  # DGC's own work, this device
-        local = measure_local(resolved.compressor, collectives,
-                              resolved.final_density() or 0.001, device)
-    elif link is not None and hasattr(resolved.compressor, "payload_bytes"):
-        local = measure_payload(resolved.compressor, collectives, device)
+    link, local = probe_world(collectives, peers, planner.resolved.compressor,
+                              planner.resolved, timing, device)
     planner.measured(link, local)
 
 
@@ -223,18 +217,6 @@ def _backward_profiler(resolved, planner, process_set, scheduler, takeover):
         {kind for kind in planner.flat if CLASSES[kind].batched}
     return BackwardProfiler(planner, process_set, [t.key for t in planner.tensors], at_end,
                             not_before=getattr(takeover, "freeze", 0))
-
-
-def _host_peers(planner, collectives):
-    """The global ranks sharing this rank's host, sorted, where hierarchical DGC may run
-    (plan.py hierarchical_hosts says where); else (). One allgather at wrap time, after
-    the config check (every rank gets here alike)."""
-    if not hierarchical_hosts(
-            planner.resolved, _hvd.local_size(), _hvd.cross_size(),
-            collectives.process_set.process_set_id == global_process_set.process_set_id,
-            os.environ.get("HOROVOD_ELASTIC") == "1"):
-        return ()
-    return host_peers(collectives, _hvd.cross_rank())
 
 
 def average_in_place(tensors, name, process_set):

@@ -43,7 +43,7 @@ from hvd_dgc.torch.positions import decode_records, decode_values, encode_record
     encode_values, gather_dtype, sorted_on_host, tensor_of
 from hvd_dgc.torch.region import MAX_ELEMENTS, RegionReduce
 
-__all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES"]
+__all__ = ["Part", "Wire", "PathContext", "make_paths", "CLASSES", "InPlacePath"]
 
 
 class Gathered(NamedTuple):
@@ -214,6 +214,56 @@ class DensePath(_Path):
         out.assign(part.lo, part.hi, _hvd.synchronize(handle))
         if sent_in_place is not None:  # the memory's v went: zero once read (lazily)
             part.launch.block.clear_later(sent_in_place, part.lo, part.hi)
+
+
+class InPlacePath(DensePath):
+    """The dense path where nothing of DGC's is pending for its tensors (``takes``):
+    Horovod's own grouped allreduce of the gradients, in place, as stock Horovod sends
+    them: no pass over the memory, no copy."""
+
+    def takes(self, layout, at, clip_norm, guard_mode, scale):
+        """Can the launch go this way? Every tensor dense this step with its residual
+        zero (``MemoryBlock.zero``), nothing for the memory to apply (no momentum,
+        weight decay or ``scale`` of its own, no clipping, no loss scale, fp32 on the
+        wire), a synchronous exchange (``at``: exchange.StepPlace), and each gradient a
+        dense contiguous tensor in the buffer's dtype."""
+        block = layout.block
+        if block is None or not at.exchanging or at.keeps_own or at.scale is not None or \
+                clip_norm is not None or self.ctx.dense_fp16 or guard_mode == "drop" or \
+                layout.sparse_grads or len(block.zero) < len(layout.members) or \
+                any(k != PathKind.DENSE for k in layout.kinds):
+            return False
+        for m in layout.members:
+            g = m.param.grad
+            if m.momentum or m.weight_decay or scale(m.param) is not None or g is None or \
+                    g.is_sparse or g.dtype != block.dtype or not g.is_contiguous():
+                return False
+        return True
+
+    def start(self, launch):
+        """The launch's tensors leave (``takes`` said they can), as one part."""
+        layout = launch.layout
+        launch.in_place = True
+        part = Part(self.kind, launch, layout.members, tuple(range(len(layout.members))),
+                    0, layout.total, launch.ks)
+        launch.started.append((self, part, self.launch(part)))
+
+    def launch(self, part):
+        ctx, launch = self.ctx, part.launch
+        grads = [m.param.grad for m in part.members]
+        for m, g in zip(part.members, grads):
+            ctx.stats.record(m.name, self.kind, m.numel, m.numel,
+                             m.numel * g.element_size(), launch.density)
+        w = ctx.wire
+        pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
+        return _hvd.grouped_allreduce_async_(
+            grads, name=launch.name + ".grads", op=w.op, prescale_factor=pre,
+            postscale_factor=post, process_set=w.process_set), grads
+
+    def collect(self, handle, out):
+        handle, grads = handle
+        _hvd.synchronize(handle)
+        out.arrived(grads)
 
 
 class _Picked(NamedTuple):

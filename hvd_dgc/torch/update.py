@@ -32,7 +32,8 @@ import torch
 from hvd_dgc.torch.compression import add_in_order
 from hvd_dgc.torch.memory import fused_kernel_available
 
-__all__ = ["FlatUpdate", "GradUpdate", "ViewUpdate", "SCATTERED", "step_at_records"]
+__all__ = ["FlatUpdate", "GradUpdate", "InPlaceUpdate", "ViewUpdate", "SCATTERED",
+           "step_at_records"]
 
 #: positions per element beyond which a pass over the buffer (a memset, a dense step)
 #: costs less than touching the positions one by one (measured on ResNet-50's shapes,
@@ -56,7 +57,7 @@ class _Update:
     def check(self):
         """The sum of everything written (non-finite iff something written was)."""
         if not self._sums:
-            return torch.zeros((), device=self.layout.g.device)
+            return torch.zeros((), device=self.layout.device)
         return torch.stack(self._sums).sum() if len(self._sums) > 1 else self._sums[0]
 
 
@@ -134,8 +135,8 @@ class ViewUpdate(_Update):
     def fits(layout):
         """Every gradient dense, in the buffer's dtype, on its device (its view can be
         the gradient)."""
-        return all((p := layout.members[i].param).dtype == layout.update.dtype and
-                   p.device == layout.update.device and
+        return all((p := layout.members[i].param).dtype == layout.dtype and
+                   p.device == layout.device and
                    (p.grad is None or not p.grad.is_sparse) for i in layout.dense_grads)
 
     def zero(self, lo, hi):
@@ -215,6 +216,26 @@ class GradUpdate(_Update):
         else:
             pieces = values.split(sizes)
         torch._foreach_copy_([self.grads[j].view(-1) for j in within], list(pieces))
+
+
+class InPlaceUpdate(_Update):
+    """The average already in the gradients (paths.py ``InPlacePath``: Horovod's
+    allreduce ran on them in place); only the guard's sums are taken, where it looks."""
+
+    def __init__(self, layout, checked):
+        super().__init__(layout)
+        self.checked = checked
+
+    def arrived(self, grads):
+        if not self.checked:
+            return
+        if fused_kernel_available() and all(
+                g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu"
+                for g in grads):
+            self._sums.append(torch.ops.hvd_dgc.finite_flag(grads))  # 0, or NaN
+        else:
+            for g in grads:
+                self._checked(g)
 
 
 def step_at_records(updates, alphas):

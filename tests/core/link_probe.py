@@ -294,20 +294,21 @@ def priced_as_one_gbit():
     numbers replaced by a 1 Gbit/s link's (50 us a message), with 2 ns of DGC's work an
     element, so that the plans are the same however the machine measured (a world of
     one keeps no link)."""
-    import hvd_dgc.torch.parts as wrapper  # (where the wrapper measures the link)
+    import hvd_dgc.linkprobe as probing  # (probe_world: where every wrapper measures)
+    import hvd_dgc.torch.link as timing
     from hvd_dgc.localcost import LocalCost
-    probe = wrapper.probe_link
+    probe = probing.probe_link
 
     def one_gbit(collectives, peers=()):
         link = probe(collectives, peers)
         return link and link._replace(alpha=50e-6, bandwidth=1.25e8, gather_bandwidth=None)
-    saved = wrapper.probe_link, wrapper.measure_local
-    wrapper.probe_link = one_gbit
-    wrapper.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
+    saved = probing.probe_link, timing.measure_local
+    probing.probe_link = one_gbit
+    timing.measure_local = lambda *_: LocalCost(2e-9, 0.0, 0.0)
     try:
         yield
     finally:
-        wrapper.probe_link, wrapper.measure_local = saved
+        probing.probe_link, timing.measure_local = saved
 
 
 def _overlap(kind):

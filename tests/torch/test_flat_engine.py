@@ -35,6 +35,16 @@ def test_dense_averaging_launches_per_tensor_at_a_fixed_cost_each(counts):
     assert ours - stock <= 64 * per_launch, counts
 
 
+def test_where_nothing_is_compressed_a_step_is_stock_horovods(counts):
+    """Plain SGD, every tensor dense, nothing of DGC's pending: the gradients go as stock
+    Horovod sends them (paths.py ``InPlacePath.takes``): per launch one operation more than
+    stock's (the guard's look at the averages), no pass over the memory, no copy."""
+    stock = counts["plain_stock"]["many"] - counts["plain_stock"]["few"]
+    ours = counts["plain_dense"]["many"] - counts["plain_dense"]["few"]
+    assert ours - stock <= 64 * (1 if fused_kernel_available() else 2), counts
+    assert counts["plain_dense"]["few"] - counts["plain_stock"]["few"] <= 16 * 2 + 4, counts
+
+
 def test_resnet50_step_is_within_100_operations_of_stock(counts):
     res = counts["resnet50"]
     assert res["dgc"] - res["stock"] <= 100, res

@@ -14,7 +14,7 @@ from tests.device import kind as device_kind
 GLOO_SCENARIOS = ["dense_equivalence", "dense_fp16", "sparse_consistency", "backward_passes", "grouping",
                   "adam", "amp_pattern", "state_roundtrip", "bad_inputs", "inconsistent_config", "log_every",
                   "horovod_patterns", "sparse_embeddings", "fp16_outlier", "sparse_step",
-                  "fp16_records", "fp8_records"]
+                  "fp16_records", "fp8_records", "in_place"]
 
 
 def _checked(results, name):
@@ -94,6 +94,23 @@ def _assert_sparse_consistency(per_rank):
 
 def test_density_one_reproduces_horovod_momentum_sgd(gloo):
     _assert_dense_equivalence(_checked(gloo, "dense_equivalence"))
+
+
+def test_plain_sgd_all_dense_is_stock_horovod_bit_for_bit(gloo):
+    """Nothing of DGC's pending: the gradients go as stock Horovod sends them
+    (paths.py ``InPlacePath.takes``), and the guard still skips a NaN step on every rank."""
+    for out in _checked(gloo, "in_place"):
+        assert out["moved"] > 1e-2
+        assert out["max_diff"] == 0.0
+        assert out["nan_step_unchanged"] and out["nonfinite_steps"] == 1
+        assert out["identical"]
+
+
+def test_residuals_from_a_checkpoint_leave_through_the_memory_before_in_place(gloo):
+    for out in _checked(gloo, "in_place"):
+        assert out["saved_residual"] > 1e-3, "no residual saved: the test proves nothing"
+        assert out["checkpoint_same"]
+        assert out["in_place_residual"] == 0.0 and out["memory_residual"] == 0.0
 
 
 def test_sparse_ranks_bit_identical_and_threshold_in_window(gloo):

@@ -527,6 +527,49 @@ def test_a_v_sent_whole_in_place_reads_as_zeros_bit_for_bit(momentum, nesterov, 
     assert read_zeros == (3 if guarded else 4)
 
 
+def test_the_memory_knows_which_tensors_have_nothing_pending():
+    """``MemoryBlock.zero``: the tensors whose residual reads zero, which may leave as
+    stock Horovod sends them (paths.py InPlacePath). A fresh block's are; an update
+    writes them all; a dense send marks the tensors it covers whole; a skipped step
+    puts back what was; what an aggregation gives back, a tensor moved in with its
+    residual, or a residual handed out (a view: it may be written) is pending."""
+    from hvd_dgc.torch import memory as M
+    mem = M.FlatMemory()
+    block = mem.block(("a", "b", "c"), (40, 30, 20))
+    assert block.zero == {0, 1, 2}
+    runs = [M.Run(0, block.total, 0.0, False)]
+    mem.accumulate(block, torch.randn(block.total), runs)
+    assert block.zero == set()
+    block.clear_later(block.v[0:70], 0, 70)  # a and b sent whole, c kept
+    assert block.zero == {0, 1}
+    M.FlatMemory.sent_range(block, 70, 90)
+    assert block.zero == {0, 1, 2}
+    mem.undo.snapshot(block)
+    mem.accumulate(block, torch.randn(block.total), runs)
+    mem.undo.rollback()
+    assert block.zero == {0, 1, 2}
+    M.FlatMemory.give_back(block, torch.tensor([3]), torch.tensor([0.5]))
+    assert block.zero == set()
+    block.clear_later(block.v[0:block.total], 0, block.total)
+    mem.residual("b")
+    assert block.zero == {0, 2}
+    moved = mem.block(("c", "b"), (20, 30))
+    assert moved.zero == set() and mem.block(("d",), (5,)).zero == {0}
+
+
+def test_finite_flag_is_nan_exactly_where_a_value_is_not_finite():
+    """The guard's look at averages written in place (update.py InPlaceUpdate): 0 or
+    NaN, never a false alarm from a sum that overflows."""
+    import hvd_dgc.torch.memory  # noqa: F401  (loads the kernel library)
+    big = [torch.full((1000,), 3e38), torch.full((77,), -3e38), torch.zeros(5)]
+    assert float(torch.ops.hvd_dgc.finite_flag(big)) == 0.0
+    assert not torch.isfinite(sum(t.sum() for t in big))  # where a plain sum overflows
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        tensors = [t.clone() for t in big]
+        tensors[1][13] = bad
+        assert torch.isnan(torch.ops.hvd_dgc.finite_flag(tensors))
+
+
 def test_blocks_move_tensors_between_them_and_checkpoints_stay_per_tensor():
     """A tensor's u and v follow it into a new block (its launch's layout changed), and
     the checkpoint format is one entry per tensor whatever the blocks."""

@@ -129,6 +129,71 @@ def dense_equivalence():
     return out
 
 
+def in_place():
+    """Where nothing of DGC's is pending (plain SGD, every tensor dense, residual zero) the
+    gradients go as stock Horovod sends them (paths.py ``InPlacePath.takes``): the weights
+    equal Horovod's bit for bit; a NaN on one rank is still skipped on every rank; and
+    from a checkpoint holding residuals, the steps equal those of the memory's own path
+    (the residual leaves once through the memory, then the gradients go in place)."""
+    from hvd_dgc.torch.paths import InPlacePath
+    rank, out = hvd.rank(), {}
+    ref, ours = mlp(4), mlp(4)
+    opt_ref = hvd_stock.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.05),
+                                             named_parameters=ref.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05),
+                                   named_parameters=[("inplace." + n, p) for n, p in
+                                                     ours.named_parameters()], density=1.0)
+    for step in range(8):
+        step_all(((ref, opt_ref), (ours, opt)), step, rank)
+    out["max_diff"] = max_diff(ref, ours)
+    out["moved"] = float((flat_params(ref) - flat_params(mlp(4))).abs().max())
+    before = flat_params(ours).clone()
+    opt.zero_grad()
+    loss = loss_of(ours, 8, rank)
+    (loss * float("nan") if rank == 1 else loss).backward()
+    opt.step()
+    out["nan_step_unchanged"] = bool(torch.equal(flat_params(ours), before))
+    out["nonfinite_steps"] = opt.compression_stats()["nonfinite_steps"]
+    out["identical"] = ranks_identical(ours, "inplace.identical")
+
+    # residuals in a checkpoint: the first step sends them through the memory
+    src = mlp(5)
+    opt_src = hvd.DistributedOptimizer(torch.optim.SGD(src.parameters(), lr=0.05),
+                                       named_parameters=[("res." + n, p) for n, p in
+                                                         src.named_parameters()],
+                                       density=0.01, warmup=0)
+    train(src, opt_src, 3, rank)
+    saved = opt_src.state_dict()
+    out["saved_residual"] = sum(float(s["v"].abs().sum())
+                                for s in opt_src.dgc_memory().values())
+    trails = {}
+    for tag in ("in_place", "memory"):
+        model = mlp(5)
+        model.load_state_dict(src.state_dict())
+        opt_b = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                         named_parameters=[("res." + n, p) for n, p in
+                                                           model.named_parameters()],
+                                         density=1.0)
+        opt_b.load_state_dict(saved)
+        used = InPlacePath.takes
+        if tag == "memory":
+            InPlacePath.takes = lambda self, *_: False
+        try:
+            trails[tag] = []
+            for step in range(3, 7):
+                opt_b.zero_grad()
+                loss_of(model, step, rank).backward()
+                opt_b.step()
+                trails[tag].append(flat_params(model).clone())
+        finally:
+            InPlacePath.takes = used
+        out[tag + "_residual"] = sum(float(s["v"].abs().sum())
+                                     for s in opt_b.dgc_memory().values())
+    out["checkpoint_same"] = all(torch.equal(a, b) for a, b in
+                                 zip(trails["in_place"], trails["memory"]))
+    return out
+
+
 def dense_fp16():
     """dense_compression=fp16: half the bytes, ranks identical, and fp16's rounding error
     kept as residual, so the trajectory tracks fp32 closer than Horovod's fp16 does."""

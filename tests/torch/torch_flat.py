@@ -56,6 +56,13 @@ def counts():
                       ("dgc_clip_decay", dgc(density=0.01, warmup=0, clip_norm=1.0)),
                       ("dense", dgc(density=1.0))):
         out[tag] = {"few": _ops(few, make), "many": _ops(many, make)}
+    def plain(named):  # Horovod's synthetic benchmark's optimizer: SGD, no momentum
+        return torch.optim.SGD([p for _, p in named], lr=0.01)
+    out["plain_stock"] = {size: _ops(shapes, lambda named: hvd_stock.DistributedOptimizer(
+        plain(named), named_parameters=named)) for size, shapes in (("few", few), ("many", many))}
+    out["plain_dense"] = {size: _ops(shapes, lambda named: hvd.DistributedOptimizer(
+        plain(named), named_parameters=named, density=1.0))
+        for size, shapes in (("few", few), ("many", many))}
     shapes = [s for _, s in resnet50_shapes()]
     out["resnet50"] = {"stock": _ops(shapes, stock, steps=1),
                        "dgc": _ops(shapes, dgc(density=0.001, warmup=0), steps=1)}

@@ -784,6 +784,28 @@ at::Tensor decode_positions(const at::Tensor& blobs, int64_t n, int64_t k, int64
   return out;
 }
 
+// 0 where every value of ``tensors`` is finite, else NaN: x * 0 is 0 for a finite x and
+// NaN for an infinite or NaN one, so the sum cannot overflow as a plain sum can. The
+// guard's look at averages Horovod wrote into the gradients in place (update.py
+// InPlaceUpdate): one pass and one dispatch for all of them, no parallel region (on a
+// busy CPU each of torch's per-tensor sums waits for its thread pool to wake).
+HVD_DGC_CLONES float nonfinite_in(const float* x, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += x[j] * 0.f;
+  return acc;
+}
+
+at::Tensor finite_flag(at::TensorList tensors) {
+  float acc = 0.f;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                "hvd_dgc.finite_flag: contiguous float32 CPU tensors only");
+    acc += nonfinite_in(t.data_ptr<float>(), t.numel());
+  }
+  return at::scalar_tensor(acc, at::kFloat);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hvd_dgc, lib) {
@@ -806,6 +828,7 @@ TORCH_LIBRARY(hvd_dgc, lib) {
   lib.def("encode_positions(Tensor positions, int n, int low, bool bitmap, int nbytes) "
           "-> Tensor");
   lib.def("decode_positions(Tensor blobs, int n, int k, int low, bool bitmap) -> Tensor");
+  lib.def("finite_flag(Tensor[] tensors) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
@@ -818,6 +841,7 @@ TORCH_LIBRARY_IMPL(hvd_dgc, CPU, lib) {
   lib.impl("accumulate_from", &accumulate_from);
   lib.impl("encode_positions", &encode_positions);
   lib.impl("decode_positions", &decode_positions);
+  lib.impl("finite_flag", &finite_flag);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
