@@ -508,19 +508,6 @@ class GradientExchange:
         if targets:
             torch._foreach_copy_(targets, sources)
 
-    @staticmethod
-    def write_sparse(sparse, scale=None):
-        """Sparse gradients' averages as the parameters' gradients; returns the
-        parameters (the base optimizer steps them on their own: no memory applied their
-        momentum)."""
-        params = set()
-        for m, avg in sparse:
-            if scale is not None:
-                avg = avg * scale
-            m.param.grad = avg.to(m.param.dtype)
-            params.add(m.param)
-        return params
-
     def own_views(self, launch):
         """``{param: flat view}`` of what this rank sent in ``launch`` (delay, period)."""
         layout = launch.layout

@@ -22,7 +22,7 @@ import horovod.torch as _hvd
 from hvd_dgc.fp16wire import clip_warning
 from hvd_dgc.linkwatch import relinked_words
 from hvd_dgc.torch.exchange import StepPlace
-from hvd_dgc.torch.update import ViewUpdate
+from hvd_dgc.torch.update import ViewUpdate, write_sparse
 
 __all__ = ["ExchangeStep"]
 
@@ -164,7 +164,7 @@ class ExchangeStep:
                     (layout.members[i].name, layout.members[i].param.grad)
                     for i in layout.dense_grads] + named))
             exchange.write(launch, out, launch.scale)
-            self.sparse_grads |= exchange.write_sparse(sparse, launch.scale)
+            self.sparse_grads |= write_sparse(sparse, launch.scale)
         if guarded:
             self.skip = guard.settle(exchange.memory, guard.nonfinite(sums),
                                      self.parts.progress.step)

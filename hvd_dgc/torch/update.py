@@ -33,7 +33,7 @@ from hvd_dgc.torch.compression import add_in_order
 from hvd_dgc.torch.memory import fused_kernel_available
 
 __all__ = ["FlatUpdate", "GradUpdate", "InPlaceUpdate", "ViewUpdate", "SCATTERED",
-           "step_at_records"]
+           "step_at_records", "write_sparse"]
 
 #: positions per element beyond which a pass over the buffer (a memset, a dense step)
 #: costs less than touching the positions one by one (measured on ResNet-50's shapes,
@@ -236,6 +236,19 @@ class InPlaceUpdate(_Update):
         else:
             for g in grads:
                 self._checked(g)
+
+
+def write_sparse(sparse, scale=None):
+    """Sparse gradients' averages (``[(member, sparse tensor)]``, a path's ``collect``) as
+    the parameters' gradients (times GradScaler's ``scale``); returns the parameters
+    (the base optimizer steps them on their own: no memory applied their momentum)."""
+    params = set()
+    for m, avg in sparse:
+        if scale is not None:
+            avg = avg * scale
+        m.param.grad = avg.to(m.param.dtype)
+        params.add(m.param)
+    return params
 
 
 def step_at_records(updates, alphas):
