@@ -19,6 +19,8 @@ where it was last written, and the gradients become its views: a sparse average 
 its records, not a pass over the model to zero the gradients first, and a step linear
 in the average (SGD's, frozen Adam's) can run where it is not zero only
 (``step_at_records``).
+``InPlaceUpdate``: the average is in the gradients already (paths.py ``InPlacePath``:
+Horovod's allreduce ran on them in place); nothing is written, the guard looks.
 
 Each keeps ``check``: the sum of every value written, a device scalar whose finiteness
 is what the non-finite guard reads (guard.py: one read-back per step, and no pass over
