@@ -129,6 +129,10 @@ def powersgd_vs_torch():
                                            data_rank=hvd.rank(), dev=device())
                 for r in (1, 4)}
     finally:
+        # both ranks done with torch's own gloo group before either tears it down (an
+        # abort once seen at this launch's exit, "Resource deadlock avoided", was not
+        # reproduced; a destroy racing the peer's last work is one way to get it)
+        dist.barrier()
         dist.destroy_process_group()
 
 
