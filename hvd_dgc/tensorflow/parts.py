@@ -99,6 +99,8 @@ class ExchangeSetUp:
                              optimizer_consistency(self.planner, momentum=self.momentum,
                                                    nesterov=self.nesterov, op=repr(self.op)),
                              "hvd_dgc.tensorflow")
+        # not with Adam taken over in TensorFlow yet: its memory would hold the host's
+        # sum of a slice, which no rank's preconditioner scales
         unsupported = None if self.adam is None else \
             "in TensorFlow it does not run with Adam's variance taken over yet"
         peers = hierarchical_peers(self.resolved, HorovodCollectives(self.process_set), _hvd,

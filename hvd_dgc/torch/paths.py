@@ -83,6 +83,11 @@ class Wire(NamedTuple):
         """Factor after the sum: the average (op=Average) of what was sent."""
         return self.predivide / self.world() if self.op == Average else 1.0
 
+    def allreduce_factors(self):
+        """``(prescale_factor, postscale_factor)`` of a dense allreduce under ``op``: the
+        gradient predivide and its inverse (op=Average divides by the world itself)."""
+        return (self.pre(), self.predivide) if self.op == Average else (1.0, 1.0)
+
     def fp16_bound(self):
         """What one rank may put on a dense fp16 allreduce (hvd_dgc/fp16wire.py)."""
         return fp16_bound(self.world(), self.pre())
@@ -203,7 +208,7 @@ class DensePath(_Path):
     def launch(self, part):
         payload = self.take(part, in_place=True)
         w = self.ctx.wire
-        pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
+        pre, post = w.allreduce_factors()
         sent_in_place = payload if self.sends_v(part) else None
         return _hvd.allreduce_async_(payload, name=part.launch.name + ".dense", op=w.op,
                                      prescale_factor=pre, postscale_factor=post,
@@ -216,10 +221,12 @@ class DensePath(_Path):
             part.launch.block.clear_later(sent_in_place, part.lo, part.hi)
 
 
-class InPlacePath(DensePath):
+class InPlacePath(_Path):
     """The dense path where nothing of DGC's is pending for its tensors (``takes``):
     Horovod's own grouped allreduce of the gradients, in place, as stock Horovod sends
     them: no pass over the memory, no copy."""
+
+    kind = PathKind.DENSE
 
     def takes(self, layout, at, clip_norm, guard_mode, scale):
         """Can the launch go this way? Every tensor dense this step with its residual
@@ -255,7 +262,7 @@ class InPlacePath(DensePath):
             ctx.stats.record(m.name, self.kind, m.numel, m.numel,
                              m.numel * g.element_size(), launch.density)
         w = ctx.wire
-        pre, post = (w.pre(), w.predivide) if w.op == Average else (1.0, 1.0)
+        pre, post = w.allreduce_factors()
         return _hvd.grouped_allreduce_async_(
             grads, name=launch.name + ".grads", op=w.op, prescale_factor=pre,
             postscale_factor=post, process_set=w.process_set), grads
