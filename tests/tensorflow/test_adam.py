@@ -12,13 +12,13 @@ from tests.torch.test_optimizer import _checked
 # tests/tensorflow/tf_adam.py's bodies, run by tf_dgc's suite ("module.name"): the take-over
 # itself (the reference at density one), fit, a checkpoint and the refusals on both Keras
 # versions; the exchange's features from the freeze on (delay, refresh, sign, the dense
-# decline), whose Keras-specific part is that take-over, on one version each, which keeps
-# each launch well inside its limit on a slow CI machine
+# decline, its own steps at a checkpoint), whose Keras-specific part is that take-over,
+# on one version each, which keeps each launch well inside its limit on a slow CI machine
 SCENARIOS = ["tf_adam.reference_equivalence", "tf_adam.fit_digits", "tf_adam.checkpoint",
-             "tf_adam.checkpoint_between_exchanges", "tf_adam.refusals",
-             "tf_adam.taken_back_at_their_size"]
+             "tf_adam.refusals", "tf_adam.taken_back_at_their_size"]
 ONE_VERSION = {"keras2": ["tf_adam.refresh_reference", "tf_adam.sign_reference"],
-               "keras3": ["tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link",
+               "keras3": ["tf_adam.checkpoint_between_exchanges",
+                          "tf_adam.delay_reference", "tf_adam.declined_on_a_fast_link",
                           "tf_adam.zero_one_fit", "tf_adam.zero_one_embedding"]}
 
 
@@ -238,14 +238,15 @@ def test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum(results)
             assert out["without_memory"]["max_diff"] > 1e-5, out
 
 
-def test_keras_checkpoint_between_exchanges_carries_the_own_steps(results):
+def test_keras_checkpoint_between_exchanges_carries_the_own_steps(keras3):
     """0/1 Adam's own steps in flight at a checkpoint (hvd_dgc/tensorflow/delayed.py
     OwnStepsInCheckpoint): the restored run equals the uninterrupted one to rounding (the
     checkpoint holds their sum at the last one's step size; Adam's bias correction moves
     every step here); without them (what the checkpoint held before) it ends off; writing changes nothing
-    in the run; with delay, a checkpoint over an average in flight is refused."""
-    outs, _ = results
-    for out in _checked(outs, "tf_adam.checkpoint_between_exchanges"):
+    in the run; with delay, a checkpoint over an average in flight is refused. Keras 3:
+    the own steps are the exchange's whichever Keras (the take-over's checkpoint runs on
+    both: test_keras_adam_checkpoint_carries_the_frozen_variance_and_momentum)."""
+    for out in _checked(keras3, "tf_adam.checkpoint_between_exchanges"):
         assert out["period"] == 4 and out["in_flight"] == 2, out  # own steps 4 and 5
         assert out["in_flight_after_writing"] == 2, out
         carried = out["carried"]
