@@ -45,9 +45,13 @@ def worker_env(extra=None):
     return env
 
 
-def run(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, extra_args=()):
-    """Run ``module:function(**kwargs)`` on ``np`` ranks; return the list of results by rank."""
-    job = launch(target, np, controller, kwargs, timeout, env, extra_args)
+def run(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, extra_args=(),
+        hosts=None):
+    """Run ``module:function(**kwargs)`` on ``np`` ranks; return the list of results by rank.
+
+    ``hosts``: an open harness.hosts.EmulatedHosts; horovodrun then starts on its first
+    host and reaches the others over ssh, its ranks spread by the hosts' slots."""
+    job = launch(target, np, controller, kwargs, timeout, env, extra_args, hosts=hosts)
     for rank in range(np):
         if job.returncode != 0 or rank not in job.results:
             raise RuntimeError(
@@ -69,7 +73,7 @@ class Job:
 
 
 def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, extra_args=(),
-           launcher_args=None):
+           launcher_args=None, hosts=None):
     """Like ``run`` but never raises on a failed job: returns a ``Job`` whose ``results``
     holds the ranks that finished (for jobs that are meant to die: kill/resume, faults).
 
@@ -81,24 +85,15 @@ def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, 
         with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
             pickle.dump(kwargs or {}, f)
         if launcher_args is None:
-            launcher_args = ["-np", str(np), "-H", f"localhost:{np}", f"--{controller}"]
-        cmd = [*horovodrun_command(), *launcher_args, *extra_args, sys.executable, "-m",
-               "harness.hvdrun_worker", target, outdir]
+            launcher_args = ["-np", str(np), f"--{controller}"] + \
+                ([] if hosts else ["-H", f"localhost:{np}"])
+        worker = [*launcher_args, *extra_args, sys.executable, "-m", "harness.hvdrun_worker",
+                  target, outdir]
         start = time.monotonic()
-        # A session of its own: a job past its timeout is stopped with all it started.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # horovodrun stops its ranks (they run in sessions of their own)
-            try:
-                out, err = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-            code = None
+        if hosts:
+            out, err, code = _on_hosts(hosts, worker, env, timeout)
+        else:
+            out, err, code = _here([*horovodrun_command(), *worker], env, timeout)
         elapsed = time.monotonic() - start
         results = {}
         for name in os.listdir(outdir):
@@ -108,6 +103,31 @@ def launch(target, np=2, controller="gloo", kwargs=None, timeout=300, env=None, 
         return Job(code, elapsed, out, err, results)
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _here(cmd, env, timeout):
+    # A session of its own: a job past its timeout is stopped with all it started.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # horovodrun stops its ranks (they run in sessions of their own)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        return out, err, None
+
+
+def _on_hosts(hosts, args, env, timeout):
+    try:
+        done = hosts.horovodrun(args, env=worker_env(env), cwd=REPO, timeout=timeout)
+        return done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as stopped:  # hosts stopped the job on every host
+        return stopped.stdout or "", stopped.stderr or "", None
 
 
 def elastic_launch(target, tmp_path, np, slots_before, slots_after, max_np=2, env=None,

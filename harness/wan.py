@@ -52,6 +52,23 @@ MTU = 65000
 DEVICE = "wan0"
 
 
+def device_counters(device=DEVICE):
+    """``device``'s counters in this process's network namespace (/proc/net/dev):
+    ``{"rx_bytes", "rx_packets", "tx_bytes", "tx_packets"}``, or None where it has none.
+    On the TUN device a byte is an IP packet's (headers included, no link layer)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == device:
+                    fields = [int(v) for v in rest.split()]
+                    return {"rx_bytes": fields[0], "rx_packets": fields[1],
+                            "tx_bytes": fields[8], "tx_packets": fields[9]}
+    except OSError:
+        pass
+    return None
+
+
 def close_on_exit(close):
     """Call ``close`` at interpreter exit and on SIGTERM/SIGINT (then the handler that
     was there runs, and the process exits): a link or hosts must never outlive the

@@ -53,6 +53,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.wan import device_counters  # (bench/multihost_throughput.py: repo on PYTHONPATH)
+
 METHODS = ["local", "dense", "dense_hier", "dgc_flat", "dgc_hier", "dgc_hier_dga", "dgc"]
 
 
@@ -114,16 +116,8 @@ def build(workload, batch, width, seed):
 # -- measurement helpers -------------------------------------------------------------
 def wan0_bytes():
     """(tx, rx) bytes of this network namespace's wan0, or (None, None)."""
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == "wan0":
-                    fields = rest.split()
-                    return int(fields[8]), int(fields[0])
-    except OSError:
-        pass
-    return None, None
+    counters = device_counters()
+    return (counters["tx_bytes"], counters["rx_bytes"]) if counters else (None, None)
 
 
 def tcp_retransmits():

@@ -5,7 +5,7 @@ everything, N = 8 (2 x 4) for the equivalences."""
 
 import pytest
 
-from harness.hvdrun import launch
+from harness.hvdrun import launch, run
 from tests.torch.test_optimizer import _checked
 
 WORKER = "tests.torch.torch_hierarchical:suite"
@@ -132,36 +132,13 @@ def test_forced_hierarchical_that_cannot_run_says_why(two_by_two, one_host):
 def _on_emulated_hosts(controller, names):
     """The worker on 2 emulated hosts x 2 ranks, horovodrun over ssh (mpirun's own
     topology detection, by host name, decides local_size under MPI)."""
-    import os
-    import pickle
-    import shutil
-    import sys
-    import tempfile
-    from harness.hvdrun import REPO, worker_env
-    sys.path.insert(0, REPO)
     from harness.hosts import EmulatedHosts, available
     ok, why = available()
     if not ok:
         pytest.skip(f"emulated hosts unavailable here: {why}")
-    outdir = tempfile.mkdtemp(prefix="hvd_dgc_hier_")
-    try:
-        with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
-            pickle.dump({"names": names}, f)
-        with EmulatedHosts(["h1:2", "h2:2"], rate_mbit=1000, rtt_ms=1) as hosts:
-            done = hosts.horovodrun(
-                ["-np", "4", "-H", "h1:2,h2:2", f"--{controller}", sys.executable, "-m",
-                 "harness.hvdrun_worker", WORKER, outdir],
-                env=worker_env(), cwd=REPO, timeout=600)
-        results = {}
-        for name in os.listdir(outdir):
-            if name.startswith("rank") and name.endswith(".pkl"):
-                with open(os.path.join(outdir, name), "rb") as f:
-                    results[int(name[4:-4])] = pickle.load(f)
-        assert done.returncode == 0 and sorted(results) == [0, 1, 2, 3], \
-            f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-        return [results[r] for r in range(4)]
-    finally:
-        shutil.rmtree(outdir, ignore_errors=True)
+    with EmulatedHosts(["h1:2", "h2:2"], rate_mbit=1000, rtt_ms=1) as hosts:
+        return run(WORKER, np=4, controller=controller, kwargs={"names": names},
+                   timeout=600, hosts=hosts)
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
