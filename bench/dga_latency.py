@@ -31,13 +31,33 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class LatencyInjector:
-    """Stands in for ``horovod.torch`` inside hvd_dgc's optimizer module: handles of
-    asynchronous collectives become ready one round trip after their launch."""
+    """While entered, horovod.torch's asynchronous collectives complete no earlier than one
+    round trip after their launch, whichever module launches them (hvd_dgc's paths,
+    region reduce, delayed averaging and the seam all call ``horovod.torch``'s functions
+    through the module): waiting on a handle sleeps until then, and ``poll`` says not
+    ready before."""
 
-    def __init__(self, hvd, rtt_s):
-        self._hvd, self._rtt, self._ready = hvd, rtt_s, {}
-        for name in ("grouped_allgather_async", "grouped_allreduce_async_"):
-            setattr(self, name, self._delayed(getattr(hvd, name)))
+    LAUNCHES = ("allreduce_async", "allreduce_async_", "grouped_allreduce_async",
+                "grouped_allreduce_async_", "allgather_async", "grouped_allgather_async",
+                "alltoall_async", "broadcast_async", "broadcast_async_")
+
+    def __init__(self, rtt_s):
+        self._rtt, self._ready, self._saved = rtt_s, {}, {}
+
+    def __enter__(self):
+        import horovod.torch as hvd
+        self._saved = {name: getattr(hvd, name) for name in
+                       self.LAUNCHES + ("synchronize", "poll") if hasattr(hvd, name)}
+        for name in self.LAUNCHES:
+            if name in self._saved:
+                setattr(hvd, name, self._delayed(self._saved[name]))
+        hvd.synchronize, hvd.poll = self._synchronize, self._poll
+        return self
+
+    def __exit__(self, *exc):
+        import horovod.torch as hvd
+        for name, real in self._saved.items():
+            setattr(hvd, name, real)
 
     def _delayed(self, launch):
         def wrapper(*args, **kwargs):
@@ -46,15 +66,16 @@ class LatencyInjector:
             return handle
         return wrapper
 
-    def synchronize(self, handle):
-        out = self._hvd.synchronize(handle)
+    def _synchronize(self, handle):
+        out = self._saved["synchronize"](handle)
         ready = self._ready.pop(handle, None)
         if ready is not None:
             time.sleep(max(0.0, ready - time.perf_counter()))
         return out
 
-    def __getattr__(self, name):
-        return getattr(self._hvd, name)
+    def _poll(self, handle):
+        return time.perf_counter() >= self._ready.get(handle, 0.0) and \
+            self._saved["poll"](handle)
 
 
 def _model(width, depth, seed=0):
@@ -88,7 +109,6 @@ def worker(args):
     import torch
     torch.set_num_threads(1)
     import hvd_dgc.torch as hvd
-    import hvd_dgc.torch.optimizer as dgc_optimizer
     hvd.init()
     model = _model(args.width, args.depth)
     batch = int(hvd.broadcast(torch.tensor([_calibrate(model, args.compute_ms)]), 0,
@@ -101,10 +121,8 @@ def worker(args):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     compute_s = (time.perf_counter() - t) / args.steps
     rows = []
-    real_hvd = dgc_optimizer._hvd
     for rtt_ms in args.rtt_ms:
-        dgc_optimizer._hvd = LatencyInjector(real_hvd, rtt_ms / 1000.0)
-        try:
+        with LatencyInjector(rtt_ms / 1000.0):
             for delay in args.delays:
                 model = _model(args.width, args.depth)
                 opt = hvd.DistributedOptimizer(
@@ -123,8 +141,6 @@ def worker(args):
                 rows.append({"rtt_ms": rtt_ms, "delay": delay,
                              "steps_per_s": args.steps / elapsed,
                              "density": opt.compression_stats()["density"]})
-        finally:
-            dgc_optimizer._hvd = real_hvd
     if hvd.rank() == 0:
         params = sum(p.numel() for p in model.parameters())
         print("RESULT " + json.dumps({"rows": rows, "compute_ms": 1000 * compute_s,
