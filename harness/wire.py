@@ -40,8 +40,9 @@ def step_bytes(model, mode, steps=6, density=0.001):
     cost model's assumed 1 Gbit/s link): sent, received, dense fp32's, by path; on
     emulated hosts (harness/hosts.py) also what crossed this host's link in that step
     (``link``, from the first rank of each host; harness/wan.py ``device_counters``): the
-    counters' change over the step less their change over a barrier alone, which every
-    rank enters after its step (the ranks' Horovod traffic between steps)."""
+    counters' change from a barrier before the step to one after it, less their change
+    over one more barrier (``link["barrier"]``: what a barrier and Horovod's idle cycles
+    send)."""
     from harness.wan import device_counters
     import hvd_dgc.torch as hvd
     from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
