@@ -74,7 +74,7 @@ def real(models, modes, worlds, hosts=1):
                 sim = wire_sim.step_bytes(model, mode, world)["received"] \
                     if mode in wire_sim.MODES else None
                 diff = f"{100 * (sim / r['received'] - 1):+.2f}%" if sim else "-"
-                print(f"| {model} | {world} | {hosts} | {mode} | {r['sent']:,} | "
+                print(f"| {model} | {world} | {hosts} | {mode} | {round(r['sent']):,} | "
                       f"{round(r['received']):,} | "
                       f"{f'{round(sim):,}' if sim else '-'} | {diff} | "
                       f"{round(r['dense_received']):,} | "
@@ -84,16 +84,18 @@ def real(models, modes, worlds, hosts=1):
 
 def _across(r, sim):
     """The TCP payload that crossed the first host's link in the step, each way; where
-    every tensor rode an allgather, its difference from the simulation's received bytes
-    (Gloo's ring passes all blocks but one each way across a cut between two hosts of
-    consecutive ranks: what one rank receives); and what a barrier alone (a 4-byte
+    every tensor rode an allgather, or the two hosts hold a rank each, its difference
+    from the simulation's received bytes (Gloo's ring passes all blocks but one each way
+    across a cut between two hosts of consecutive ranks: what one rank receives; AdamW's
+    an exchange's, the simulation's step times the period); and what a barrier alone (a 4-byte
     allreduce, Horovod's negotiation included) sent across, which the step's counters
     are taken net of."""
     link = r.get("link")
     if not link:
         return "- | - | -"
     sent, got = payload(link)
-    ring = sim and set(r["paths"]) <= {"sparse", "dense"} and r["folded"]
+    ring = sim and (r["world"] == 2 or set(r["paths"]) <= {"sparse", "dense"} and r["folded"])
+    sim = sim and sim * r["period"]  # (the link's bytes are an exchange's, undivided)
     return f"{sent:,} / {got:,} | " + \
         (f"{100 * (sent / sim - 1):+.2f}% / {100 * (got / sim - 1):+.2f}%" if ring else "-") + \
         " | {:,} / {:,}".format(*payload(link["barrier"]))

@@ -12,6 +12,7 @@ MODES = {
     "sgd_dgc_fp16": {"value_bits": 16},              # Compression.dgc(value_bits=16)
     "sgd_dgc_fp32": {"value_bits": 32},              # Compression.dgc(value_bits=32)
     "sgd_dgc_horovod_fp16": {"fp16": True},          # compression=hvd.Compression.fp16
+    "adamw_default": {"adamw": True},                # AdamW, no option: 0/1 Adam
 }
 
 
@@ -35,48 +36,49 @@ def _barrier(hvd, name):
     hvd.allreduce(torch.zeros(1), name=name)
 
 
-def step_bytes(model, mode, steps=6, density=0.001):
-    """This rank's bytes on its last step (DGC at ``density`` from the first step, the
-    cost model's assumed 1 Gbit/s link): sent, received, dense fp32's, by path; on
-    emulated hosts (harness/hosts.py) also what crossed this host's link in that step
-    (``link``, from the first rank of each host; harness/wan.py ``device_counters``): the
-    counters' change from a barrier before the step to one after it, less their change
-    over one more barrier (``link["barrier"]``: what a barrier and Horovod's idle cycles
-    send)."""
-    from harness.wan import device_counters
-    import hvd_dgc.torch as hvd
-    from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
-    from hvd_dgc.schedule import num_selected
-
-    hvd.init()
-    world = hvd.size()
-    fp16 = MODES[mode].get("fp16", False)
-    bits = MODES[mode].get("value_bits")
-    named = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in shapes_of(model)]
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9), named_parameters=named,
+def _optimizer(hvd, mode, named, density):
+    """The optimizer a user of ``mode`` wraps: SGD with DGC at ``density`` from the first
+    step, or AdamW with no option at all (0/1 Adam)."""
+    params = [p for _, p in named]
+    if MODES[mode].get("adamw"):
+        return hvd.DistributedOptimizer(torch.optim.AdamW(params, lr=1e-3),
+                                        named_parameters=named, cost_model=hvd.CostModel())
+    fp16, bits = MODES[mode].get("fp16", False), MODES[mode].get("value_bits")
+    return hvd.DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.1, momentum=0.9), named_parameters=named,
         density=density, warmup=0, cost_model=hvd.CostModel(),
         compression=hvd.Compression.fp16 if fp16 else hvd.Compression.dgc(value_bits=bits)
         if bits else hvd.Compression.none)
-    gen = torch.Generator().manual_seed(hvd.rank())
+
+
+def _measured_step(hvd, opt, named, gen, step):
+    """One step on random gradients: its ``last_step`` statistics and what crossed this
+    host's link (None but on the first rank of an emulated host)."""
+    from harness.wan import device_counters
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=gen)
     counters = []
-    for step in range(steps):
-        for _, p in named:
-            p.grad = torch.randn(p.shape, generator=gen)
-        if step == steps - 1:
-            _barrier(hvd, "wire.before")
-            counters.append(device_counters())
-        opt.step()
-    for name in ("wire.after", "wire.again"):
-        _barrier(hvd, name)
+    for name in ("before", "after", "again"):
+        if name != "before":
+            _barrier(hvd, f"wire.{step}.{name}")
         counters.append(device_counters())
+        if name == "before":
+            opt.step()
     link = None
     if hvd.local_rank() == 0 and all(counters):
         before, after, again = counters
         link = {k: (after[k] - before[k]) - (again[k] - after[k]) for k in before}
         link["barrier"] = {k: again[k] - after[k] for k in before}
-    last = opt.compression_stats()["last_step"]
-    received, paths, folded = 0.0, {}, True
+    return opt.compression_stats()["last_step"], link
+
+
+def _received(last, world, density, fp16):
+    """What a rank receives for the step ``last`` describes, priced by each tensor's path;
+    whether every dense tensor rode the allgather (folded)."""
+    from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
+    from hvd_dgc.packing import sign_reduce_bytes
+    from hvd_dgc.schedule import num_selected
+    received, paths, folded, signs = 0.0, {}, True, []
     for t in last["tensors"].values():
         paths[t["path"]] = paths.get(t["path"], 0) + 1
         folded &= t["path"] != "dense" or t["bytes"] not in (2 * t["numel"], 4 * t["numel"])
@@ -84,13 +86,53 @@ def step_bytes(model, mode, steps=6, density=0.001):
             received += allgather_bytes(1, world, t["bytes"])  # in 8 bits: folded
         elif t["path"] == "dense":  # (folded or not: priced as the ring's)
             received += dense_bytes(t["numel"], world, t["bytes"] / t["numel"])
+        elif t["path"] in ("sparse", "sign") and world == 2:  # the other rank's bytes
+            received += allgather_bytes(1, world, t["bytes"])
         elif t["path"] == "sparse":  # every rank's bytes, the same size
             received += allgather_bytes(1, world, t["bytes"])
+        elif t["path"] == "sign":  # from 3 ranks: the sign's compressed allreduce
+            signs.append(t["numel"])
         elif t["path"] == "region":
             received += region_bytes(num_selected(t["numel"], density), world, 8 - 2 * fp16)
         else:
             raise ValueError(f"bench/wire.py does not price the {t['path']} path")
+    if signs:
+        received += sign_reduce_bytes(tuple(signs), world)[1]
+    return received, paths, folded
+
+
+def step_bytes(model, mode, steps=6, density=0.001):
+    """This rank's bytes a step, as hvd_dgc counts them: SGD's last step (DGC at
+    ``density`` from the first step, the cost model's assumed 1 Gbit/s link); AdamW's
+    second exchange after its freeze (its variance frozen after DEFAULT_FREEZE exact
+    steps, an exchange every ``period`` steps from there) over the steps it covers. Sent, received (priced by each tensor's path), dense fp32's, by path; on
+    emulated hosts (harness/hosts.py) also what crossed this host's link in that step
+    (``link``, not divided by the period; from the first rank of each host; harness/wan.py
+    ``device_counters``): the counters' change from a barrier before the step to one
+    after it, less their change over one more barrier (``link["barrier"]``: what a
+    barrier and Horovod's idle cycles send)."""
+    import hvd_dgc.torch as hvd
+    from hvd_dgc.adam import DEFAULT_FREEZE
+    from hvd_dgc.aggregation import dense_bytes
+
+    hvd.init()
+    world = hvd.size()
+    named = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in shapes_of(model)]
+    opt = _optimizer(hvd, mode, named, density)
+    adamw = MODES[mode].get("adamw", False)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    period = 1
+    if adamw:  # through the exact steps, then two periods (the first refresh comes later)
+        for step in range(DEFAULT_FREEZE):
+            _measured_step(hvd, opt, named, gen, step)
+        from harness.wire_sim import planner_for, tensors_of
+        period = planner_for(mode, tensors_of(model), world).config.period
+        steps = DEFAULT_FREEZE + 2 * period
+    measured = [_measured_step(hvd, opt, named, gen, step)
+                for step in range(DEFAULT_FREEZE if adamw else 0, steps)]
+    last, link = measured[-1]  # (AdamW's exchanges: Adam's steps F + period, F + 2 period)
+    received, paths, folded = _received(last, world, density, MODES[mode].get("fp16", False))
     dense = sum(4 * p.numel() for _, p in named)
-    return {"sent": last["bytes_sent"], "received": received, "paths": paths, "link": link,
-            "folded": folded,
+    return {"sent": last["bytes_sent"] / period, "received": received / period,
+            "paths": paths, "link": link, "folded": folded, "period": period, "world": world,
             "dense_sent": dense, "dense_received": dense_bytes(dense // 4, world, 4)}

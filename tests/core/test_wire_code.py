@@ -253,6 +253,23 @@ def test_the_wire_simulation_is_the_bytes_that_cross_a_real_link():
         assert abs(crossed / sim["received"] - 1) < 0.03, (crossed, sim["received"])
 
 
+def test_the_wire_simulation_is_adamws_default_exchange_at_three_ranks():
+    """AdamW with no option (0/1 Adam): a real 3-rank run's exchange after the freeze
+    takes the simulation's paths and period, the sign in the compressed allreduce, and
+    receives its bytes, on the stdlib LM's shapes. (hvd_dgc's "sent" is a rank's own
+    signs and scales, 73,772 bytes an exchange at 2 ranks, 73,790 at 3; the simulation's,
+    what leaves the rank in both rounds.)"""
+    from harness.hvdrun import run
+    from harness.wire_sim import step_bytes
+    real = run("harness.wire:step_bytes", np=3, timeout=300,
+               kwargs={"model": "stdlib_lm", "mode": "adamw_default"})
+    sim = step_bytes("stdlib_lm", "adamw_default", 3)
+    assert all(rank["received"] == sim["received"] for rank in real)
+    assert real[0]["paths"] == {"dense": 17, "sign": 11}
+    assert sim["paths"] == {"dense": 17, "exchange": 11}
+    assert real[0]["period"] == 4 and real[0]["dense_sent"] / real[0]["sent"] > 100
+
+
 @pytest.mark.parametrize("n, k", [(16, 4), (4096, 4), (4096, 2000), (4096, 4096), (1000, 1),
                                   (64, 63), (2359296, 2360), (10 ** 6, 3), (100_003, 977)])
 def test_the_cpu_kernel_codes_positions_as_atens_operations_do(n, k, monkeypatch):
