@@ -11,7 +11,8 @@ The simulation (harness/wire_sim.py) takes the planner's own choices (paths, buc
 dense tensors riding in an allgather) with the cost model's assumed 1 Gbit/s link, and
 the wire formats' sizes, which the encoders write (tests/core/test_wire_code.py); no rank
 runs. ``--real`` runs each mode under ``horovodrun --gloo`` on this host (harness/wire.py,
-synthetic gradients, DGC at 0.001 from the first step): a rank's bytes sent are hvd_dgc's
+synthetic gradients, DGC at 0.001 from the first step; ``adamw_default``: AdamW with no
+option, its exchange after the freeze): a rank's bytes sent are hvd_dgc's
 own count (``compression_stats()["last_step"]``), received are priced from each tensor's
 path; and prints the simulation's numbers for the same N beside them. With ``--hosts H``
 the ranks are spread over H emulated hosts (harness/hosts.py: network namespaces with a
@@ -51,7 +52,7 @@ def simulated(models, modes, worlds):
 
 
 def _hosts(world, hosts):
-    """``hosts`` emulated hosts sharing ``world`` ranks (None: this host, loopback)."""
+    """``hosts`` emulated hosts sharing ``world`` ranks (1: this host alone, loopback)."""
     if hosts == 1:
         return contextlib.nullcontext()
     from harness.hosts import EmulatedHosts
@@ -86,10 +87,10 @@ def _across(r, sim):
     """The TCP payload that crossed the first host's link in the step, each way; where
     every tensor rode an allgather, or the two hosts hold a rank each, its difference
     from the simulation's received bytes (Gloo's ring passes all blocks but one each way
-    across a cut between two hosts of consecutive ranks: what one rank receives; AdamW's
-    an exchange's, the simulation's step times the period); and what a barrier alone (a 4-byte
-    allreduce, Horovod's negotiation included) sent across, which the step's counters
-    are taken net of."""
+    across a cut between two hosts of consecutive ranks: what one rank receives; for
+    AdamW an exchange's, the simulation's step times the period); and what a barrier
+    alone (a 4-byte allreduce, Horovod's negotiation included) sent across, which the
+    step's counters are taken net of."""
     link = r.get("link")
     if not link:
         return "- | - | -"

@@ -105,8 +105,9 @@ def step_bytes(model, mode, steps=6, density=0.001):
     """This rank's bytes a step, as hvd_dgc counts them: SGD's last step (DGC at
     ``density`` from the first step, the cost model's assumed 1 Gbit/s link); AdamW's
     second exchange after its freeze (its variance frozen after DEFAULT_FREEZE exact
-    steps, an exchange every ``period`` steps from there) over the steps it covers. Sent, received (priced by each tensor's path), dense fp32's, by path; on
-    emulated hosts (harness/hosts.py) also what crossed this host's link in that step
+    steps, an exchange every ``period`` steps from there) over the steps it covers.
+    Sent, received (priced by each tensor's path), dense fp32's, by path; on emulated
+    hosts (harness/hosts.py) also what crossed this host's link in that step
     (``link``, not divided by the period; from the first rank of each host; harness/wan.py
     ``device_counters``): the counters' change from a barrier before the step to one
     after it, less their change over one more barrier (``link["barrier"]``: what a
