@@ -51,22 +51,25 @@ def _optimizer(hvd, mode, named, density):
         if bits else hvd.Compression.none)
 
 
-def _measured_step(hvd, opt, named, gen, step):
+def _step(opt, named, gen):
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+
+
+def _measured_step(hvd, opt, named, gen):
     """One step on random gradients: its ``last_step`` statistics and what crossed this
     host's link (None but on the first rank of an emulated host)."""
     from harness.wan import device_counters
-    for _, p in named:
-        p.grad = torch.randn(p.shape, generator=gen)
-    counters = []
-    for name in ("before", "after", "again"):
-        if name != "before":
-            _barrier(hvd, f"wire.{step}.{name}")
-        counters.append(device_counters())
-        if name == "before":
-            opt.step()
+    _barrier(hvd, "wire.before")
+    before = device_counters()
+    _step(opt, named, gen)
+    _barrier(hvd, "wire.after")
+    after = device_counters()
+    _barrier(hvd, "wire.again")
+    again = device_counters()
     link = None
-    if hvd.local_rank() == 0 and all(counters):
-        before, after, again = counters
+    if hvd.local_rank() == 0 and before and after and again:
         link = {k: (after[k] - before[k]) - (again[k] - after[k]) for k in before}
         link["barrier"] = {k: again[k] - after[k] for k in before}
     return opt.compression_stats()["last_step"], link
@@ -81,15 +84,12 @@ def _received(last, world, density, fp16):
     received, paths, folded, signs = 0.0, {}, True, []
     for t in last["tensors"].values():
         paths[t["path"]] = paths.get(t["path"], 0) + 1
-        folded &= t["path"] != "dense" or t["bytes"] not in (2 * t["numel"], 4 * t["numel"])
-        if t["path"] == "dense" and t["bytes"] not in (2 * t["numel"], 4 * t["numel"]):
-            received += allgather_bytes(1, world, t["bytes"])  # in 8 bits: folded
-        elif t["path"] == "dense":  # (folded or not: priced as the ring's)
+        whole = t["bytes"] in (2 * t["numel"], 4 * t["numel"])  # (else in 8 bits: folded)
+        folded &= t["path"] != "dense" or not whole
+        if t["path"] == "dense" and whole:  # the ring's
             received += dense_bytes(t["numel"], world, t["bytes"] / t["numel"])
-        elif t["path"] in ("sparse", "sign") and world == 2:  # the other rank's bytes
-            received += allgather_bytes(1, world, t["bytes"])
-        elif t["path"] == "sparse":  # every rank's bytes, the same size
-            received += allgather_bytes(1, world, t["bytes"])
+        elif t["path"] in ("dense", "sparse") or t["path"] == "sign" and world == 2:
+            received += allgather_bytes(1, world, t["bytes"])  # every rank's, the same size
         elif t["path"] == "sign":  # from 3 ranks: the sign's compressed allreduce
             signs.append(t["numel"])
         elif t["path"] == "region":
@@ -123,15 +123,14 @@ def step_bytes(model, mode, steps=6, density=0.001):
     adamw = MODES[mode].get("adamw", False)
     gen = torch.Generator().manual_seed(hvd.rank())
     period = 1
-    if adamw:  # through the exact steps, then two periods (the first refresh comes later)
-        for step in range(DEFAULT_FREEZE):
-            _measured_step(hvd, opt, named, gen, step)
+    if adamw:  # the exact steps, then two periods, the last step an exchange (the first
+        # refresh comes later)
         from harness.wire_sim import planner_for, tensors_of
         period = planner_for(mode, tensors_of(model), world).config.period
         steps = DEFAULT_FREEZE + 2 * period
-    measured = [_measured_step(hvd, opt, named, gen, step)
-                for step in range(DEFAULT_FREEZE if adamw else 0, steps)]
-    last, link = measured[-1]  # (AdamW's exchanges: Adam's steps F + period, F + 2 period)
+    for _ in range(steps - 1):
+        _step(opt, named, gen)
+    last, link = _measured_step(hvd, opt, named, gen)
     received, paths, folded = _received(last, world, density, MODES[mode].get("fp16", False))
     dense = sum(4 * p.numel() for _, p in named)
     return {"sent": last["bytes_sent"] / period, "received": received / period,
