@@ -75,12 +75,12 @@ def _measured_step(hvd, opt, named, gen):
     return opt.compression_stats()["last_step"], link
 
 
-def _received(last, world, density, fp16):
-    """What a rank receives for the step ``last`` describes, priced by each tensor's path;
-    whether every dense tensor rode the allgather (folded)."""
-    from hvd_dgc.aggregation import allgather_bytes, dense_bytes, region_bytes
+def _received(last, world):
+    """What a rank receives for the step ``last`` describes, priced by each tensor's path
+    (region reduce's as hvd_dgc counted it arriving: it depends on where the others'
+    records fall); whether every dense tensor rode the allgather (folded)."""
+    from hvd_dgc.aggregation import allgather_bytes, dense_bytes
     from hvd_dgc.packing import sign_reduce_bytes
-    from hvd_dgc.schedule import num_selected
     received, paths, folded, signs = 0.0, {}, True, []
     for t in last["tensors"].values():
         paths[t["path"]] = paths.get(t["path"], 0) + 1
@@ -93,7 +93,7 @@ def _received(last, world, density, fp16):
         elif t["path"] == "sign":  # from 3 ranks: the sign's compressed allreduce
             signs.append(t["numel"])
         elif t["path"] == "region":
-            received += region_bytes(num_selected(t["numel"], density), world, 8 - 2 * fp16)
+            received += t["received"]
         else:
             raise ValueError(f"bench/wire.py does not price the {t['path']} path")
     if signs:
@@ -131,7 +131,7 @@ def step_bytes(model, mode, steps=6, density=0.001):
     for _ in range(steps - 1):
         _step(opt, named, gen)
     last, link = _measured_step(hvd, opt, named, gen)
-    received, paths, folded = _received(last, world, density, MODES[mode].get("fp16", False))
+    received, paths, folded = _received(last, world)
     dense = sum(4 * p.numel() for _, p in named)
     return {"sent": last["bytes_sent"] / period, "received": received / period,
             "paths": paths, "link": link, "folded": folded, "period": period, "world": world,

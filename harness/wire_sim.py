@@ -52,8 +52,9 @@ def planner_for(mode, tensors, world):
 
 def _dgc(planner, tensors, world):
     """SGD DGC at the final density: ``(sent, received, paths)`` a step."""
-    from hvd_dgc.aggregation import dense_bytes, region_bytes
-    from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
+    from hvd_dgc.aggregation import dense_bytes
+    from hvd_dgc.packing import REGION_COUNT_BYTES, SCALE_BYTES, folds_values, \
+        gather_value_bits, index_bytes
     from hvd_dgc.paths import PathKind
     from hvd_dgc.fusion import fusion_threshold
     from hvd_dgc.torch.memory import aligned_size
@@ -92,8 +93,13 @@ def _dgc(planner, tensors, world):
                 ring = dense_bytes(t.numel, world, dense_value)
                 sent, received = sent + ring, received + ring
             elif path[t.key] == PathKind.REGION:
-                region = region_bytes(planner.k(t, density), world, planner.prices.record_bytes)
+                region = planner.prices.wire_bytes(t.numel, planner.k(t, density),
+                                                   PathKind.REGION)
                 sent, received = sent + region, received + region
+    if paths.get(PathKind.REGION.value):  # one launch a step (batched): its blocks'
+        # heads, a count and (8 bits) a scale from and to each other rank, both rounds
+        heads = 2 * (world - 1) * (REGION_COUNT_BYTES + scale)
+        sent, received = sent + heads, received + heads
     return sent, received, paths
 
 

@@ -273,7 +273,7 @@ class CostModel:
     def choose_aggregation(self, numel, k, world_size, dense_value_bytes=4,
                            sparse_value_bytes=4, index_bytes=4,
                            allowed=(DENSE, ALLGATHER, REGION), local_size=1,
-                           gather_record_bytes=None):
+                           gather_record_bytes=None, region_record_bytes=None):
         """Cheapest of ``allowed`` (DENSE, ALLGATHER, REGION, HIERARCHICAL) for one tensor.
 
         Selecting everything (k >= numel) is dense when DENSE is allowed. Equal costs
@@ -290,7 +290,7 @@ class CostModel:
         best, best_cost = None, None
         for name, (comm, local) in self.path_seconds(
                 numel, k, world_size, dense_value_bytes, sparse_value_bytes, index_bytes,
-                allowed, local_size, gather_record_bytes).items():
+                allowed, local_size, gather_record_bytes, region_record_bytes).items():
             c = comm if name == DENSE else weight * (comm + local)
             if best is None or c < best_cost:
                 best, best_cost = name, c
@@ -298,7 +298,7 @@ class CostModel:
 
     def path_seconds(self, numel, k, world_size, dense_value_bytes=4, sparse_value_bytes=4,
                      index_bytes=4, allowed=(DENSE, ALLGATHER, REGION), local_size=1,
-                     gather_record_bytes=None):
+                     gather_record_bytes=None, region_record_bytes=None):
         """``{path: (transfer seconds, DGC's local work seconds)}`` for each of
         ``allowed`` that applies (HIERARCHICAL only where 1 < ``local_size`` <
         ``world_size``, unless it is the only one), in the order of preference on equal
@@ -306,7 +306,8 @@ class CostModel:
         overlap.choose_paths places them on the step's timeline. ``index_bytes``: a
         record's position; ``gather_record_bytes``, where the allgather codes its records
         (hvd_dgc/packing.py: positions near ``index_bytes(n, k) / k``, values perhaps in 8
-        bits), a record on the allgather instead of ``sparse_value_bytes + index_bytes``."""
+        bits), a record on the allgather instead of ``sparse_value_bytes + index_bytes``;
+        ``region_record_bytes`` likewise on region reduce's (packing.region_record)."""
         allowed = _allowed(allowed)
         if len(allowed) > 1 and not 1 < local_size < world_size:
             allowed = tuple(a for a in allowed if a != HIERARCHICAL)
@@ -319,7 +320,8 @@ class CostModel:
                 k, world_size, sparse_value_bytes, index_bytes) if gather_record_bytes is None
             else self.sparse_seconds(k, world_size, gather_record_bytes, 0),
             REGION: lambda: self.region_seconds(k, world_size, sparse_value_bytes,
-                                                index_bytes),
+                                                index_bytes) if region_record_bytes is None
+            else self.region_seconds(k, world_size, region_record_bytes, 0),
             DENSE: lambda: self.dense_seconds(numel, world_size, dense_value_bytes),
         }
         return {name: (cost[name](), 0.0 if name == DENSE else local)

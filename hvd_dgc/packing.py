@@ -8,8 +8,11 @@ then one vectorised pass per bit for any width, and 1-bit signs cost exactly
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
-from hvd_dgc.aggregation import chunk_spans
+import numpy as np
+
+from hvd_dgc.aggregation import chunk_spans, quota, regions
 
 __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "sign_segments",
            "sign_chunk_bytes", "sign_reduce_bytes", "sign_shares", "SIGN_COLLECTIVES",
@@ -17,7 +20,9 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "si
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
-           "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values"]
+           "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values",
+           "RegionLayout", "region_layout", "region_block_bytes", "region_record_bytes",
+           "region_record", "REGION_COUNT_BYTES"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -256,3 +261,75 @@ def gather_value_bytes(compressor, k, tensors=1):
 def gather_record_bytes(compressor, n, k):
     """A record on the allgather path: its position and its value."""
     return gather_index_bytes(compressor, n, k) + gather_value_bytes(compressor, k)
+
+
+# -- region reduce's records, coded (hvd_dgc/torch/region.py) ----------------------------
+# Owner j of a launch's tensors holds, of tensor t, the indices i = j + R_t m (R_t =
+# aggregation.regions(k_t, N)): m in 0..size(j, t)-1. Its region space is those of every
+# tensor one after the other: position offset(j, t) + i // R_t, in 0..space(j)-1. Both
+# rounds send an owner's records as one block of that space, its positions coded as the
+# allgather's are (Elias-Fano or a bitmap, ``index_bytes``), so an index costs about
+# log2(space / count) + 2 bits, not 32:
+#     [count: int32][scale: float32, 8-bit values only, count > 0][positions][values]
+# The values in ``value_bits`` (8: float8 e4m3 of value / scale, the block's largest
+# finite magnitude / 448, as ``fp8_values``; 16: fp16; 32: as they are), what the
+# rounding loses kept by whoever rounded (the sender's memory, the owner's residual).
+# An owner whose space is empty (a tensor of few records has fewer regions than ranks)
+# gets no block at all: every rank knows the spaces. The NumPy reference both rounds are
+# held to: tests/reference.py ``region_blocks``.
+REGION_COUNT_BYTES = 4
+
+
+class RegionLayout(NamedTuple):
+    """The region spaces of a launch's tensors on ``world`` ranks."""
+
+    regions: tuple     # R_t per tensor
+    offsets: np.ndarray  # (world, tensors) int64: tensor t's first position in owner j's space
+    spaces: np.ndarray   # (world,) int64: owner j's space
+
+
+@lru_cache(maxsize=256)
+def region_layout(numels, ks, world):
+    """``RegionLayout`` of tensors of ``numels`` elements selecting ``ks`` (tuples) on
+    ``world`` ranks (the same on every rank: kept for the few launches a run has)."""
+    r = np.array([regions(k, world) for k in ks], np.int64)
+    n = np.array(numels, np.int64)
+    owner = np.arange(world, dtype=np.int64)[:, None]
+    sizes = np.where(owner < r, np.maximum(0, (n - owner + r - 1) // r), 0)
+    offsets = np.cumsum(sizes, axis=1) - sizes
+    return RegionLayout(tuple(int(x) for x in r), offsets, sizes.sum(axis=1))
+
+
+def region_block_bytes(space, count, value_bits):
+    """Bytes of one owner's block of ``count`` records in a region space of ``space``
+    positions (none where the space is empty)."""
+    if space == 0:
+        return 0
+    if count == 0:
+        return REGION_COUNT_BYTES
+    scale = SCALE_BYTES if value_bits == 8 else 0
+    return REGION_COUNT_BYTES + scale + index_bytes(space, count) + count * value_bits // 8
+
+
+def region_record_bytes(n, k, world, value_bits):
+    """A record's bytes on region reduce's coded wire, over both rounds, for a tensor of
+    ``n`` elements selecting ``k`` on ``world`` ranks (what the cost model prices, the
+    blocks' counts and scales left out): the alltoall's k(N-1)/N records at the
+    selection's density (about ``index_bytes(n, k) / k``), the allgather's quota R(N-1)/N
+    at twice it, each with a value of ``value_bits``."""
+    if k < 1 or n < 1 or world < 2:
+        return 4 + value_bits / 8
+    r, q = regions(k, world), quota(k, world)
+    space = -(-n // r)
+    first, second = k, q * r
+    positions = index_bytes(n, min(k, n)) + r * index_bytes(space, min(q, space))
+    return positions / (first + second) + value_bits / 8
+
+
+def region_record(compressor, n, k, world):
+    """A record on region reduce's wire as ``compressor``'s path sends it: coded where
+    the compressor's records are (``codes_positions``: PyTorch's,
+    ``region_record_bytes``), else an int32 index and a value (TensorFlow's)."""
+    if _codes_positions(compressor):
+        return region_record_bytes(n, k, world, gather_value_bits(compressor))
+    return getattr(compressor, "record_bytes", 8)

@@ -327,14 +327,16 @@ class Planner:
 
     def step_seconds(self, density, kind):
         """The step's flat exchange at ``density`` were its sparse path ``kind``: each
-        large flat tensor dense or ``kind``, as the cost model chooses for it alone, and
-        ``kind``'s latency once per launch (prices.py ``step_seconds``)."""
+        large flat tensor dense or ``kind``, as the cost model chooses for it alone,
+        ``kind``'s latency once per launch, and the small tensors (dense; in the
+        allgather's buckets where they fold) (prices.py ``step_seconds``)."""
         tensors = [(t.key, t.numel, self.k(t, density)) for t in self.tensors]
         flat = {t.key for t in self.tensors if self.large(t) and not self.hierarchical(t)}
+        small = sum(t.numel for t in self.tensors if not self.large(t))
         allowed = tuple(a for a in self.flat if a in (PathKind.DENSE, kind))
         return self.prices.step_seconds(tensors, flat, kind, allowed,
                                         kind in self.resolved.batched,
-                                        fusion_threshold(self.config.fusion_threshold))
+                                        fusion_threshold(self.config.fusion_threshold), small)
 
     def hierarchical(self, tensor):
         """Hierarchical DGC keeps a host's residual in slices across its ranks, flat DGC

@@ -10,7 +10,7 @@ planner makes a new one whenever the world or the cost model moves.
 from hvd_dgc.aggregation import allgather_bytes, dense_bytes, hierarchical_bytes, region_bytes
 from hvd_dgc.fusion import BUCKET_LATENCIES, cut
 from hvd_dgc.packing import exchange_bytes, fold_index_bytes, gather_record_bytes, \
-    gather_value_bytes, reduces_signs, sign_chunk_bytes
+    gather_value_bytes, reduces_signs, region_record, sign_chunk_bytes
 from hvd_dgc.paths import PathKind
 
 __all__ = ["Prices"]
@@ -28,11 +28,15 @@ class Prices:
 
     @property
     def record_bytes(self):
-        """A record of the region and hierarchical paths: an int32 index and a value."""
+        """A record of the hierarchical path: an int32 index and a value."""
         return getattr(self.compressor, "record_bytes", 8)
 
     def _gathered(self, numel, k):
         return gather_record_bytes(self.compressor, numel, k)
+
+    def region_record(self, numel, k):
+        """A record on region reduce's wire (packing.region_record)."""
+        return region_record(self.compressor, numel, k, self.world_size)
 
     def seconds(self, numel, k, allowed):
         """``{path: (transfer seconds, DGC's local seconds)}`` on each of ``allowed``
@@ -40,7 +44,8 @@ class Prices:
         return self.cost_model.path_seconds(
             numel, k, self.world_size, self.dense_value_bytes, self.compressor.value_bytes,
             allowed=allowed, local_size=self.local_size,
-            gather_record_bytes=self._gathered(numel, k))
+            gather_record_bytes=self._gathered(numel, k),
+            region_record_bytes=self.region_record(numel, k))
 
     def choose(self, numel, k, allowed):
         """The cheapest of ``allowed`` by the cost model's sums, weighed by its
@@ -48,7 +53,8 @@ class Prices:
         return self.cost_model.choose_aggregation(
             numel, k, self.world_size, self.dense_value_bytes, self.compressor.value_bytes,
             allowed=allowed, local_size=self.local_size,
-            gather_record_bytes=self._gathered(numel, k))
+            gather_record_bytes=self._gathered(numel, k),
+            region_record_bytes=self.region_record(numel, k))
 
     def exchange(self, numel):
         """EXCHANGE or DENSE for a tensor a compressor of its own collectives takes: a
@@ -111,7 +117,7 @@ class Prices:
         if path == PathKind.ALLGATHER:
             return allgather_bytes(k, world, self._gathered(numel, k))
         if path == PathKind.REGION:
-            return region_bytes(k, world, self.record_bytes)
+            return region_bytes(k, world, self.region_record(numel, k))
         if path == PathKind.HIERARCHICAL:
             return hierarchical_bytes(k, world, self.local_size, self.record_bytes)
         if not self.dense_wire(path):  # a payload compressor's allgather, or the sign's
@@ -143,16 +149,25 @@ class Prices:
         return cut([(key, *p) for key, p in priced if p is not None], threshold,
                    BUCKET_LATENCIES * self.cost_model.alpha)
 
-    def step_seconds(self, tensors, flat, kind, allowed, batched, threshold):
+    def step_seconds(self, tensors, flat, kind, allowed, batched, threshold, small=0):
         """A step's flat exchange were its sparse path ``kind``: each tensor of ``tensors``
         (``(key, numel, k)``, forward order) whose key is in ``flat`` goes the cheapest of
         ``allowed`` for it alone (weighing DGC's side by ``dense_preference``), and
         ``kind``'s latency is paid once per launch: once a step where the framework
         batches it (``batched``), else once per bucket (``launches``' cut at
-        ``threshold``, backward order) or per tensor outside them."""
+        ``threshold``, backward order) or per tensor outside them. ``small``: the
+        elements of the tensors too small to compress, which ride the allgather where
+        they fold (in its values' bytes, from every rank) and else go dense: at a few
+        ranks the allgather's 8-bit values cost a fraction of their dense allreduce,
+        which region reduce pays."""
         model, world = self.cost_model, self.world_size
         weight = model.dense_preference
         seconds, paths, sparse = 0.0, {}, 0
+        if small and kind == PathKind.ALLGATHER and self.folds(small):
+            seconds += weight * (world - 1) * small * gather_value_bytes(
+                self.compressor, small) / model.records_bandwidth
+        elif small:
+            seconds += model.dense_seconds(small, world, self.dense_value_bytes)
         for key, numel, k in tensors:
             if key not in flat:
                 continue

@@ -109,6 +109,13 @@ class CompressionStats:
             "refresh" if name == REFRESH else "payloads"
         self.by_cause.update(split_records(cause, bytes_sent, positions))
 
+    def add_received(self, name, received):
+        """Bytes ``name`` received this step where a path counts them as they arrive
+        (region reduce's, which depend on where the others' records fall)."""
+        if name in self._current:
+            self._current[name]["received"] = self._current[name].get("received", 0) + \
+                received
+
     def add_returned(self, elements):
         self.returned_elements += elements
 

@@ -747,3 +747,123 @@ def sign_inputs(world, step):
         gen = np.random.default_rng(1000 * step + rank)
         out.append([gen.standard_normal(n).astype(np.float32) for n in SIGN_NUMELS])
     return out
+
+
+# -- region reduce's coded records (hvd_dgc/packing.py region_layout, region_block_bytes) --
+def round_values(values, value_bits):
+    """Values as one block sends them: ``(the values' bytes, each as it arrives, the
+    block's scale or None)``: 8 bits as ``fp8_values`` with one scale for the block;
+    16: fp16, clamped to its largest finite (what is beyond it arrives as that); 32: as
+    they are. Not finite: sent as NaN (8 bits) or as it is."""
+    values = f32(values)
+    if value_bits == 8:
+        codes, scales, arrived = fp8_values(values, np.zeros(values.size, np.int64), 1)
+        return codes, arrived, scales[0]
+    if value_bits == 16:
+        with np.errstate(invalid="ignore"):
+            half = np.where(np.isfinite(values), np.clip(values, -65504, 65504), values)
+        half = half.astype(np.float16)
+        return half.view(np.uint8), half.astype(np.float32), None
+    return values.view(np.uint8), values, None
+
+
+def region_block(positions, values, space, value_bits):
+    """One owner's block: ``positions`` (sorted, in its region space of ``space``) and
+    their ``values``, as ``[count int32][scale][positions coded][values]``. Returns
+    ``(bytes, the values as they arrive)``; no bytes where the space is empty."""
+    positions = np.asarray(positions, np.int64)
+    if space == 0:
+        return np.zeros(0, np.uint8), f32(values)
+    count = np.array([positions.size], np.int32).view(np.uint8)
+    if positions.size == 0:
+        return count, f32(values)
+    coded, arrived, scale = round_values(values, value_bits)
+    parts = [count] + ([np.array([scale], np.float32).view(np.uint8)] if scale is not None
+                       else []) + [encode_positions(positions, space), coded]
+    return np.concatenate(parts), arrived
+
+
+class CodedRegionReduce(NamedTuple):
+    indices: np.ndarray   # the launch's joint indices of the update, sorted
+    values: np.ndarray    # their sums over ranks, as they arrive (float32)
+    returned: list        # per rank, (indices, values) its owner's residual takes
+    lost: list            # per rank, (indices, values) its sends' rounding (where not 0),
+    #                       back in its memory
+    to_owners: list       # per rank, its block for each owner (round 1)
+    kept: list            # per rank, its kept block (round 2)
+
+
+def region_reduce_coded(selections, numels, ks, value_bits):
+    """Region reduce of one launch (tensors of ``numels`` elements selecting ``ks``, one
+    joint index space, tensor after tensor) on the coded wire, every rank at once.
+    ``selections[i]``: rank i's (joint indices, values), distinct indices. Sender: each
+    record to the owner of its index (index mod R_t), at position offset(j, t) + i // R_t
+    of that owner's region space, sorted; rounding per block. Owner: sums what arrived in
+    rank order (float32), keeps per tensor its ``quota`` largest |sum| (lower index on
+    ties), rounds them as one block; what it did not keep, and the rounding of what it
+    kept, go back into its residual."""
+    from hvd_dgc.aggregation import quota
+    from hvd_dgc.packing import region_layout
+    world = len(selections)
+    layout = region_layout(tuple(numels), tuple(ks), world)
+    starts = np.cumsum(numels) - np.asarray(numels)
+    r = np.asarray(layout.regions, np.int64)
+
+    def place(joint):
+        t = np.searchsorted(starts, joint, side="right") - 1
+        local = joint - starts[t]
+        owner = local % r[t]
+        return t, owner, layout.offsets[owner, t] + local // r[t]
+
+    def joint_of(owner, positions):
+        t = np.searchsorted(layout.offsets[owner], positions, side="right") - 1
+        return starts[t] + (positions - layout.offsets[owner, t]) * r[t] + owner
+
+    to_owners, lost, arrived_at = [], [], [[] for _ in range(world)]
+    for i, (idx, val) in enumerate(selections):
+        idx, val = np.asarray(idx, np.int64), f32(val)
+        _, owner, pos = place(idx)
+        blocks, lost_i, lost_v = [], [], []
+        for j in range(world):
+            mine = np.flatnonzero(owner == j)
+            mine = mine[np.argsort(pos[mine], kind="stable")]
+            block, arrived = region_block(pos[mine], val[mine], int(layout.spaces[j]),
+                                          value_bits)
+            blocks.append(block)
+            arrived_at[j].append((idx[mine], arrived))
+            with np.errstate(invalid="ignore"):
+                rest = np.where(np.isfinite(val[mine]), val[mine] - arrived, F32(0))
+            lost_i.append(idx[mine])
+            lost_v.append(rest.astype(np.float32))
+        to_owners.append(blocks)
+        li, lv = np.concatenate(lost_i), np.concatenate(lost_v)
+        order = np.argsort(li, kind="stable")
+        li, lv = li[order], lv[order]
+        lost.append((li[lv != 0], lv[lv != 0]))
+    kept_blocks, returned, out_i, out_v = [], [], [], []
+    for j in range(world):
+        cat_i = np.concatenate([a for a, _ in arrived_at[j]])
+        cat_v = np.concatenate([b for _, b in arrived_at[j]])
+        support, inverse = np.unique(cat_i, return_inverse=True)
+        sums = np.zeros(support.size, np.float32)
+        np.add.at(sums, inverse, cat_v)
+        t = place(support)[0]
+        keep = np.zeros(support.size, bool)
+        for tensor in np.unique(t):
+            at = np.flatnonzero(t == tensor)
+            order = at[np.lexsort((support[at], -np.abs(sums[at])))]
+            keep[order[:quota(ks[tensor], world)]] = True
+        block, arrived = region_block(place(support[keep])[2], sums[keep],
+                                      int(layout.spaces[j]), value_bits)
+        kept_blocks.append(block)
+        back = sums.copy()
+        back[keep] = sums[keep] - arrived
+        rest = ~keep | (back != 0)
+        returned.append((support[rest], back[rest]))
+        out_i.append(support[keep])
+        out_v.append(arrived)
+        assert (joint_of(j, place(support[keep])[2]) == support[keep]).all()
+    indices, values = np.concatenate(out_i), np.concatenate(out_v)
+    order = np.argsort(indices, kind="stable")
+    return CodedRegionReduce(indices[order], values[order], returned, lost, to_owners,
+                             kept_blocks)

@@ -564,9 +564,11 @@ class _RegionLaunch(NamedTuple):
 class RegionPath(AllgatherPath):
     """Region reduce (hvd_dgc/torch/region.py, after Ok-Topk): alltoall to the owners of
     N index regions, each keeps ceil(2k/N) of its sums, allgather of the kept. Bytes per
-    worker ~3k(N-1)/N: flat in N. What an owner does not keep goes back into its own
-    memory (error feedback). Values travel unscaled (predivide plays no part: sums are
-    formed once, on the owner).
+    worker ~3k(N-1)/N: flat in N. Each owner's records travel as one coded block
+    (packing.region_layout: positions in its region space, values in the allgather's
+    bits); what an owner does not keep, and what a rounding loses, go back into the
+    memory of whoever held it (error feedback). Values travel unscaled (predivide plays
+    no part: sums are formed once, on the owner).
 
     Momentum factor masking stays at send, as for allgather: masking only the sent
     coordinates the owners then applied measured no better (digits, N = 4, 4 seeds, one
@@ -577,12 +579,20 @@ class RegionPath(AllgatherPath):
     batched = True  # one alltoall and one allgather carry all of a step's: synchronize
 
     def record_bytes(self, part, counts):
-        """An int32 index and a value per record sent (region.py's records)."""
-        return [(count * self.ctx.compressor.record_bytes, count * INDEX_BYTES)
-                for count in counts]
+        """None yet: a block's bytes are known once coded (``launch``, ``advance`` count
+        them)."""
+        return [(0, 0) for _ in counts]
 
     def absorb(self, parts, planner):
         return parts
+
+    def _count(self, part, positions, weights, sent, coded):
+        """``sent`` bytes (``coded`` of them positions) of the members at ``positions``,
+        shared by ``weights`` (their records)."""
+        names = [part.members[p].name for p in positions]
+        for name, share, of_positions in zip(names, _shares(sent, weights),
+                                             _shares(coded, weights)):
+            self.ctx.stats.add_bytes(name, share, of_positions)
 
     def launch(self, part):
         sel = self.select(part)
@@ -591,7 +601,7 @@ class RegionPath(AllgatherPath):
         member = _member_of_each(sel.counts, device, sel.positions.numel())
         local = sel.positions - starts[member]
         values = sel.values
-        if part.launch.poison is not None:  # inf is the largest sum: some owner sends it
+        if part.launch.poison is not None:  # not finite is the largest sum: some owner sends it
             values = torch.where(part.launch.poison[list(part.index)][member],
                                  float("inf"), values)
         chunks, start, bounds = [], 0, [0]
@@ -604,24 +614,39 @@ class RegionPath(AllgatherPath):
                 total += numels[stop]
                 stop += 1
             lo, hi = bounds[start], bounds[stop]
-            chunks.append((RegionReduce(local[lo:hi], values[lo:hi], sel.counts[start:stop],
-                                        numels[start:stop], part.ks[start:stop],
-                                        self.ctx.compressor,
-                                        f"{part.launch.name}.region{len(chunks)}",
-                                        self.ctx.wire.process_set),
-                           list(range(start, stop))))
+            reduce = RegionReduce(local[lo:hi], values[lo:hi], sel.counts[start:stop],
+                                  numels[start:stop], part.ks[start:stop], self._bits(part),
+                                  f"{part.launch.name}.region{len(chunks)}",
+                                  self.ctx.wire.process_set)
+            members = list(range(start, stop))
+            self._count(part, members, sel.counts[start:stop], reduce.sent,
+                        reduce.sent_positions)
+            self._keep_lost(part, reduce, starts[start:stop])
+            chunks.append((reduce, members))
             start = stop
         return _RegionLaunch(part, chunks)
 
+    def _keep_lost(self, part, reduce, starts):
+        """What this rank's records lost to rounding (``reduce.lost``; members starting
+        at ``starts`` in the launch) back into its memory, as the allgather's
+        ``_keep_rest``; delayed averaging's own holds what arrives."""
+        indices, lost = reduce.lost
+        if not indices.numel():
+            return
+        tensor, local = reduce.split(indices)
+        at = starts[tensor] + local
+        self.ctx.memory.give_back(part.launch.block, at, lost)
+        if part.own is not None:
+            part.own.index_put_((at,), (part.own[at].float() - lost).to(part.own.dtype))
+
     def advance(self, handle):
-        record = self.ctx.compressor.record_bytes
         for reduce, positions in handle.chunks:
             if reduce.advanced:
                 continue
+            sent, coded = reduce.sent, reduce.sent_positions
             reduce.advance()
-            for position, kept in zip(positions, reduce.kept_counts):
-                self.ctx.stats.add_bytes(handle.part.members[position].name, kept * record,
-                                         kept * INDEX_BYTES)
+            self._count(handle.part, positions, reduce.kept_counts, reduce.sent - sent,
+                        reduce.sent_positions - coded)
 
     def collect(self, handle, out):
         self.advance(handle)
@@ -631,16 +656,30 @@ class RegionPath(AllgatherPath):
         out.zero(part.lo, part.hi)
         for reduce, positions in handle.chunks:
             res = reduce.collect()
+            for position, share in zip(positions, _shares(res.received, [
+                    part.ks[p] for p in positions])):
+                ctx.stats.add_received(part.members[position].name, share)
             device = res.values.device
             starts = on_device(tuple(offsets[p] for p in positions), str(device))
             tensor, local = reduce.split(res.indices)
             values = res.values if post == 1.0 else res.values * post
             out.add(starts[tensor] + local, values)  # each index once
-            # error feedback: this rank's regions' unsent sums go back into its memory
+            # error feedback: this rank's regions' unsent sums, and what its kept sums
+            # lost to rounding, go back into its memory
             back_indices, back_values = res.returned
             ctx.stats.add_returned(back_indices.numel())
             tensor, local = reduce.split(back_indices)
             ctx.memory.give_back(part.launch.block, starts[tensor] + local, back_values)
+
+
+def _shares(total, weights):
+    """``total`` shared in proportion to ``weights`` (the remainder, or all where the
+    weights are zero, to the last)."""
+    weights = list(weights)
+    whole = sum(weights)
+    shares = [total * w // whole for w in weights] if whole else [0] * len(weights)
+    shares[-1] += total - sum(shares)
+    return shares
 
 
 class _HierarchicalLaunch(NamedTuple):

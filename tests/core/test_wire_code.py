@@ -296,3 +296,81 @@ def test_the_cpu_kernel_codes_positions_as_atens_operations_do(n, k, monkeypatch
     assert torch.equal(codes[True][1], codes[False][1])
     assert codes[True][1].tolist() == [r.tolist() for r in rows]
     assert np.array_equal(codes[True][0][0].numpy(), ref.encode_positions(rows[0], n))
+
+
+def test_region_spaces_by_hand():
+    """Three tensors of 10, 7 and 3 elements selecting 2, 1 and 1 on 4 ranks: the first
+    cut into 4 regions, the others into 2 (2k); owner j's space holds its indices of
+    each tensor, tensor after tensor."""
+    from hvd_dgc.packing import region_layout
+    layout = region_layout((10, 7, 3), (2, 1, 1), 4)
+    assert layout.regions == (4, 2, 2)
+    # owner 0: 0 4 8 | 0 2 4 6 | 0 2; owner 1: 1 5 9 | 1 3 5 | 1; owners 2, 3: 2 6 / 3 7
+    assert layout.offsets.tolist() == [[0, 3, 7], [0, 3, 6], [0, 2, 2], [0, 2, 2]]
+    assert layout.spaces.tolist() == [9, 7, 2, 2]
+
+
+def _hand_block(bits):
+    """Owner 1's block of that launch from a rank sending indices 5 (tensor 0), 3
+    (tensor 1) and 1 (tensor 2): positions 5 // 4 = 1, 3 + 3 // 2 = 4, 6 + 1 // 2 = 6 of
+    its 7, a bitmap (1 byte, Elias-Fano's would take 2): bits 1, 4 and 6."""
+    return ref.region_block([1, 4, 6], np.array([2.0, -0.5, 0.25], np.float32), 7, bits)
+
+
+def test_a_region_block_by_hand():
+    block, arrived = _hand_block(32)
+    assert block.tolist() == [3, 0, 0, 0, 2 + 16 + 64] + list(
+        np.array([2.0, -0.5, 0.25], np.float32).view(np.uint8))
+    block, arrived = _hand_block(8)
+    # the scale 2 / 448; codes 448 (0x7E), -112 (1.75 * 2**6: 1 1101 110 = 0xEE) and
+    # 56 (1.75 * 2**5: 0 1100 110 = 0x66), each exact
+    assert block.tolist() == [3, 0, 0, 0] + list(
+        np.array([np.float32(2) / np.float32(448)], np.float32).view(np.uint8)) + \
+        [82, 0x7E, 0xEE, 0x66]
+    assert arrived.tolist() == [2.0, -0.5, 0.25]
+    assert ref.region_block([], [], 7, 8)[0].tolist() == [0, 0, 0, 0]  # a count, no more
+    assert ref.region_block([], [], 0, 8)[0].size == 0  # an empty space: no block
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_torch_codes_region_blocks_byte_for_byte_as_the_reference(bits):
+    """One rank's blocks of a launch of four tensors on 4 ranks (one tensor with fewer
+    regions than ranks, one selecting all it has), coded by PyTorch as by the reference,
+    read back to what arrives."""
+    import torch
+    from hvd_dgc.packing import region_block_bytes, region_layout
+    from hvd_dgc.torch.region import code_blocks, read_block
+    numels, ks, world = (1000, 37, 3, 64), (10, 2, 1, 64), 4
+    gen = np.random.default_rng(bits)
+    chosen = [np.sort(gen.choice(n, k, replace=False)) for n, k in zip(numels, ks)]
+    starts = np.cumsum(numels) - np.asarray(numels)
+    joint = np.concatenate([c + s for c, s in zip(chosen, starts)])
+    values = (gen.standard_normal(joint.size) * 10.0 ** gen.integers(-3, 3, joint.size))
+    values = values.astype(np.float32)
+    values[3] = 1e6  # beyond fp16: arrives as 65504, the rest kept
+    selections = [(joint, values)] + [(np.zeros(0, np.int64), np.zeros(0, np.float32))] * 3
+    want = ref.region_reduce_coded(selections, numels, ks, bits)
+    layout = region_layout(numels, ks, world)
+    t = np.repeat(np.arange(4), ks)
+    local = joint - starts[t]
+    r = np.asarray(layout.regions)[t]
+    owner, position = local % r, layout.offsets[local % r, t] + local // r
+    order = np.lexsort((position, owner))
+    payload, lengths, arrived, _ = code_blocks(
+        torch.from_numpy(owner[order]), torch.from_numpy(position[order]),
+        torch.from_numpy(values[order]), layout.spaces, bits)
+    assert lengths == [b.size for b in want.to_owners[0]]
+    assert payload.numpy().tolist() == np.concatenate(want.to_owners[0]).tolist()
+    at = 0
+    for j, length in enumerate(lengths):
+        positions, got, used = read_block(payload, at, int(layout.spaces[j]), bits)
+        mine = order[owner[order] == j]
+        assert used == length == region_block_bytes(int(layout.spaces[j]), mine.size, bits)
+        assert positions.tolist() == position[mine].tolist()
+        assert np.array_equal(got.numpy(), arrived.numpy()[np.isin(order, mine)])
+        at += length
+    lost_i, lost_v = want.lost[0]
+    back = values[order] - arrived.numpy()
+    assert np.array_equal(np.sort(joint[order][back != 0]), lost_i)
+    if bits == 16:
+        assert back[np.flatnonzero(order == 3)[0]] == np.float32(1e6 - 65504)
