@@ -54,7 +54,7 @@ def _dgc(planner, tensors, world):
     """SGD DGC at the final density: ``(sent, received, paths)`` a step."""
     from hvd_dgc.aggregation import dense_bytes
     from hvd_dgc.packing import REGION_COUNT_BYTES, SCALE_BYTES, folds_values, \
-        gather_value_bits, index_bytes
+        gather_value_bits, index_bytes, region_value_bits
     from hvd_dgc.paths import PathKind
     from hvd_dgc.fusion import fusion_threshold
     from hvd_dgc.torch.memory import aligned_size
@@ -97,8 +97,10 @@ def _dgc(planner, tensors, world):
                                                    PathKind.REGION)
                 sent, received = sent + region, received + region
     if paths.get(PathKind.REGION.value):  # one launch a step (batched): its blocks'
-        # heads, a count and (8 bits) a scale from and to each other rank, both rounds
-        heads = 2 * (world - 1) * (REGION_COUNT_BYTES + scale)
+        # heads, a count (and, 8-bit values, a scale) from and to each other rank, both
+        # rounds
+        heads = 2 * (world - 1) * (REGION_COUNT_BYTES + (
+            SCALE_BYTES if region_value_bits(planner.compressor) == 8 else 0))
         sent, received = sent + heads, received + heads
     return sent, received, paths
 

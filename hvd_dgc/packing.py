@@ -22,7 +22,7 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "si
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
            "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values",
            "RegionLayout", "region_layout", "region_block_bytes", "region_record_bytes",
-           "region_record", "REGION_COUNT_BYTES"]
+           "region_record", "region_value_bits", "REGION_COUNT_BYTES"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -274,6 +274,7 @@ def gather_record_bytes(compressor, n, k):
 # The values in ``value_bits`` (8: float8 e4m3 of value / scale, the block's largest
 # finite magnitude / 448, as ``fp8_values``; 16: fp16; 32: as they are), what the
 # rounding loses kept by whoever rounded (the sender's memory, the owner's residual).
+# The optimizer sends them whole (``region_value_bits``).
 # An owner whose space is empty (a tensor of few records has fewer regions than ranks)
 # gets no block at all: every rank knows the spaces. The NumPy reference both rounds are
 # held to: tests/reference.py ``region_blocks``.
@@ -326,10 +327,18 @@ def region_record_bytes(n, k, world, value_bits):
     return positions / (first + second) + value_bits / 8
 
 
+def region_value_bits(compressor):
+    """The bits of a value on region reduce's wire: whole, fp32 (fp16 where the
+    compressor's records are, ``fp16_values``). In 8 bits, as on the allgather, region
+    reduce trained digits 0.49 points below its fp32 values at 4 ranks (8 seeds,
+    deterministic; bench/results/region_accuracy.md): the owners' sums round twice."""
+    return 8 * getattr(compressor, "value_bytes", 4)
+
+
 def region_record(compressor, n, k, world):
     """A record on region reduce's wire as ``compressor``'s path sends it: coded where
     the compressor's records are (``codes_positions``: PyTorch's,
     ``region_record_bytes``), else an int32 index and a value (TensorFlow's)."""
     if _codes_positions(compressor):
-        return region_record_bytes(n, k, world, gather_value_bits(compressor))
+        return region_record_bytes(n, k, world, region_value_bits(compressor))
     return getattr(compressor, "record_bytes", 8)

@@ -33,7 +33,8 @@ from horovod.torch.mpi_ops import Average, Sum
 from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
-from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes
+from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes, \
+    region_value_bits
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
@@ -565,10 +566,10 @@ class RegionPath(AllgatherPath):
     """Region reduce (hvd_dgc/torch/region.py, after Ok-Topk): alltoall to the owners of
     N index regions, each keeps ceil(2k/N) of its sums, allgather of the kept. Bytes per
     worker ~3k(N-1)/N: flat in N. Each owner's records travel as one coded block
-    (packing.region_layout: positions in its region space, values in the allgather's
-    bits); what an owner does not keep, and what a rounding loses, go back into the
-    memory of whoever held it (error feedback). Values travel unscaled (predivide plays
-    no part: sums are formed once, on the owner).
+    (packing.region_layout: positions in its region space; values whole, fp32 or fp16,
+    packing.region_value_bits); what an owner does not keep, and what fp16 loses, go
+    back into the memory of whoever held it (error feedback). Values travel unscaled
+    (predivide plays no part: sums are formed once, on the owner).
 
     Momentum factor masking stays at send, as for allgather: masking only the sent
     coordinates the owners then applied measured no better (digits, N = 4, 4 seeds, one
@@ -615,7 +616,8 @@ class RegionPath(AllgatherPath):
                 stop += 1
             lo, hi = bounds[start], bounds[stop]
             reduce = RegionReduce(local[lo:hi], values[lo:hi], sel.counts[start:stop],
-                                  numels[start:stop], part.ks[start:stop], self._bits(part),
+                                  numels[start:stop], part.ks[start:stop],
+                                  region_value_bits(self.ctx.compressor),
                                   f"{part.launch.name}.region{len(chunks)}",
                                   self.ctx.wire.process_set)
             members = list(range(start, stop))

@@ -422,11 +422,11 @@ def test_the_allgather_is_priced_by_the_wire_it_sends():
 def test_the_step_chooses_between_the_allgather_and_region_reduce():
     """Region reduce carries all of a PyTorch step's tensors in one launch (its two rounds
     of latency paid once a step); the allgather pays one round per bucket. Tensor by
-    tensor the allgather's one round looks cheaper at any N; for the step, from 4 ranks
+    tensor the allgather's one round looks cheaper at any N; for the step, from 8 ranks
     on the assumed link, region reduce is, and its bytes stay flat in N
-    (bench/results/wire.md). At 2 ranks the small tensors riding the allgather in 8 bits
-    (which region reduce sends dense) keep the allgather. The planner chooses for the
-    step (``flat_at``)."""
+    (bench/results/wire.md); below, the allgather's 8-bit values (region reduce sends
+    them whole) and the small tensors riding it keep the allgather. The planner chooses
+    for the step (``flat_at``)."""
     from harness.shapes import numel, resnet50_shapes
     tensors = [TensorInfo(i, name, numel(shape), tuple(shape))
                for i, (name, shape) in enumerate(resnet50_shapes())]
@@ -437,7 +437,7 @@ def test_the_step_chooses_between_the_allgather_and_region_reduce():
     for world in (2, 4, 8, 1024):
         planner = Planner(resolved, tensors, world)
         chosen[world] = {planner.path(t, 0.001) for t in tensors if planner.large(t)}
-    assert chosen == {2: {PathKind.ALLGATHER}, 4: {PathKind.REGION},
+    assert chosen == {2: {PathKind.ALLGATHER}, 4: {PathKind.ALLGATHER},
                       8: {PathKind.REGION}, 1024: {PathKind.REGION}}
     model, big = CostModel(), max(tensors, key=lambda t: t.numel)
     k = num_selected(big.numel, 0.001)
