@@ -22,7 +22,7 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "si
            "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
            "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values",
            "RegionLayout", "region_layout", "region_block_bytes", "region_record_bytes",
-           "region_record", "region_value_bits", "REGION_COUNT_BYTES"]
+           "region_record", "region_value_bits", "REGION_COUNT_BYTES", "shares_of"]
 
 SCALE_BYTES = 4  # one float32 scale or norm
 
@@ -96,9 +96,17 @@ def sign_shares(numels, world):
     proportion to its elements, the remainder to the last): what the statistics count
     for each."""
     numels = [int(n) for n in numels]
-    sent, total = sign_reduce_bytes(numels, world)[0], max(1, sum(numels))
-    shares = [sent * n // total for n in numels]
-    shares[-1] += sent - sum(shares)
+    return shares_of(sign_reduce_bytes(numels, world)[0], numels)
+
+
+def shares_of(total, weights):
+    """``total`` bytes shared in proportion to ``weights`` (integers; the remainder, or
+    all where the weights are zero, to the last): a launch's bytes as its tensors' in the
+    statistics."""
+    weights = list(weights)
+    whole = sum(weights)
+    shares = [total * w // whole for w in weights] if whole else [0] * len(weights)
+    shares[-1] += total - sum(shares)
     return shares
 
 
@@ -277,7 +285,7 @@ def gather_record_bytes(compressor, n, k):
 # The optimizer sends them whole (``region_value_bits``).
 # An owner whose space is empty (a tensor of few records has fewer regions than ranks)
 # gets no block at all: every rank knows the spaces. The NumPy reference both rounds are
-# held to: tests/reference.py ``region_blocks``.
+# held to: tests/reference.py ``region_reduce_coded``.
 REGION_COUNT_BYTES = 4
 
 

@@ -34,7 +34,7 @@ from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes, \
-    region_value_bits
+    region_value_bits, shares_of
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
@@ -325,8 +325,7 @@ class AllgatherPath(_Path):
         bits = self._bits(part)
         total = sum(part.ks)
         code = index_bytes(part.hi - part.lo, total)
-        shares = [code * k // total for k in part.ks]
-        shares[-1] += code - sum(shares)
+        shares = shares_of(code, part.ks)
         scale = SCALE_BYTES if bits == 8 else 0  # a tensor's scale (8 bits)
         return [(k * bits // 8 + scale + share, share) for k, share in zip(part.ks, shares)]
 
@@ -591,8 +590,8 @@ class RegionPath(AllgatherPath):
         """``sent`` bytes (``coded`` of them positions) of the members at ``positions``,
         shared by ``weights`` (their records)."""
         names = [part.members[p].name for p in positions]
-        for name, share, of_positions in zip(names, _shares(sent, weights),
-                                             _shares(coded, weights)):
+        for name, share, of_positions in zip(names, shares_of(sent, weights),
+                                             shares_of(coded, weights)):
             self.ctx.stats.add_bytes(name, share, of_positions)
 
     def launch(self, part):
@@ -658,7 +657,7 @@ class RegionPath(AllgatherPath):
         out.zero(part.lo, part.hi)
         for reduce, positions in handle.chunks:
             res = reduce.collect()
-            for position, share in zip(positions, _shares(res.received, [
+            for position, share in zip(positions, shares_of(res.received, [
                     part.ks[p] for p in positions])):
                 ctx.stats.add_received(part.members[position].name, share)
             device = res.values.device
@@ -672,16 +671,6 @@ class RegionPath(AllgatherPath):
             ctx.stats.add_returned(back_indices.numel())
             tensor, local = reduce.split(back_indices)
             ctx.memory.give_back(part.launch.block, starts[tensor] + local, back_values)
-
-
-def _shares(total, weights):
-    """``total`` shared in proportion to ``weights`` (the remainder, or all where the
-    weights are zero, to the last)."""
-    weights = list(weights)
-    whole = sum(weights)
-    shares = [total * w // whole for w in weights] if whole else [0] * len(weights)
-    shares[-1] += total - sum(shares)
-    return shares
 
 
 class _HierarchicalLaunch(NamedTuple):

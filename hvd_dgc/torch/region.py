@@ -11,12 +11,13 @@ one allgather shares the kept ones. About 3k(N-1)/N records per worker, whatever
 
 Both rounds send an owner's records as one block, coded as the allgather's are
 (hvd_dgc/packing.py ``region_layout``: positions in the owner's region space, Elias-Fano
-or a bitmap, about 12 bits at density 0.001; values in ``value_bits``, 8 by default
-with one scale a block). What a rounding loses stays with whoever rounded: the sender's
-in its memory (``RegionResult.lost``), the owner's in its residual with the sums it did
-not keep (``RegionResult.returned``), so nothing is lost: the sum over ranks of the
-memories plus the update is what it was before the step. Every rank reads the same
-allgather, so every rank applies the same update, bit for bit.
+or a bitmap, about 12 bits at density 0.001; values in ``value_bits``: 32 or 16, as the
+optimizer sends them, packing.region_value_bits, or 8 with one scale a block). What a
+rounding loses stays with whoever rounded: the sender's in its memory
+(``RegionResult.lost``), the owner's in its residual with the sums it did not keep
+(``RegionResult.returned``), so nothing is lost: the sum over ranks of the memories plus
+the update is what it was before the step. Every rank reads the same allgather, so
+every rank applies the same update, bit for bit.
 
 Many tensors travel together (one alltoall and one allgather per launch, whatever the
 number of tensors), each keeping its own regions and quota; a launch's tensors may hold
@@ -142,8 +143,7 @@ class RegionReduce:
             fewer than k).
         numels, ks: per tensor, its size and the k of the selection (its regions and
             quota: aggregation.regions, aggregation.quota); identical on every rank.
-        value_bits: 8, 16 or 32 (packing.gather_value_bits: the compressor's, whole at
-            density 1).
+        value_bits: 8, 16 or 32 (the optimizer's: packing.region_value_bits).
     """
 
     def __init__(self, indices, values, counts, numels, ks, value_bits, name,
@@ -167,9 +167,8 @@ class RegionReduce:
         tensor = torch.repeat_interleave(torch.arange(len(counts), device=device),
                                          counts_t, output_size=indices.numel())
         local = indices.to(torch.int64)
-        r = self._regions[tensor]
-        owner = owners(local, r)
-        position = self._offsets[owner, tensor] + local // r
+        owner = owners(local, self._regions[tensor])
+        position = self.position(owner, tensor, local)
         space = max(1, int(self.layout.spaces.max()))
         order = torch.argsort(owner * space + position)
         values = values[order]
@@ -190,8 +189,14 @@ class RegionReduce:
         self.advanced = False
         self.kept_counts = None  # per tensor, records this rank kept as owner (advance)
 
+    def position(self, owner, tensor, local):
+        """Where index ``local`` of ``tensor`` lies in its ``owner``'s region space
+        (packing.region_layout)."""
+        return self._offsets[owner, tensor] + local // self._regions[tensor]
+
     def joint(self, owner, positions):
-        """Joint indices of ``positions`` in ``owner``'s region space."""
+        """Joint indices of ``positions`` in ``owner``'s region space (``position``'s
+        inverse, the tensors one after the other)."""
         row = self._offsets[owner]
         tensor = torch.searchsorted(row, positions, right=True) - 1
         return self.starts[tensor] + (positions - row[tensor]) * self._regions[tensor] + owner
@@ -233,8 +238,7 @@ class RegionReduce:
                               device=device)
         keep = torch.zeros(unique.numel(), dtype=torch.bool, device=device)
         keep[ranked[place < quotas[tensor[ranked]]]] = True
-        mine = self._offsets[self.rank, tensor[keep]] + local[keep] // self._regions[
-            tensor[keep]]
+        mine = self.position(self.rank, tensor[keep], local[keep])
         kept, _, arrived, coded = code_blocks(torch.zeros_like(mine), mine, sums[keep],
                                               [space], bits)
         residual = sums.clone()
