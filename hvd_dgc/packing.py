@@ -19,7 +19,8 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "si
            "check_sign_collective", "sign_reduces", "reduces_signs", "exchange_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
-           "gather_record_bytes", "fold_index_bytes", "FP8_MAX", "GATHER_VALUE_BITS",
+           "gather_record_bytes", "gather_block_bytes", "fold_block_bytes", "fold_index_bytes",
+           "FP8_MAX", "GATHER_VALUE_BITS",
            "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values",
            "RegionLayout", "region_layout", "region_block_bytes", "region_record_bytes",
            "region_record", "region_value_bits", "REGION_COUNT_BYTES", "shares_of"]
@@ -200,15 +201,14 @@ def index_bytes(n, k):
 
 
 def _codes_positions(compressor):
-    """Does the allgather path code this compressor's positions (PyTorch's)?"""
+    """Does the allgather path code this compressor's positions (both frameworks')?"""
     return getattr(compressor, "codes_positions", False)
 
 
 def gather_index_bytes(compressor, n, k):
     """A record's position on the allgather path of ``k`` records among ``n``: coded
-    where the compressor's records are (``codes_positions``: PyTorch's, about 12 bits at
-    density 0.001), else an int32 (region reduce, hierarchical DGC and TensorFlow send
-    those)."""
+    where the compressor's records are (``codes_positions``: hvd_dgc's compressors,
+    about 12 bits at density 0.001), else an int32 (hierarchical DGC sends those)."""
     if _codes_positions(compressor) and 0 < k < n:
         return index_bytes(n, k) / k
     return 4
@@ -222,7 +222,7 @@ def fold_index_bytes(compressor):
 
 
 # -- a record's value on the allgather ---------------------------------------------------
-# Where the values go in 8 bits (``value_bits=8``, PyTorch's default), each is a float8
+# Where the values go in 8 bits (``value_bits=8``, the default), each is a float8
 # e4m3 code of ``value / scale``, one float32 ``scale`` per tensor (its largest finite
 # magnitude / 448, so the largest maps to e4m3's largest): 1/16 relative precision over
 # the 2**17 of range below it, and 0 exact (a filler record, a folded tensor's zeros).
@@ -264,6 +264,19 @@ def gather_value_bytes(compressor, k, tensors=1):
     if bits == 8:
         return 1 + SCALE_BYTES * tensors / max(k, 1)
     return bits // 8
+
+
+def gather_block_bytes(n, k, value_bits):
+    """One tensor's k records on the allgather, coded: their positions
+    (``index_bytes``), then their values in ``value_bits``, then in 8 bits the float32
+    scale (PyTorch's part of one tensor; TensorFlow sends every tensor so)."""
+    return index_bytes(n, k) + k * value_bits // 8 + (SCALE_BYTES if value_bits == 8 else 0)
+
+
+def fold_block_bytes(n, value_bits):
+    """A dense tensor of ``n`` elements folded into the allgather: its values alone
+    (every index, which every rank knows), then in 8 bits the float32 scale."""
+    return n * value_bits // 8 + (SCALE_BYTES if value_bits == 8 else 0)
 
 
 def gather_record_bytes(compressor, n, k):
@@ -345,8 +358,8 @@ def region_value_bits(compressor):
 
 def region_record(compressor, n, k, world):
     """A record on region reduce's wire as ``compressor``'s path sends it: coded where
-    the compressor's records are (``codes_positions``: PyTorch's,
+    the compressor's region records are (``codes_regions``: PyTorch's,
     ``region_record_bytes``), else an int32 index and a value (TensorFlow's)."""
-    if _codes_positions(compressor):
+    if getattr(compressor, "codes_regions", False):
         return region_record_bytes(n, k, world, region_value_bits(compressor))
     return getattr(compressor, "record_bytes", 8)

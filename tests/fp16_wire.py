@@ -121,15 +121,17 @@ def record_reference(world=2, steps=RECORD_STEPS):
 
 
 def tf_sparse_records():
-    """The tape with fp16 records (``Compression.topk(fp16_values=True)``): every step's
-    average, the bytes per record, and delay=1 + flush against the synchronous run (equal
-    only if the delayed path's own is what the others read: the fp16 value). Also:
+    """The tape with fp16 records (``Compression.topk(fp16_values=True, value_bits=16)``;
+    8 bits, the default, are held to the reference in tests/core/test_wire_code.py):
+    every step's average, the bytes per record, and delay=1 + flush against the
+    synchronous run (equal only if the delayed path's own is what the others read: the
+    fp16 value). Also:
     Horovod's Compression.fp16 turns fp16 records on, as in PyTorch."""
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import hvd_dgc.tensorflow as hvd
     rank = hvd.rank()
-    comp = hvd.Compression.topk(fp16_values=True)
+    comp = hvd.Compression.topk(fp16_values=True, value_bits=16)
     density = RECORD_K / RECORD_NUMEL
     out = {}
     for delay in (0, 1):

@@ -1,13 +1,15 @@
 """Compressors for TensorFlow, subclassing Horovod's ``Compressor`` (what is sent).
 
 The same choices as the PyTorch side (hvd_dgc/torch/compression.py): DGC's
-sampled-threshold top-k and an exact top-k, each tensor packed into one
-buffer so it costs one allgather. Records are int32 pairs ``[index,
-bitcast(value)]``: an int32 tensor carries any float's bits untouched (a
+sampled-threshold top-k and an exact top-k, with the same options. On the allgather
+a tensor's records travel coded (positions.py: the positions in Elias-Fano or a
+bitmap, the values in ``value_bits``: 8 by default, float8 and a scale, the rounding
+kept in the memory). Region reduce and hierarchical DGC send records as int32 pairs
+``[index, bitcast(value)]``: an int32 tensor carries any float's bits untouched (a
 float tensor carrying indices could see them flushed as denormals). With
-``fp16_values`` (Horovod's ``Compression.fp16`` sets it, as in PyTorch) a record
+``fp16_values`` (Horovod's ``Compression.fp16`` sets it, as in PyTorch) such a record
 travels as three int16s ``[index low, index high, fp16 bits]``: 6 bytes, as
-PyTorch's; ``to_wire`` / ``from_wire`` convert around the allgather.
+PyTorch's; ``to_wire`` / ``from_wire`` convert around the collective.
 
 Written in TF ops with a dynamic ``k`` so a density that changes during
 warm-up needs no retrace of the user's ``tf.function``.
@@ -17,6 +19,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor, FP16Compressor, NoneCompressor
 
 from hvd_dgc.config import CompressorOptions
+from hvd_dgc.packing import check_value_bits
 from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce_error
 from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.tensorflow.powersgd import PowerSGDCompressor
@@ -29,18 +32,32 @@ __all__ = ["Compression", "DGCCompressor", "TopKCompressor", "PowerSGDCompressor
 class SparseCompressor(CompressorOptions, Compressor):
     """Base of the sparse compressors. Options, copies and identity as PyTorch's
     (hvd_dgc/config.py): hashable by their options, as Horovod's TF code keys on the
-    compression it is given; an option a compressor does not have is refused."""
+    compression it is given; an option a compressor does not have is refused.
+
+    Args:
+        seed: seed of the selection's draws (ranks offset it by their rank).
+        fp16_values: values as float16 (what Horovod's ``Compression.fp16`` turns on):
+            the allgather's at most 16 bits, region reduce's and hierarchical DGC's
+            6-byte records.
+        value_bits: bits of each value the allgather sends: 8 (float8 e4m3 and a float32
+            scale per tensor, what the rounding loses kept in the memory), 16 or 32; at
+            most 16 with ``fp16_values``; whole at density 1.
+    """
 
     name = "sparse"
     sparse = True  # selects records from the memory (hvd_dgc.paths.compressor_kind)
+    codes_positions = True  # the allgather path codes its records (positions.py)
+    codes_regions = False   # region reduce and hierarchical DGC send int32 records
     INDEX_BYTES = 4
 
-    def __init__(self, seed=0, fp16_values=False):
+    def __init__(self, seed=0, fp16_values=False, value_bits=8):
         self.seed = int(seed)
         self.fp16_values = bool(fp16_values)
+        self.value_bits = check_value_bits(value_bits)
 
     def _options(self):
-        return {"seed": self.seed, "fp16_values": self.fp16_values}
+        return {"seed": self.seed, "fp16_values": self.fp16_values,
+                "value_bits": self.value_bits}
 
     @property
     def value_bytes(self):
@@ -127,8 +144,8 @@ class DGCCompressor(SparseCompressor, DGCSampling):
     name = "dgc"
 
     def __init__(self, seed=0, sample_ratio=0.01, window=(0.8, 1.3), threshold_decay=0.8,
-                 max_adapt_rounds=10, min_sample=2048, fp16_values=False):
-        SparseCompressor.__init__(self, seed, fp16_values)
+                 max_adapt_rounds=10, min_sample=2048, fp16_values=False, value_bits=8):
+        SparseCompressor.__init__(self, seed, fp16_values, value_bits)
         DGCSampling.__init__(self, sample_ratio, window, threshold_decay, max_adapt_rounds,
                              min_sample)
 

@@ -36,16 +36,20 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvd_dgc.aggregation import chunk_spans, slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
-from hvd_dgc.packing import reduces_signs, sign_shares
+from hvd_dgc.packing import fold_block_bytes, folds_values, gather_block_bytes, \
+    gather_value_bits, index_bytes, reduces_signs, sign_shares
 from hvd_dgc.paths import ORDER, PathKind
 from hvd_dgc.stats import RECORDS
 from hvd_dgc.tensorflow.collective import Comm
 from hvd_dgc.tensorflow.compression import SparseCompressor
 from hvd_dgc.tensorflow.memory import local_gradient
+from hvd_dgc.tensorflow.positions import decode_records, decode_values, encode_records, \
+    encode_values
 from hvd_dgc.tensorflow.region import share_kept, to_owners
 
-__all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Correction", "ExchangePaths",
-           "DensePath", "AllgatherPath", "RegionPath", "HierarchicalPath", "ExchangePath",
+__all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Folded", "Correction",
+           "ExchangePaths", "DensePath", "RecordsPath", "AllgatherPath", "RegionPath",
+           "HierarchicalPath", "ExchangePath",
            "SignGroupPath", "SparseGradPath", "host_slice", "later_positions"]
 
 
@@ -154,7 +158,8 @@ class Part(NamedTuple):
     name: str
     members: tuple    # tensor indices
     payloads: tuple   # each member's, as ``take`` made it (NumPy on delayed's threads)
-    ks: object        # records each may send (a tuple, or an int32 tensor)
+    ks: object        # records each may send (a tuple, or an int32 tensor); on the
+    #                   allgather, Folded(bits) for a dense tensor riding along
 
     def tag(self, what):
         """The name of the part's collective ``what`` (every rank names it alike)."""
@@ -165,6 +170,13 @@ class Part(NamedTuple):
         if len(self.members) == 1:
             return [self.tag(what)]
         return [f"{self.name}.{what}.{i}" for i in self.members]
+
+
+class Folded(NamedTuple):
+    """The k of a dense tensor folded into the allgather (``DensePath.fold``): its
+    values alone, every index, in ``bits``."""
+
+    bits: int
 
 
 class Correction(NamedTuple):
@@ -190,6 +202,9 @@ class _Path:
     reads_gradient = False
     #: delayed averaging runs its launches one after another, in launch order
     serial = False
+    #: its payload's size depends on k, which it is given as a Python int
+    #: (``ExchangePaths.choose``); else this step's k, a tensor
+    static_k = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -228,40 +243,52 @@ class DensePath(_Path):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        #: tensor -> per density stage, is it folded into the step's allgathers
-        #: (``ExchangePaths.replan``: costmodel.folds, as PyTorch's AllgatherPath.absorb)
+        #: tensor -> per density stage, the bits its values take folded into the step's
+        #: allgathers, 0 where it is not (``ExchangePaths.replan``: costmodel.folds, as
+        #: PyTorch's AllgatherPath.absorb)
         self.folds = {}
 
     def synchronous(self, i, v, k, at, poison=None):
         """Tensor i's average: an allreduce of its velocity, or where the plan folds it,
-        the same values as records of every index in an allgather that Horovod fuses
-        with the sparse tensors' allgathers: one Horovod operation a step instead of
-        two, two round trips fewer over a WAN (bench/results/round_trips.md)."""
+        its values alone in an allgather that Horovod fuses with the sparse tensors'
+        allgathers: one Horovod operation a step instead of two, two round trips fewer
+        over a WAN (bench/results/round_trips.md)."""
         stages = self.folds.get(i)
-        if not stages:
+        if not stages or not any(stages):
             return super().synchronous(i, v, k, at, poison)
-        if all(stages):
-            return self._folded(i, v, at, poison)
-        return tf.cond(tf.gather(tf.constant(stages), at.stage),
-                       lambda: self._folded(i, v, at, poison),
-                       lambda: _Path.synchronous(self, i, v, k, at, poison))
+        used = sorted(set(stages))
 
-    def fold(self, i, v, at, poison=None):
-        """The dense path's payload (its memory and statistics as they are) as records
-        ``[index | value]`` of every index, prescaled as an allgather's."""
+        def run(bits):
+            if bits == 0:
+                return _Path.synchronous(self, i, v, k, at, poison)
+            return self._folded(i, v, bits, at, poison)
+        if len(used) == 1:
+            return run(used[0])
+        codes = tf.constant([used.index(bits) for bits in stages], tf.int32)
+        return tf.switch_case(tf.gather(codes, at.stage),
+                              [lambda bits=bits: run(bits) for bits in used])
+
+    def fold(self, i, v, bits, at, poison=None):
+        """Tensor i's velocity, all of it leaving the memory, as the allgather carries a
+        folded tensor: its values alone (every index, known to every rank), prescaled,
+        in ``bits`` (positions.py ``encode_values``), what the rounding loses kept in the
+        memory as the records' is."""
         ctx, n = self.ctx, self.ctx.numel(i)
-        payload = self.take(i, v, None, at, poison)
-        ctx.statistics.add(bytes_sent=SparseCompressor.INDEX_BYTES * n,  # + the indices
-                           cause=ctx.statistics.cause_of(self.kind, n))
-        return SparseCompressor.pack(payload * ctx.wire.scales()[0],
-                                     tf.range(n, dtype=tf.int32))
+        ctx.memory.sent_all(i)
+        ctx.statistics.count(self.kind, n, n, fold_block_bytes(n, bits))
+        pre = ctx.wire.scales()[0]
+        values = v * pre if poison is None else poisoned(v * pre, poison)
+        coded, arrived = encode_values(values, bits)
+        if bits < 32:
+            ctx.memory.keep(i, tf.where(tf.math.is_finite(values), v - arrived / pre, 0.0))
+        return coded
 
-    def _folded(self, i, v, at, poison):
-        """``fold``'s records in an allgather of their own; each rank sums them."""
+    def _folded(self, i, v, bits, at, poison):
+        """``fold``'s values in an allgather of their own; each rank sums them."""
         ctx = self.ctx
-        got = _hvd.allgather(self.fold(i, v, at, poison), name=f"hvd_dgc.{i}.folded",
+        got = _hvd.allgather(self.fold(i, v, bits, at, poison), name=f"hvd_dgc.{i}.folded",
                              process_set=ctx.wire.process_set)
-        return SparseCompressor.scatter_sum(got, ctx.numel(i)) * ctx.wire.gathered()
+        return folded_sum(got, ctx.numel(i), bits) * ctx.wire.gathered()
 
     def shortcut(self, i, grad, poison=None):
         """Tensor i's payload where every rank's memory of it may be settled (dense at
@@ -307,7 +334,7 @@ class DensePath(_Path):
         own = tf.cast(self._payload(i, v), tf.float32)
         return Sent(own, own)
 
-    def nothing(self, i, at):
+    def nothing(self, i, k, at):
         zero = tf.zeros([self.ctx.numel(i)])
         return Sent(zero, zero)
 
@@ -336,11 +363,12 @@ class DensePath(_Path):
                 for i, mine, avg in zip(part.members, part.payloads, got)}
 
 
-class AllgatherPath(_Path):
-    """Every rank's k records ``[index | value]`` to every rank (DGC's sparse
-    allgather), as the compressor makes them (fp16 values: 6 bytes); each sums them."""
-
-    kind = PathKind.ALLGATHER
+class RecordsPath(_Path):
+    """Records ``[index | value]`` as the compressor makes them (int32 pairs; fp16
+    values: 6 bytes), every rank's k to every rank by one allgather, each summing them:
+    the base of the paths that add records up in flight (region reduce) or select from
+    a slice (hierarchical DGC). The allgather path itself codes its records
+    (``AllgatherPath``)."""
 
     def record_bytes(self):
         return self.ctx.compressor.record_bytes
@@ -354,17 +382,20 @@ class AllgatherPath(_Path):
         return 0
 
     def select(self, i, v, k, at):
-        """The indices and values to send; the memory forgets them. Counted as ``k``
-        records' bytes: ``_padded`` sends that many."""
+        """The indices and values to send; the memory forgets them; counted."""
         ctx = self.ctx
         indices = ctx.compressor.select(v, k, at.seed)
         values = tf.gather(v, indices)
         ctx.memory.sent(i, indices, mask_momentum=at.density <= ctx.mask_limit)
-        sent = tf.cast(tf.shape(indices)[0], tf.int64)
-        slots = tf.maximum(tf.cast(k, tf.int64), sent)
-        ctx.statistics.count(self.kind, self.held(i), sent, self.record_bytes() * slots,
-                             SparseCompressor.INDEX_BYTES * slots)
+        self.count(i, k, tf.size(indices, out_type=tf.int64))
         return indices, values
+
+    def count(self, i, k, sent):
+        """``sent`` records selected, counted as ``k`` records' bytes: ``_padded`` sends
+        that many."""
+        slots = tf.maximum(tf.cast(k, tf.int64), sent)
+        self.ctx.statistics.count(self.kind, self.held(i), sent, self.record_bytes() * slots,
+                                  SparseCompressor.INDEX_BYTES * slots)
 
     def take(self, i, v, k, at, poison=None):
         indices, values = self.select(i, v, k, at)
@@ -381,7 +412,7 @@ class AllgatherPath(_Path):
         return Sent(_padded(SparseCompressor.pack(values * pre, indices), k),
                     _scattered(indices, values, self.ctx.numel(i)))
 
-    def nothing(self, i, at):
+    def nothing(self, i, k, at):
         return Sent(SparseCompressor.pack(tf.zeros([1]), tf.zeros([1], tf.int32)),
                     tf.zeros([self.ctx.numel(i)]))
 
@@ -416,13 +447,156 @@ class AllgatherPath(_Path):
                 for i, own, everyone in zip(part.members, part.payloads, got)}
 
 
+class AllgatherPath(RecordsPath):
+    """Every rank's k records of a tensor to every rank (DGC's sparse allgather), coded
+    as PyTorch's (positions.py): the positions in Elias-Fano or a bitmap, the values in
+    ``value_bits`` (8 by default: float8 and the tensor's scale), what the rounding
+    loses kept in the memory (error feedback); each rank decodes every rank's and sums
+    them. A selection short of k (DGC's sends between ``window[0] k`` and k) is filled
+    with positions it did not pick and the value 0, which add nothing: every rank sends
+    the same size every step, and Horovod's response cache answers the negotiation
+    (over a 100 ms link an allgather whose size changes from step to step waits 7 round
+    trips, one of a fixed size 3: bench/results/round_trips.md). The dense tensors the
+    plan folds in ride as their values alone (``Folded``, ``DensePath.fold``)."""
+
+    kind = PathKind.ALLGATHER
+    static_k = True
+
+    def bits(self, i, k):
+        """The bits of tensor i's values with k records (packing.gather_value_bits):
+        whole where every element goes (density 1: dense averaging, exact)."""
+        return gather_value_bits(self.ctx.compressor, 1.0 if k >= self.ctx.numel(i) else None)
+
+    def block_bytes(self, i, k):
+        """Tensor i's bytes on the wire with k records, or folded (``Folded``)."""
+        if isinstance(k, Folded):
+            return fold_block_bytes(self.ctx.numel(i), k.bits)
+        return gather_block_bytes(self.ctx.numel(i), k, self.bits(i, k))
+
+    def coded(self, i, v, k, at, poison=None):
+        """What leaves the memory as bytes: ``(payload, positions, each value as the
+        others read it)``, k records, the memory told, the statistics counted."""
+        ctx, n, bits = self.ctx, self.ctx.numel(i), self.bits(i, k)
+        indices, values = self.select(i, v, k, at)
+        pre = ctx.wire.scales()[0]
+        values = values * pre if poison is None else poisoned(values * pre, poison)
+        positions, values = _filled(indices, values, n, k)
+        if bits == 16:
+            values = self._clamped(values, pre)
+        payload, arrived = encode_records(positions, values, n, k, bits)
+        if bits < 32:  # the rounding back into the memory (error feedback)
+            ctx.memory.give_back(i, positions, tf.where(tf.math.is_finite(values),
+                                                        (values - arrived) / pre, 0.0))
+        return payload, positions, arrived / pre
+
+    def _clamped(self, values, pre):
+        """fp16 values within the dense wire's bound (hvd_dgc/fp16wire.py, as PyTorch's
+        ``_half``): what lies beyond stays in the memory with the rounding."""
+        bound = self.ctx.wire.fp16_bound() * pre
+        finite = tf.math.is_finite(values)
+        self.ctx.statistics.add_fp16_clipped(tf.math.count_nonzero(
+            finite & (tf.abs(values) > bound), dtype=tf.int64))
+        return tf.where(finite, tf.clip_by_value(values, -bound, bound), values)
+
+    def count(self, i, k, sent):
+        n = self.ctx.numel(i)
+        self.ctx.statistics.count(self.kind, n, sent, self.block_bytes(i, k),
+                                  index_bytes(n, k))
+
+    def take(self, i, v, k, at, poison=None):
+        return self.coded(i, v, k, at, poison)[0]
+
+    def take_own(self, i, v, k, at):
+        payload, positions, own = self.coded(i, v, k, at)
+        return Sent(payload, _scattered(positions, own, self.ctx.numel(i)))
+
+    def nothing(self, i, k, at):
+        """k records of the value 0 (a dropped tensor: every rank joins alike)."""
+        n, bits = self.ctx.numel(i), self.bits(i, k)
+        payload, _ = encode_records(tf.range(k), tf.zeros([k]), n, k, bits)
+        return Sent(payload, tf.zeros([n]))
+
+    def to_words(self, payload):
+        """The bytes as int32 words (zero-padded to a whole word)."""
+        return tf.bitcast(tf.reshape(tf.pad(payload, [[0, -int(payload.shape[0]) % 4]]),
+                                     [-1, 4]), tf.int32)
+
+    def from_words(self, words, i):
+        return words.view(np.uint8)
+
+    def spec(self, i):
+        return tf.TensorSpec([None], tf.uint8)
+
+    def launch(self, part):
+        return _collective(_hvd.allgather, _hvd.grouped_allgather, part.payloads,
+                           name=part.tag("sparse"), process_set=self.ctx.wire.process_set)
+
+    def collect(self, handle):
+        return handle
+
+    def average(self, part, got):
+        scale = self.ctx.wire.gathered()
+        return [self._sum(i, k, tf.reshape(g, [-1, self.block_bytes(i, k)])) * scale
+                for i, k, g in zip(part.members, part.ks, got)]
+
+    def _sum(self, i, k, rows):
+        """The sum of every rank's records (``rows``: their bytes), dense, flat."""
+        n = self.ctx.numel(i)
+        if isinstance(k, Folded):
+            return folded_sum(rows, n, k.bits)
+        positions, values = decode_records(rows, n, k, self.bits(i, k))
+        return tf.scatter_nd(tf.reshape(positions, [-1, 1]), tf.reshape(values, [-1]), [n])
+
+    def correction(self, part, got):
+        """As records: everyone's scaled, then this rank's negated (its payload is
+        padded to whole words, as every rank's: ``to_words``)."""
+        pre, scale = self.ctx.wire.scales()[0], np.float32(self.ctx.wire.gathered())
+        out = {}
+        for i, k, own, everyone in zip(part.members, part.ks, part.payloads, got):
+            k, size = int(k), self.block_bytes(i, int(k))
+            rows = tf.reshape(everyone, [-1, size + -size % 4])[:, :size]
+            records = [self._records(i, k, rows, scale),
+                       self._records(i, k, tf.constant(own[None, :size]), -1 / pre)]
+            out[i] = Correction(np.concatenate(records), NO_DENSE, NO_RECORDS)
+        return out
+
+    def _records(self, i, k, rows, factor):
+        positions, values = decode_records(rows, self.ctx.numel(i), k, self.bits(i, k))
+        values = (values.numpy().reshape(-1) * np.float32(factor)).astype(np.float32)
+        return np.stack([positions.numpy().reshape(-1).astype(np.int32),
+                         values.view(np.int32)], axis=1)
+
+
+def folded_sum(rows, n, bits):
+    """The sum of every rank's folded values (``rows``: each rank's bytes, or all of
+    them one after the other), dense, flat."""
+    rows = tf.reshape(rows, [-1, fold_block_bytes(n, bits)])
+    values = decode_values(rows, n, bits)
+    return tf.scatter_nd(tf.reshape(tf.tile(tf.range(n), [tf.shape(rows)[0]]), [-1, 1]),
+                         tf.reshape(values, [-1]), [n])
+
+
+def _filled(indices, values, n, k):
+    """A selection of at most k (``indices``, distinct, and their ``values``) as
+    exactly k records in position order: the missing ones the first positions it did
+    not pick, with the value 0."""
+    picked = tf.scatter_nd(tf.reshape(indices, [-1, 1]), tf.ones_like(indices), [n])
+    missing = k - tf.size(indices)
+    free = tf.cast(tf.where(picked == 0)[:missing, 0], indices.dtype)
+    taken = tf.tensor_scatter_nd_update(picked, tf.reshape(free, [-1, 1]),
+                                        tf.ones_like(free))
+    positions = tf.reshape(tf.cast(tf.where(taken > 0)[:, 0], tf.int32), [k])
+    dense = tf.scatter_nd(tf.reshape(indices, [-1, 1]), values, [n])
+    return positions, tf.gather(dense, positions)
+
+
 class _RegionLaunch(NamedTuple):
     part: Part
     first: list     # region.OwnersRound per member
     results: list   # region.RegionResult per member, once advanced
 
 
-class RegionPath(AllgatherPath):
+class RegionPath(RecordsPath):
     """Region reduce (hvd_dgc/tensorflow/region.py, after Ok-Topk): records to the owners
     of N index regions (alltoall), their largest sums to everyone (allgather), both as
     the compressor puts them on the wire (fp16 values: 6 bytes). Values travel
@@ -486,7 +660,7 @@ class RegionPath(AllgatherPath):
         return out
 
 
-class HierarchicalPath(AllgatherPath):
+class HierarchicalPath(RecordsPath):
     """Hierarchical DGC for several hosts of several ranks each (Horovod's local_size > 1
     and cross_size > 1), as PyTorch's (hvd_dgc/torch/paths.py ``HierarchicalPath``): the
     dense gradient is summed inside the host first, over its fast links, and only
@@ -536,7 +710,7 @@ class HierarchicalPath(AllgatherPath):
         host = tf.reduce_sum(tf.reshape(got, [len(peers), self.held(i)]), 0)  # rank order
         return ctx.memory.accumulate(i, host)
 
-    def nothing(self, i, at):
+    def nothing(self, i, k, at):
         raise AssertionError("a rank on hierarchical DGC always joins its host's alltoall "
                              "(ExchangePaths.take_own sends zeros for a dropped tensor)")
 
@@ -576,7 +750,7 @@ class ExchangePath(_Path):
         ctx.statistics.count(self.kind, numel, numel, ctx.compressor.payload_bytes(numel))
         return Sent(payload, own)
 
-    def nothing(self, i, at):
+    def nothing(self, i, k, at):
         zero = tf.zeros([self.ctx.numel(i)])
         return Sent(self.ctx.compressor.launch(zero, at)[0], zero)
 
@@ -675,7 +849,7 @@ class SignGroupPath(ExchangePath):
         each = tf.gather(tf.cast(sums / np.asarray(lengths, np.float64), tf.float32), ids)
         return tf.where(v >= 0, each, -each)
 
-    def nothing(self, i, at):
+    def nothing(self, i, k, at):
         zero = tf.zeros([self.ctx.numel(i)])
         return Sent(zero, zero)
 
@@ -758,7 +932,7 @@ class ExchangePaths:
         self.stages = [planner.stage_paths(t) for t in planner.tensors]
         self.ks = [tuple(self._k(t, planner, d, paths) for d in densities)
                    for t, paths in zip(planner.tensors, self.stages)]
-        self.by_kind[PathKind.DENSE].folds = self._folds(planner, len(densities))
+        self.by_kind[PathKind.DENSE].folds = self._folds(planner, densities)
         self.shortcuts = self._shortcuts()
         # the sign's compressed allreduce: a stage's tensors on it leave together
         self.signs_together = self.ctx.slots is not None and \
@@ -781,22 +955,25 @@ class ExchangePaths:
             return k
         return slice_k(k, tensor.numel, self.by_kind[PathKind.HIERARCHICAL].held(tensor.key))
 
-    def _folds(self, planner, stages):
-        """Per dense tensor, the stages at which the synchronous step carries it in the
-        allgathers: where some tensor takes the allgather and the cost model folds the
-        stage's dense tensors together (PyTorch folds a launch's, AllgatherPath.absorb).
-        Not with fp16 on the dense wire (its records are fp32), and delayed averaging's
-        grouped launches keep them apart."""
+    def _folds(self, planner, densities):
+        """Per dense tensor, per stage, the bits its values take where the synchronous
+        step carries it in the allgathers (0: it does not): where some tensor takes the
+        allgather and the cost model folds the stage's dense tensors together (PyTorch
+        folds a launch's, AllgatherPath.absorb), in the allgather's bits
+        (packing.folds_values; not in fp16, whose dense wire clamps). Delayed
+        averaging's grouped launches keep them apart."""
         ctx = self.ctx
-        if ctx.dense_fp16 or getattr(ctx.compressor, "value_bytes", 0) != 4:
+        if not getattr(ctx.compressor, "codes_positions", False):
             return {}
         folds = {}
-        for s in range(stages):
+        for s, density in enumerate(densities):
+            bits = gather_value_bits(ctx.compressor, density)
             dense = [i for i, paths in enumerate(self.stages) if paths[s] == PathKind.DENSE]
             if dense and any(paths[s] in GATHERS for paths in self.stages) and \
+                    folds_values(bits, ctx.dense_fp16) and bits != 16 and \
                     planner.prices.folds(sum(ctx.numel(i) for i in dense)):
                 for i in dense:
-                    folds.setdefault(i, [False] * stages)[s] = True
+                    folds.setdefault(i, [0] * len(densities))[s] = bits
         return {i: tuple(f) for i, f in folds.items()}
 
     def _shortcuts(self):
@@ -838,15 +1015,22 @@ class ExchangePaths:
         return tf.gather(tf.constant(self.ks[i], tf.int32), at.stage)
 
     def choose(self, i, at, branch):
-        """``branch(path)`` for tensor i's path at this step's stage: where the stages
-        differ, a ``tf.switch_case`` every rank takes alike."""
-        stages = self.stages[i]
-        used = sorted(set(stages), key=ORDER.index)
+        """``branch(path, k)`` for tensor i's path and k at this step's stage, k a Python
+        int where the path's payload has its size (``static_k``: the allgather's
+        blocks), else this stage's k as a tensor: where they differ by stage, a
+        ``tf.switch_case`` every rank takes alike."""
+        options = [(kind, k if self.by_kind[kind].static_k else None)
+                   for kind, k in zip(self.stages[i], self.ks[i])]
+        used = sorted(set(options), key=lambda o: (ORDER.index(o[0]), o[1] or 0))
+
+        def run(option):
+            kind, k = option
+            return branch(self.by_kind[kind], self.k(i, at) if k is None else k)
         if len(used) == 1:
-            return branch(self.by_kind[used[0]])
-        codes = tf.constant([used.index(kind) for kind in stages], tf.int32)
+            return run(used[0])
+        codes = tf.constant([used.index(o) for o in options], tf.int32)
         return tf.switch_case(tf.gather(codes, at.stage),
-                              [lambda path=self.by_kind[kind]: branch(path) for kind in used])
+                              [lambda o=o: run(o) for o in used])
 
     def synchronous(self, i, grad, at, poison=None):
         """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
@@ -856,8 +1040,8 @@ class ExchangePaths:
             dense = self.by_kind[PathKind.DENSE]
             return tf.reshape(dense.alone(i, dense.shortcut(i, grad, poison), None),
                               tf.shape(grad))
-        v, k = self.accumulate(i, grad, poison), self.k(i, at)
-        out = self.choose(i, at, lambda path: path.synchronous(i, v, k, at, poison))
+        v = self.accumulate(i, grad, poison)
+        out = self.choose(i, at, lambda path, k: path.synchronous(i, v, k, at, poison))
         return tf.reshape(out, tf.shape(grad))
 
     def accumulate(self, i, grad, poison=None):
@@ -919,22 +1103,26 @@ class ExchangePaths:
         in one grouped allgather, the other dense tensors in one grouped allreduce."""
         ctx, dense, gather = self.ctx, self.by_kind[PathKind.DENSE], \
             self.by_kind[PathKind.ALLGATHER]
-        records, summed = {}, {}
+        records, summed, ks = {}, {}, {}
         for i in bucket:
             if i in self.shortcuts:
                 summed[i] = dense.shortcut(i, grads[i], poison)
                 continue
             v = ctx.accumulate(i, grads[i])
+            folded = dense.folds.get(i, (0,) * len(self.buckets))[s]
             if self.stages[i][s] == PathKind.ALLGATHER:
-                records[i] = gather.take(i, v, self.ks[i][s], at, poison)
-            elif dense.folds.get(i, (False,) * len(self.buckets))[s]:
-                records[i] = dense.fold(i, v, at, poison)  # fp32 records (no fp16 fold)
+                ks[i] = self.ks[i][s]
+                records[i] = gather.take(i, v, ks[i], at, poison)
+            elif folded:
+                ks[i] = Folded(folded)
+                records[i] = dense.fold(i, v, folded, at, poison)
             else:
                 summed[i] = dense.take(i, v, None, at, poison)
         averages, name = {}, f"hvd_dgc.s{s}.b{bucket[0]}"
         for path, payloads in ((gather, records), (dense, summed)):  # each one collective
             if payloads:
-                part = Part(name, tuple(payloads), tuple(payloads.values()), None)
+                part = Part(name, tuple(payloads), tuple(payloads.values()),
+                            tuple(ks.get(i) for i in payloads))
                 got = path.collect(path.launch(part))
                 averages.update(zip(part.members, path.average(part, got)))
         return [averages[i] for i in bucket]
@@ -945,7 +1133,6 @@ class ExchangePaths:
         (every rank joins the same collectives) and its memory does not move.
         ``exchanging`` (``period`` > 1): False on a step between exchanges, which sends
         nothing and applies what the memory took in as its own (the words are empty)."""
-        k = self.k(i, at)
         if dropped is not None and self.by_kind[self.stages[i][0]].reads_gradient:
             # its host's ranks wait for this rank's slices: it sends zeros (the others'
             # parts of the sums it owns still enter its memory)
@@ -953,10 +1140,10 @@ class ExchangePaths:
 
         def run():
             v = self.accumulate(i, grad)
-            return self.choose(i, at, lambda path: _words(path, path.take_own(i, v, k, at)))
+            return self.choose(i, at, lambda path, k: _words(path, path.take_own(i, v, k, at)))
 
         def drop():
-            return self.choose(i, at, lambda path: _words(path, path.nothing(i, at)))
+            return self.choose(i, at, lambda path, k: _words(path, path.nothing(i, k, at)))
 
         def local():
             return tf.zeros([0], tf.int32), self.ctx.intake(i, grad)

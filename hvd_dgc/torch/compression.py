@@ -115,6 +115,7 @@ class SparseCompressor(Options, Compressor):
     name = "sparse"
     uses_block_max = False  # does select() want memory.block_abs_max(flat)?
     codes_positions = True  # the allgather path codes its positions (positions.py)
+    codes_regions = True    # and region reduce its blocks' (region.py)
 
     def __init__(self, density=0.001, fp16_values=False, seed=0, value_bits=8):
         self.density = check_density(density)

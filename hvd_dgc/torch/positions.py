@@ -5,7 +5,7 @@ hvd_dgc/tensorflow/positions.py has the same positions' functions. PyTorch's all
 path sends its records' positions so (paths.py ``AllgatherPath``), and decodes every
 rank's at once (``decode_positions_many``); on the CPU the C++ kernel writes and reads
 the bits. Their values go in 8 bits where the compressor says so (``encode_values``:
-float8 e4m3 and a scale per tensor, hvd_dgc/packing.py; TensorFlow's values stay fp32)."""
+float8 e4m3 and a scale per tensor, hvd_dgc/packing.py), as TensorFlow's do."""
 
 import torch
 

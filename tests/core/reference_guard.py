@@ -37,7 +37,7 @@ def torch_run():
             torch.optim.SGD([p], lr=LR, momentum=MOMENTUM), named_parameters=[(f"w{delay}", p)],
             compression=dgc.Compression.topk(value_bits=32), density=DENSITY,
             min_compress_size=16, momentum_masking=True, aggregation="allgather",
-            delay=delay)  # (fp32 values, as the reference and TensorFlow send them)
+            delay=delay)  # (fp32 values, as the reference sums them)
         steps = []
         for g in grads():
             before = p.detach().clone()
@@ -63,9 +63,10 @@ def tf_run():
     runs = {}
     for delay in DELAYS:
         var = tf.Variable(tf.zeros([NUMEL]))
-        ex = GradientExchange(compression=Compression.topk, density=DENSITY,
+        ex = GradientExchange(compression=Compression.topk(value_bits=32), density=DENSITY,
                               min_compress_size=16, momentum=MOMENTUM, momentum_masking=True,
-                              aggregation="allgather", delay=delay, name=f"ref{delay}")
+                              aggregation="allgather", delay=delay,
+                              name=f"ref{delay}")  # (fp32 values, as the reference)
         ex.build([var])
         steps = []
         for g in grads():

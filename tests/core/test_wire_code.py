@@ -231,6 +231,69 @@ def test_torch_codes_8bit_values_byte_for_byte_as_the_reference():
     assert np.array_equal(got.numpy(), want, equal_nan=True)
 
 
+def _fp8_cases():
+    """One tensor's values each: normal magnitudes, values far below the largest (float8
+    subnormals once scaled), zeros, a signed zero, a non-finite value, all zeros."""
+    gen = np.random.default_rng(5)
+    wide = (gen.standard_normal(200) * 10.0 ** gen.uniform(-9, 2, 200)).astype(np.float32)
+    spiked = gen.standard_normal(40).astype(np.float32)
+    spiked[[3, 17]] = [np.inf, -np.nan]
+    return [wide, np.array([4.48, -1.0, 0.0, -0.0, 1.3, 2.0], np.float32), spiked,
+            np.zeros(7, np.float32), np.array([-3e-30], np.float32)]
+
+
+def test_tensorflow_codes_8bit_values_byte_for_byte_as_the_reference():
+    """TensorFlow's float8 codes (hvd_dgc/tensorflow/positions.py ``encode_values``: TF
+    cannot bitcast float8, so the code is made from the float8 value's float32 bits) are
+    the NumPy reference's, byte for byte, then the tensor's float32 scale; each value
+    arrives as the reference says, and ``decode_values`` reads the bytes back to it."""
+    import tensorflow as tf
+    from hvd_dgc.tensorflow.positions import decode_values, encode_values
+    for values in _fp8_cases():
+        k = values.size
+        codes, scales, want = ref.fp8_values(values, np.zeros(k, np.int64), 1)
+        blob, arrived = encode_values(tf.constant(values), 8)
+        assert np.asarray(blob).tolist() == codes.tolist() + \
+            list(scales.astype(np.float32).tobytes()), values
+        assert np.array_equal(arrived.numpy(), want, equal_nan=True)
+        back = decode_values(tf.reshape(blob, [1, -1]), k, 8).numpy()[0]
+        assert np.array_equal(back, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_tensorflow_records_are_the_references_positions_then_values(bits):
+    """A tensor's k records on TensorFlow's allgather (``encode_records``): the positions
+    as the reference codes them, then the values in ``bits`` (8: the reference's float8
+    codes and the scale), ``packing.gather_block_bytes`` long; every rank's rows decode
+    at once to each one's positions and values as they arrive."""
+    import tensorflow as tf
+    from hvd_dgc.packing import gather_block_bytes
+    from hvd_dgc.tensorflow.positions import decode_records, encode_records
+    gen = np.random.default_rng(bits)
+    for n, k in [(4096, 41), (300, 150), (1000, 1), (64, 64)]:
+        rows, wants = [], []
+        for _ in range(3):
+            positions = np.sort(gen.choice(n, k, replace=False))
+            values = (gen.standard_normal(k) * 1e-3).astype(np.float32)
+            blob, arrived = encode_records(tf.constant(positions), tf.constant(values), n, k,
+                                           bits)
+            if bits == 8:
+                codes, scales, want = ref.fp8_values(values, np.zeros(k, np.int64), 1)
+                tail = codes.tobytes() + scales.astype(np.float32).tobytes()
+            else:
+                want = values.astype(np.float16 if bits == 16 else np.float32)
+                tail, want = want.tobytes(), want.astype(np.float32)
+            blob = np.asarray(blob)
+            assert blob.size == gather_block_bytes(n, k, bits), (n, k)
+            assert blob.tobytes() == ref.encode_positions(positions, n).tobytes() + tail
+            assert np.array_equal(arrived.numpy(), want)
+            rows.append(blob)
+            wants.append((positions, want))
+        got_positions, got_values = decode_records(tf.constant(np.stack(rows)), n, k, bits)
+        for (positions, want), p, v in zip(wants, got_positions.numpy(), got_values.numpy()):
+            assert p.tolist() == positions.tolist() and np.array_equal(v, want), (n, k)
+
+
 def test_the_wire_simulation_is_the_bytes_that_cross_a_real_link():
     """bench/wire.py's simulation (harness/wire_sim.py: the planner's paths, buckets and
     folds, the formats' sizes) gives the bytes a real 2-rank run sends and receives, byte

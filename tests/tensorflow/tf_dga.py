@@ -144,13 +144,16 @@ def keras_passes_with_delay(exchanges=5, passes=3, delay=2, lr=0.05, momentum=0.
     in_flight = opt.in_flight
     flushed = opt.flush()
     # DGC at 5%: delayed then flushed ends where the synchronous run does (the gradients
-    # do not depend on the weights, so both send the same records)
+    # do not depend on the weights, so both send the same records). fp32 values: the
+    # synchronous step folds the bias into its allgather, in 8 bits its rounding kept
+    # for later, where delayed averaging sends it dense
     sparse = {}
     for d in (0, delay):
         v = _init(tf, 4)  # the same values each time, other variables
         sgd = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum),
                                        density=0.05, min_compress_size=64, delay=d,
-                                       backward_passes_per_step=passes)
+                                       backward_passes_per_step=passes,
+                                       compression=hvd.Compression.dgc(value_bits=32))
 
         @tf.function
         def sparse_step(grads, v=v, sgd=sgd):
@@ -177,7 +180,9 @@ def keras_passes_with_delay(exchanges=5, passes=3, delay=2, lr=0.05, momentum=0.
 
 def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
     """DGC 5% inside tf.function: delay=2 then flush == delay=0 (same gradients, so the
-    same values are sent), ranks differ while averages are in flight, identical after."""
+    same values are sent), ranks differ while averages are in flight, identical after.
+    fp32 values: the synchronous step folds the bias into its allgather (in 8 bits
+    rounded, the rounding sent later), delayed averaging sends it dense."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     rank = hvd.rank()
@@ -191,7 +196,8 @@ def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
             with tf.GradientTape() as tape:
                 loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
             tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64,
-                                               delay=d)
+                                               delay=d,
+                                               compression=hvd.Compression.dgc(value_bits=32))
             opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
         identical = []
@@ -408,8 +414,10 @@ def period_matches_reference():
         w0 = [v.numpy() for v in variables]
         options = dict(period=period, delay=delay, aggregation="allgather" if density else
                        "auto", min_compress_size=0)
-        options.update(density=density, warmup=0, compression=hvd_keras.Compression.topk,
-                       momentum_masking=True) if density else options.update(density=1.0)
+        # fp32 values: the reference sums the records exactly
+        options.update(density=density, warmup=0, momentum_masking=True,
+                       compression=hvd_keras.Compression.topk(value_bits=32)) \
+            if density else options.update(density=1.0)
         if kind == "keras":
             opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum),
                                                  **options)

@@ -372,7 +372,8 @@ def tape_fixed_records(steps=6, shape=(600, 50), density=0.01):
     """DGC through the tape, eager: the records each step hands Horovod's allgather (its
     input's shape, recorded by wrapping the call), the elements the selection chose, and
     the bytes counted. DGC's selection chooses between 0.8 k and k; the payload is k
-    records every step, so Horovod's response cache answers the negotiation."""
+    records every step (coded: one size), so Horovod's response cache answers the
+    negotiation."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc.tensorflow import paths as tf_paths
@@ -409,7 +410,10 @@ def tape_fixed_records(steps=6, shape=(600, 50), density=0.01):
     per_step = [{"elements": r["elements"] - (rows[i - 1]["elements"] if i else 0),
                  "bytes": r["bytes"] - (rows[i - 1]["bytes"] if i else 0)}
                 for i, r in enumerate(rows)]
-    return {"shapes": shapes, "steps": per_step, "k": int(np.ceil(density * np.prod(shape))),
+    from hvd_dgc.packing import gather_block_bytes
+    k = int(np.ceil(density * np.prod(shape)))
+    return {"shapes": shapes, "steps": per_step, "k": k,
+            "block": gather_block_bytes(int(np.prod(shape)), k, 8),
             "identical": _identical(tf, hvd, [w], "fixed_rec")}
 
 

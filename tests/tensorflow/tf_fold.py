@@ -17,20 +17,22 @@ def _ops(graph):
 
 
 def folded_equals_apart(steps=6):
-    """The same DGC run (density 0.01 after no warm-up, SGD momentum) three times: the
-    defaults, which fold the biases into the allgathers and put every tensor in one
-    bucket (64 MiB); ``fusion_threshold=0``, folded but each tensor alone; and
-    ``CostModel(alpha=0)``, which keeps the biases in an allreduce and leaves every
-    tensor alone. Returns per step whether the averaged gradients are bit-identical to
-    the last's, the Horovod collectives in each traced step, and the statistics."""
+    """The same DGC run (density 0.01 after no warm-up, SGD momentum, fp32 values so that
+    a folded bias goes exact) three times: the defaults, which fold the biases into the
+    allgathers and put every tensor in one bucket (64 MiB); ``fusion_threshold=0``,
+    folded but each tensor alone; and a cost model of no latency and a slow allgather,
+    which keeps the biases in an allreduce and leaves every tensor alone. Returns per
+    step whether the averaged gradients are bit-identical to the last's, the Horovod
+    collectives in each traced step, and the statistics."""
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     from hvd_dgc import CostModel
     rank = hvd.rank()
     out = {}
     grads_of = {}
+    exact = hvd.Compression.dgc(value_bits=32)
     for name, extra in (("bucketed", {}), ("folded", {"fusion_threshold": 0}),
-                        ("apart", {"cost_model": CostModel(alpha=0)})):
+                        ("apart", {"cost_model": CostModel(alpha=0, gather_bandwidth=1e7)})):
         variables = _vars(tf, seed=3)
         names = [f"{name}.{i}" for i in range(len(variables))]
         variables = [tf.Variable(v, name=n) for v, n in zip(variables, names)]
@@ -44,7 +46,8 @@ def folded_equals_apart(steps=6):
                 logits = h @ variables[4] + variables[5]
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
             tape = hvd.DistributedGradientTape(tape, density=0.01, warmup=0,
-                                               min_compress_size=1000, **extra)
+                                               min_compress_size=1000, compression=exact,
+                                               **extra)
             grads = tape.gradient(loss, variables)
             for v, g in zip(variables, grads):
                 v.assign_sub(0.1 * g)
