@@ -6,6 +6,7 @@ LM's parameter shapes, at 2 to 1,024 ranks, and real runs to check the simulatio
     python bench/wire.py --real          # real runs at 2 and 4 ranks beside the simulation
     python bench/wire.py --real --np 2 --models resnet50
     python bench/wire.py --real --np 8 --hosts 2   # 2 emulated hosts x 4 ranks, over ssh
+    python bench/wire.py --tensorflow    # TensorFlow's tape beside PyTorch, DGC's defaults
 
 The simulation (harness/wire_sim.py) takes the planner's own choices (paths, buckets, the
 dense tensors riding in an allgather) with the cost model's assumed 1 Gbit/s link, and
@@ -17,7 +18,9 @@ own count (``compression_stats()["last_step"]``), received are priced from each 
 path; and prints the simulation's numbers for the same N beside them. With ``--hosts H``
 the ranks are spread over H emulated hosts (harness/hosts.py: network namespaces with a
 real sshd), horovodrun started on the first and reaching the others over ssh, as on a
-cluster; the planner then sees H hosts.
+cluster; the planner then sees H hosts. ``--tensorflow`` runs DGC's defaults
+(``sgd_dgc``) through TensorFlow's tape and PyTorch's optimizer side by side, each rank's
+bytes sent a step as hvd_dgc counts them, beside the simulation's.
 """
 
 import argparse
@@ -83,6 +86,26 @@ def real(models, modes, worlds, hosts=1):
                       f"{_across(r, sim)} |", flush=True)
 
 
+def tensorflow(models, worlds):
+    """DGC's defaults through TensorFlow's tape and PyTorch's optimizer: a rank's bytes
+    sent in a step (hvd_dgc's counts), beside the simulation's."""
+    from harness.hvdrun import run
+    print("| model | N | TensorFlow sent a step | PyTorch sent a step | simulated | "
+          "TensorFlow / PyTorch | fewer than dense fp32 (TensorFlow) | TensorFlow's paths |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for world in worlds:
+            tf = run("harness.wire:tf_step_bytes", np=world, timeout=900,
+                     kwargs={"model": model}, env=QUIET)[0]
+            pt = run("harness.wire:step_bytes", np=world, timeout=900,
+                     kwargs={"model": model, "mode": "sgd_dgc"}, env=QUIET)[0]
+            sim = wire_sim.step_bytes(model, "sgd_dgc", world)["sent"]
+            print(f"| {model} | {world} | {round(tf['sent']):,} | {round(pt['sent']):,} | "
+                  f"{round(sim):,} | {tf['sent'] / pt['sent']:.4f} | "
+                  f"{tf['dense_sent'] / tf['sent']:.0f}x | {_paths(tf['paths'])} |",
+                  flush=True)
+
+
 def _across(r, sim):
     """The TCP payload that crossed the first host's link in the step, each way; where
     every tensor rode an allgather, or the two hosts hold a rank each, its difference
@@ -114,8 +137,13 @@ def main():
     parser.add_argument("--hosts", type=int, default=1,
                         help="with --real: the ranks spread over this many emulated hosts "
                              "(harness/hosts.py), horovodrun reaching them over ssh")
+    parser.add_argument("--tensorflow", action="store_true",
+                        help="TensorFlow's bytes beside PyTorch's (default: 2 ranks)")
     parser.add_argument("--csv", action="store_true")
     args = parser.parse_args()
+    if args.tensorflow:
+        tensorflow(args.models, args.np or [2])
+        return
     if args.real:
         real(args.models, args.modes or list(MODES), args.np or [2, 4], args.hosts)
         return

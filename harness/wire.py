@@ -136,3 +136,38 @@ def step_bytes(model, mode, steps=6, density=0.001):
     return {"sent": last["bytes_sent"] / period, "received": received / period,
             "paths": paths, "link": link, "folded": folded, "period": period, "world": world,
             "dense_sent": dense, "dense_received": dense_bytes(dense // 4, world, 4)}
+
+
+def tf_step_bytes(model, steps=3, density=0.001):
+    """``step_bytes``'s SGD measure through TensorFlow's tape (DGC at ``density`` from the
+    first step, the cost model's assumed link, 8-bit values): this rank's bytes sent in
+    the last of ``steps`` steps inside a ``tf.function``, as hvd_dgc counts them, by path,
+    and dense fp32's."""
+    import numpy as np
+    import tensorflow as tf
+    import hvd_dgc.tensorflow as hvd
+
+    hvd.init()
+    shapes = shapes_of(model)
+    variables = [tf.Variable(tf.zeros(shape), name=f"w{i}") for i, (_, shape) in
+                 enumerate(shapes)]
+
+    @tf.function
+    def step(grads):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+        tape = hvd.DistributedGradientTape(tape, density=density, warmup=0,
+                                           cost_model=hvd.CostModel())
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(0.1 * g)
+
+    rng = np.random.default_rng(hvd.rank())
+    sent = []
+    for _ in range(steps):
+        step([tf.constant(rng.standard_normal(s, dtype=np.float32)) for _, s in shapes])
+        stats = hvd.compression_stats()
+        sent.append((stats[-1] if isinstance(stats, list) else stats)["bytes_sent"])
+    stats = stats[-1] if isinstance(stats, list) else stats
+    return {"sent": sent[-1] - sent[-2], "world": hvd.size(),
+            "paths": {path: n // steps for path, n in stats["paths"].items()},
+            "dense_sent": sum(4 * int(np.prod(s)) for _, s in shapes)}
