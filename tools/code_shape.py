@@ -9,6 +9,9 @@ Prints the largest classes and functions (lines, methods, attributes set in
 (dense, sparse/allgather, region, hierarchical, exchange, sparse_grad, local) or by a
 compressor kind (``is_sparse``/``is_exchange`` calls). A new path should be one more
 class, not more such branches.
+
+Then the import graph (harness/imports.py): its modules, imports, cycles and arrows back
+up, the command-line programs on top excepted.
 """
 
 import argparse
@@ -17,6 +20,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from harness.imports import arrows_up, import_cycles, import_graph, programs  # noqa: E402
 
 PATH_WORDS = {"dense", "sparse", "allgather", "region", "hierarchical", "exchange",
               "sparse_grad", "local", "gather"}
@@ -143,6 +149,16 @@ def main():
           f"{len(shared)} of {len(every)} ({100 * len(shared) / len(every):.0f}%)")
     print(f"  torch only: {' '.join(sorted(sides[0] - shared))}")
     print(f"  tensorflow only: {' '.join(sorted(sides[1] - shared))}")
+    graph = import_graph(ROOT)
+    top = programs(graph, ROOT)
+    loops, up = import_cycles(graph), arrows_up(graph, top)
+    print(f"import graph: {len(graph)} modules, {sum(map(len, graph.values()))} imports "
+          f"(inside functions and through importlib too); cycles: {len(loops)}; arrows "
+          f"back up: {len(up)} (on top: {' '.join(sorted(top))})")
+    for group in loops:
+        print(f"  cycle: {' '.join(group)}")
+    for a, b in up:
+        print(f"  up: {a} -> {b}")
     return 0
 
 

@@ -1,4 +1,6 @@
-"""Tests and benchmarks never import each other: what both use lives in harness/.
+"""The project's layers: tests and benchmarks never import each other (what both use
+lives in harness/), and hvd_dgc's import graph (harness/imports.py) has no cycle and no
+arrow back up.
 
 Every .py file under tests/ and bench/ is parsed (not imported) and each import it
 makes is checked: ``import x``, ``from x import y``, and ``importlib.import_module("x")``
@@ -6,46 +8,12 @@ or ``__import__("x")`` with a literal name. A file under tests/ may not import
 ``bench`` (or ``bench.*``); a file under bench/ may not import ``tests`` (or ``tests.*``).
 """
 
-import ast
 import os
 
 from harness.hvdrun import REPO
+from harness.imports import arrows_up, import_cycles, import_graph, imported_modules, programs
 
 FORBIDDEN = {"tests": "bench", "bench": "tests"}  # the folder -> the package it may not import
-
-
-def _dynamic_name(call):
-    """The literal module name of ``importlib.import_module("x")`` / ``__import__("x")``."""
-    func = call.func
-    if isinstance(func, ast.Name):
-        name = func.id
-    elif isinstance(func, ast.Attribute):
-        name = func.attr
-    else:
-        return None
-    if name not in ("import_module", "__import__") or not call.args:
-        return None
-    first = call.args[0]
-    if isinstance(first, ast.Constant) and isinstance(first.value, str):
-        return first.value
-    return None
-
-
-def imported_modules(source, filename="<source>"):
-    """(line, module) for every module ``source`` imports (absolute names only: a
-    relative ``from . import x`` stays inside its own package)."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module:
-                found.append((node.lineno, node.module))
-        elif isinstance(node, ast.Call):
-            name = _dynamic_name(node)
-            if name is not None:
-                found.append((node.lineno, name))
-    return found
 
 
 def violations(root=REPO):
@@ -98,88 +66,6 @@ def test_every_form_of_import_is_seen(tmp_path):
     ])
 
 
-def _package_modules(root=REPO):
-    """module name -> its file, for hvd_dgc's Python modules and the extension modules
-    setup.py builds (named there, so a clone that has not built them still knows them)."""
-    modules = {}
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "hvd_dgc")):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in filenames:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-                modules[module.removesuffix(".__init__")] = path
-    with open(os.path.join(root, "setup.py"), encoding="utf-8") as f:
-        for node in ast.walk(ast.parse(f.read())):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "CppExtension"
-                    and isinstance(node.args[0], ast.Constant)):
-                modules[node.args[0].value] = None  # compiled: it imports nothing of ours
-    return modules
-
-
-def import_graph(root=REPO):
-    """module -> the hvd_dgc modules it imports, anywhere in it (inside functions, and
-    ``importlib.import_module`` with a literal name). ``from package import name``
-    counts as importing ``package.name`` where that is a module, else ``package``."""
-    modules = _package_modules(root)
-    graph = {}
-    for module, path in modules.items():
-        edges = set()
-        if path is not None:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read(), path)
-            package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom):
-                    base = node.module or ""
-                    if node.level:
-                        parts = package.split(".")
-                        parts = parts[:len(parts) - (node.level - 1)]
-                        base = ".".join(parts + ([node.module] if node.module else []))
-                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                             for a in node.names]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.Call):
-                    names = [_dynamic_name(node)]
-                else:
-                    continue
-                edges |= {n for n in names if n in modules and n != module}
-        graph[module] = edges
-    return graph
-
-
-def import_cycles(graph):
-    """The import graph's cycles: each strongly connected part of more than one module."""
-    order, low, stack, on_stack, parts = {}, {}, [], set(), []
-
-    def visit(v):
-        order[v] = low[v] = len(order)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in order:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], order[w])
-        if low[v] == order[v]:
-            part = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                part.append(w)
-                if w == v:
-                    break
-            if len(part) > 1:
-                parts.append(sorted(part))
-
-    for v in sorted(graph):
-        if v not in order:
-            visit(v)
-    return parts
-
-
 def test_hvd_dgc_has_no_import_cycle():
     """No module of hvd_dgc reaches itself through its imports, counting imports inside
     functions and through importlib."""
@@ -187,6 +73,27 @@ def test_hvd_dgc_has_no_import_cycle():
     assert len(graph) > 60 and "hvd_dgc.torch._fused_memory" in graph
     assert "hvd_dgc.torch.elastic" in graph["hvd_dgc.torch"]  # importlib is seen
     assert import_cycles(graph) == []
+
+
+def test_hvd_dgc_has_no_arrow_back_up():
+    """The framework-free core imports neither framework and neither framework the
+    other; only the command-line programs on top (which report or plan for both) do."""
+    graph = import_graph()
+    top = programs(graph)
+    assert top == {"hvd_dgc.info", "hvd_dgc.predict"}
+    assert arrows_up(graph, top) == []
+    assert ("hvd_dgc.predict", "hvd_dgc.torch.link") in arrows_up(graph)  # they are seen
+
+
+def test_an_arrow_back_up_is_found():
+    graph = {"hvd_dgc.plan": {"hvd_dgc.torch.paths", "hvd_dgc.costmodel"},
+             "hvd_dgc.costmodel": set(), "hvd_dgc.torch.paths": {"hvd_dgc.plan"},
+             "hvd_dgc.tensorflow.paths": {"hvd_dgc.torch.paths", "hvd_dgc.tensorflow"},
+             "hvd_dgc.tensorflow": set()}
+    assert arrows_up(graph) == [("hvd_dgc.plan", "hvd_dgc.torch.paths"),
+                                ("hvd_dgc.tensorflow.paths", "hvd_dgc.torch.paths")]
+    assert arrows_up(graph, top={"hvd_dgc.plan"}) == [
+        ("hvd_dgc.tensorflow.paths", "hvd_dgc.torch.paths")]
 
 
 def test_a_cycle_is_found():
