@@ -19,7 +19,7 @@ __all__ = ["plane_bytes", "level_bits", "num_buckets", "sign_payload_bytes", "si
            "check_sign_collective", "sign_reduces", "reduces_signs", "exchange_bytes",
            "qsgd_payload_bytes", "check_qsgd", "SCALE_BYTES", "elias_fano_low_bits",
            "elias_fano_bytes", "index_code", "index_bytes", "gather_index_bytes",
-           "gather_record_bytes", "gather_block_bytes", "fold_block_bytes", "fold_index_bytes",
+           "gather_record_bytes", "values_bytes", "gather_block_bytes", "fold_block_bytes", "fold_index_bytes",
            "FP8_MAX", "GATHER_VALUE_BITS",
            "check_value_bits", "gather_value_bits", "gather_value_bytes", "folds_values",
            "RegionLayout", "region_layout", "region_block_bytes", "region_record_bytes",
@@ -266,17 +266,23 @@ def gather_value_bytes(compressor, k, tensors=1):
     return bits // 8
 
 
+def values_bytes(count, value_bits):
+    """One tensor's ``count`` values in ``value_bits``, and in 8 bits its float32 scale."""
+    return count * value_bits // 8 + (SCALE_BYTES if value_bits == 8 else 0)
+
+
 def gather_block_bytes(n, k, value_bits):
     """One tensor's k records on the allgather, coded: their positions
-    (``index_bytes``), then their values in ``value_bits``, then in 8 bits the float32
-    scale (PyTorch's part of one tensor; TensorFlow sends every tensor so)."""
-    return index_bytes(n, k) + k * value_bits // 8 + (SCALE_BYTES if value_bits == 8 else 0)
+    (``index_bytes``), then their values (``values_bytes``). TensorFlow codes every
+    tensor's positions so; PyTorch codes a part's positions together and shares the
+    code among its tensors (torch/paths.py ``record_bytes``)."""
+    return index_bytes(n, k) + values_bytes(k, value_bits)
 
 
 def fold_block_bytes(n, value_bits):
     """A dense tensor of ``n`` elements folded into the allgather: its values alone
-    (every index, which every rank knows), then in 8 bits the float32 scale."""
-    return n * value_bits // 8 + (SCALE_BYTES if value_bits == 8 else 0)
+    (every index, which every rank knows)."""
+    return values_bytes(n, value_bits)
 
 
 def gather_record_bytes(compressor, n, k):

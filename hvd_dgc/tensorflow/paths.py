@@ -256,17 +256,12 @@ class DensePath(_Path):
         stages = self.folds.get(i)
         if not stages or not any(stages):
             return super().synchronous(i, v, k, at, poison)
-        used = sorted(set(stages))
 
         def run(bits):
             if bits == 0:
                 return _Path.synchronous(self, i, v, k, at, poison)
             return self._folded(i, v, bits, at, poison)
-        if len(used) == 1:
-            return run(used[0])
-        codes = tf.constant([used.index(bits) for bits in stages], tf.int32)
-        return tf.switch_case(tf.gather(codes, at.stage),
-                              [lambda bits=bits: run(bits) for bits in used])
+        return by_stage(stages, at, run, sorted(set(stages)))
 
     def fold(self, i, v, bits, at, poison=None):
         """Tensor i's velocity, all of it leaving the memory, as the allgather carries a
@@ -829,11 +824,8 @@ class SignGroupPath(ExchangePath):
         """``make(members)`` for tensor i's group at this step's stage (a
         ``tf.switch_case`` where its group differs by stage)."""
         groups = list(dict.fromkeys(m for m in self.signs_at if i in m))
-        if len(groups) == 1:
-            return make(groups[0])
-        codes = [groups.index(m) if i in m else 0 for m in self.signs_at]
-        return tf.switch_case(tf.gather(tf.constant(codes, tf.int32), at.stage),
-                              [lambda m=m: make(m) for m in groups])
+        return by_stage([m if i in m else groups[0] for m in self.signs_at], at, make,
+                        groups)
 
     def _signed(self, i, v, members):
         """Tensor i's signs, each of its segments in the group ``members``' chunks
@@ -1021,16 +1013,12 @@ class ExchangePaths:
         ``tf.switch_case`` every rank takes alike."""
         options = [(kind, k if self.by_kind[kind].static_k else None)
                    for kind, k in zip(self.stages[i], self.ks[i])]
-        used = sorted(set(options), key=lambda o: (ORDER.index(o[0]), o[1] or 0))
 
         def run(option):
             kind, k = option
             return branch(self.by_kind[kind], self.k(i, at) if k is None else k)
-        if len(used) == 1:
-            return run(used[0])
-        codes = tf.constant([used.index(o) for o in options], tf.int32)
-        return tf.switch_case(tf.gather(codes, at.stage),
-                              [lambda o=o: run(o) for o in used])
+        return by_stage(options, at, run, sorted(
+            set(options), key=lambda o: (ORDER.index(o[0]), o[1] or 0)))
 
     def synchronous(self, i, grad, at, poison=None):
         """Tensor i's average this step, shaped as ``grad``, in the step's graph."""
@@ -1164,6 +1152,17 @@ class ExchangePaths:
         return [(self.by_kind[kind], tuple(members[kind]),
                  np.asarray([self.ks[i][stage] for i in members[kind]], np.int32))
                 for kind in ORDER if kind in members]
+
+
+def by_stage(options, at, run, used):
+    """``run(options[s])`` at this step's stage s: the graph holds one branch for each
+    of ``used`` (the distinct options, in that order) and a ``tf.switch_case`` on the
+    stage picks it, so every rank takes the same branch and joins the same
+    collectives; where one option serves every stage, that branch alone."""
+    if len(used) == 1:
+        return run(used[0])
+    codes = tf.constant([used.index(o) for o in options], tf.int32)
+    return tf.switch_case(tf.gather(codes, at.stage), [lambda o=o: run(o) for o in used])
 
 
 def host_slice(numel, peers):

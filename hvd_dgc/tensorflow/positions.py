@@ -12,7 +12,7 @@ import tensorflow as tf
 from hvd_dgc.packing import FP8_MAX, SCALE_BYTES, elias_fano_low_bits, index_bytes, index_code
 
 __all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
-           "decode_records", "encode_values", "decode_values", "fp8_table"]
+           "decode_records", "encode_values", "decode_values"]
 
 FP8 = tf.dtypes.experimental.float8_e4m3fn
 
@@ -63,7 +63,7 @@ def decode_positions_many(blobs, n, k):
         tf.bitwise.left_shift(ones - tf.range(k, dtype=tf.int64), low), lows)
 
 
-def fp8_table():
+def _fp8_table():
     """Every float8 e4m3 (``fn``: no infinities) code's value, by code (float32; 0x7f and
     0xff are NaN): 3 bits of mantissa, exponent bias 7, subnormals below 2**-6."""
     codes = np.arange(256)
@@ -74,7 +74,7 @@ def fp8_table():
     return np.where(codes >= 128, -magnitude, magnitude).astype(np.float32)
 
 
-_FP8_TABLE = fp8_table()
+_FP8_TABLE = _fp8_table()
 
 
 def _fp8_codes(x):

@@ -34,7 +34,7 @@ from hvd_dgc.aggregation import slice_k, slices
 from hvd_dgc.fp16wire import fp16_bound
 from hvd_dgc.masking import masking_density_limit
 from hvd_dgc.packing import SCALE_BYTES, folds_values, gather_value_bits, index_bytes, \
-    region_value_bits, shares_of
+    region_value_bits, shares_of, values_bytes
 from hvd_dgc.paths import PathKind
 from hvd_dgc.torch.collective import HorovodComm
 from hvd_dgc.torch.compression import INDEX_BYTES, coalesce_sorted, on_accelerator
@@ -167,15 +167,15 @@ class DensePath(_Path):
     kind = PathKind.DENSE
     flat_rank = 3
 
-    def take(self, part, in_place=False, value_bytes=None):
+    def take(self, part, in_place=False, value_bits=None):
         """What leaves the memory: all of ``v`` over the part (stats counted). A rank's
         non-finite gradient is in its ``v`` (the guard's flags are read off it), so the
         payload carries it to every rank's average without being poisoned. ``in_place``:
         ``v`` itself where it can go (fp32, nothing kept for delayed averaging), zero
         once its average is read (``collect``; MemoryBlock.clear_later: the next update
         reads zeros instead): two passes over it fewer than a copy and a clear.
-        ``value_bytes``: what a value weighs on the wire, with its tensor's share of a
-        scale (a folded tensor's in 8 bits), if not the payload's."""
+        ``value_bits``: the values' width on the wire (a folded tensor's 8 bits, with
+        its scale), if not the payload's."""
         ctx, launch = self.ctx, part.launch
         v = launch.block.v[part.lo:part.hi]
         if ctx.dense_fp16:
@@ -186,8 +186,8 @@ class DensePath(_Path):
             payload = v.clone()
             v.zero_()  # every coordinate left: v cleared, u kept (memory.sent_range)
         for m in part.members:
-            sent = m.numel * payload.element_size() if value_bytes is None else \
-                m.numel * value_bytes + SCALE_BYTES
+            sent = m.numel * payload.element_size() if value_bits is None else \
+                values_bytes(m.numel, value_bits)
             ctx.stats.record(m.name, self.kind, m.numel, m.numel, sent, launch.density)
         if part.own is not None:
             part.own[part.lo:part.hi] = payload
@@ -326,8 +326,7 @@ class AllgatherPath(_Path):
         total = sum(part.ks)
         code = index_bytes(part.hi - part.lo, total)
         shares = shares_of(code, part.ks)
-        scale = SCALE_BYTES if bits == 8 else 0  # a tensor's scale (8 bits)
-        return [(k * bits // 8 + scale + share, share) for k, share in zip(part.ks, shares)]
+        return [(values_bytes(k, bits) + share, share) for k, share in zip(part.ks, shares)]
 
     def _bits(self, part):
         """The bits of the part's values on the wire (packing.gather_value_bits: 8 by
@@ -377,7 +376,7 @@ class AllgatherPath(_Path):
             dense = self.dense.take(folded)  # the dense path's own bookkeeping
             return (dense if pre == 1.0 else dense * pre).to(self._dtype(part)).view(
                 torch.uint8)
-        dense = self.dense.take(folded, value_bytes=1).float()
+        dense = self.dense.take(folded, value_bits=8).float()
         device = dense.device
         tensor = _member_of_each(folded.numels, device, dense.numel())
         codes, scales = self._eighth(folded, _every_index(folded, device),

@@ -455,14 +455,20 @@ def test_keras_delay_two_with_momentum_correction_follows_the_dga_update(version
 
 def test_tape_dgc_delay_two_then_flush_equals_synchronous_dgc(tape):
     """Gradients that do not depend on the weights: both runs send the same values, so
-    after the flush the delayed run's weights are the synchronous run's."""
-    for out in _checked(tape, "tf_dga.tape_delay_sparse_flush_equals_synchronous"):
-        assert out["identical_sync"] == [True] * 8
-        assert not any(out["identical_delayed_before_flush"])
-        assert out["in_flight_before_flush"] == 2 and out["flushed"]
-        assert out["identical_after_flush"]
-        assert out["max_diff_vs_synchronous"] < 1e-5, out
-        assert any(p.get("sparse", 0) >= 16 for p in out["paths"]), out["paths"]
+    after the flush the delayed run's weights are the synchronous run's, with fp32
+    values (the bias dense) and with the default 8-bit values (every tensor sparse: the
+    two steps round alike, and keep what the rounding loses in the memory)."""
+    for outs in _checked(tape, "tf_dga.tape_delay_sparse_flush_equals_synchronous"):
+        assert sorted(outs) == ["32 bits", "8 bits"]
+        for bits, out in outs.items():
+            assert out["identical_sync"] == [True] * 8, bits
+            assert not any(out["identical_delayed_before_flush"]), bits
+            assert out["in_flight_before_flush"] == 2 and out["flushed"], bits
+            assert out["identical_after_flush"], bits
+            assert out["max_diff_vs_synchronous"] < 1e-5, (bits, out)
+        assert any(p.get("sparse", 0) >= 16 for p in outs["32 bits"]["paths"]), outs
+        # every tensor sparse at 8 bits: 3 tensors x 8 steps, in both runs
+        assert outs["8 bits"]["paths"] == [{"sparse": 24}] * 2, outs["8 bits"]["paths"]
 
 
 def test_delay_bad_inputs_give_clear_errors(tape):

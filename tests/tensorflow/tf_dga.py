@@ -181,8 +181,14 @@ def keras_passes_with_delay(exchanges=5, passes=3, delay=2, lr=0.05, momentum=0.
 def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
     """DGC 5% inside tf.function: delay=2 then flush == delay=0 (same gradients, so the
     same values are sent), ranks differ while averages are in flight, identical after.
-    fp32 values: the synchronous step folds the bias into its allgather (in 8 bits
-    rounded, the rounding sent later), delayed averaging sends it dense."""
+    Two wires: fp32 values, the bias dense (the synchronous step folds it into its
+    allgather, delayed averaging sends it apart), and the default 8-bit values with every
+    tensor sparse, where both steps round alike and keep the rounding in the memory."""
+    return {f"{bits} bits": _delay_flush_run(steps, delay, lr, bits, min_size)
+            for bits, min_size in ((32, 64), (8, 0))}
+
+
+def _delay_flush_run(steps, delay, lr, value_bits, min_compress_size):
     tf = _tf()
     import hvd_dgc.tensorflow as hvd
     rank = hvd.rank()
@@ -195,15 +201,15 @@ def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
         def train_step(grads, variables=variables, opt=opt, d=d):
             with tf.GradientTape() as tape:
                 loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
-            tape = hvd.DistributedGradientTape(tape, density=0.05, min_compress_size=64,
-                                               delay=d,
-                                               compression=hvd.Compression.dgc(value_bits=32))
+            tape = hvd.DistributedGradientTape(
+                tape, density=0.05, min_compress_size=min_compress_size, delay=d,
+                compression=hvd.Compression.dgc(value_bits=value_bits))
             opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
         identical = []
         for i in range(steps):
             train_step([tf.constant(g) for g in _fixed_grads(i, rank)])
-            identical.append(_identical(tf, hvd, variables, f"dgas.{d}.{i}"))
+            identical.append(_identical(tf, hvd, variables, f"dgas.{value_bits}.{d}.{i}"))
         runs[d] = {"variables": variables, "identical": identical, "in_flight": hvd.in_flight(),
                    "flushed": hvd.flush(opt) if d else None}
     stats = hvd.compression_stats()
@@ -214,8 +220,9 @@ def tape_delay_sparse_flush_equals_synchronous(steps=8, delay=2, lr=0.05):
             "identical_delayed_before_flush": runs[delay]["identical"],
             "in_flight_before_flush": runs[delay]["in_flight"],
             "flushed": runs[delay]["flushed"],
-            "identical_after_flush": _identical(tf, hvd, delayed, "dgas.flushed"),
-            "paths": [s["paths"] for s in (stats if isinstance(stats, list) else [stats])]}
+            "identical_after_flush": _identical(tf, hvd, delayed,
+                                                f"dgas.{value_bits}.flushed"),
+            "paths": [s["paths"] for s in (stats if isinstance(stats, list) else [stats])][-2:]}
 
 
 def delay_bad_inputs():
