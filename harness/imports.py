@@ -10,7 +10,8 @@ tools/code_shape.py prints the same counts.
 import ast
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness.hvdrun import REPO
+
 FRAMEWORKS = ("torch", "tensorflow")
 
 
