@@ -24,6 +24,7 @@ from hvd_dgc._guard import called_from_horovod_allreduce, sparse_under_allreduce
 from hvd_dgc.sampling import DGCSampling
 from hvd_dgc.tensorflow.powersgd import PowerSGDCompressor
 from hvd_dgc.tensorflow.quantize import BF16Compressor, QSGDCompressor, SignCompressor
+from hvd_dgc.tensorflow.positions import traced_once
 
 __all__ = ["Compression", "DGCCompressor", "TopKCompressor", "PowerSGDCompressor",
            "SignCompressor", "QSGDCompressor", "BF16Compressor", "is_sparse"]
@@ -152,6 +153,7 @@ class DGCCompressor(SparseCompressor, DGCSampling):
     def _options(self):
         return dict(SparseCompressor._options(self), **self.sampling_options())
 
+    @traced_once  # hundreds of tensors in every warm-up stage: positions.py
     def select(self, flat, k, seed):
         n = int(flat.shape[0])
         magnitude = tf.abs(flat)

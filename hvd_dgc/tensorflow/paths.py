@@ -44,7 +44,7 @@ from hvd_dgc.tensorflow.collective import Comm
 from hvd_dgc.tensorflow.compression import SparseCompressor
 from hvd_dgc.tensorflow.memory import local_gradient
 from hvd_dgc.tensorflow.positions import decode_records, decode_values, encode_records, \
-    encode_values
+    encode_values, traced_once
 from hvd_dgc.tensorflow.region import share_kept, to_owners
 
 __all__ = ["At", "Wire", "PathContext", "Sent", "Part", "Folded", "Correction",
@@ -562,6 +562,7 @@ class AllgatherPath(RecordsPath):
                          values.view(np.int32)], axis=1)
 
 
+@traced_once
 def folded_sum(rows, n, bits):
     """The sum of every rank's folded values (``rows``: each rank's bytes, or all of
     them one after the other), dense, flat."""
@@ -571,6 +572,7 @@ def folded_sum(rows, n, bits):
                          tf.reshape(values, [-1]), [n])
 
 
+@traced_once
 def _filled(indices, values, n, k):
     """A selection of at most k (``indices``, distinct, and their ``values``) as
     exactly k records in position order: the missing ones the first positions it did

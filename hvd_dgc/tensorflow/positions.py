@@ -12,9 +12,18 @@ import tensorflow as tf
 from hvd_dgc.packing import FP8_MAX, SCALE_BYTES, elias_fano_low_bits, index_bytes, index_code
 
 __all__ = ["encode_positions", "decode_positions", "decode_positions_many", "encode_records",
-           "decode_records", "encode_values", "decode_values"]
+           "decode_records", "encode_values", "decode_values", "traced_once"]
 
 FP8 = tf.dtypes.experimental.float8_e4m3fn
+
+
+def traced_once(function):
+    """``function`` (TF ops on tensors, plus Python numbers) as a ``tf.function``:
+    traced once for each shape and Python argument, then one call in the step's graph
+    however many tensors and warm-up stages share it. A step holds every stage's paths
+    of every tensor, so a model of a hundred tensors traced each one's selection and
+    code five times over (MobileNetV2's first step: minutes)."""
+    return tf.function(function, autograph=False)
 
 
 def _bytes_of(bits):
@@ -105,7 +114,9 @@ def encode_values(values, bits):
         return tf.reshape(tf.bitcast(half, tf.uint8), [-1]), tf.cast(half, tf.float32)
     finite = tf.math.is_finite(values)
     largest = tf.reduce_max(tf.concat([tf.where(finite, tf.abs(values), 0.0), [0.0]], 0))
-    scale = tf.where(largest > 0, largest / FP8_MAX, 1.0)
+    # a true division: in a graph, constant folding makes ``x / c`` a product by 1/c,
+    # one ulp off the reference's scale (DivNoNan it leaves alone)
+    scale = tf.where(largest > 0, tf.math.divide_no_nan(largest, FP8_MAX), 1.0)
     scaled = tf.where(finite, values / scale, float("nan"))
     rounded = tf.cast(tf.cast(scaled, FP8), tf.float32)
     codes = _fp8_codes(rounded)
@@ -125,6 +136,7 @@ def decode_values(blobs, k, bits):
     return tf.gather(_FP8_TABLE, tf.cast(blobs[:, :k], tf.int32)) * scales[:, None]
 
 
+@traced_once
 def encode_records(positions, values, n, k, bits):
     """k records as bytes: their ``positions`` (sorted, distinct, in 0..n-1) coded, then
     their ``values`` (``encode_values``): ``(bytes, each value as it arrives)``."""
@@ -132,6 +144,7 @@ def encode_records(positions, values, n, k, bits):
     return tf.concat([encode_positions(positions, n, k), coded], 0), arrived
 
 
+@traced_once
 def decode_records(blobs, n, k, bits):
     """Every row of ``blobs`` (each rank's bytes, one length) as ``encode_records``
     wrote k records first: ``(positions, values)``, ``(rows, k)`` each."""
