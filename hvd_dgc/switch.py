@@ -30,7 +30,7 @@ from hvd_dgc.paths import SUMS
 
 __all__ = ["Choice", "resolve_compression", "dense_requested", "idle_warning",
            "gather_idle_warning", "summary", "brief", "change_line", "percent",
-           "LINE_LIMIT", "CHANGE_LIMIT", "HINT"]
+           "long_trace_line", "LINE_LIMIT", "CHANGE_LIMIT", "HINT", "LONG_TRACE"]
 
 #: The most characters of the wrap-time line rank 0 prints by default (``brief``), and of
 #: the line it prints when the plan changes while training (``change_line``).
@@ -39,6 +39,10 @@ CHANGE_LIMIT = 120
 #: How to see the full plan, as the default line ends.
 HINT = "verbose=True for the plan"
 _LABELS = {"dgc": "DGC", "topk": "top-k", "randomk": "random-k"}
+#: Compressed paths (a tensor at a warm-up stage) from which a traced TensorFlow step
+#: says its first run will be long: each costs about a second on a CPU core to trace and
+#: to prepare (10 tensors compressed at 5 stages: 24 s of tracing, 25 s to the first run).
+LONG_TRACE = 100
 
 class Choice(NamedTuple):
     """A resolved ``compression=``: the compressor, whether values travel as fp16
@@ -223,6 +227,17 @@ def summary(kind, density, warmup, min_compress_size, dense_fp16, record_bits, d
     if measured:  # cost_model="measure": the link, DGC's own work, what runs dense
         what += f"; {measured}"
     return f"[hvd_dgc] {framework}: {what}. For dense averaging: density=1.0."
+
+
+def long_trace_line(tensors, paths, stages):
+    """The line rank 0 prints once where a TensorFlow step's graph holds ``paths``
+    compressed paths (``tensors`` tensors over ``stages`` density stages: every stage's
+    are traced into the one graph), or None below ``LONG_TRACE``."""
+    if paths < LONG_TRACE:
+        return None
+    return (f"[hvd_dgc] tensorflow: the step's graph holds {tensors} compressed tensors "
+            f"at each of {stages} density stages ({paths} paths): its first run may take "
+            f"minutes to trace and prepare, once.")
 
 
 def percent(density):

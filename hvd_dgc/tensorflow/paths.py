@@ -921,6 +921,14 @@ class ExchangePaths:
         self.by_kind = {cls.kind: cls(ctx) for cls in PATH_CLASSES}
         self.replan(planner)
 
+    def compressed(self):
+        """``(tensors, paths, stages)``: the tensors compressed at some stage, their
+        compressed paths over all stages (each a graph of its own in the step), and the
+        stages."""
+        marks = [[kind != PathKind.DENSE for kind in paths] for paths in self.stages]
+        return (sum(any(m) for m in marks), sum(map(sum, marks)),
+                max((len(m) for m in marks), default=0))
+
     def replan(self, planner):
         densities = planner.densities()
         self.stages = [planner.stage_paths(t) for t in planner.tensors]

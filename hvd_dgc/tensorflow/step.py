@@ -17,6 +17,8 @@ import tensorflow as tf
 import horovod.tensorflow as _hvd
 from horovod.tensorflow.mpi_ops import Max
 
+from hvd_dgc.say import say
+from hvd_dgc.switch import long_trace_line
 from hvd_dgc.tensorflow.guard import values
 from hvd_dgc.tensorflow.paths import At
 
@@ -52,6 +54,10 @@ class ExchangeStep:
         what it multiplies the update by, and the decoupled decays before it), where
         delayed averaging takes own steps back; None with a tape, whose optimizer is
         the script's."""
+        if tf.inside_function():  # every stage's paths traced now: said if long
+            line = long_trace_line(*self.paths.compressed())
+            if line:
+                say(line, key="hvd_dgc.long_trace")
         checked = tf.group() if self.traced_once else self._check_world()
         if self.elastic:
             with tf.control_dependencies([checked]):

@@ -116,6 +116,18 @@ def test_a_plain_adamw_user_hears_nothing_of_a_compressor_they_did_not_choose():
     assert "sign does nothing" in PlanWords(chosen).idle_warning()
 
 
+def test_a_long_trace_is_said_with_its_numbers_and_a_short_one_is_not():
+    """A TensorFlow step's graph holds every stage's paths: from LONG_TRACE compressed
+    paths on, rank 0 is told its first run may take minutes (in one short line)."""
+    from hvd_dgc.switch import LONG_TRACE, long_trace_line
+    assert long_trace_line(2, 10, 5) is None
+    assert long_trace_line(20, LONG_TRACE - 1, 5) is None
+    line = long_trace_line(51, 255, 5)
+    assert line.startswith("[hvd_dgc] tensorflow: ") and len(line) <= LINE_LIMIT, line
+    assert "51 compressed tensors" in line and "5 density stages" in line, line
+    assert "(255 paths)" in line and "minutes" in line, line
+
+
 def test_wording_helpers():
     assert [percent(d) for d in (0.25, 0.0625, 0.015625, 0.004, 0.001, 1.0)] == \
         ["25%", "6.25%", "1.56%", "0.4%", "0.1%", "100%"]

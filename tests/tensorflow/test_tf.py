@@ -285,6 +285,9 @@ def test_tape_dgc_inside_tf_function_keeps_ranks_identical(tape):
         assert stats["paths"] == {"sparse": 16, "dense": 32}
         assert stats["current_density"] == 0.01 and stats["step"] == 8
         assert stats["compression_ratio"] > 8
+        # what the step's graph holds, as a long trace is judged (switch.long_trace_line):
+        # 2 tensors compressed at the one stage
+        assert out["compressed"] == (2, 2, 1), out["compressed"]
         # why the bytes went (hvd_dgc/stats.py): the records' positions coded (26 among
         # 2,560 in 28 bytes, 164 among 16,384 in 176), their values in 8 bits and a
         # scale a tensor, and the small tensors, dense (folded into the allgathers, their
