@@ -39,7 +39,7 @@ CHANGE_LIMIT = 120
 #: How to see the full plan, as the default line ends.
 HINT = "verbose=True for the plan"
 _LABELS = {"dgc": "DGC", "topk": "top-k", "randomk": "random-k"}
-#: Compressed paths (a tensor at a warm-up stage) from which a traced TensorFlow step
+#: Compressed paths (a tensor at a density stage) from which a traced TensorFlow step
 #: says its first run will be long: each costs about a second on a CPU core to trace and
 #: to prepare (10 tensors compressed at 5 stages: 24 s of tracing, 25 s to the first run).
 LONG_TRACE = 100

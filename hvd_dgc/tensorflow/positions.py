@@ -20,9 +20,9 @@ FP8 = tf.dtypes.experimental.float8_e4m3fn
 def traced_once(function):
     """``function`` (TF ops on tensors, plus Python numbers) as a ``tf.function``:
     traced once for each shape and Python argument, then one call in the step's graph
-    however many tensors and warm-up stages share it. A step holds every stage's paths
-    of every tensor, so a model of a hundred tensors traced each one's selection and
-    code five times over (MobileNetV2's first step: minutes)."""
+    however many tensors and density stages share it. A step's graph holds every
+    stage's paths of every tensor, and a step that makes variables is traced twice:
+    inline, each tensor's selection and code would be traced at every stage, each time."""
     return tf.function(function, autograph=False)
 
 
